@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine; every step is idempotent.
+#   ./dev.sh demo [args]   set up, then run `ncclkv demo`
+#   ./dev.sh test [args]   set up, then run every test (pytest args pass through)
+#   ./dev.sh setup         set up only
+#   ./dev.sh bench [args]  set up, then run `ncclkv bench`
+# Set-up: create .venv, install torch (the CPU build when no GPU is visible),
+# then the package with its extras, and only what changed since the last run.
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$(pwd)
+VENV="${NCCLKV_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+EXTRAS="test,mpi,bench"
+
+log() { printf '[dev.sh] %s\n' "$*" >&2; }
+
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+setup() {
+    if [ ! -x "$PY" ]; then
+        log "creating $VENV"
+        python3 -m venv "$VENV"
+    fi
+    if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+        # NCCLKV_TORCH_SPEC / NCCLKV_TORCH_INDEX let a site choose its torch
+        # build; the default here is the CPU build of 2.13.0 without a GPU.
+        local spec="${NCCLKV_TORCH_SPEC:-}"
+        if [ -z "$spec" ]; then
+            if has_gpu; then spec="torch"; else spec="torch==2.13.0"; fi
+        fi
+        log "installing $spec"
+        if [ -n "${NCCLKV_TORCH_INDEX:-}" ]; then
+            "$PY" -m pip install -q --index-url "$NCCLKV_TORCH_INDEX" "$spec"
+        else
+            "$PY" -m pip install -q "$spec"
+        fi
+    fi
+    local stamp="$VENV/.ncclkv-installed"
+    local want
+    want="$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16) $EXTRAS"
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+        log "installing ncclkv[$EXTRAS] (editable)"
+        "$PY" -m pip install -q -e ".[$EXTRAS]"
+        echo "$want" > "$stamp"
+    fi
+}
+
+cmd="${1:-}"
+[ $# -gt 0 ] && shift
+case "$cmd" in
+    setup) setup ;;
+    demo) setup; exec "$VENV/bin/ncclkv" demo "$@" ;;
+    bench) setup; exec "$VENV/bin/ncclkv" bench "$@" ;;
+    test)
+        setup
+        export PATH="$VENV/bin:$PATH"
+        exec "$PY" -m pytest "$@"
+        ;;
+    *)
+        echo "usage: ./dev.sh {demo|test|setup|bench} [args...]" >&2
+        exit 2
+        ;;
+esac
