@@ -1,0 +1,109 @@
+"""``ncclkv plan``: print the transfer plan between two parallel layouts.
+
+Example::
+
+    ncclkv plan --src tp=4,pp=1 --dst tp=2,pp=2 --layers 32 --kv-heads 8
+    ncclkv plan --src tp=8 --dst tp=4 --layers 61 --mla --head-size 576 --json
+    ncclkv plan --src tp=2,pp=2,partition=10:22 --dst tp=1 --layers 32 --kv-heads 8 --tokens 0:100,200:300
+
+With ``--mla`` the cache holds one latent per token, so ``--kv-heads`` defaults
+to 1 and any other value is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, SpanSet, TransferPlan, plan
+
+__all__ = ["add_parser", "parse_layout", "parse_tokens", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="print which rank sends which KV box between two TP/PP layouts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--src", required=True, metavar="SPEC", help="prefill layout, e.g. tp=4,pp=1[,partition=16:16]")
+    parser.add_argument("--dst", required=True, metavar="SPEC", help="decode layout, same form as --src")
+    parser.add_argument("--layers", required=True, type=int, help="number of attention layers")
+    parser.add_argument("--kv-heads", type=int, default=None, help="number of kv heads (default 1 with --mla, else required)")
+    parser.add_argument("--head-size", type=int, default=128, help="elements per head, or per MLA latent (default 128)")
+    parser.add_argument("--dtype", default="bfloat16", help=f"cache dtype, one of {', '.join(sorted(DTYPE_SIZES))} (default bfloat16)")
+    parser.add_argument("--tokens", default="4096", help="a token count N (tokens 0..N-1) or spans a:b,c:d (default 4096)")
+    parser.add_argument("--mla", action="store_true", help="MLA cache: one latent per token, replicated on every TP rank")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    parser.set_defaults(run=run)
+
+
+def parse_layout(text: str) -> ParallelLayout:
+    """``tp=4,pp=2[,partition=16:16]`` (missing keys default to 1 / vLLM's split)."""
+    values: dict[str, str] = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or key not in ("tp", "pp", "partition") or key in values or not value:
+            raise ValueError(f"bad layout {text!r}: expected tp=N,pp=N[,partition=a:b:...], got {item!r}")
+        values[key] = value
+    try:
+        tp_size = int(values.get("tp", "1"))
+        pp_size = int(values.get("pp", "1"))
+        partition = tuple(int(n) for n in values["partition"].split(":")) if "partition" in values else None
+    except ValueError:
+        raise ValueError(f"bad layout {text!r}: tp, pp and partition must be integers") from None
+    return ParallelLayout(tp_size, pp_size, partition)
+
+
+def parse_tokens(text: str) -> SpanSet:
+    """``N`` (tokens ``[0, N)``) or comma-separated half-open spans ``a:b,c:d``."""
+    try:
+        if ":" not in text:
+            count = int(text)
+            if count < 0:
+                raise ValueError
+            return SpanSet.range(0, count)
+        spans = []
+        for item in text.split(","):
+            start, stop = item.split(":")
+            spans.append((int(start), int(stop)))
+        return SpanSet(spans)
+    except (ValueError, TypeError):
+        raise ValueError(f"bad --tokens {text!r}: expected a count N >= 0 or spans a:b,c:d with 0 <= a <= b") from None
+
+
+def _geometry(args: argparse.Namespace) -> KVGeometry:
+    kv_heads = args.kv_heads
+    if args.mla:
+        if kv_heads not in (None, 1):
+            raise ValueError(f"--mla holds one latent per token: --kv-heads must be 1 or omitted, got {kv_heads}")
+        kv_heads = 1
+    elif kv_heads is None:
+        raise ValueError("--kv-heads is required unless --mla is given")
+    return KVGeometry(args.layers, kv_heads, args.head_size, args.dtype, args.mla)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes:>14,d} B ({nbytes / 2**20:,.1f} MiB)"
+
+
+def _report(result: TransferPlan) -> str:
+    lines = [result.grid(), "", "routes:"]
+    for route in result.routes:
+        lines.append(
+            f"  src {route.src:>2} -> dst {route.dst:>2}  layers {route.layers!r:<9} heads {route.heads!r:<8} "
+            f"tokens {route.tokens!r:<14} {_mib(route.nbytes(result.geometry))}"
+        )
+    lines += ["", "bytes per rank:"]
+    lines += [f"  src {rank:>2} sends    {_mib(n)}" for rank, n in result.send_bytes().items()]
+    lines += [f"  dst {rank:>2} receives {_mib(n)}" for rank, n in result.recv_bytes().items()]
+    lines.append(f"  total          {_mib(sum(result.send_bytes().values()))}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = plan(parse_layout(args.src), parse_layout(args.dst), _geometry(args), parse_tokens(args.tokens))
+    result.validate()
+    print(json.dumps(result.to_json()) if args.json else _report(result))
+    return 0

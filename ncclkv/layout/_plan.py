@@ -1,0 +1,306 @@
+"""Transfer plans: which source rank sends which KV box to which destination rank.
+
+A plan is a value. :func:`plan` builds one from two layouts, a geometry and a
+token set; :meth:`TransferPlan.validate` checks it, by counting coverage of
+boxes and independently of how the planner chose its routes, before anything
+is sent.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ._geometry import KVGeometry, ParallelLayout, pp_layer_spans
+from ._roi import Roi
+from ._shard import head_blocks, shard_roi, token_set
+from ._span import Span, SpanSet
+
+__all__ = ["PlanError", "Route", "TransferPlan", "plan"]
+
+
+class PlanError(ValueError):
+    """A transfer plan that misses, doubles or misplaces a KV cell; the message names the first such cell."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Route:
+    """Source rank ``src`` sends destination rank ``dst`` the box ``tokens x layers x heads``.
+
+    Ranks are global ranks of their own side; spans are half-open, non-empty
+    and in model coordinates (global layer and kv-head indices).
+    """
+
+    src: int
+    dst: int
+    layers: Span
+    heads: Span
+    tokens: Span
+
+    def __post_init__(self) -> None:
+        for name in ("src", "dst"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Route.{name} must be a rank >= 0, got {value!r}")
+        for name in ("layers", "heads", "tokens"):
+            span = getattr(self, name)
+            if not isinstance(span, Span) or span.empty:
+                raise ValueError(f"Route.{name} must be a non-empty Span, got {span!r}")
+
+    @property
+    def roi(self) -> Roi:
+        return Roi(SpanSet([self.tokens]), self.layers, self.heads)
+
+    @property
+    def num_cells(self) -> int:
+        return len(self.tokens) * len(self.layers) * len(self.heads)
+
+    def nbytes(self, geometry: KVGeometry) -> int:
+        return self.num_cells * geometry.cell_bytes
+
+    def to_json(self) -> dict[str, int | list[int]]:
+        return {
+            "src": self.src,
+            "dst": self.dst,
+            "layers": self.layers.as_list(),
+            "heads": self.heads.as_list(),
+            "tokens": self.tokens.as_list(),
+        }
+
+    def __repr__(self) -> str:
+        return f"Route(src {self.src} -> dst {self.dst}: layers {self.layers!r} heads {self.heads!r} tokens {self.tokens!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """Routes from every rank of ``src_layout`` to every rank of ``dst_layout``.
+
+    ``routes`` are sorted by (src, dst, layers, heads, tokens), so the routes
+    of one (src, dst) link come in the same order from :meth:`routes_from` on
+    the sending side and :meth:`routes_to` on the receiving side (point-to-point
+    sends have no tags: order is what matches them).
+    """
+
+    src_layout: ParallelLayout
+    dst_layout: ParallelLayout
+    geometry: KVGeometry
+    tokens: SpanSet
+    routes: tuple[Route, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", token_set(self.tokens))
+        object.__setattr__(self, "routes", tuple(self.routes))
+        for route in self.routes:
+            if not isinstance(route, Route):
+                raise TypeError(f"TransferPlan.routes must hold Route values, got {type(route).__name__}")
+
+    def routes_from(self, src: int) -> tuple[Route, ...]:
+        return tuple(r for r in self.routes if r.src == src)
+
+    def routes_to(self, dst: int) -> tuple[Route, ...]:
+        return tuple(r for r in self.routes if r.dst == dst)
+
+    def send_bytes(self) -> dict[int, int]:
+        """Bytes each source rank sends (every rank present, 0 if it sends nothing)."""
+        out = dict.fromkeys(range(self.src_layout.world_size), 0)
+        for route in self.routes:
+            out[route.src] = out.get(route.src, 0) + route.nbytes(self.geometry)
+        return out
+
+    def recv_bytes(self) -> dict[int, int]:
+        """Bytes each destination rank receives (every rank present, 0 if none)."""
+        out = dict.fromkeys(range(self.dst_layout.world_size), 0)
+        for route in self.routes:
+            out[route.dst] = out.get(route.dst, 0) + route.nbytes(self.geometry)
+        return out
+
+    def to_json(self) -> dict[str, object]:
+        """``{"routes": [...], "send_bytes": {rank: int}, "recv_bytes": {rank: int}}``, half-open ranges."""
+        return {
+            "routes": [route.to_json() for route in self.routes],
+            "send_bytes": self.send_bytes(),
+            "recv_bytes": self.recv_bytes(),
+        }
+
+    def grid(self) -> str:
+        """A table: one row per dst rank, one column per src rank, each cell the boxes sent."""
+        src, dst, geo = self.src_layout, self.dst_layout, self.geometry
+        boxes: dict[tuple[int, int], list[str]] = defaultdict(list)
+        for route in self.routes:
+            text = f"L{route.layers.start}:{route.layers.stop} H{route.heads.start}:{route.heads.stop}"
+            if text not in boxes[route.dst, route.src]:
+                boxes[route.dst, route.src].append(text)
+        header = ["dst\\src"] + [_rank_label("s", src, r) for r in range(src.world_size)]
+        rows = [header]
+        for d in range(dst.world_size):
+            cells = [", ".join(boxes.get((d, s), [])) or "." for s in range(src.world_size)]
+            rows.append([_rank_label("d", dst, d)] + cells)
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        kind = "MLA latent" if geo.use_mla else f"{geo.num_kv_heads} kv-heads"
+        lines = [
+            f"plan {src.spec()} -> {dst.spec()}: {geo.num_layers} layers x {kind}, "
+            f"tokens {self.tokens!r} ({len(self.tokens)} tokens in {_count(len(self.tokens.spans), 'span')}), "
+            f"{_count(len(self.routes), 'route')}; cells: layers L start:stop, heads H start:stop (half-open)"
+        ]
+        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        return "\n".join(lines)
+
+    def validate(self) -> None:
+        """Raise :class:`PlanError` naming the first cell missing, doubled or outside a shard.
+
+        Independent of the planner: each route must lie inside its source's
+        shard and its destination's need (the destination shard restricted to
+        ``tokens``); then each destination's need is cut into elementary boxes
+        at every route boundary and each box must be delivered exactly once.
+        """
+        src, dst, geo = self.src_layout, self.dst_layout, self.geometry
+        by_dst: dict[int, list[Route]] = defaultdict(list)
+        for route in self.routes:
+            for side, rank, layout in (("src", route.src, src), ("dst", route.dst, dst)):
+                if rank >= layout.world_size:
+                    raise PlanError(
+                        f"dst rank {route.dst} layer {route.layers.start} head {route.heads.start} token {route.tokens.start}: "
+                        f"{side} rank {rank} outside {layout.spec()} ({layout.world_size} ranks; {route!r})"
+                    )
+            have = shard_roi(src, geo, route.src, self.tokens)
+            need = shard_roi(dst, geo, route.dst, self.tokens)
+            for shard, what in ((have, f"outside src rank {route.src}'s shard"), (need, f"outside dst rank {route.dst}'s need")):
+                if not shard.covers(route.roi):
+                    layer, head, token = _first_outside(route.roi, shard)
+                    raise PlanError(
+                        f"dst rank {route.dst} layer {layer} head {head} token {token}: {what} "
+                        f"(shard layers {shard.layers!r} heads {shard.heads!r} tokens {shard.tokens!r}; {route!r})"
+                    )
+            by_dst[route.dst].append(route)
+        for rank in range(dst.world_size):
+            _check_cover(rank, shard_roi(dst, geo, rank, self.tokens), by_dst.get(rank, []))
+
+
+class _Piece(NamedTuple):
+    src: int
+    dst: int
+    layers: Span
+    heads: Span
+
+
+def plan(src_layout: ParallelLayout, dst_layout: ParallelLayout, geometry: KVGeometry, tokens: SpanSet | int) -> TransferPlan:
+    """Route every cell each destination rank holds, restricted to ``tokens``, from exactly one source rank.
+
+    Assignment unit: the cells one destination rank needs from one source
+    pipeline stage and one source *head block* (a set of heads that the same
+    source TP ranks hold: one TP rank's ``h/tp`` heads when heads are split, one
+    head when heads are replicated, the MLA latent), over all ``tokens``. Each
+    unit goes, whole, to one holder of its block. When a block has several
+    holders (replicated GQA heads, MLA) units are dealt largest first to the
+    least-loaded holder (ties: lowest rank), so within each holder set the
+    cells (and bytes) sent differ by at most the largest unit of that set. A
+    source rank belongs to exactly one holder set (its stage and its heads).
+    Same inputs give the same plan. Routes are split per token span.
+    """
+    src_layout.check(geometry)
+    dst_layout.check(geometry)
+    tokens = token_set(tokens)
+    stages = pp_layer_spans(geometry.num_layers, src_layout.pp_size, src_layout.layer_partition)
+    blocks = head_blocks(geometry, src_layout.tp_size)
+    units: list[tuple[int, int, int, int, Span, Span]] = []  # (-cells, dst, pp_rank, block, layers, heads)
+    for d in range(dst_layout.world_size):
+        need = shard_roi(dst_layout, geometry, d, tokens)
+        for pp_rank, stage in enumerate(stages):
+            layers = stage.intersect(need.layers)
+            for index, (block, _) in enumerate(blocks):
+                heads = block.intersect(need.heads)
+                if not (layers.empty or heads.empty or tokens.empty):
+                    units.append((-len(layers) * len(heads) * len(tokens), d, pp_rank, index, layers, heads))
+    loads: dict[int, int] = defaultdict(int)
+    pieces: list[_Piece] = []
+    for neg_cells, d, pp_rank, index, layers, heads in sorted(units, key=lambda u: u[:4]):
+        holders = [src_layout.rank(tp_rank, pp_rank) for tp_rank in blocks[index][1]]
+        s = min(holders, key=lambda r: (loads[r], r))
+        loads[s] -= neg_cells
+        pieces.append(_Piece(s, d, layers, heads))
+    routes = sorted(Route(p.src, p.dst, p.layers, p.heads, span) for p in _merge(pieces) for span in tokens)
+    return TransferPlan(src_layout, dst_layout, geometry, tokens, tuple(routes))
+
+
+def _merge(pieces: Iterable[_Piece]) -> list[_Piece]:
+    """Merge boxes of one (src, dst) link that touch along heads or layers, until none do."""
+    current = sorted(set(pieces))
+    while True:
+        merged = _merge_axis(_merge_axis(current, "heads"), "layers")
+        if merged == current:
+            return merged
+        current = merged
+
+
+def _merge_axis(pieces: list[_Piece], axis: str) -> list[_Piece]:
+    other = "layers" if axis == "heads" else "heads"
+    out: list[_Piece] = []
+    key = lambda p: (p.src, p.dst, getattr(p, other), getattr(p, axis))  # noqa: E731
+    for piece in sorted(pieces, key=key):
+        if out and key(out[-1])[:3] == key(piece)[:3] and getattr(out[-1], axis).stop == getattr(piece, axis).start:
+            joined = Span(getattr(out[-1], axis).start, getattr(piece, axis).stop)
+            out[-1] = out[-1]._replace(**{axis: joined})
+        else:
+            out.append(piece)
+    return sorted(out)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _rank_label(prefix: str, layout: ParallelLayout, rank: int) -> str:
+    tp_rank, pp_rank = layout.coords(rank)
+    return f"{prefix}{rank}(tp{tp_rank},pp{pp_rank})"
+
+
+def _first_outside(box: Roi, shard: Roi) -> tuple[int, int, int]:
+    """The first (layer, head, token) of ``box`` not in ``shard``; ``box`` must not be covered."""
+    tokens_out = box.tokens.difference(shard.tokens)
+    for layer in box.layers:
+        for head in box.heads:
+            if layer not in shard.layers or head not in shard.heads:
+                return layer, head, box.tokens.spans[0].start
+            if not tokens_out.empty:
+                return layer, head, tokens_out.spans[0].start
+    raise AssertionError(f"{box!r} lies inside {shard!r}")
+
+
+def _cuts(spans: Iterable[Span]) -> list[int]:
+    return sorted({bound for span in spans for bound in (span.start, span.stop)})
+
+
+def _check_cover(dst: int, need: Roi, routes: list[Route]) -> None:
+    """Every cell of ``need`` delivered exactly once by ``routes`` (all inside ``need``)."""
+    if need.empty:
+        return
+    layer_cuts = _cuts([need.layers, *(r.layers for r in routes)])
+    head_cuts = _cuts([need.heads, *(r.heads for r in routes)])
+    token_cuts = _cuts([*need.tokens, *(r.tokens for r in routes)])
+    senders: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+    for route in routes:
+        for li in range(bisect_left(layer_cuts, route.layers.start), bisect_left(layer_cuts, route.layers.stop)):
+            for hi in range(bisect_left(head_cuts, route.heads.start), bisect_left(head_cuts, route.heads.stop)):
+                for ti in range(bisect_left(token_cuts, route.tokens.start), bisect_left(token_cuts, route.tokens.stop)):
+                    senders[li, hi, ti].append(route.src)
+    # Elementary boxes in (layer, head, token) order: the first bad box's corner is the first bad cell.
+    for li, layer in enumerate(layer_cuts[:-1]):
+        if layer not in need.layers:
+            continue
+        for hi, head in enumerate(head_cuts[:-1]):
+            if head not in need.heads:
+                continue
+            for ti, token in enumerate(token_cuts[:-1]):
+                if token not in need.tokens:
+                    continue
+                srcs = senders.get((li, hi, ti), [])
+                if len(srcs) != 1:
+                    where = f"dst rank {dst} layer {layer} head {head} token {token}"
+                    if not srcs:
+                        raise PlanError(f"{where}: missing (no route delivers it)")
+                    times = "twice" if len(srcs) == 2 else f"{len(srcs)} times"
+                    names = [f"src {s}" for s in sorted(srcs)]
+                    raise PlanError(f"{where}: delivered {times} (by {', '.join(names[:-1])} and {names[-1]})")

@@ -1,0 +1,7 @@
+"""Shared pytest set-up: every test has a timeout (setup.cfg), and hypothesis
+runs without a deadline since two busy cores make per-example timing noisy."""
+
+from hypothesis import settings
+
+settings.register_profile("ncclkv", deadline=None, print_blob=True)
+settings.load_profile("ncclkv")

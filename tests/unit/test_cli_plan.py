@@ -1,0 +1,115 @@
+"""``ncclkv plan``: through cli.main and once through the console entry in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ncclkv.cli import main
+from ncclkv.commands.plan import parse_layout, parse_tokens
+from ncclkv.layout import KVGeometry, ParallelLayout, SpanSet, plan
+
+REPO = Path(__file__).resolve().parents[2]
+SRC, DST = "tp=4,pp=1", "tp=2,pp=2"
+
+
+def argv(src: str = SRC, dst: str = DST, layers: str = "32", kv_heads: str = "8", *extra: str) -> list[str]:
+    return ["plan", "--src", src, "--dst", dst, "--layers", layers, "--kv-heads", kv_heads, *extra]
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], args: list[str]) -> tuple[int, str, str]:
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def stringify(data: dict[str, object]) -> dict[str, object]:
+    return json.loads(json.dumps(data))
+
+
+def test_text_output_has_grid_routes_and_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, argv())
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].startswith("plan tp=4,pp=1 -> tp=2,pp=2: 32 layers x 8 kv-heads")
+    assert lines[2].split() == ["d0(tp0,pp0)", "L0:16", "H0:2", "L0:16", "H2:4", ".", "."]
+    route_lines = [line for line in lines if line.lstrip().startswith("src") and "->" in line]
+    assert len(route_lines) == 8
+    assert route_lines[0].split()[:10] == ["src", "0", "->", "dst", "0", "layers", "[0,16)", "heads", "[0,2)", "tokens"]
+    per_rank = 16 * 2 * 4096 * 2 * 128 * 2 * 2  # 2 routes per src: 16 layers x 2 heads x 4096 tokens, K+V, bf16
+    assert f"src  0 sends    {per_rank:>14,d} B" in out
+    assert f"dst  3 receives {per_rank:>14,d} B" in out
+
+
+def test_json_output_is_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, argv(SRC, DST, "32", "8", "--json", "--tokens", "0:100,200:300", "--dtype", "float16", "--head-size", "64"))
+    assert code == 0
+    expected = plan(ParallelLayout(4, 1), ParallelLayout(2, 2), KVGeometry(32, 8, 64, "float16"), SpanSet([(0, 100), (200, 300)]))
+    data = json.loads(out)  # exactly one JSON object, nothing else on stdout
+    assert data == stringify(expected.to_json())
+    assert len(data["routes"]) == 16 and data["routes"][1]["tokens"] == [200, 300]
+
+
+def test_mla_defaults_to_one_latent(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, ["plan", "--src", SRC, "--dst", DST, "--layers", "32", "--mla", "--json", "--tokens", "10"])
+    assert code == 0
+    data = json.loads(out)
+    assert all(r["heads"] == [0, 1] for r in data["routes"])
+    assert sorted((r["src"], r["dst"]) for r in data["routes"]) == [(0, 0), (1, 1), (2, 2), (3, 3)]
+
+
+def test_partition_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv("tp=1,pp=2,partition=10:22", "tp=1", "32", "2", "--json")) == 0
+    assert [r["layers"] for r in json.loads(capsys.readouterr().out)["routes"]] == [[0, 10], [10, 32]]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (argv("tp=four"), "tp=four"),
+        (argv("tp=2,dp=2"), "dp=2"),
+        (argv("tp=2", "tp=2,pp=2,partition=1:x"), "partition=1:x"),
+        (argv("tp=2", "tp=2,pp=2,partition=10:10"), "sums to 20, num_layers is 32"),
+        (argv("tp=0"), "tp_size must be a positive int, got 0"),
+        (argv(SRC, DST, "32", "8", "--tokens", "0:x"), "'0:x'"),
+        (argv(SRC, DST, "32", "8", "--tokens", "5:3"), "'5:3'"),
+        (argv(SRC, DST, "32", "8", "--tokens", "-4"), "'-4'"),
+        (argv(kv_heads="6"), "num_kv_heads=6 is neither divisible by nor a divisor of tp_size=4"),
+        (argv(layers="1"), "pp_size=2 is more pipeline stages than num_layers=1"),
+        (argv(SRC, DST, "32", "8", "--mla"), "--kv-heads must be 1 or omitted, got 8"),
+        (argv(SRC, DST, "32", "8", "--dtype", "int4"), "'int4'"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_text(capsys: pytest.CaptureFixture[str], args: list[str], needle: str) -> None:
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("ncclkv plan: error:") and needle in err
+
+
+def test_kv_heads_required_without_mla(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--src", SRC, "--dst", DST, "--layers", "32"]) == 2
+    assert "--kv-heads is required unless --mla" in capsys.readouterr().err
+
+
+def test_parsers() -> None:
+    assert parse_layout("tp=4") == ParallelLayout(4, 1)
+    assert parse_layout("pp=2, tp=2") == ParallelLayout(2, 2)
+    assert parse_layout("tp=2,pp=3,partition=1:2:3") == ParallelLayout(2, 3, (1, 2, 3))
+    assert parse_layout(ParallelLayout(2, 3, (1, 2, 3)).spec()) == ParallelLayout(2, 3, (1, 2, 3))
+    with pytest.raises(ValueError, match="'tp=2,tp=4'"):
+        parse_layout("tp=2,tp=4")
+    assert parse_tokens("4096") == SpanSet.range(0, 4096)
+    assert parse_tokens("0") == SpanSet()
+    assert parse_tokens("200:300,0:100") == SpanSet([(0, 100), (200, 300)])
+
+
+def test_console_entry_in_a_subprocess() -> None:
+    command = [sys.executable, "-m", "ncclkv.cli", *argv(SRC, DST, "32", "8", "--tokens", "128", "--json")]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    expected = plan(ParallelLayout(4, 1), ParallelLayout(2, 2), KVGeometry(32, 8, 128), 128)
+    assert json.loads(done.stdout) == stringify(expected.to_json())

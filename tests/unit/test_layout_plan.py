@@ -1,0 +1,319 @@
+"""Transfer plans: exact cover, shard containment, load balance, merging, validate()."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ncclkv.layout import KVGeometry, ParallelLayout, PlanError, Route, Span, SpanSet, TransferPlan, plan, shard_roi
+from ncclkv.layout._plan import _merge, _Piece
+
+# ---------------------------------------------------------------- strategies
+
+
+@st.composite
+def layouts(draw: st.DrawFn, num_layers: int) -> ParallelLayout:
+    tp, pp = draw(st.integers(1, 8)), draw(st.integers(1, min(8, num_layers)))
+    if pp > 1 and draw(st.integers(0, 3)) == 0:  # sometimes an explicit VLLM_PP_LAYER_PARTITION
+        cuts = sorted(draw(st.sets(st.integers(1, num_layers - 1), min_size=pp - 1, max_size=pp - 1)))
+        bounds = [0, *cuts, num_layers]
+        return ParallelLayout(tp, pp, tuple(b - a for a, b in zip(bounds, bounds[1:])))
+    return ParallelLayout(tp, pp)
+
+
+token_sets = st.lists(st.tuples(st.integers(0, 3000), st.integers(1, 400)), max_size=5).map(
+    lambda spans: SpanSet([(start, start + size) for start, size in spans])
+)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[ParallelLayout, ParallelLayout, KVGeometry, SpanSet]:
+    num_layers = draw(st.integers(1, 80))
+    src, dst = draw(layouts(num_layers)), draw(layouts(num_layers))
+    mla = draw(st.booleans())
+    fits = [h for h in range(1, 65) if all(h % t == 0 or t % h == 0 for t in (src.tp_size, dst.tp_size))]
+    heads = 1 if mla else draw(st.sampled_from(fits))
+    dtype = draw(st.sampled_from(["bfloat16", "float32", "float8_e4m3fn"]))
+    return src, dst, KVGeometry(num_layers, heads, 64, dtype, mla), draw(token_sets)
+
+
+# ---------------------------------------------------------------- independent oracles
+
+
+def assert_exact_cover(result: TransferPlan) -> None:
+    """Checked differently from validate(): containment, pairwise disjointness, then cell counts."""
+    src, dst, geometry, tokens = result.src_layout, result.dst_layout, result.geometry, result.tokens
+    by_dst: dict[int, list[Route]] = defaultdict(list)
+    for route in result.routes:
+        assert shard_roi(src, geometry, route.src, tokens).covers(route.roi), route
+        assert shard_roi(dst, geometry, route.dst, tokens).covers(route.roi), route
+        by_dst[route.dst].append(route)
+    for rank in range(dst.world_size):
+        routes = by_dst[rank]
+        for i, a in enumerate(routes):
+            for b in routes[i + 1 :]:
+                assert a.roi.intersect(b.roi).empty, (a, b)
+        need = shard_roi(dst, geometry, rank, tokens)
+        assert sum(r.num_cells for r in routes) == need.num_cells
+        assert result.recv_bytes()[rank] == need.nbytes(geometry)
+
+
+def assert_balanced(result: TransferPlan) -> None:
+    """Holders of the same heads in the same stage send within one assignment unit of each other.
+
+    Unit: the cells one dst rank needs from one src stage and one src head block.
+    """
+    src, dst, geometry, tokens = result.src_layout, result.dst_layout, result.geometry, result.tokens
+    sent: dict[int, int] = defaultdict(int)
+    for route in result.routes:
+        sent[route.src] += route.num_cells
+    holder_sets: dict[tuple[Span, Span], list[int]] = defaultdict(list)
+    for rank in range(src.world_size):
+        roi = shard_roi(src, geometry, rank, tokens)
+        holder_sets[roi.layers, roi.heads].append(rank)
+    for (layers, heads), ranks in holder_sets.items():
+        unit = max(
+            len(layers.intersect(need.layers)) * len(heads.intersect(need.heads)) * len(tokens)
+            for need in (shard_roi(dst, geometry, d, tokens) for d in range(dst.world_size))
+        )
+        loads = [sent[r] for r in ranks]
+        assert max(loads) - min(loads) <= unit, (layers, heads, dict(zip(ranks, loads)), unit)
+
+
+def assert_merged(result: TransferPlan) -> None:
+    """No two routes of one link with the same tokens touch along layers or heads."""
+    for i, a in enumerate(result.routes):
+        for b in result.routes[i + 1 :]:
+            if (a.src, a.dst, a.tokens) != (b.src, b.dst, b.tokens):
+                continue
+            assert not (a.layers == b.layers and (a.heads.stop == b.heads.start or b.heads.stop == a.heads.start)), (a, b)
+            assert not (a.heads == b.heads and (a.layers.stop == b.layers.start or b.layers.stop == a.layers.start)), (a, b)
+
+
+# ---------------------------------------------------------------- properties
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=cases())
+def test_plan_properties(case: tuple[ParallelLayout, ParallelLayout, KVGeometry, SpanSet]) -> None:
+    src, dst, geometry, tokens = case
+    result = plan(src, dst, geometry, tokens)
+    result.validate()
+    assert_exact_cover(result)
+    assert_balanced(result)
+    assert_merged(result)
+    assert list(result.routes) == sorted(result.routes)
+    assert {r.tokens for r in result.routes} <= set(tokens.spans)
+    assert plan(src, dst, geometry, tokens) == result  # deterministic
+    send, recv = result.send_bytes(), result.recv_bytes()
+    assert sorted(send) == list(range(src.world_size)) and sorted(recv) == list(range(dst.world_size))
+    assert sum(send.values()) == sum(recv.values())
+    assert sorted(sum((result.routes_from(s) for s in send), ())) == list(result.routes)
+    assert sorted(sum((result.routes_to(d) for d in recv), ())) == list(result.routes)
+
+
+@st.composite
+def broken_plans(draw: st.DrawFn) -> TransferPlan:
+    src, dst, geometry, tokens = draw(cases())
+    result = plan(src, dst, geometry, tokens)
+    routes = list(result.routes)
+    if not routes:
+        extra = Route(0, 0, Span(0, 1), Span(0, 1), Span(5000, 5001))  # tokens outside the request
+        return dataclasses.replace(result, routes=(extra,))
+    index = draw(st.integers(0, len(routes) - 1))
+    victim = routes[index]
+    kind = draw(st.sampled_from(["drop", "double", "shrink", "grow", "move"]))
+    if kind == "drop":
+        del routes[index]
+    elif kind == "double":
+        routes.append(victim)
+    elif kind == "shrink" and len(victim.tokens) > 1:
+        routes[index] = dataclasses.replace(victim, tokens=Span(victim.tokens.start + 1, victim.tokens.stop))
+    elif kind == "grow" or kind == "shrink":
+        routes[index] = dataclasses.replace(victim, tokens=Span(victim.tokens.start, victim.tokens.stop + 1))
+    else:  # a src that does not hold these layers and heads at all, or a src rank past the world
+        strangers = [s for s in range(src.world_size + 1) if s >= src.world_size or not shard_roi(src, geometry, s, tokens).covers(victim.roi)]
+        routes[index] = dataclasses.replace(victim, src=draw(st.sampled_from(strangers)))
+    return dataclasses.replace(result, routes=tuple(routes))
+
+
+@settings(max_examples=200, deadline=None)
+@given(broken=broken_plans())
+def test_validate_rejects_every_broken_plan(broken: TransferPlan) -> None:
+    with pytest.raises(PlanError, match=r"dst rank \d+ layer \d+ head \d+ token \d+|outside"):
+        broken.validate()
+
+
+# ---------------------------------------------------------------- tables
+
+G32x8 = KVGeometry(32, 8, 128)
+
+
+def boxes(result: TransferPlan) -> set[tuple[int, int, tuple[int, int], tuple[int, int]]]:
+    return {(r.src, r.dst, (r.layers.start, r.layers.stop), (r.heads.start, r.heads.stop)) for r in result.routes}
+
+
+def test_tp4_to_tp2_pp2() -> None:
+    result = plan(ParallelLayout(4, 1), ParallelLayout(2, 2), G32x8, 4096)
+    result.validate()
+    assert boxes(result) == {
+        (0, 0, (0, 16), (0, 2)), (1, 0, (0, 16), (2, 4)), (2, 1, (0, 16), (4, 6)), (3, 1, (0, 16), (6, 8)),
+        (0, 2, (16, 32), (0, 2)), (1, 2, (16, 32), (2, 4)), (2, 3, (16, 32), (4, 6)), (3, 3, (16, 32), (6, 8)),
+    }  # fmt: skip
+    assert result.send_bytes() == dict.fromkeys(range(4), 32 * 2 * 4096 * 2 * 128 * 2)
+    assert result.recv_bytes() == dict.fromkeys(range(4), 16 * 4 * 4096 * 2 * 128 * 2)
+
+
+def test_tp8_to_pp8() -> None:
+    result = plan(ParallelLayout(8, 1), ParallelLayout(1, 8), G32x8, 100)
+    result.validate()
+    assert boxes(result) == {(s, d, (4 * d, 4 * d + 4), (s, s + 1)) for s in range(8) for d in range(8)}
+
+
+def test_tp2_to_pp2_and_back() -> None:
+    there = plan(ParallelLayout(2, 1), ParallelLayout(1, 2), G32x8, 64)
+    back = plan(ParallelLayout(1, 2), ParallelLayout(2, 1), G32x8, 64)
+    assert boxes(there) == {(0, 0, (0, 16), (0, 4)), (1, 0, (0, 16), (4, 8)), (0, 1, (16, 32), (0, 4)), (1, 1, (16, 32), (4, 8))}
+    assert boxes(back) == {(0, 0, (0, 16), (0, 4)), (1, 0, (16, 32), (0, 4)), (0, 1, (0, 16), (4, 8)), (1, 1, (16, 32), (4, 8))}
+
+
+def test_gqa_8_heads_on_tp16() -> None:
+    same = plan(ParallelLayout(16, 1), ParallelLayout(16, 1), G32x8, 10)
+    # Each head has two holders and two needers: each holder sends to exactly one of them.
+    assert sorted(r.src for r in same.routes) == list(range(16))
+    assert all(r.heads == Span(r.dst // 2, r.dst // 2 + 1) and r.src // 2 == r.dst // 2 for r in same.routes)
+    to_tp2 = plan(ParallelLayout(16, 1), ParallelLayout(2, 1), G32x8, 10)
+    assert len(to_tp2.routes) == 8 and sorted(r.heads.start for r in to_tp2.routes) == list(range(8))
+    assert [r.src % 2 for r in to_tp2.routes] == [0] * 8  # one unit per head: first holder, ties to the lowest rank
+    from_tp2 = plan(ParallelLayout(2, 1), ParallelLayout(16, 1), G32x8, 10)
+    assert boxes(from_tp2) == {(d // 8, d, (0, 32), (d // 2, d // 2 + 1)) for d in range(16)}
+
+
+def test_mla_tp8_to_tp4_spreads_over_holders() -> None:
+    geometry = KVGeometry(61, 1, 576, use_mla=True)
+    result = plan(ParallelLayout(8, 1), ParallelLayout(4, 1), geometry, 1000)
+    result.validate()
+    assert sorted((r.src, r.dst) for r in result.routes) == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert all(r.heads == Span(0, 1) and r.layers == Span(0, 61) for r in result.routes)
+    assert result.to_json()["routes"][0] == {"src": 0, "dst": 0, "layers": [0, 61], "heads": [0, 1], "tokens": [0, 1000]}
+    one_to_many = plan(ParallelLayout(2, 1), ParallelLayout(8, 1), geometry, 1000)
+    assert [len(one_to_many.routes_from(s)) for s in range(2)] == [4, 4]
+
+
+def test_uneven_units_balance_largest_first() -> None:
+    # MLA tp2 -> pp3 over 32 layers: units of 11, 11, 10 layers; holders end at 21 and 11 layers' worth.
+    result = plan(ParallelLayout(2, 1), ParallelLayout(1, 3), KVGeometry(32, 1, 64, use_mla=True), 10)
+    assert [sum(len(r.layers) for r in result.routes_from(s)) for s in range(2)] == [21, 11]
+
+
+def test_token_holes_give_one_route_per_span_and_empty_tokens_no_routes() -> None:
+    tokens = SpanSet([(0, 100), (200, 300), (301, 302)])
+    result = plan(ParallelLayout(2, 1), ParallelLayout(2, 1), G32x8, tokens)
+    assert [(r.src, r.dst, r.tokens) for r in result.routes] == [(s, s, t) for s in range(2) for t in tokens.spans]
+    empty = plan(ParallelLayout(2, 1), ParallelLayout(1, 2), G32x8, SpanSet())
+    empty.validate()
+    assert empty.routes == () and empty.send_bytes() == {0: 0, 1: 0} and empty.recv_bytes() == {0: 0, 1: 0}
+
+
+def test_to_json_shape_and_grid() -> None:
+    result = plan(ParallelLayout(4, 1), ParallelLayout(2, 2), G32x8, 4096)
+    data = json.loads(json.dumps(result.to_json()))
+    assert set(data) == {"routes", "send_bytes", "recv_bytes"}
+    assert data["routes"][0] == {"src": 0, "dst": 0, "layers": [0, 16], "heads": [0, 2], "tokens": [0, 4096]}
+    assert data["send_bytes"] == {str(r): n for r, n in result.send_bytes().items()}
+    grid = result.grid().splitlines()
+    assert grid[1].split()[1:] == ["s0(tp0,pp0)", "s1(tp1,pp0)", "s2(tp2,pp0)", "s3(tp3,pp0)"]
+    assert grid[2].split() == ["d0(tp0,pp0)", "L0:16", "H0:2", "L0:16", "H2:4", ".", "."]
+    assert grid[5].split() == ["d3(tp1,pp1)", ".", ".", "L16:32", "H4:6", "L16:32", "H6:8"]
+
+
+def test_plan_rejects_layouts_that_cannot_hold_the_geometry() -> None:
+    with pytest.raises(ValueError, match="num_kv_heads=8 is neither divisible by nor a divisor of tp_size=3"):
+        plan(ParallelLayout(4, 1), ParallelLayout(3, 1), G32x8, 10)
+    with pytest.raises(ValueError, match="pp_size=4 is more pipeline stages than num_layers=3"):
+        plan(ParallelLayout(1, 4), ParallelLayout(1, 1), KVGeometry(3, 8, 64), 10)
+
+
+def test_route_values() -> None:
+    route = Route(1, 2, Span(0, 4), Span(2, 4), Span(10, 20))
+    assert route.roi.num_cells == route.num_cells == 80
+    assert route.nbytes(KVGeometry(4, 8, 64, "float16")) == 80 * 2 * 64 * 2
+    assert route.nbytes(KVGeometry(4, 1, 576, "float16", use_mla=True)) == 80 * 576 * 2
+    with pytest.raises(ValueError, match="heads"):
+        Route(0, 0, Span(0, 1), Span(3, 3), Span(0, 1))
+    with pytest.raises(ValueError, match="src"):
+        Route(-1, 0, Span(0, 1), Span(0, 1), Span(0, 1))
+
+
+def test_merge_joins_touching_boxes_of_one_link() -> None:
+    a, b = Span(0, 4), Span(4, 8)
+    pieces = [_Piece(0, 1, a, Span(0, 2)), _Piece(0, 1, a, Span(2, 3)), _Piece(0, 1, b, Span(0, 3)), _Piece(1, 1, b, Span(3, 4))]
+    assert _merge(pieces) == [_Piece(0, 1, Span(0, 8), Span(0, 3)), _Piece(1, 1, b, Span(3, 4))]
+    assert _merge([_Piece(0, 1, a, Span(0, 2)), _Piece(0, 1, b, Span(1, 2))]) == sorted(
+        [_Piece(0, 1, a, Span(0, 2)), _Piece(0, 1, b, Span(1, 2))]
+    )
+
+
+# ---------------------------------------------------------------- validate() on hand-broken plans
+
+
+def base_plan() -> TransferPlan:
+    return plan(ParallelLayout(2, 1), ParallelLayout(1, 2), KVGeometry(4, 2, 8), SpanSet([(0, 100)]))
+
+
+def with_routes(result: TransferPlan, routes: list[Route]) -> TransferPlan:
+    return dataclasses.replace(result, routes=tuple(routes))
+
+
+def test_validate_names_a_missing_cell() -> None:
+    good = base_plan()  # src 0 holds head 0, src 1 head 1; dst 0 layers [0,2), dst 1 layers [2,4)
+    r = good.routes_to(1)[1]
+    assert (r.src, r.layers, r.heads) == (1, Span(2, 4), Span(1, 2))
+    routes = [x for x in good.routes if x != r] + [
+        dataclasses.replace(r, tokens=Span(0, 40)),
+        dataclasses.replace(r, tokens=Span(41, 100)),
+    ]
+    with pytest.raises(PlanError, match=r"^dst rank 1 layer 2 head 1 token 40: missing \(no route delivers it\)$"):
+        with_routes(good, routes).validate()
+    with pytest.raises(PlanError, match=r"^dst rank 0 layer 0 head 0 token 0: missing"):
+        with_routes(good, list(good.routes[1:])).validate()
+
+
+def test_validate_names_a_doubled_cell() -> None:
+    good = base_plan()
+    r = good.routes_to(0)[0]
+    overlap = [dataclasses.replace(r, tokens=Span(0, 60)), dataclasses.replace(r, tokens=Span(50, 100))]
+    with pytest.raises(PlanError, match=r"^dst rank 0 layer 0 head 0 token 50: delivered twice \(by src 0 and src 0\)$"):
+        with_routes(good, [x for x in good.routes if x != r] + overlap).validate()
+    mla = plan(ParallelLayout(3, 1), ParallelLayout(1, 1), KVGeometry(4, 1, 8, use_mla=True), 10)
+    extra = [dataclasses.replace(mla.routes[0], src=s) for s in (1, 2)]
+    with pytest.raises(PlanError, match=r"^dst rank 0 layer 0 head 0 token 0: delivered 3 times \(by src 0, src 1 and src 2\)$"):
+        with_routes(mla, list(mla.routes) + extra).validate()
+
+
+def test_validate_names_a_cell_outside_a_shard() -> None:
+    good = base_plan()
+    r = good.routes_to(0)[1]  # src 1 -> dst 0, head 1
+    with pytest.raises(PlanError, match=r"^dst rank 0 layer 0 head 1 token 0: outside src rank 0's shard"):
+        with_routes(good, [dataclasses.replace(x, src=0) if x == r else x for x in good.routes]).validate()
+    wide = dataclasses.replace(r, layers=Span(1, 3))
+    with pytest.raises(PlanError, match=r"^dst rank 0 layer 2 head 1 token 0: outside dst rank 0's need"):
+        with_routes(good, [wide if x == r else x for x in good.routes]).validate()
+    late = dataclasses.replace(r, tokens=Span(90, 101))
+    with pytest.raises(PlanError, match=r"^dst rank 0 layer 0 head 1 token 100: outside src rank 1's shard"):
+        with_routes(good, [late if x == r else x for x in good.routes]).validate()
+    with pytest.raises(PlanError, match=r"^dst rank 0 layer 0 head 1 token 0: src rank 2 outside tp=2,pp=1 \(2 ranks"):
+        with_routes(good, [dataclasses.replace(r, src=2)]).validate()
+
+
+def test_largest_layouts_plan_and_validate() -> None:
+    tokens = SpanSet([(i * 1000, i * 1000 + 500) for i in range(8)])
+    for src, dst in [(ParallelLayout(8, 8), ParallelLayout(8, 8)), (ParallelLayout(8, 8), ParallelLayout(1, 1)), (ParallelLayout(1, 1), ParallelLayout(8, 8))]:
+        result = plan(src, dst, KVGeometry(80, 64, 128), tokens)
+        result.validate()
+        assert_exact_cover(result)
