@@ -1,0 +1,113 @@
+"""The store buffer: tensors by string key, bounded in bytes, LRU eviction."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from ..errors import ClosedError
+from ._lru import BufferStats, ByteLRU, report_evicted
+
+__all__ = ["KVStoreBuffer"]
+
+
+class KVStoreBuffer:
+    """A thread-safe key -> tensor store honouring the seed's ``KVStoreBufferBase``.
+
+    ``put(key, tensor)`` stores (replacing any previous tensor of that key),
+    ``put(key, None)`` deletes, ``get(key)`` returns the tensor or None and
+    makes it the most recently used. The sum of stored ``tensor.nbytes`` never
+    exceeds ``capacity_bytes``: beyond it the least recently used entries are
+    evicted (``evict=True``) and reported to ``on_evict(key, tensor)`` after
+    the lock is released, or the put is refused with CapacityError
+    (``evict=False``). A tensor larger than the capacity is always refused, and
+    a refused put leaves the store unchanged. Tensors are stored by reference,
+    not copied.
+
+    After ``close()`` every put/get raises ClosedError; ``len``, ``used_bytes``
+    and ``stats`` still answer (0 entries).
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        evict: bool = True,
+        on_evict: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> None:
+        self._lru: ByteLRU[str, torch.Tensor] = ByteLRU("KVStoreBuffer", capacity_bytes, evict)
+        self._on_evict = on_evict
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._lru.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._lru.used_bytes
+
+    @property
+    def stats(self) -> BufferStats:
+        with self._lock:
+            return self._lru.stats()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lru)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._lru
+
+    def put(self, key: str, value: torch.Tensor | None) -> None:
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, got {type(key).__name__} {key!r}")
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"value for key {key!r} must be a torch.Tensor or None, got {type(value).__name__}")
+        nbytes = 0 if value is None else value.nbytes
+        with self._lock:
+            self._check_open()
+            if value is None:
+                self._lru.pop(key)
+                return
+            # Check before removing the old value, so a refusal changes nothing.
+            self._lru.check_fits(nbytes, freed=self._lru.nbytes_of(key))
+            self._lru.pop(key)
+            evicted = self._lru.add(key, value, nbytes)
+        if self._on_evict is not None:
+            callback = self._on_evict
+            report_evicted(lambda item: callback(*item), evicted)
+
+    def get(self, key: str) -> torch.Tensor | None:
+        with self._lock:
+            self._check_open()
+            value = self._lru.get(key)
+            if value is None:
+                self._lru.misses += 1
+                return None
+            self._lru.hits += 1
+            self._lru.touch(key)
+            return value
+
+    def close(self) -> None:
+        """Drop every entry (without reporting them as evicted); idempotent."""
+        with self._lock:
+            self._closed = True
+            self._lru.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("KVStoreBuffer is closed")
+
+    def __repr__(self) -> str:
+        return (f"KVStoreBuffer({len(self._lru)} entries, {self._lru.used_bytes}/"
+                f"{self._lru.capacity_bytes} bytes, evict={self._lru.evict})")
