@@ -1,0 +1,219 @@
+"""Paged gather/scatter throughput per cache layout, against a plain copy of the same bytes.
+
+Each round runs ``memcpy`` (``wire2.copy_(wire)``), ``gather`` and ``scatter`` once, so
+the baseline sees the same machine load as the code it is compared with. The
+headline is the ratio ncclkv / memcpy (best and median over the rounds).
+
+    python -m benchmarks.bench_paged [--quick] [--out DIR] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from ncclkv.layout import Span
+from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather, kv_view, scatter
+
+__all__ = ["main"]
+
+MIB = 1 << 20
+DEFAULT_OUT = Path(__file__).resolve().parent / "out"
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _case(
+    layout: CacheLayout, slice_bytes: int, partial: bool, args: argparse.Namespace, device: torch.device
+) -> list[dict[str, object]]:
+    """Measure one layout and slice; partial = half the heads from mid-block on."""
+    dtype = getattr(torch, args.dtype)
+    mla = layout is CacheLayout.MLA
+    heads, dim, bs = (1, args.latent, args.block_size) if mla else (args.num_kv_heads, args.head_size, args.block_size)
+    take = Span(0, 1) if mla else (Span(heads // 4, heads // 4 + heads // 2) if partial else Span(0, heads))
+    parts = 1 if mla else 2
+    num_tokens = max(1, slice_bytes // (parts * len(take) * dim * dtype.itemsize))
+    start = bs // 2 if partial else 0
+    tokens = Span(start, start + num_tokens)
+    num_used = -(-tokens.stop // bs)
+    spec = PagedCacheSpec(layout, 2 * num_used + 1, bs, heads, dim, dtype)
+    cache = torch.empty(spec.shape, dtype=dtype, device=device).fill_(1.0)
+    gen = torch.Generator().manual_seed(0)
+    block_ids = torch.randperm(spec.num_blocks, generator=gen)[:num_used].tolist()  # scattered, like a busy cache
+    slot_map = SlotMap(block_ids, bs)
+    wire = torch.empty(spec.wire_shape(len(tokens), len(take)), dtype=dtype, device=device)
+    wire2 = torch.empty_like(wire)
+    ops: dict[str, Callable[[], object]] = {
+        "memcpy": lambda: wire2.copy_(wire),
+        "gather": lambda: gather(cache, spec, slot_map, tokens, take, wire),
+        "scatter": lambda: scatter(wire, cache, spec, slot_map, tokens, take),
+    }
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(args.warmup):
+        for fn in ops.values():
+            fn()
+    for _ in range(args.repeats):
+        for name, fn in ops.items():
+            times[name].append(_timed(fn, device))
+    _check(cache, spec, block_ids, tokens, take, wire)
+    nbytes = wire.numel() * wire.element_size()
+    rows = []
+    for name in ("gather", "scatter"):
+        best, median = min(times[name]), statistics.median(times[name])
+        base_best, base_median = min(times["memcpy"]), statistics.median(times["memcpy"])
+        rows.append(
+            {
+                "layout": layout.name,
+                "slice": "partial" if partial else "full",
+                "op": name,
+                "size_mib": slice_bytes / MIB,
+                "bytes": nbytes,
+                "tokens": len(tokens),
+                "heads": len(take),
+                "gbps_best": nbytes / best / 1e9,
+                "gbps_median": nbytes / median / 1e9,
+                "memcpy_gbps_best": nbytes / base_best / 1e9,
+                "memcpy_gbps_median": nbytes / base_median / 1e9,
+                "ratio_best": base_best / best,
+                "ratio_median": base_median / median,
+            }
+        )
+    return rows
+
+
+def _check(
+    cache: torch.Tensor, spec: PagedCacheSpec, block_ids: list[int], tokens: Span, take: Span, wire: torch.Tensor
+) -> None:
+    """The measured code must be right: compare with advanced indexing (allocating, outside the timing)."""
+    cache.uniform_()  # distinct values, in place (no temporary the size of the cache)
+    gather(cache, spec, block_ids, tokens, take, wire)
+    view = kv_view(cache, spec)
+    slots = torch.tensor([block_ids[t // spec.block_size] for t in tokens], device=cache.device)
+    offsets = torch.tensor([t % spec.block_size for t in tokens], device=cache.device)
+    expected = view[:, slots, offsets][:, :, take.start : take.stop]
+    if not torch.equal(wire.view(expected.shape), expected):
+        raise AssertionError(f"gather of {spec.layout.name} tokens {tokens!r} heads {take!r} is wrong")
+
+
+def _table(rows: list[dict[str, object]]) -> str:
+    head = (
+        f"{'layout':<11}{'slice':<8}{'MiB':>6}  {'op':<8}{'GB/s best':>10}{'median':>8}"
+        f"{'memcpy':>8}{'ratio best':>11}{'median':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['layout']:<11}{r['slice']:<8}{r['bytes'] / MIB:>6.1f}  {r['op']:<8}{r['gbps_best']:>10.2f}"
+            f"{r['gbps_median']:>8.2f}{r['memcpy_gbps_median']:>8.2f}{r['ratio_best']:>11.2f}{r['ratio_median']:>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict[str, object]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    full = [r for r in rows if r["slice"] == "full"]
+    sizes = sorted({float(r["size_mib"]) for r in full})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, op in zip(axes, ("gather", "scatter")):
+        for layout in CacheLayout:
+            pts = [(r["size_mib"], r["ratio_median"]) for r in full if r["op"] == op and r["layout"] == layout.name]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=layout.name)
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set(title=f"{op} / memcpy (median)", xlabel="slice MiB", xscale="log")
+        ax.minorticks_off()
+        ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
+    axes[0].set_ylabel("ratio")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench_paged", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small slices, few rounds (a few seconds)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for paged.json / paged.png")
+    parser.add_argument("--sizes-mib", type=float, nargs="+", help="slice sizes (default 1 16 64; quick 0.25 1)")
+    parser.add_argument("--repeats", type=int, help="timed rounds (default 15; quick 3)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--latent", type=int, default=576, help="MLA latent size")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    args.sizes_mib = args.sizes_mib or ([0.25, 1.0] if args.quick else [1.0, 16.0, 64.0])
+    args.repeats = args.repeats or (3 if args.quick else 15)
+    if args.quick:
+        args.warmup = min(args.warmup, 1)
+    if args.repeats < 1 or args.warmup < 0 or min(args.sizes_mib) <= 0:
+        parser.error(f"need repeats >= 1, warmup >= 0, sizes > 0; got {args.repeats}, {args.warmup}, {args.sizes_mib}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    device = torch.device(args.device)
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows: list[dict[str, object]] = []
+    try:
+        for size in args.sizes_mib:
+            for partial in (False, True):
+                for layout in CacheLayout:
+                    if partial and layout is CacheLayout.MLA:
+                        continue  # one latent: no head subrange
+                    rows.extend(_case(layout, int(size * MIB), partial, args, device))
+    finally:
+        torch.set_num_threads(threads)  # main() may run inside another program (tests)
+    print(_table(rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "torch": torch.__version__,
+        "device": str(device),
+        "threads": args.threads or threads,
+        "machine": platform.machine(),
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "num_kv_heads": args.num_kv_heads,
+        "head_size": args.head_size,
+        "latent": args.latent,
+        "repeats": args.repeats,
+        "quick": args.quick,
+        "slices": "full: all heads from token 0; partial: half the heads from mid-block",
+    }
+    (args.out / "paged.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    plotted = not args.no_plot and _plot(rows, args.out / "paged.png")
+    print(f"wrote {args.out / 'paged.json'}" + (f" and {args.out / 'paged.png'}" if plotted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

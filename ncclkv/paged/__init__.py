@@ -1,0 +1,22 @@
+"""Paged KV caches: gather a request's slice of one layer into the wire format, scatter it back.
+
+The wire format is ``[2, tokens, heads, head_size]`` (K then V; MLA ``[1, tokens,
+latent]``), contiguous and independent of either side's block size and layout.
+"""
+
+from ._copy import gather, scatter
+from ._slots import BlockRun, SlicePlan, SlotMap
+from ._spec import CacheLayout, PagedCacheSpec, detect_layout, kv_view, wire_shape
+
+__all__ = [
+    "BlockRun",
+    "CacheLayout",
+    "PagedCacheSpec",
+    "SlicePlan",
+    "SlotMap",
+    "detect_layout",
+    "gather",
+    "kv_view",
+    "scatter",
+    "wire_shape",
+]

@@ -1,0 +1,203 @@
+"""Paged KV cache layouts: what one layer's cache tensor looks like, per engine backend."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ShapeMismatchError
+
+__all__ = ["CacheLayout", "PagedCacheSpec", "detect_layout", "kv_view", "wire_shape"]
+
+
+class CacheLayout(enum.Enum):
+    """How one layer's paged KV cache is laid out (``nb`` blocks of ``bs`` tokens, ``H`` heads of ``D``).
+
+    - ``FLASH_NHD``: vLLM flash-attn, ``[2, nb, bs, H, D]``.
+    - ``FLASH_HND``: the same logical shape with memory in ``[2, nb, H, bs, D]`` order.
+      Either the contiguous tensor of that physical shape or vLLM's permuted view
+      is accepted: of dims 2 and 3, the one with the larger stride is read as the
+      heads (on equal strides, which block_size 1 gives, the size-1 dim as the tokens).
+    - ``FLASHINFER``: ``[nb, 2, bs, H, D]``.
+    - ``CPU``: vLLM CPU, ``[nb, H, bs, 2*D]`` whose memory per (block, head) is K
+      ``[bs, D]`` followed by V ``[bs, D]``.
+    - ``MLA``: ``[nb, bs, latent]``, one latent per token (``H`` = 1, ``D`` = latent).
+    """
+
+    FLASH_NHD = "flash_nhd"
+    FLASH_HND = "flash_hnd"
+    FLASHINFER = "flashinfer"
+    CPU = "cpu"
+    MLA = "mla"
+
+
+_PATTERNS = {
+    CacheLayout.FLASH_NHD: "[2, num_blocks, block_size, num_kv_heads, head_size]",
+    CacheLayout.FLASH_HND: "[2, num_blocks, num_kv_heads, block_size, head_size] (or its permuted view)",
+    CacheLayout.FLASHINFER: "[num_blocks, 2, block_size, num_kv_heads, head_size]",
+    CacheLayout.CPU: "[num_blocks, num_kv_heads, block_size, 2*head_size]",
+    CacheLayout.MLA: "[num_blocks, block_size, latent]",
+}
+
+
+def _hnd_is_physical(tensor: torch.Tensor) -> bool:
+    """True when dims 2, 3 of an HND tensor are (heads, tokens), False for the permuted (tokens, heads) view."""
+    if tensor.stride(2) != tensor.stride(3):
+        return tensor.stride(2) > tensor.stride(3)
+    return tensor.size(3) == 1  # equal strides happen only with block_size 1: the size-1 dim is the tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PagedCacheSpec:
+    """The geometry of one layer's paged KV cache tensor."""
+
+    layout: CacheLayout
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, CacheLayout):
+            raise TypeError(f"PagedCacheSpec.layout must be a CacheLayout, got {self.layout!r}")
+        for name in ("num_blocks", "block_size", "num_kv_heads", "head_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PagedCacheSpec.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"PagedCacheSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.layout is CacheLayout.MLA and self.num_kv_heads != 1:
+            raise ValueError(f"an MLA cache holds one latent per token; num_kv_heads must be 1, got {self.num_kv_heads}")
+
+    @property
+    def use_mla(self) -> bool:
+        return self.layout is CacheLayout.MLA
+
+    @property
+    def kv_parts(self) -> int:
+        """2 for K and V, 1 for an MLA latent."""
+        return 1 if self.use_mla else 2
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of a contiguous cache tensor of this layout (HND: the physical order)."""
+        nb, bs, heads, dim, layout = self.num_blocks, self.block_size, self.num_kv_heads, self.head_size, self.layout
+        if layout is CacheLayout.FLASH_NHD:
+            return (2, nb, bs, heads, dim)
+        if layout is CacheLayout.FLASH_HND:
+            return (2, nb, heads, bs, dim)
+        if layout is CacheLayout.FLASHINFER:
+            return (nb, 2, bs, heads, dim)
+        if layout is CacheLayout.CPU:
+            return (nb, heads, bs, 2 * dim)
+        return (nb, bs, dim)
+
+    def wire_shape(self, num_tokens: int, num_heads: int) -> tuple[int, ...]:
+        return wire_shape(num_tokens, num_heads, self.head_size, self.use_mla)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor, layout: CacheLayout) -> PagedCacheSpec:
+        """Read the geometry of ``tensor`` taken as ``layout``; ValueError naming expected vs actual."""
+        shape = tuple(tensor.shape)
+        ndim = {CacheLayout.CPU: 4, CacheLayout.MLA: 3}.get(layout, 5)
+        bad = len(shape) != ndim or any(size < 1 for size in shape)
+        if not bad and layout in (CacheLayout.FLASH_NHD, CacheLayout.FLASH_HND):
+            bad = shape[0] != 2
+        elif not bad and layout is CacheLayout.FLASHINFER:
+            bad = shape[1] != 2
+        elif not bad and layout is CacheLayout.CPU:
+            bad = shape[3] % 2 != 0
+        if bad:
+            raise ValueError(f"a {layout.name} cache must be {_PATTERNS[layout]}, got shape {list(shape)}")
+        if layout is CacheLayout.FLASH_NHD:
+            nb, bs, heads, dim = shape[1:]
+        elif layout is CacheLayout.FLASH_HND:
+            nb, heads, bs, dim = shape[1:] if _hnd_is_physical(tensor) else (shape[1], shape[3], shape[2], shape[4])
+        elif layout is CacheLayout.FLASHINFER:
+            nb, _, bs, heads, dim = shape
+        elif layout is CacheLayout.CPU:
+            nb, heads, bs, dim = shape[0], shape[1], shape[2], shape[3] // 2
+        else:
+            (nb, bs, dim), heads = shape, 1
+        return cls(layout, nb, bs, heads, dim, tensor.dtype)
+
+
+def wire_shape(num_tokens: int, num_heads: int, head_size: int, mla: bool) -> tuple[int, ...]:
+    """The wire tensor of a slice: ``[2, tokens, heads, head_size]`` (K then V), MLA ``[1, tokens, latent]``."""
+    if mla:
+        if num_heads not in (0, 1):
+            raise ValueError(f"an MLA slice has one latent per token; num_heads must be 1, got {num_heads}")
+        return (1, num_tokens * num_heads, head_size)
+    return (2, num_tokens, num_heads, head_size)
+
+
+def kv_view(cache: torch.Tensor, spec: PagedCacheSpec) -> torch.Tensor:
+    """A view of ``cache`` as ``[parts, num_blocks, block_size, num_kv_heads, head_size]`` (no copy).
+
+    ``parts`` is K, V (MLA: the latent, with one head). Raises ShapeMismatchError when
+    ``cache`` does not match ``spec``.
+    """
+    if cache.dtype != spec.dtype:
+        raise ShapeMismatchError(f"cache dtype is {cache.dtype}, spec says {spec.dtype}")
+    layout = spec.layout
+    if layout is CacheLayout.FLASH_HND and cache.dim() == 5 and not _hnd_is_physical(cache):
+        view = cache
+    elif tuple(cache.shape) != spec.shape:
+        raise ShapeMismatchError(f"{layout.name} cache has shape {list(cache.shape)}, spec expects {list(spec.shape)}")
+    elif layout is CacheLayout.FLASH_NHD:
+        view = cache
+    elif layout is CacheLayout.FLASH_HND:
+        view = cache.transpose(2, 3)
+    elif layout is CacheLayout.FLASHINFER:
+        view = cache.transpose(0, 1)
+    elif layout is CacheLayout.CPU:
+        nb, heads, bs, dim = spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size
+        if cache.stride(3) != 1 or cache.stride(2) != 2 * dim:
+            raise ValueError(f"a CPU cache needs contiguous [block_size, 2*head_size] rows, got strides {cache.stride()}")
+        view = cache.view(nb, heads, 2, bs, dim).permute(2, 0, 3, 1, 4)
+    else:
+        view = cache.unsqueeze(0).unsqueeze(3)
+    expected = (spec.kv_parts, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    if tuple(view.shape) != expected:
+        raise ShapeMismatchError(f"{layout.name} cache has shape {list(cache.shape)}, spec expects {list(spec.shape)}")
+    return view
+
+
+def detect_layout(
+    tensor: torch.Tensor, num_kv_heads: int, head_size: int, block_size: int | None = None
+) -> CacheLayout:
+    """The layout of ``tensor`` when its shape (and, for HND, strides) allows only one reading.
+
+    Raises ValueError naming the shape when no layout fits or several read it differently.
+    """
+    fits: dict[CacheLayout, torch.Tensor] = {}
+    for layout in CacheLayout:
+        try:
+            spec = PagedCacheSpec.from_tensor(tensor, layout)
+        except ValueError:
+            continue
+        if (spec.num_kv_heads, spec.head_size) != (num_kv_heads, head_size):
+            continue
+        if block_size is not None and spec.block_size != block_size:
+            continue
+        try:
+            fits[layout] = kv_view(tensor, spec)
+        except ValueError:  # e.g. a CPU-shaped tensor whose rows are not contiguous
+            continue
+    if not fits:
+        raise ValueError(
+            f"no cache layout has shape {list(tensor.shape)} with num_kv_heads={num_kv_heads}, "
+            f"head_size={head_size}, block_size={block_size}"
+        )
+    readings = {(tuple(v.shape), v.stride(), v.storage_offset()) for v in fits.values()}
+    if len(fits) == 1:
+        return next(iter(fits))
+    if len(readings) == 1 and set(fits) == {CacheLayout.FLASH_NHD, CacheLayout.FLASH_HND}:
+        # One reading, two names: name it after the memory order.
+        view = fits[CacheLayout.FLASH_NHD]
+        return CacheLayout.FLASH_HND if view.stride(3) > view.stride(2) else CacheLayout.FLASH_NHD
+    names = ", ".join(layout.name for layout in fits)
+    raise ValueError(f"cache shape {list(tensor.shape)} is ambiguous: it reads as {names}; pass the layout explicitly")

@@ -1,0 +1,350 @@
+"""Paged gather/scatter against a reference written as plain loops over tokens and heads."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ncclkv.errors import ShapeMismatchError
+from ncclkv.layout import Span
+from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, detect_layout, gather, kv_view, scatter, wire_shape
+
+# "hnd" is the contiguous physical tensor, "hnd_view" vLLM's permuted view of it.
+VARIANTS = ["nhd", "hnd", "hnd_view", "flashinfer", "cpu"]
+LAYOUTS = {
+    "nhd": CacheLayout.FLASH_NHD,
+    "hnd": CacheLayout.FLASH_HND,
+    "hnd_view": CacheLayout.FLASH_HND,
+    "flashinfer": CacheLayout.FLASHINFER,
+    "cpu": CacheLayout.CPU,
+    "mla": CacheLayout.MLA,
+}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, rng: random.Random) -> torch.Tensor:
+    """Random bit patterns (NaN payloads and -0.0 included), so only a byte-exact copy compares equal."""
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    int_dtype = {4: torch.int32, 2: torch.int16}[dtype.itemsize]
+    info = torch.iinfo(int_dtype)
+    return torch.randint(info.min, info.max, shape, dtype=int_dtype, generator=gen).view(dtype)
+
+
+def make_cache(variant: str, nb: int, bs: int, heads: int, dim: int, dtype: torch.dtype, rng: random.Random):
+    """(tensor handed to ncclkv, the raw contiguous tensor the reference reads)."""
+    shape = {
+        "nhd": (2, nb, bs, heads, dim),
+        "hnd": (2, nb, heads, bs, dim),
+        "hnd_view": (2, nb, heads, bs, dim),
+        "flashinfer": (nb, 2, bs, heads, dim),
+        "cpu": (nb, heads, bs, 2 * dim),
+        "mla": (nb, bs, dim),
+    }[variant]
+    raw = random_bits(shape, dtype, rng)
+    return (raw.permute(0, 1, 3, 2, 4) if variant == "hnd_view" else raw), raw
+
+
+def ref_cell(raw: torch.Tensor, variant: str, part: int, block: int, offset: int, head: int) -> torch.Tensor:
+    """The ``[head_size]`` vector of one (part, block, offset, head), read straight from the layout's definition."""
+    if variant == "nhd":
+        return raw[part, block, offset, head]
+    if variant in ("hnd", "hnd_view"):
+        return raw[part, block, head, offset]
+    if variant == "flashinfer":
+        return raw[block, part, offset, head]
+    if variant == "mla":
+        return raw[block, offset]
+    _, num_heads, bs, two_dim = raw.shape
+    dim = two_dim // 2
+    start = ((block * num_heads + head) * 2 * bs + part * bs + offset) * dim  # K [bs, D] then V [bs, D]
+    return raw.reshape(-1)[start : start + dim]
+
+
+def ref_gather(raw, variant, bs, block_ids, tokens: Span, heads: Span) -> torch.Tensor:
+    parts = 1 if variant == "mla" else 2
+    dim = raw.shape[-1] // 2 if variant == "cpu" else raw.shape[-1]
+    wire = torch.empty(parts, len(tokens), len(heads), dim, dtype=raw.dtype)
+    for part, t, h in itertools.product(range(parts), tokens, heads):
+        wire[part, t - tokens.start, h - heads.start] = ref_cell(raw, variant, part, block_ids[t // bs], t % bs, h)
+    return wire.view(1, len(tokens) * len(heads), dim) if variant == "mla" else wire
+
+
+def ref_scatter(wire, raw, variant, bs, block_ids, tokens: Span, heads: Span) -> None:
+    parts = 1 if variant == "mla" else 2
+    wire = wire.view(parts, len(tokens), len(heads), wire.shape[-1])
+    for part, t, h in itertools.product(range(parts), tokens, heads):
+        ref_cell(raw, variant, part, block_ids[t // bs], t % bs, h).copy_(wire[part, t - tokens.start, h - heads.start])
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def shuffled_blocks(num_blocks: int, count: int, rng: random.Random) -> list[int]:
+    return rng.sample(range(num_blocks), count)
+
+
+def round_trip(src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, heads_src, heads_dst_start, rng, dim=8):
+    """Gather from one cache, scatter into another; check both against the reference."""
+    num_heads_src, num_heads_dst = (1, 1) if src_variant == "mla" else (4, 3)
+    need_src, need_dst = -(-tokens.stop // bs_src), -(-tokens.stop // bs_dst)
+    src, src_raw = make_cache(src_variant, need_src + 3, bs_src, num_heads_src, dim, dtype, rng)
+    dst, dst_raw = make_cache(dst_variant, need_dst + 2, bs_dst, num_heads_dst, dim, dtype, rng)
+    src_ids, dst_ids = shuffled_blocks(need_src + 3, need_src, rng), shuffled_blocks(need_dst + 2, need_dst, rng)
+    src_spec = PagedCacheSpec.from_tensor(src, LAYOUTS[src_variant])
+    dst_spec = PagedCacheSpec.from_tensor(dst, LAYOUTS[dst_variant])
+    src_before = src_raw.clone()
+
+    wire = torch.full(wire_shape(len(tokens), len(heads_src), dim, src_variant == "mla"), 7.0, dtype=dtype)
+    assert gather(src, src_spec, src_ids, tokens, heads_src, wire) is wire
+    assert same_bytes(wire, ref_gather(src_raw, src_variant, bs_src, src_ids, tokens, heads_src))
+    assert same_bytes(src_raw, src_before)
+
+    heads_dst = Span(heads_dst_start, heads_dst_start + len(heads_src))
+    expected = dst_raw.clone()
+    ref_scatter(wire, expected, dst_variant, bs_dst, dst_ids, tokens, heads_dst)
+    wire_before = wire.clone()
+    scatter(wire, dst, dst_spec, dst_ids, tokens, heads_dst)
+    assert same_bytes(dst_raw, expected)  # the slice landed and nothing else moved
+    assert same_bytes(wire, wire_before)
+    parts = 1 if src_variant == "mla" else 2
+    for part, t, h in itertools.product(range(parts), tokens, range(len(heads_src))):
+        got = ref_cell(dst_raw, dst_variant, part, dst_ids[t // bs_dst], t % bs_dst, heads_dst.start + h)
+        want = ref_cell(src_raw, src_variant, part, src_ids[t // bs_src], t % bs_src, heads_src.start + h)
+        assert same_bytes(got, want), (part, t, h)
+
+
+BLOCK_PAIRS = list(itertools.product([16, 32, 64], repeat=2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("src_variant,dst_variant", list(itertools.product(VARIANTS, repeat=2)))
+def test_round_trip_every_layout_pair(src_variant: str, dst_variant: str, dtype: torch.dtype) -> None:
+    case = VARIANTS.index(src_variant) * len(VARIANTS) + VARIANTS.index(dst_variant)
+    bs_src, bs_dst = BLOCK_PAIRS[case % len(BLOCK_PAIRS)]
+    rng = random.Random(case)
+    # Starts mid-block, ends in a partial block, takes a head subrange, lands on other local heads.
+    tokens = Span(bs_src // 2 + 3, bs_src // 2 + 3 + 2 * max(bs_src, bs_dst) + 5)
+    round_trip(src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, Span(1, 3), 0, rng)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bs_src,bs_dst", BLOCK_PAIRS)
+def test_round_trip_mla(bs_src: int, bs_dst: int, dtype: torch.dtype) -> None:
+    rng = random.Random(bs_src * 100 + bs_dst)
+    tokens = Span(5, 5 + 2 * bs_dst + bs_src // 2)
+    round_trip("mla", "mla", bs_src, bs_dst, dtype, tokens, Span(0, 1), 0, rng, dim=24)
+
+
+@pytest.mark.parametrize(
+    "tokens,heads",
+    [
+        (Span(0, 64), Span(0, 4)),  # whole blocks, all heads: the indexed fast path alone
+        (Span(16, 32), Span(0, 4)),  # exactly one block
+        (Span(3, 9), Span(2, 3)),  # inside one block: one partial run
+        (Span(10, 20), Span(0, 4)),  # two partial runs, no whole block
+        (Span(0, 50), Span(3, 4)),  # whole blocks and a partial last block
+        (Span(7, 7), Span(0, 4)),  # empty token span
+        (Span(0, 32), Span(2, 2)),  # empty head span
+    ],
+)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_span_shapes(variant: str, tokens: Span, heads: Span) -> None:
+    rng = random.Random(hash((variant, tokens.start, tokens.stop, heads.start)))
+    src, src_raw = make_cache(variant, 9, 16, 4, 8, torch.bfloat16, rng)
+    spec = PagedCacheSpec.from_tensor(src, LAYOUTS[variant])
+    ids = [8, 2, 5, 0]
+    out = torch.zeros(spec.wire_shape(len(tokens), len(heads)), dtype=torch.bfloat16)
+    gather(src, spec, ids, tokens, heads, out)
+    assert same_bytes(out, ref_gather(src_raw, variant, 16, ids, tokens, heads))
+    dst, dst_raw = make_cache(variant, 9, 16, 4, 8, torch.bfloat16, rng)
+    expected = dst_raw.clone()
+    ref_scatter(out, expected, variant, 16, ids, tokens, heads)
+    scatter(out, dst, spec, ids, tokens, heads)
+    assert same_bytes(dst_raw, expected)
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 3), (torch.bfloat16, 6), (torch.bfloat16, 1), (torch.float32, 2)])
+def test_head_sizes_that_cannot_be_widened(dtype: torch.dtype, dim: int) -> None:
+    round_trip("nhd", "cpu", 16, 32, dtype, Span(5, 70), Span(0, 3), 0, random.Random(dim), dim=dim)
+    round_trip("hnd_view", "flashinfer", 32, 16, dtype, Span(0, 64), Span(1, 4), 0, random.Random(dim), dim=dim)
+
+
+def test_slot_map_reused_across_layers_and_tensor_block_ids() -> None:
+    rng = random.Random(3)
+    layers = [make_cache("cpu", 12, 32, 2, 16, torch.float32, rng) for _ in range(3)]
+    spec = PagedCacheSpec.from_tensor(layers[0][0], CacheLayout.CPU)
+    ids = [11, 3, 7, 0, 9]
+    slot_map = SlotMap(torch.tensor(ids, dtype=torch.int32), 32)
+    assert slot_map.block_ids == tuple(ids) and slot_map.num_tokens == 160
+    tokens = Span(20, 150)
+    assert slot_map.plan(tokens) is slot_map.plan(tokens)  # index tensors are made once per span
+    out = torch.empty(spec.wire_shape(len(tokens), 2))
+    for cache, raw in layers:
+        gather(cache, spec, slot_map, tokens, Span(0, 2), out)
+        assert same_bytes(out, ref_gather(raw, "cpu", 32, ids, tokens, Span(0, 2)))
+
+
+def test_gather_tolerates_repeated_blocks_but_scatter_refuses() -> None:
+    cache, raw = make_cache("nhd", 4, 16, 2, 8, torch.float32, random.Random(0))
+    spec = PagedCacheSpec.from_tensor(cache, CacheLayout.FLASH_NHD)
+    out = torch.empty(spec.wire_shape(48, 2))
+    gather(cache, spec, [1, 1, 2], Span(0, 48), Span(0, 2), out)
+    assert same_bytes(out, ref_gather(raw, "nhd", 16, [1, 1, 2], Span(0, 48), Span(0, 2)))
+    with pytest.raises(ValueError, match=r"repeated block ids \[1\]"):
+        scatter(out, cache, spec, [1, 1, 2], Span(0, 48), Span(0, 2))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_round_trip_property(data: st.DataObject) -> None:
+    mla = data.draw(st.booleans(), "mla")
+    src_variant = "mla" if mla else data.draw(st.sampled_from(VARIANTS), "src")
+    dst_variant = "mla" if mla else data.draw(st.sampled_from(VARIANTS), "dst")
+    bs_src = data.draw(st.sampled_from([1, 2, 16, 32, 64]), "bs_src")
+    bs_dst = data.draw(st.sampled_from([1, 3, 16, 32, 64]), "bs_dst")
+    start = data.draw(st.integers(0, 80), "start")
+    tokens = Span(start, start + data.draw(st.integers(0, 90), "length"))
+    h0 = 0 if mla else data.draw(st.integers(0, 3), "h0")
+    heads = Span(h0, data.draw(st.integers(h0, 1 if mla else min(4, h0 + 3)), "h1"))  # dst has 3 heads
+    dst_start = data.draw(st.integers(0, 1 - len(heads) if mla else 3 - len(heads)), "dst_h0")
+    dtype = data.draw(st.sampled_from(DTYPES), "dtype")
+    dim = data.draw(st.sampled_from([2, 4, 8]), "dim")
+    rng = random.Random(data.draw(st.integers(0, 2**16), "seed"))
+    round_trip(src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, heads, dst_start, rng, dim=dim)
+
+
+# --- layout reading -------------------------------------------------------------------------
+
+
+def test_from_tensor_reads_each_layout() -> None:
+    specs = {
+        CacheLayout.FLASH_NHD: torch.empty(2, 5, 16, 4, 8),
+        CacheLayout.FLASH_HND: torch.empty(2, 5, 4, 16, 8),
+        CacheLayout.FLASHINFER: torch.empty(5, 2, 16, 4, 8),
+        CacheLayout.CPU: torch.empty(5, 4, 16, 16),
+    }
+    for layout, tensor in specs.items():
+        spec = PagedCacheSpec.from_tensor(tensor, layout)
+        assert (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size) == (5, 16, 4, 8)
+        assert spec.shape == tuple(tensor.shape)
+        assert kv_view(tensor, spec).shape == (2, 5, 16, 4, 8)
+    hnd_view = specs[CacheLayout.FLASH_HND].permute(0, 1, 3, 2, 4)
+    assert PagedCacheSpec.from_tensor(hnd_view, CacheLayout.FLASH_HND) == PagedCacheSpec.from_tensor(
+        specs[CacheLayout.FLASH_HND], CacheLayout.FLASH_HND
+    )
+    # Block size 1 gives dims 2 and 3 equal strides; the size-1 dim is read as the tokens.
+    for hnd in (torch.empty(2, 5, 4, 1, 8), torch.empty(2, 5, 4, 1, 8).permute(0, 1, 3, 2, 4)):
+        spec = PagedCacheSpec.from_tensor(hnd, CacheLayout.FLASH_HND)
+        assert (spec.block_size, spec.num_kv_heads) == (1, 4)
+    mla = PagedCacheSpec.from_tensor(torch.empty(5, 16, 576, dtype=torch.bfloat16), CacheLayout.MLA)
+    assert (mla.num_kv_heads, mla.head_size, mla.kv_parts, mla.dtype) == (1, 576, 1, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "shape,layout,pattern",
+    [
+        ((3, 5, 16, 4, 8), CacheLayout.FLASH_NHD, r"FLASH_NHD cache must be \[2, num_blocks.*got shape \[3, 5, 16, 4, 8\]"),
+        ((5, 16, 4, 8), CacheLayout.FLASHINFER, r"got shape \[5, 16, 4, 8\]"),
+        ((5, 4, 16, 15), CacheLayout.CPU, r"2\*head_size\], got shape \[5, 4, 16, 15\]"),
+        ((5, 16), CacheLayout.MLA, r"\[num_blocks, block_size, latent\], got shape \[5, 16\]"),
+    ],
+)
+def test_from_tensor_rejects_wrong_shapes(shape, layout, pattern) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        PagedCacheSpec.from_tensor(torch.empty(shape), layout)
+
+
+def test_detect_layout() -> None:
+    assert detect_layout(torch.empty(2, 7, 16, 4, 8), 4, 8) is CacheLayout.FLASH_NHD
+    assert detect_layout(torch.empty(2, 7, 4, 16, 8), 4, 8) is CacheLayout.FLASH_HND
+    assert detect_layout(torch.empty(2, 7, 4, 16, 8).permute(0, 1, 3, 2, 4), 4, 8) is CacheLayout.FLASH_HND
+    assert detect_layout(torch.empty(7, 2, 16, 4, 8), 4, 8) is CacheLayout.FLASHINFER
+    assert detect_layout(torch.empty(7, 4, 32, 16), 4, 8) is CacheLayout.CPU
+    assert detect_layout(torch.empty(7, 16, 64), 1, 64) is CacheLayout.MLA
+    # Two blocks: NHD and FlashInfer both fit; the block size does not tell them apart.
+    with pytest.raises(ValueError, match=r"\[2, 2, 16, 4, 8\] is ambiguous: it reads as FLASH_NHD, FLASHINFER"):
+        detect_layout(torch.empty(2, 2, 16, 4, 8), 4, 8, block_size=16)
+    # Heads == block size: contiguous NHD and physical HND read the same shape differently.
+    with pytest.raises(ValueError, match=r"ambiguous.*FLASH_NHD, FLASH_HND"):
+        detect_layout(torch.empty(2, 7, 4, 4, 8), 4, 8)
+    with pytest.raises(ValueError, match=r"no cache layout has shape \[2, 7, 16, 4, 8\] with num_kv_heads=2"):
+        detect_layout(torch.empty(2, 7, 16, 4, 8), 2, 8)
+    with pytest.raises(ValueError, match=r"block_size=32"):
+        detect_layout(torch.empty(2, 7, 16, 4, 8), 4, 8, block_size=32)
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nhd() -> tuple[torch.Tensor, PagedCacheSpec]:
+    cache = torch.zeros(2, 6, 16, 4, 8)
+    return cache, PagedCacheSpec.from_tensor(cache, CacheLayout.FLASH_NHD)
+
+
+def test_errors_name_the_values(nhd) -> None:
+    cache, spec = nhd
+    out = torch.empty(spec.wire_shape(32, 4))
+    with pytest.raises(ValueError, match=r"block id 9 is out of range for a cache of 6 blocks"):
+        gather(cache, spec, [0, 9], Span(0, 32), Span(0, 4), out)
+    with pytest.raises(ValueError, match=r"token span \[10,42\) runs past the 2 blocks given \(32 tokens"):
+        gather(cache, spec, [0, 1], Span(10, 42), Span(0, 4), torch.empty(spec.wire_shape(32, 4)))
+    with pytest.raises(ValueError, match=r"head span \[2,5\) is outside the cache's 4 kv heads"):
+        gather(cache, spec, [0, 1], Span(0, 32), Span(2, 5), torch.empty(spec.wire_shape(32, 3)))
+    with pytest.raises(ShapeMismatchError, match=r"out is torch.float32 \[2, 32, 3, 8\], expected .*\[2, 32, 4, 8\]"):
+        gather(cache, spec, [0, 1], Span(0, 32), Span(0, 4), torch.empty(2, 32, 3, 8))
+    with pytest.raises(ShapeMismatchError, match=r"out is torch.bfloat16 .* expected torch.float32"):
+        gather(cache, spec, [0, 1], Span(0, 32), Span(0, 4), out.bfloat16())
+    with pytest.raises(ShapeMismatchError, match=r"wire is .*\[2, 16, 4, 8\], expected .*\[2, 32, 4, 8\]"):
+        scatter(torch.empty(2, 16, 4, 8), cache, spec, [0, 1], Span(0, 32), Span(0, 4))
+    with pytest.raises(ValueError, match=r"out must be contiguous"):
+        gather(cache, spec, [0, 1], Span(0, 32), Span(0, 4), torch.empty(2, 4, 32, 8).transpose(1, 2))
+    with pytest.raises(ShapeMismatchError, match=r"cache has shape \[2, 5, 16, 4, 8\], spec expects \[2, 6, 16, 4, 8\]"):
+        gather(cache[:, :5], spec, [0, 1], Span(0, 32), Span(0, 4), out)
+    with pytest.raises(ShapeMismatchError, match=r"cache dtype is torch.float64"):
+        gather(cache.double(), spec, [0, 1], Span(0, 32), Span(0, 4), out)
+    with pytest.raises(ValueError, match=r"SlotMap has block_size 32, the cache has 16"):
+        gather(cache, spec, SlotMap([0], 32), Span(0, 32), Span(0, 4), out)
+    with pytest.raises(ValueError, match=r"block ids must be >= 0, got \[-1\]"):
+        SlotMap([0, -1], 16)
+    with pytest.raises(ValueError, match=r"1-D integer tensor"):
+        SlotMap(torch.zeros(2, 2), 16)
+    with pytest.raises(TypeError, match=r"tokens and heads must be Span"):
+        gather(cache, spec, [0, 1], (0, 32), Span(0, 4), out)  # type: ignore[arg-type]
+
+
+def test_spec_and_wire_shape_validation() -> None:
+    with pytest.raises(ValueError, match=r"num_kv_heads must be 1, got 2"):
+        PagedCacheSpec(CacheLayout.MLA, 4, 16, 2, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"block_size must be a positive int, got 0"):
+        PagedCacheSpec(CacheLayout.CPU, 4, 0, 2, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"num_heads must be 1, got 2"):
+        wire_shape(8, 2, 64, mla=True)
+    assert wire_shape(8, 2, 64, mla=False) == (2, 8, 2, 64)
+    assert wire_shape(8, 1, 576, mla=True) == (1, 8, 576)
+
+
+def test_cpu_cache_with_strided_rows_is_rejected() -> None:
+    base = torch.zeros(4, 2, 16, 32)
+    spec = PagedCacheSpec(CacheLayout.CPU, 4, 16, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"contiguous \[block_size, 2\*head_size\] rows"):
+        kv_view(base[..., ::2], spec)
+
+
+def test_benchmark_quick_mode_writes_json(tmp_path) -> None:
+    import json
+
+    from benchmarks import bench_paged
+
+    argv = ["--quick", "--no-plot", "--out", str(tmp_path), "--sizes-mib", "0.0625", "--repeats", "1", "--threads", "1"]
+    assert bench_paged.main(argv) == 0
+    rows = json.loads((tmp_path / "paged.json").read_text())["results"]
+    expected = {(layout.name, op) for layout in CacheLayout for op in ("gather", "scatter")}
+    assert {(r["layout"], r["op"]) for r in rows} == expected
+    assert all(r["gbps_best"] > 0 and r["ratio_median"] > 0 for r in rows)
