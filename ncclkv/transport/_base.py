@@ -1,0 +1,129 @@
+"""The link interface the engine programs against, and argument checks shared by its implementations."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["LinkBase", "LinkFactory", "LinkStats", "check_link_args", "join_address", "split_address"]
+
+_LINK_ID = re.compile(r"[A-Za-z0-9._:@+-]{1,200}")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkStats:
+    """A snapshot of one link's counters.
+
+    ``next_send_seq`` / ``next_recv_seq`` count the calls made on this end (the
+    seq a new call gets); ``tensors_*`` / ``bytes_*`` count completed transfers.
+    """
+
+    link_id: str
+    tensors_sent: int
+    bytes_sent: int
+    tensors_received: int
+    bytes_received: int
+    next_send_seq: int
+    next_recv_seq: int
+    in_flight_sends: int
+    in_flight_recvs: int
+
+
+@runtime_checkable
+class LinkBase(Protocol):
+    """Ordered asynchronous point-to-point between the two ranks of a link.
+
+    The n-th ``send`` on one end matches the n-th ``recv`` on the other, and
+    every future completes in call order (per direction).
+    """
+
+    @property
+    def link_id(self) -> str: ...
+
+    @property
+    def link_rank(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def broken(self) -> BaseException | None: ...
+
+    def send(
+        self,
+        tensor: torch.Tensor,
+        *,
+        ready_event: object | None = None,
+        before_send: Callable[[], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> Future[None]: ...
+
+    def recv(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+        timeout_s: float | None = None,
+    ) -> Future[torch.Tensor]: ...
+
+    def stats(self) -> LinkStats: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class LinkFactory(Protocol):
+    """What the engine needs to open links: :class:`DataPlane` or :class:`LoopbackTransport`."""
+
+    @property
+    def address(self) -> str: ...
+
+    def open_link(
+        self,
+        link_id: str,
+        link_rank: int,
+        store_addr: str,
+        device: torch.device | str,
+        timeout_s: float,
+    ) -> LinkBase: ...
+
+    def close(self) -> None: ...
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` -> ``(host, port)``; ValueError otherwise."""
+    host, sep, port_text = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"store address must be 'host:port', got {address!r}")
+    return host, int(port_text)
+
+
+def join_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_link_args(link_id: str, link_rank: int, device: torch.device | str, timeout_s: float) -> torch.device:
+    """Validate ``open_link`` arguments; return the device as a ``torch.device``."""
+    if not isinstance(link_id, str) or not _LINK_ID.fullmatch(link_id):
+        raise ValueError(f"link_id must be 1-200 chars of [A-Za-z0-9._:@+-], got {link_id!r}")
+    if link_rank not in (0, 1) or isinstance(link_rank, bool):
+        raise ValueError(f"link_rank must be 0 or 1, got {link_rank!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"links carry cpu or cuda tensors, got device {dev}")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev

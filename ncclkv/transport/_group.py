@@ -1,0 +1,142 @@
+"""A 2-rank torch.distributed group made on the fly, without any default process group.
+
+gloo for CPU devices and NCCL for CUDA devices; only the lines that pick the
+backend differ. Operations are posted on the group object itself
+(``pg.send([t], peer, 0)``): ``dist.send(..., group=pg)`` rejects a group that
+was not registered through ``init_process_group``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import HandshakeError, NcclKVError, TransferError, TransferTimeout
+from ._base import split_address
+
+__all__ = ["TorchBackend", "open_group"]
+
+_TAG = 0  # NCCL has no tags; gloo gets the same semantics: one ordered stream per direction
+_ABORT_TAG = 1  # never used for data, see TorchBackend.abort
+_NCCL_WATCHDOG_MARGIN_S = 60.0
+
+
+class _WorkPending:
+    def __init__(self, work: dist.Work) -> None:
+        self._work = work
+
+    def wait(self, timeout_s: float) -> None:
+        # Blocks the calling thread (also for NCCL, since a timeout is given).
+        if self._work.wait(timedelta(seconds=timeout_s)) is False:
+            raise TimeoutError(f"work not done within {timeout_s:g} s")
+
+
+class TorchBackend:
+    """Posts single sends and receives to the peer of a 2-rank process group."""
+
+    def __init__(self, pg: dist.ProcessGroup, link_rank: int, device: torch.device, store: dist.Store) -> None:
+        self._pg = pg
+        self._peer = 1 - link_rank
+        self._device = device
+        self._store = store  # NCCL may still read it (lazily made communicators)
+
+    @property
+    def name(self) -> str:
+        return "nccl" if self._device.type == "cuda" else "gloo"
+
+    def post_send(self, tensor: torch.Tensor) -> _WorkPending:
+        return _WorkPending(self._pg.send([tensor], self._peer, _TAG))
+
+    def post_recv(self, tensor: torch.Tensor) -> _WorkPending:
+        return _WorkPending(self._pg.recv([tensor], self._peer, _TAG))
+
+    def release(self) -> None:
+        self._pg = self._store = None  # type: ignore[assignment]
+
+    def abort(self) -> None:
+        try:
+            if self._device.type == "cuda":
+                self._pg.abort()
+                return
+            # gloo's abort() and shutdown() leave posted operations blocked (torch
+            # 2.13), but a wait that times out closes the pair, which fails every
+            # operation on it at once, here and at the peer ("closed by peer").
+            self._pg.recv([torch.empty(1)], self._peer, _ABORT_TAG).wait(timedelta(milliseconds=1))
+        except Exception:  # noqa: BLE001 - aborting a broken group may raise anything; it is aborted either way
+            pass
+
+
+def _left(deadline: float) -> timedelta:
+    return timedelta(seconds=max(0.001, deadline - time.monotonic()))
+
+
+def _make_group(
+    store: dist.Store,
+    link_rank: int,
+    device: torch.device,
+    deadline: float,
+    op_timeout_s: float,
+    gloo_device: Callable[[], object],
+) -> dist.ProcessGroup:
+    if device.type == "cuda":
+        from torch.distributed import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        # The watchdog's timeout may end the process: keep it well past our own deadlines.
+        options._timeout = timedelta(seconds=op_timeout_s + _NCCL_WATCHDOG_MARGIN_S)
+        pg = ProcessGroupNCCL(store, link_rank, 2, options)
+        pg.eager_connect_single_device(device)  # meet the peer now, not at the first send
+        return pg
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = _left(deadline)  # connecting to the peer; operations pass their own deadlines
+    options._devices = [gloo_device()]
+    options._threads = 1  # gloo's worker threads serve collectives; send/recv do not use them
+    return dist.ProcessGroupGloo(store, link_rank, 2, options)
+
+
+def open_group(
+    link_id: str,
+    link_rank: int,
+    store_addr: str,
+    device: torch.device,
+    deadline: float,
+    op_timeout_s: float,
+    gloo_device: Callable[[], object],
+) -> TorchBackend:
+    """Meet the peer through the TCPStore at ``store_addr`` and connect a 2-rank group by ``deadline``.
+
+    Both ends first publish their backend under the link's prefix, so a peer
+    that never joins is a :class:`TransferTimeout` from a store wait we control,
+    and a gloo end facing an NCCL end is a :class:`HandshakeError`.
+    """
+    host, port = split_address(store_addr)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    peer = 1 - link_rank
+    where = f"link {link_id!r} (link rank {link_rank}, store {store_addr})"
+    timeout_s = deadline - time.monotonic()
+    try:
+        # A client connection of its own even to our own server: a blocking wait
+        # holds a store connection, and links open concurrently.
+        client = dist.TCPStore(host, port, is_master=False, timeout=_left(deadline))
+        store = dist.PrefixStore(f"ncclkv/{link_id}", client)
+        if store.add(f"joined/{link_rank}", 1) != 1:
+            raise ValueError(f"{where}: link rank {link_rank} already joined; every link needs a new link_id")
+        store.set(f"backend/{link_rank}", backend)
+        store.wait([f"backend/{peer}"], _left(deadline))
+        peer_backend = store.get(f"backend/{peer}").decode()
+        if peer_backend != backend:
+            raise HandshakeError(f"{where}: this end uses {backend} on {device}, the peer uses {peer_backend}")
+        pg = _make_group(store, link_rank, device, deadline, op_timeout_s, gloo_device)
+    except (NcclKVError, ValueError):
+        raise
+    except Exception as exc:  # torch raises DistError subclasses and plain RuntimeErrors
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if time.monotonic() >= deadline - 0.01 or "time" in text.lower():
+            raise TransferTimeout(f"{where}: peer (link rank {peer}) not connected within {timeout_s:.3g} s: {text}") from exc
+        raise TransferError(f"{where}: cannot connect to peer (link rank {peer}): {text}") from exc
+    return TorchBackend(pg, link_rank, device, client)

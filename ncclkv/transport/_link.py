@@ -1,0 +1,321 @@
+"""A link: ordered asynchronous send/recv between the two ranks of a 2-rank group.
+
+NCCL point-to-point has no tags: the n-th send matches the n-th receive. A
+link therefore keeps one ordered pipe per direction and uses tag 0 for
+everything. The backend (gloo, NCCL or the in-process loopback) only posts
+single operations; ordering, deadlines, counters and failure handling live
+here, the same for all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from functools import partial
+from typing import Protocol
+
+import torch
+
+from ..errors import ClosedError, NcclKVError, TransferError, TransferTimeout
+from ._base import LinkStats
+from ._pipe import Completed, Op, Pending, Pipe, settle
+
+__all__ = ["Backend", "Link"]
+
+_log = logging.getLogger(__name__)
+_JOIN_MARGIN_S = 2.0
+_DEADLINE_SLACK_S = 0.02  # backends round their timeout down to whole milliseconds
+
+
+class Backend(Protocol):
+    """Posts single operations to the peer; knows nothing about order or deadlines."""
+
+    @property
+    def name(self) -> str: ...
+
+    def post_send(self, tensor: torch.Tensor) -> Pending: ...
+
+    def post_recv(self, tensor: torch.Tensor) -> Pending: ...
+
+    def abort(self) -> None:
+        """Make every posted operation fail soon, here and at the peer; never raises."""
+
+    def release(self) -> None:
+        """Drop the connection's resources; called once, after the link's threads ended."""
+
+
+class Link:
+    """One end of a link; see :class:`ncclkv.transport.LinkBase` for the contract.
+
+    A failed or timed-out operation breaks the link (the backend's stream of
+    matched operations can no longer be trusted): that future fails with a
+    typed error, every other pending future fails with :class:`TransferError`,
+    and later calls raise :class:`ClosedError`. Open a new link (new id) to
+    carry on. Future callbacks run on the link's threads: keep them short.
+    """
+
+    def __init__(
+        self,
+        link_id: str,
+        link_rank: int,
+        device: torch.device,
+        backend: Backend,
+        *,
+        timeout_s: float,
+        max_in_flight: int = 8,
+        peer: str = "",
+        on_close: Callable[[Link], None] | None = None,
+    ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if not (isinstance(max_in_flight, int) and max_in_flight >= 1):
+            raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        self._link_id = link_id
+        self._link_rank = link_rank
+        self._device = device
+        self._backend = backend
+        self._timeout_s = timeout_s
+        self._peer = peer
+        self._on_close = on_close
+        self._lock = threading.Lock()
+        self._closed = False
+        self._released = False
+        self._aborted = False
+        self._broken: BaseException | None = None
+        self._next_seq = [0, 0]  # send, recv
+        self._tensors = [0, 0]
+        self._bytes = [0, 0]
+        self._stream = None
+        if device.type == "cuda":  # the send waits on the producer's event on this stream, not on the host
+            self._stream = torch.cuda.Stream(device=device)
+        name = f"ncclkv-link-{link_id}"
+        self._pipes = tuple(
+            Pipe(f"{name}-{kind}", partial(self._post, d), partial(self._finish, d), self._fail, max_in_flight)
+            for d, kind in enumerate(("send", "recv"))
+        )
+
+    @property
+    def link_id(self) -> str:
+        return self._link_id
+
+    @property
+    def link_rank(self) -> int:
+        return self._link_rank
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def backend_name(self) -> str:
+        """One of "gloo", "nccl", "loopback"."""
+        return self._backend.name
+
+    @property
+    def peer(self) -> str:
+        """Where the peer was reached (store address), for messages."""
+        return self._peer
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def broken(self) -> BaseException | None:
+        """The error that broke the link, or None."""
+        return self._broken
+
+    def send(
+        self,
+        tensor: torch.Tensor,
+        *,
+        ready_event: object | None = None,
+        before_send: Callable[[], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> Future[None]:
+        """Queue ``tensor`` for sending; return at once.
+
+        The send thread runs ``before_send()`` right before posting (so what it
+        emits is ordered like the data), then posts the send. On CUDA the send
+        first waits for ``ready_event`` (default: an event recorded now on the
+        caller's current stream). ``tensor`` must stay unmodified until the
+        future completes. The deadline ``timeout_s`` (default: the link's)
+        counts from the moment the send is posted.
+        """
+        self._check_tensor(tensor, "send")
+        if self._device.type == "cuda" and ready_event is None:
+            ready_event = torch.cuda.current_stream(self._device).record_event()
+        return self._submit(0, tensor, timeout_s, ready_event, before_send)
+
+    def recv(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+        timeout_s: float | None = None,
+    ) -> Future[torch.Tensor]:
+        """Queue a receive of the peer's next tensor (sized from its announcement); return at once.
+
+        Receives are posted in call order on the link's receive thread, at most
+        ``max_in_flight`` ahead. ``out`` (contiguous, this link's device, the
+        given shape and dtype) is filled in place; otherwise a tensor is
+        allocated. The sent tensor must have the same number of bytes: gloo
+        aborts the process on a size mismatch and NCCL does not check.
+        """
+        shape = tuple(int(n) for n in shape)
+        if any(n < 0 for n in shape):
+            raise ValueError(f"link {self._link_id!r}: negative receive shape {shape}")
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=self._device)
+        elif tuple(out.shape) != shape or out.dtype != dtype:
+            raise ValueError(
+                f"link {self._link_id!r}: out is {tuple(out.shape)} {out.dtype}, receive announced {shape} {dtype}"
+            )
+        self._check_tensor(out, "recv")
+        ready_event = None
+        if self._device.type == "cuda":  # do not overwrite ``out`` while the caller's stream still uses it
+            ready_event = torch.cuda.current_stream(self._device).record_event()
+        return self._submit(1, out, timeout_s, ready_event, None)
+
+    def stats(self) -> LinkStats:
+        with self._lock:
+            return LinkStats(
+                link_id=self._link_id,
+                tensors_sent=self._tensors[0],
+                bytes_sent=self._bytes[0],
+                tensors_received=self._tensors[1],
+                bytes_received=self._bytes[1],
+                next_send_seq=self._next_seq[0],
+                next_recv_seq=self._next_seq[1],
+                in_flight_sends=self._pipes[0].in_flight(),
+                in_flight_recvs=self._pipes[1].in_flight(),
+            )
+
+    def close(self) -> None:
+        """Fail pending futures with ClosedError, abort the backend, join the threads. Idempotent."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            was_open = not self._closed
+            self._closed = True
+        if was_open:
+            for op in self._stop_pipes():
+                settle(op.future, error=ClosedError(f"{op.label}: the link was closed"))
+        self._abort_backend()
+        joined = all([pipe.join(self._timeout_s + _JOIN_MARGIN_S) for pipe in self._pipes])
+        if joined:
+            self._backend.release()
+        else:
+            _log.warning("link %r: a thread did not end within %.3g s", self._link_id, self._timeout_s + _JOIN_MARGIN_S)
+        if self._on_close is not None:
+            self._on_close(self)
+
+    def __enter__(self) -> Link:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken else "closed" if self._closed else "open"
+        return f"Link({self._link_id!r}, rank {self._link_rank}, {self._backend.name} on {self._device}, {state})"
+
+    # -- internals ---------------------------------------------------------
+
+    def _check_tensor(self, tensor: torch.Tensor, what: str) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"link {self._link_id!r}: {what} needs a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device != self._device:
+            raise ValueError(f"link {self._link_id!r}: {what} tensor on {tensor.device}, link on {self._device}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"link {self._link_id!r}: {what} tensor {tuple(tensor.shape)} is not contiguous")
+
+    def _submit(
+        self,
+        direction: int,
+        tensor: torch.Tensor,
+        timeout_s: float | None,
+        ready_event: object | None,
+        before_send: Callable[[], None] | None,
+    ) -> Future:
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        if not timeout > 0:
+            raise ValueError(f"link {self._link_id!r}: timeout_s must be > 0, got {timeout_s!r}")
+        future: Future = Future()
+        future.set_running_or_notify_cancel()  # a posted transfer cannot be cancelled
+        with self._lock:  # seq order == queue order
+            if self._closed:
+                cause = f" (broken: {self._broken})" if self._broken else ""
+                raise ClosedError(f"link {self._link_id!r} is closed{cause}")
+            seq = self._next_seq[direction]
+            self._next_seq[direction] += 1
+            kind = "send" if direction == 0 else "recv"
+            label = f"link {self._link_id!r} {kind} seq {seq} shape {tuple(tensor.shape)} {tensor.dtype}"
+            op = Op(label, tensor, future, timeout, ready_event, before_send)
+            self._pipes[direction].submit(op)
+        return future
+
+    @contextlib.contextmanager
+    def _on_link_stream(self, ready_event: object | None) -> Iterator[None]:
+        if self._device.type == "cuda":
+            with torch.cuda.stream(self._stream):
+                if ready_event is not None:
+                    self._stream.wait_event(ready_event)
+                yield
+        else:
+            yield
+
+    def _post(self, direction: int, op: Op) -> Pending:
+        if op.tensor.numel() == 0:  # nothing to move; both sides know the shape
+            return Completed()
+        post = self._backend.post_send if direction == 0 else self._backend.post_recv
+        with self._on_link_stream(op.ready_event):
+            return post(op.tensor)
+
+    def _finish(self, direction: int, op: Op) -> None:
+        with self._lock:
+            self._tensors[direction] += 1
+            self._bytes[direction] += op.tensor.numel() * op.tensor.element_size()
+        settle(op.future, result=None if direction == 0 else op.tensor)
+
+    def _fail(self, op: Op, exc: BaseException) -> None:
+        error = self._typed_error(op, exc)
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            if first:
+                self._broken = error
+        settle(op.future, error=error if first else ClosedError(f"{op.label}: the link was closed"))
+        if not first:
+            return  # already closed or broken: the error is a consequence of that
+        _log.warning("%s", error)
+        for other in self._stop_pipes():
+            settle(other.future, error=TransferError(f"{other.label}: the link broke: {error}"))
+        self._abort_backend()
+
+    def _typed_error(self, op: Op, exc: BaseException) -> NcclKVError:
+        where = f"{op.label} (link rank {self._link_rank}, peer {self._peer or 'unknown'})"
+        if isinstance(exc, NcclKVError):
+            error: NcclKVError = type(exc)(f"{where}: {exc}")
+        elif isinstance(exc, TimeoutError) or (op.deadline and time.monotonic() >= op.deadline - _DEADLINE_SLACK_S):
+            error = TransferTimeout(f"{where}: not done within {op.timeout_s:g} s: {exc}")
+        else:
+            error = TransferError(f"{where}: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
+
+    def _stop_pipes(self) -> list[Op]:
+        return [op for pipe in self._pipes for op in pipe.stop()]
+
+    def _abort_backend(self) -> None:
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+        self._backend.abort()

@@ -1,0 +1,219 @@
+"""In-process links for unit tests of the layers above the transport.
+
+A loopback link is a real :class:`Link` (same ordering, deadlines, counters
+and failure handling) over a wire in memory: the n-th send posted by one end
+meets the n-th receive posted by the other, the bytes are copied, and both
+complete. Like gloo and NCCL for large tensors, a send completes only when
+the peer has posted the matching receive. Unlike them, a receive that does not
+match the sent shape and dtype fails with :class:`ShapeMismatchError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+
+import torch
+
+from .._env import env_settings
+from ..errors import ClosedError, ShapeMismatchError, TransferError, TransferTimeout
+from ._base import check_link_args
+from ._link import Link
+
+__all__ = ["LoopbackHub", "LoopbackTransport", "loopback_pair"]
+
+
+class _WireOp:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self, timeout_s: float) -> None:
+        if not self.done.wait(timeout_s):
+            raise TimeoutError(f"not matched by the peer within {timeout_s:g} s")
+        if self.error is not None:
+            raise self.error
+
+
+class _Wire:
+    """Both directions between two in-process ends; index = sending rank."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sends: tuple[deque[_WireOp], deque[_WireOp]] = (deque(), deque())
+        self._recvs: tuple[deque[_WireOp], deque[_WireOp]] = (deque(), deque())
+        self._closed_by: str | None = None
+
+    def post(self, src: int, tensor: torch.Tensor, *, is_send: bool) -> _WireOp:
+        op = _WireOp(tensor)
+        with self._lock:
+            if self._closed_by is not None:
+                raise ConnectionError(f"loopback wire closed by {self._closed_by}")
+            (self._sends if is_send else self._recvs)[src].append(op)
+            self._match(src)
+        return op
+
+    def close(self, by: str) -> None:
+        with self._lock:
+            if self._closed_by is not None:
+                return
+            self._closed_by = by
+            pending = [op for queues in (self._sends, self._recvs) for queue in queues for op in queue]
+            for queue in (*self._sends, *self._recvs):
+                queue.clear()
+        for op in pending:
+            op.error = ConnectionError(f"loopback wire closed by {by}")
+            op.done.set()
+
+    def _match(self, src: int) -> None:
+        sends, recvs = self._sends[src], self._recvs[src]
+        while sends and recvs:
+            send, recv = sends.popleft(), recvs.popleft()
+            a, b = send.tensor, recv.tensor
+            if a.shape != b.shape or a.dtype != b.dtype:
+                text = f"sent {tuple(a.shape)} {a.dtype}, receive posted for {tuple(b.shape)} {b.dtype}"
+                send.error, recv.error = ShapeMismatchError(text), ShapeMismatchError(text)
+            else:
+                b.copy_(a)
+            send.done.set()
+            recv.done.set()
+
+
+class _WireEnd:
+    """The :class:`~ncclkv.transport._link.Backend` of one loopback end."""
+
+    name = "loopback"
+
+    def __init__(self, wire: _Wire, link_rank: int) -> None:
+        self._wire = wire
+        self._rank = link_rank
+
+    def post_send(self, tensor: torch.Tensor) -> _WireOp:
+        return self._wire.post(self._rank, tensor, is_send=True)
+
+    def post_recv(self, tensor: torch.Tensor) -> _WireOp:
+        return self._wire.post(1 - self._rank, tensor, is_send=False)
+
+    def abort(self) -> None:
+        self._wire.close(f"link rank {self._rank}")
+
+    def release(self) -> None:
+        return None
+
+
+def loopback_pair(
+    link_id: str,
+    *,
+    device: torch.device | str = "cpu",
+    timeout_s: float | None = None,
+    max_in_flight: int = 8,
+) -> tuple[Link, Link]:
+    """Both ends (link rank 0, link rank 1) of an in-process link."""
+    timeout = env_settings().deadline_s if timeout_s is None else timeout_s
+    dev = check_link_args(link_id, 0, device, timeout)
+    wire = _Wire()
+    return (
+        Link(link_id, 0, dev, _WireEnd(wire, 0), timeout_s=timeout, max_in_flight=max_in_flight, peer="loopback"),
+        Link(link_id, 1, dev, _WireEnd(wire, 1), timeout_s=timeout, max_in_flight=max_in_flight, peer="loopback"),
+    )
+
+
+class LoopbackHub:
+    """Where the :class:`LoopbackTransport` objects of one process (or one test) meet."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._counter = itertools.count()
+        self._addresses: set[str] = set()
+        self._waiting: dict[tuple[str, str], tuple[int, _Wire]] = {}
+        self._used: set[tuple[str, str]] = set()
+
+    def new_address(self) -> str:
+        with self._cond:
+            address = f"loopback:{next(self._counter) + 1}"
+            self._addresses.add(address)
+            return address
+
+    def meet(self, store_addr: str, link_id: str, link_rank: int, deadline: float) -> _Wire:
+        key = (store_addr, link_id)
+        where = f"link {link_id!r} (link rank {link_rank}, store {store_addr})"
+        with self._cond:
+            if store_addr not in self._addresses:
+                raise TransferError(f"{where}: no loopback transport has that address")
+            if key in self._used:
+                raise ValueError(f"{where}: link id already used; every link needs a new link_id")
+            if key in self._waiting:
+                rank, wire = self._waiting.pop(key)
+                if rank == link_rank:
+                    raise ValueError(f"{where}: both ends claim link rank {link_rank}")
+                self._used.add(key)
+                self._cond.notify_all()
+                return wire
+            wire = _Wire()
+            self._waiting[key] = (link_rank, wire)
+            while key in self._waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    del self._waiting[key]
+                    self._used.add(key)
+                    raise TransferTimeout(f"{where}: peer (link rank {1 - link_rank}) did not join in time")
+                self._cond.wait(left)
+            return wire
+
+
+class LoopbackTransport:
+    """A :class:`DataPlane` stand-in whose links are loopback links to another transport on the same hub."""
+
+    def __init__(self, hub: LoopbackHub | None = None) -> None:
+        self.hub = hub if hub is not None else LoopbackHub()
+        self._address = self.hub.new_address()
+        self._lock = threading.Lock()
+        self._links: dict[str, Link] = {}
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def links(self) -> list[Link]:
+        with self._lock:
+            return list(self._links.values())
+
+    def open_link(
+        self,
+        link_id: str,
+        link_rank: int,
+        store_addr: str,
+        device: torch.device | str,
+        timeout_s: float,
+        *,
+        op_timeout_s: float | None = None,
+        max_in_flight: int = 8,
+    ) -> Link:
+        dev = check_link_args(link_id, link_rank, device, timeout_s)
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"loopback transport {self._address} is closed")
+        wire = self.hub.meet(store_addr, link_id, link_rank, time.monotonic() + timeout_s)
+        link = Link(
+            link_id, link_rank, dev, _WireEnd(wire, link_rank),
+            timeout_s=timeout_s if op_timeout_s is None else op_timeout_s, max_in_flight=max_in_flight, peer=store_addr, on_close=self._forget,
+        )
+        with self._lock:
+            self._links[link_id] = link
+        return link
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            links = list(self._links.values())
+        for link in links:
+            link.close()
+
+    def _forget(self, link: Link) -> None:
+        with self._lock:
+            if self._links.get(link.link_id) is link:
+                del self._links[link.link_id]

@@ -1,0 +1,183 @@
+"""One direction of a link: ops posted in call order, a bounded number in flight, completed in order.
+
+A pipe owns two threads. The poster takes queued ops in order, runs an op's
+``before_send`` hook and posts it to the backend without waiting for earlier
+ops to finish (up to ``max_in_flight`` outstanding: several posted sends keep
+the wire busy, one blocking send after another does not). The reaper waits for
+the oldest posted op, with that op's deadline, and completes futures in order.
+Both threads end when the pipe is stopped; :meth:`Pipe.join` waits for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import ClosedError, TransferError
+
+__all__ = ["Completed", "Op", "Pending", "Pipe", "settle"]
+
+_log = logging.getLogger(__name__)
+_MIN_WAIT_S = 0.001  # backends read a zero timeout as "no timeout"
+
+
+class Pending(Protocol):
+    """A posted backend operation."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until done; raise on backend failure or when ``timeout_s`` passes."""
+
+
+class Completed:
+    """A pending op that is already done (empty tensors never touch the backend)."""
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+
+@dataclass(slots=True, eq=False)
+class Op:
+    """One send or receive on its way through a pipe."""
+
+    label: str  # "link 'x' send seq 3 shape (2, 4) torch.float16": the prefix of every error
+    tensor: torch.Tensor
+    future: Future[Any]
+    timeout_s: float
+    ready_event: object | None = None
+    before_send: Callable[[], None] | None = None
+    pending: Pending | None = None
+    deadline: float = 0.0
+
+
+def settle(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> bool:
+    """Complete ``future`` unless it already is; return whether this call completed it."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        return False
+    return True
+
+
+class Pipe:
+    """Ordered, bounded, asynchronous execution of one direction's ops."""
+
+    def __init__(
+        self,
+        name: str,
+        post: Callable[[Op], Pending],
+        finish: Callable[[Op], None],
+        fail: Callable[[Op, BaseException], None],
+        max_in_flight: int,
+    ) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self._post = post
+        self._finish = finish
+        self._fail = fail
+        self._max_in_flight = max_in_flight
+        self._cond = threading.Condition()
+        self._queued: deque[Op] = deque()
+        self._in_flight: deque[Op] = deque()
+        self._stopping = False
+        self._threads = (
+            threading.Thread(target=self._post_loop, name=f"{name}-post", daemon=True),
+            threading.Thread(target=self._reap_loop, name=f"{name}-reap", daemon=True),
+        )
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, op: Op) -> None:
+        with self._cond:
+            if self._stopping:
+                raise ClosedError(f"{op.label}: the link is closed")
+            self._queued.append(op)
+            self._cond.notify_all()
+
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._in_flight)
+
+    def stop(self) -> list[Op]:
+        """Stop both threads; return the ops not yet completed, oldest first, for the caller to fail."""
+        with self._cond:
+            self._stopping = True
+            ops = [*self._in_flight, *self._queued]
+            self._in_flight.clear()
+            self._queued.clear()
+            self._cond.notify_all()
+        return ops
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for both threads to end; return False if one is still running at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() and t is not threading.current_thread() for t in self._threads)
+
+    def _post_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not (self._queued and len(self._in_flight) < self._max_in_flight):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                op = self._queued.popleft()
+            if op.before_send is not None and not self._run_hook(op):
+                continue
+            try:
+                op.pending = self._post(op)
+            except Exception as exc:  # the backend refused: the link is unusable
+                self._fail(op, exc)
+                continue
+            op.deadline = time.monotonic() + op.timeout_s
+            with self._cond:
+                if self._stopping:  # stopped while posting: stop() did not see this op
+                    settle(op.future, error=ClosedError(f"{op.label}: the link is closed"))
+                    return
+                self._in_flight.append(op)
+                self._cond.notify_all()
+
+    def _run_hook(self, op: Op) -> bool:
+        # A failed hook means the tensor was never announced: skip it, the data
+        # stream stays aligned because nothing was posted.
+        assert op.before_send is not None
+        try:
+            op.before_send()
+        except Exception as exc:
+            settle(op.future, error=TransferError(f"{op.label}: before_send failed, not sent: {exc!r}"))
+            _log.warning("%s: before_send failed: %r", op.label, exc)
+            return False
+        return True
+
+    def _reap_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._in_flight:
+                    self._cond.wait()
+                if not self._in_flight:
+                    return
+                op = self._in_flight[0]
+            assert op.pending is not None
+            try:
+                op.pending.wait(max(_MIN_WAIT_S, op.deadline - time.monotonic()))
+            except Exception as exc:
+                self._fail(op, exc)
+                continue
+            with self._cond:
+                if not self._in_flight or self._in_flight[0] is not op:
+                    continue  # stopped meanwhile; stop() handed the op to the closer
+                self._in_flight.popleft()
+                self._cond.notify_all()
+            self._finish(op)

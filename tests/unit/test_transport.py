@@ -1,0 +1,302 @@
+"""ncclkv.transport in one process: loopback links, and real gloo links between two data planes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from ncclkv.errors import ClosedError, ShapeMismatchError, TransferError, TransferTimeout
+from ncclkv.transport import (
+    DataPlane,
+    Link,
+    LinkBase,
+    LinkFactory,
+    LoopbackHub,
+    LoopbackTransport,
+    loopback_pair,
+)
+
+WAIT_S = 10.0
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8)
+
+
+def sample(seq: int) -> torch.Tensor:
+    """A tensor whose shape, dtype and bytes all depend on ``seq`` (seq 3 is empty, seq 5 a scalar)."""
+    dtype = DTYPES[seq % len(DTYPES)]
+    shape: tuple[int, ...] = (seq % 4 + 1, seq % 7 + 2) if seq % 2 else (seq * 13 % 97 + 1,)
+    if seq == 3:
+        shape = (0, 4)
+    if seq == 5:
+        shape = ()
+    gen = torch.Generator().manual_seed(seq)
+    raw = torch.randint(0, 256, (max(1, torch.Size(shape).numel()) * 8,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype)[: torch.Size(shape).numel()].reshape(shape).clone()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Link, Link]]:
+    a, b = loopback_pair("unit", timeout_s=WAIT_S)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def link_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("ncclkv-link-")]
+
+
+def test_loopback_delivers_in_order_and_counts(pair: tuple[Link, Link]) -> None:
+    a, b = pair
+    sent = [sample(seq) for seq in range(30)]
+    done_order: list[int] = []
+    recvs = []
+    for seq, tensor in enumerate(sent):  # receives posted before, between and after the sends
+        if seq % 3 == 0:
+            recvs.append(b.recv(tensor.shape, tensor.dtype))
+        a.send(tensor)
+        if seq % 3:
+            recvs.append(b.recv(tensor.shape, tensor.dtype))
+    for seq, fut in enumerate(recvs):
+        fut.add_done_callback(lambda _f, seq=seq: done_order.append(seq))
+    got = [fut.result(WAIT_S) for fut in recvs]
+    assert all(same_bytes(x, y) for x, y in zip(got, sent, strict=True))
+    assert done_order == sorted(done_order)
+    nbytes = sum(t.numel() * t.element_size() for t in sent)
+    sa, sb = a.stats(), b.stats()
+    assert (sa.tensors_sent, sa.bytes_sent, sa.next_send_seq) == (30, nbytes, 30)
+    assert (sb.tensors_received, sb.bytes_received, sb.next_recv_seq) == (30, nbytes, 30)
+    assert isinstance(a, LinkBase) and a.backend_name == "loopback"
+
+
+def test_recv_fills_out_in_place(pair: tuple[Link, Link]) -> None:
+    a, b = pair
+    out = torch.zeros(2, 3)
+    fut = b.recv((2, 3), torch.float32, out=out)
+    a.send(torch.arange(6.0).reshape(2, 3))
+    assert fut.result(WAIT_S) is out and out[1, 2].item() == 5.0
+
+
+def test_before_send_runs_in_order_right_before_the_data(pair: tuple[Link, Link]) -> None:
+    a, b = pair
+    recvs = [b.recv(sample(seq).shape, sample(seq).dtype) for seq in range(20)]
+    hooks: list[tuple[int, bool]] = []
+    sends = [a.send(sample(seq), before_send=lambda seq=seq: hooks.append((seq, recvs[seq].done()))) for seq in range(20)]
+    for fut in sends:
+        fut.result(WAIT_S)
+    # Each hook ran in send order, and before its tensor reached the receiver
+    # (an empty tensor never touches the wire: its receive completes alone).
+    assert [seq for seq, _ in hooks] == list(range(20))
+    assert [seq for seq, arrived in hooks if arrived] in ([], [3])
+
+
+def test_failed_hook_skips_only_its_tensor(pair: tuple[Link, Link]) -> None:
+    a, b = pair
+
+    def refuse() -> None:
+        raise OSError("control channel down")
+
+    first, skipped, third = a.send(torch.ones(2)), a.send(torch.full((2,), 2.0), before_send=refuse), a.send(torch.full((2,), 3.0))
+    r0, r1 = b.recv((2,), torch.float32), b.recv((2,), torch.float32)
+    with pytest.raises(TransferError, match="seq 1.*before_send failed.*control channel down"):
+        skipped.result(WAIT_S)
+    assert r0.result(WAIT_S).tolist() == [1.0, 1.0] and r1.result(WAIT_S).tolist() == [3.0, 3.0]
+    first.result(WAIT_S), third.result(WAIT_S)
+    assert a.broken is None and a.stats().tensors_sent == 2
+
+
+def test_bounded_number_of_posted_sends() -> None:
+    a, b = loopback_pair("bounded", timeout_s=WAIT_S, max_in_flight=2)
+    hooks: list[int] = []
+    third_posted = threading.Event()
+
+    def hook(seq: int) -> None:
+        hooks.append(seq)
+        if seq == 2:
+            third_posted.set()
+
+    sends = [a.send(torch.full((1,), float(seq)), before_send=lambda seq=seq: hook(seq)) for seq in range(5)]
+    assert not third_posted.wait(0.3), "a third send was posted while two were unmatched"
+    assert hooks == [0, 1]
+    b.recv((1,), torch.float32).result(WAIT_S)  # completes send 0, which frees one slot
+    assert third_posted.wait(WAIT_S) and hooks == [0, 1, 2]
+    for _ in range(4):
+        b.recv((1,), torch.float32)
+    assert [f.result(WAIT_S) for f in sends] == [None] * 5
+    a.close(), b.close()
+
+
+def test_close_fails_pending_futures_and_joins_threads() -> None:
+    a, b = loopback_pair("closing", timeout_s=WAIT_S)
+    pending = [b.recv((3,), torch.float32) for _ in range(3)]
+    b.close()
+    for fut in pending:
+        with pytest.raises(ClosedError, match="link 'closing' recv seq"):
+            fut.result(1.0)
+    with pytest.raises(TransferError, match="closed by link rank 1"):  # the peer learns at its next transfer
+        a.send(torch.ones(3)).result(WAIT_S)
+    assert isinstance(a.broken, TransferError)
+    with pytest.raises(ClosedError):
+        b.recv((3,), torch.float32)
+    a.close()
+    with pytest.raises(ClosedError):
+        a.send(torch.ones(1))
+    assert link_threads() == []
+
+
+def test_timeout_is_typed_and_breaks_the_link(pair: tuple[Link, Link]) -> None:
+    a, b = pair
+    late = b.recv((4,), torch.int32, timeout_s=0.2)
+    behind = b.recv((4,), torch.int32)
+    start = time.monotonic()
+    with pytest.raises(TransferTimeout, match=r"link 'unit' recv seq 0 shape \(4,\) torch.int32.*0.2 s"):
+        late.result(WAIT_S)
+    assert time.monotonic() - start < 2.0
+    with pytest.raises(TransferError, match="seq 1.*the link broke"):
+        behind.result(WAIT_S)
+    assert isinstance(b.broken, TransferTimeout)
+    with pytest.raises(ClosedError, match="broken"):
+        b.recv((4,), torch.int32)
+    with pytest.raises(TransferError):  # the peer learns at its next transfer
+        a.send(torch.zeros(4, dtype=torch.int32)).result(WAIT_S)
+
+
+def test_shape_mismatch_is_typed(pair: tuple[Link, Link]) -> None:
+    a, b = pair
+    a.send(torch.zeros(2, 3))
+    with pytest.raises(ShapeMismatchError, match=r"sent \(2, 3\) torch.float32, receive posted for \(3, 2\)"):
+        b.recv((3, 2), torch.float32).result(WAIT_S)
+
+
+def test_bad_arguments_are_value_errors(pair: tuple[Link, Link]) -> None:
+    a, b = pair
+    with pytest.raises(ValueError, match="not contiguous"):
+        a.send(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match=r"out is \(2,\) torch.float32, receive announced \(3,\)"):
+        b.recv((3,), torch.float32, out=torch.zeros(2))
+    with pytest.raises(ValueError, match="timeout_s"):
+        a.send(torch.zeros(1), timeout_s=0)
+    with pytest.raises(TypeError):
+        a.send([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="link_id"):
+        loopback_pair("has space")
+    with pytest.raises(ValueError, match="meta"):
+        loopback_pair("ok", device="meta")
+    with DataPlane() as plane:
+        with pytest.raises(ValueError, match="link_rank must be 0 or 1"):
+            plane.open_link("x", 2, plane.address, "cpu", 1.0)
+        with pytest.raises(ValueError, match="host:port"):
+            plane.open_link("x", 0, "no-port", "cpu", 1.0)
+
+
+def test_loopback_transport_meets_by_store_address_and_id() -> None:
+    hub = LoopbackHub()
+    left, right = LoopbackTransport(hub), LoopbackTransport(hub)
+    assert isinstance(left, LinkFactory)
+    with ThreadPoolExecutor(2) as pool:
+        f0 = pool.submit(left.open_link, "m1", 0, right.address, "cpu", WAIT_S)
+        f1 = pool.submit(right.open_link, "m1", 1, right.address, "cpu", WAIT_S)
+        l0, l1 = f0.result(WAIT_S), f1.result(WAIT_S)
+    l0.send(torch.arange(3))
+    assert l1.recv((3,), torch.int64).result(WAIT_S).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="already used"):
+        left.open_link("m1", 0, right.address, "cpu", 0.2)
+    start = time.monotonic()
+    with pytest.raises(TransferTimeout, match="'m2'.*store loopback:2"):
+        left.open_link("m2", 0, right.address, "cpu", 0.3)
+    assert time.monotonic() - start < 2.0
+    left.close(), right.close()
+    assert l0.closed and l1.closed and link_threads() == []
+
+
+# -- real gloo links between two data planes in this process -----------------
+
+
+def listening_sockets() -> dict[str, str]:
+    """Socket inode -> IPv4 address, for this process's listening TCP sockets (from /proc; Linux only)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    raw = cols[1].split(":")[0]
+                    found[cols[9]] = ".".join(str(int(raw[i : i + 2], 16)) for i in (6, 4, 2, 0)) if len(raw) == 8 else raw
+    return found
+
+
+def open_both(plane0: DataPlane, plane1: DataPlane, link_id: str, store: str) -> tuple[Link, Link]:
+    with ThreadPoolExecutor(2) as pool:
+        f0 = pool.submit(plane0.open_link, link_id, 0, store, "cpu", WAIT_S)
+        f1 = pool.submit(plane1.open_link, link_id, 1, store, "cpu", WAIT_S)
+        return f0.result(WAIT_S), f1.result(WAIT_S)
+
+
+def test_gloo_links_between_two_data_planes() -> None:
+    before = listening_sockets()
+    with DataPlane() as p0, DataPlane() as p1:
+        assert p0.address.startswith("127.0.0.1:") and p0.address != p1.address
+        l0, l1 = open_both(p0, p1, "g1", p0.address)
+        m0, m1 = open_both(p0, p1, "g2", p1.address)  # hosted by the other plane's store
+        assert l0.backend_name == "gloo" and len(p0.links()) == 2
+        # Two store servers and the planes' gloo listeners, all bound to the bind host only.
+        ours = [host for inode, host in listening_sockets().items() if inode not in before]
+        assert len(ours) >= 3 and set(ours) == {"127.0.0.1"}
+        sent = [sample(seq) for seq in range(12)]
+        sends = [l0.send(t) for t in sent] + [m1.send(t) for t in sent]
+        got = [l1.recv(t.shape, t.dtype) for t in sent] + [m0.recv(t.shape, t.dtype) for t in sent]
+        assert all(same_bytes(f.result(WAIT_S), t) for f, t in zip(got, sent + sent, strict=True))
+        assert all(f.result(WAIT_S) is None for f in sends)
+        back = l0.recv((2,), torch.float64)
+        l1.send(torch.tensor([1.5, -2.0], dtype=torch.float64))
+        assert back.result(WAIT_S).tolist() == [1.5, -2.0]
+        with pytest.raises(ValueError, match="already open"):
+            p0.open_link("g1", 0, p0.address, "cpu", 1.0)
+        with pytest.raises(ValueError, match="already joined"):  # a closed id cannot be reused either
+            l0.close()
+            p0.open_link("g1", 0, p0.address, "cpu", 1.0)
+    assert link_threads() == [] and p0.links() == []
+
+
+def test_link_creation_deadline_names_link_and_store() -> None:
+    with DataPlane() as plane:
+        start = time.monotonic()
+        with pytest.raises(TransferTimeout, match=rf"link 'lonely' \(link rank 0, store {plane.address}\)"):
+            plane.open_link("lonely", 0, plane.address, "cpu", 0.5)
+        assert time.monotonic() - start < 0.5 + 1.0
+        assert plane.links() == []
+
+
+def test_closing_a_gloo_link_fails_pending_ops_on_both_ends_at_once() -> None:
+    with DataPlane() as p0, DataPlane() as p1:
+        l0, l1 = open_both(p0, p1, "c1", p0.address)
+        k0, k1 = open_both(p0, p1, "other", p0.address)  # same planes, same gloo devices
+        mine, theirs = l0.recv((8,), torch.float32), l1.recv((8,), torch.float32)
+        start = time.monotonic()
+        l0.close()
+        with pytest.raises(ClosedError):
+            mine.result(1.0)
+        with pytest.raises(TransferError, match="'c1' recv seq 0.*closed by peer"):
+            theirs.result(WAIT_S)
+        assert time.monotonic() - start < 2.0  # not the 10 s operation deadline
+        # The other link is unaffected, and the same two planes can link again under a new id.
+        n0, n1 = open_both(p0, p1, "c1.1", p1.address)
+        for a, b in ((k0, k1), (n1, n0)):
+            a.send(torch.arange(4.0))
+            assert b.recv((4,), torch.float32).result(WAIT_S).tolist() == [0.0, 1.0, 2.0, 3.0]
