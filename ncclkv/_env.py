@@ -60,10 +60,12 @@ class EnvSettings:
 
 def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
     env = os.environ if environ is None else environ
+    # An instance, not the class: on a slots dataclass the class attributes are member descriptors.
+    default = EnvSettings()
     return EnvSettings(
-        deadline_s=_float(env, "NCCLKV_DEADLINE_S", EnvSettings.deadline_s),
-        heartbeat_s=_float(env, "NCCLKV_HEARTBEAT_S", EnvSettings.heartbeat_s),
-        bind_host=env.get("NCCLKV_BIND_HOST") or EnvSettings.bind_host,
-        staging_bytes=_int(env, "NCCLKV_STAGING_BYTES", EnvSettings.staging_bytes),
-        max_frame_bytes=_int(env, "NCCLKV_MAX_FRAME_BYTES", EnvSettings.max_frame_bytes),
+        deadline_s=_float(env, "NCCLKV_DEADLINE_S", default.deadline_s),
+        heartbeat_s=_float(env, "NCCLKV_HEARTBEAT_S", default.heartbeat_s),
+        bind_host=env.get("NCCLKV_BIND_HOST") or default.bind_host,
+        staging_bytes=_int(env, "NCCLKV_STAGING_BYTES", default.staging_bytes),
+        max_frame_bytes=_int(env, "NCCLKV_MAX_FRAME_BYTES", default.max_frame_bytes),
     )

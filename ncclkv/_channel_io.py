@@ -1,0 +1,327 @@
+"""The one thread that touches a channel's ZMQ sockets.
+
+ZMQ sockets are not thread-safe, so every socket of a channel (its ROUTER,
+its DEALERs, and its context) is created, used and closed on this thread.
+Callers hand it work through a queue and wake it through a socketpair.
+
+Routing: a peer we ``connect()`` to is reached through our DEALER (routing id
+= our peer id) and answers through its ROUTER; a peer that connected to us is
+reached through our ROUTER by its routing id. A peer keeps the path it has
+while it is alive, so everything sent to it travels on one ordered pipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from ._peers import Counters, PeerTable
+from .errors import ProtocolError
+from .protocol import MAX_TEXT_CHARS, Envelope, ErrorCode, ErrorMsg, Heartbeat, decode, encode
+
+__all__ = ["IoLoop"]
+
+log = logging.getLogger("ncclkv.channel")
+
+_BATCH = 256  # frames read from one socket per poll, so no socket starves the others
+
+
+@dataclass(slots=True)
+class _Link:
+    dealer: zmq.Socket | None = None  # set when we connected to the peer
+    routing_id: bytes | None = None  # set when the peer connected to us
+
+
+class IoLoop:
+    """Owns the context and sockets; runs the poll loop, heartbeats and liveness checks."""
+
+    def __init__(
+        self,
+        *,
+        peer_id: str,
+        bind_endpoint: str,
+        max_frame_bytes: int,
+        heartbeat_s: float,
+        deadline_s: float,
+        peers: PeerTable,
+        counters: Counters,
+        deliver: Callable[[Envelope], None],
+        lost: Callable[[str, str], None],
+    ) -> None:
+        self._peer_id = peer_id
+        self._bind_endpoint = bind_endpoint
+        self._max_frame_bytes = max_frame_bytes
+        self._heartbeat_s = heartbeat_s
+        self._deadline_s = deadline_s
+        self._peers = peers
+        self._counters = counters
+        self._deliver = deliver
+        self._lost = lost
+        self._commands: queue.SimpleQueue[tuple[str, str, str | bytes]] = queue.SimpleQueue()
+        self._wake_rx, self._wake_tx = socket.socketpair()
+        self._wake_rx.setblocking(False)
+        self._wake_tx.setblocking(False)
+        self._wake_pending = False
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._links: dict[str, _Link] = {}
+        self._hb_seq = 0
+        self.address = ""
+        self._thread = threading.Thread(target=self._run, name=f"ncclkv-channel-io[{peer_id}]", daemon=True)
+
+    # -- called from other threads -------------------------------------------------
+    def start(self, timeout_s: float) -> str:
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"channel I/O thread did not start within {timeout_s}s")
+        if self._start_error is not None:
+            self._thread.join(timeout_s)
+            raise self._start_error
+        return self.address
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def submit_send(self, peer_id: str, frame: bytes) -> None:
+        self._submit(("send", peer_id, frame))
+
+    def submit_connect(self, peer_id: str, address: str) -> None:
+        self._submit(("connect", peer_id, address))
+
+    def stop(self, timeout_s: float) -> bool:
+        """Stop the loop and wait for it; True if the thread ended within ``timeout_s``."""
+        self._stop.set()
+        self._wake()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+        stopped = not self._thread.is_alive()
+        if stopped:
+            self._wake_rx.close()
+            self._wake_tx.close()
+        return stopped
+
+    def _submit(self, command: tuple[str, str, str | bytes]) -> None:
+        self._commands.put(command)
+        if not self._wake_pending:  # the loop clears the flag before it drains the queue
+            self._wake_pending = True
+            self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_tx.send(b"\x01")
+        except (BlockingIOError, OSError):
+            pass  # buffer full means a wake-up is already pending; closed means we are stopping
+
+    # -- the I/O thread --------------------------------------------------------------
+    def _run(self) -> None:
+        context = zmq.Context()
+        self._router = context.socket(zmq.ROUTER)
+        self._poller = zmq.Poller()
+        try:
+            self._open()
+        except BaseException as exc:  # reported to start(), which raises it in the caller
+            self._start_error = exc
+            self._router.close(linger=0)
+            context.term()
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop()
+        except Exception:
+            log.exception("channel %r: I/O thread failed; the channel stops serving", self._peer_id)
+            for peer_id in list(self._links):  # fail their requests now rather than at their deadlines
+                self._declare_lost(peer_id, "the channel's I/O thread failed")
+        finally:
+            for peer_id in list(self._links):
+                self._drop_link(peer_id)
+            self._router.close(linger=0)
+            context.term()  # every socket is closed with linger 0: this cannot block
+
+    def _open(self) -> None:
+        self._configure(self._router)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown routing id -> error, not a silent drop
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its id over
+        self._router.bind(self._bind_endpoint)
+        self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._wake_rx, zmq.POLLIN)
+
+    def _configure(self, sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.LINGER, 0)
+        # Frames up to twice the limit reach decode() and get a typed rejection; larger ones
+        # make ZMQ drop the connection before buffering them.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_frame_bytes + 1024)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block; a lost peer's queued frames go with its socket
+        sock.setsockopt(zmq.RCVHWM, 0)
+
+    def _loop(self) -> None:
+        tick_s = min(self._heartbeat_s, self._deadline_s / 4, 0.1)
+        next_beat = time.monotonic()
+        while not self._stop.is_set():
+            ready = dict(self._poller.poll(timeout=tick_s * 1000))
+            if self._wake_rx.fileno() in ready:  # the poller reports plain sockets by fd
+                self._run_commands()
+            if self._router in ready:
+                self._drain(self._router, None)
+            for peer_id, link in list(self._links.items()):
+                # a link dropped while draining an earlier socket has a closed dealer: skip it
+                if link.dealer is not None and link.dealer in ready and self._links.get(peer_id) is link:
+                    self._drain(link.dealer, peer_id)
+            now = time.monotonic()
+            if now >= next_beat:
+                self._beat()
+                next_beat = now + self._heartbeat_s
+            for peer_id in self._peers.overdue(now, self._deadline_s):
+                self._lose(peer_id, f"nothing heard for more than deadline_s={self._deadline_s}s")
+
+    def _run_commands(self) -> None:
+        self._wake_pending = False
+        try:
+            while self._wake_rx.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                kind, peer_id, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "connect":
+                self._connect(peer_id, str(arg))
+            else:
+                self._send(peer_id, bytes(arg), counted=True)
+
+    def _connect(self, peer_id: str, address: str) -> None:
+        if peer_id in self._links:  # already reachable: keep its path, so its frames stay in order
+            return
+        dealer = self._router.context.socket(zmq.DEALER)
+        self._configure(dealer)
+        dealer.setsockopt(zmq.ROUTING_ID, self._peer_id.encode())  # the peer's ROUTER knows us by name
+        try:
+            dealer.connect(address)
+        except zmq.ZMQError as exc:
+            dealer.close(linger=0)
+            self._declare_lost(peer_id, f"cannot connect to {address!r}: {exc}")
+            return
+        self._poller.register(dealer, zmq.POLLIN)
+        self._links[peer_id] = _Link(dealer=dealer)
+
+    def _send(self, peer_id: str, frame: bytes, counted: bool = False) -> None:
+        link = self._links.get(peer_id)
+        if link is None:  # lost between the caller's check and now; its requests were failed
+            log.debug("channel %r: dropped a frame to lost peer %r", self._peer_id, peer_id)
+            return
+        if counted:  # before the send: the peer may answer before this thread runs again
+            self._counters.sent += 1
+        try:
+            if link.dealer is not None:
+                link.dealer.send(frame, zmq.NOBLOCK)
+            else:
+                assert link.routing_id is not None
+                self._router.send_multipart([link.routing_id, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if counted:
+                self._counters.sent -= 1
+            self._declare_lost(peer_id, f"send failed: {exc}")
+
+    def _drain(self, sock: zmq.Socket, dealer_peer: str | None) -> None:
+        for _ in range(_BATCH):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if dealer_peer is None:
+                routing_id, payload = parts[0], parts[1:]
+            else:
+                routing_id, payload = None, parts
+            if len(payload) != 1:
+                self._reject(sock, routing_id, ProtocolError(f"expected 1 payload frame, got {len(payload)}"))
+                continue
+            try:
+                self._handle(sock, routing_id, dealer_peer, payload[0])
+            except Exception:  # a bug handling one frame must not stop the channel
+                self._counters.rejected += 1
+                log.exception("channel %r: failed to handle a frame from %r", self._peer_id, routing_id or dealer_peer)
+
+    def _handle(self, sock: zmq.Socket, routing_id: bytes | None, dealer_peer: str | None, payload: bytes) -> None:
+        try:
+            envelope = decode(payload, self._max_frame_bytes)
+        except ProtocolError as exc:
+            self._reject(sock, routing_id, exc)
+            return
+        origin = dealer_peer if routing_id is None else routing_id.decode("utf-8", "replace")
+        if envelope.sender != origin:
+            self._reject(sock, routing_id, ProtocolError(f"frame names sender {envelope.sender!r} but came from {origin!r}"))
+            return
+        sender = envelope.sender
+        self._peers.heard(sender, time.monotonic())
+        link = self._links.get(sender)
+        if routing_id is not None and (link is None or link.dealer is None):
+            self._links[sender] = _Link(routing_id=routing_id)  # answer on the connection it came in on
+        body = envelope.body
+        if isinstance(body, Heartbeat):
+            if envelope.reply_to is None:  # echo, so the sender can measure the round trip
+                self._send(sender, self._frame(body, envelope.msg_id))
+            else:
+                rtt_s = (time.monotonic_ns() - body.sent_ns) / 1e9
+                if rtt_s >= 0:
+                    self._peers.set_rtt(sender, rtt_s)
+            return
+        self._counters.received += 1
+        self._deliver(envelope)
+
+    def _reject(self, sock: zmq.Socket, routing_id: bytes | None, exc: ProtocolError) -> None:
+        """Count and log a bad frame, and tell its sender (on the socket it came in on) why."""
+        self._counters.rejected += 1
+        log.warning("channel %r: rejected a frame from %r: %s", self._peer_id, routing_id, exc)
+        # <= 4 UTF-8 bytes a char: the reply fits any max_frame_bytes >= 1024
+        text = str(exc)[: min(MAX_TEXT_CHARS, (self._max_frame_bytes - 512) // 4)]
+        frame = self._frame(ErrorMsg(None, ErrorCode.PROTOCOL, text), None)
+        try:
+            if routing_id is None:
+                sock.send(frame, zmq.NOBLOCK)
+            else:
+                sock.send_multipart([routing_id, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as send_exc:
+            log.debug("channel %r: could not report the rejection: %s", self._peer_id, send_exc)
+
+    def _frame(self, body: Heartbeat | ErrorMsg, reply_to: int | None) -> bytes:
+        envelope = Envelope(self._peer_id, self._peers.next_msg_id(), reply_to, body)
+        return encode(envelope, self._max_frame_bytes)
+
+    def _beat(self) -> None:
+        self._hb_seq += 1
+        beat = Heartbeat(self._hb_seq, time.monotonic_ns())
+        for peer_id in list(self._links):
+            if peer_id in self._links:  # a failed send may have dropped it meanwhile
+                self._send(peer_id, self._frame(beat, None))
+
+    def _declare_lost(self, peer_id: str, reason: str) -> None:
+        """Lose a peer whose send or connect failed (unless it was lost already)."""
+        if self._peers.mark_lost(peer_id):
+            self._lose(peer_id, reason)
+        else:
+            self._drop_link(peer_id)
+
+    def _lose(self, peer_id: str, reason: str) -> None:
+        """Tear down a peer already marked lost in the table and report it once."""
+        self._drop_link(peer_id)
+        self._counters.peers_lost += 1
+        log.warning("channel %r: peer %r lost: %s", self._peer_id, peer_id, reason)
+        self._lost(peer_id, reason)
+
+    def _drop_link(self, peer_id: str) -> None:
+        link = self._links.pop(peer_id, None)
+        if link is not None and link.dealer is not None:
+            self._poller.unregister(link.dealer)
+            link.dealer.close(linger=0)

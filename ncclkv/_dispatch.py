@@ -1,0 +1,129 @@
+"""The dispatcher thread of a :class:`ncclkv.channel.Channel`: runs the user's handlers.
+
+Handlers run here, not on the I/O thread, so they may call ``send`` and
+``request`` (whose replies the I/O thread resolves). Messages are handled one
+at a time in arrival order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from ._peers import Counters
+from .errors import NcclKVError, ProtocolError
+from .protocol import MAX_TEXT_CHARS, Envelope, ErrorCode, ErrorMsg, Message
+
+__all__ = ["Dispatcher", "MessageHandler", "PeerLostHandler"]
+
+log = logging.getLogger("ncclkv.channel")
+
+MessageHandler = Callable[[str, Message], Message | None]
+PeerLostHandler = Callable[[str], None]
+SendReply = Callable[[str, Message, int], object]
+
+
+class Dispatcher:
+    """Calls ``on_message`` / ``on_peer_lost`` on its own thread and sends handlers' replies.
+
+    A handler's returned body goes back as the reply; an exception is logged,
+    counted in ``handler_errors`` and answered with an :class:`ErrorMsg`
+    (except to an incoming ``ErrorMsg``: two peers must not ping-pong errors).
+    Without ``on_message`` every message except an ``ErrorMsg`` is answered
+    ``ErrorMsg(code="unsupported")``.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        peer_id: str,
+        on_message: MessageHandler | None,
+        on_peer_lost: PeerLostHandler | None,
+        send_reply: SendReply,
+        counters: Counters,
+    ) -> None:
+        self._peer_id = peer_id
+        self._on_message = on_message
+        self._on_peer_lost = on_peer_lost
+        self._send_reply = send_reply
+        self._counters = counters
+        self._inbox: queue.SimpleQueue[tuple[str, Envelope | None]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def put_message(self, envelope: Envelope) -> None:
+        self._inbox.put((envelope.sender, envelope))
+
+    def put_lost(self, peer_id: str) -> None:
+        self._inbox.put((peer_id, None))
+
+    def stop(self, timeout_s: float) -> bool:
+        """Stop after the current handler; True if the thread ended (or is the caller: a handler closing its channel)."""
+        self._stop.set()
+        self._inbox.put(("", None))  # wake the loop now rather than at its next poll
+        if threading.current_thread() is self._thread:
+            return True
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sender, envelope = self._inbox.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if self._stop.is_set():
+                return
+            if envelope is None:
+                self._call_peer_lost(sender)
+            else:
+                self._dispatch(sender, envelope)
+
+    def _call_peer_lost(self, peer_id: str) -> None:
+        if self._on_peer_lost is None:
+            return
+        try:
+            self._on_peer_lost(peer_id)
+        except Exception:
+            self._counters.handler_errors += 1
+            log.exception("channel %r: on_peer_lost(%r) failed", self._peer_id, peer_id)
+
+    def _dispatch(self, sender: str, envelope: Envelope) -> None:
+        body = envelope.body
+        request_id = getattr(body, "request_id", None)
+        if self._on_message is None:
+            if isinstance(body, ErrorMsg):
+                log.warning("channel %r: error from %r and no handler: %s", self._peer_id, sender, body)
+                return
+            text = f"peer {self._peer_id!r} has no message handler"
+            self._reply(sender, envelope.msg_id, ErrorMsg(request_id, ErrorCode.UNSUPPORTED, text), request_id)
+            return
+        try:
+            reply = self._on_message(sender, body)
+        except Exception as exc:
+            self._counters.handler_errors += 1
+            log.exception("channel %r: handler failed on %s from %r", self._peer_id, type(body).__name__, sender)
+            reply = None if isinstance(body, ErrorMsg) else ErrorMsg.from_exception(exc, request_id)
+        if reply is not None:
+            self._reply(sender, envelope.msg_id, reply, request_id)
+
+    def _reply(self, sender: str, msg_id: int, reply: Message, request_id: str | None) -> None:
+        try:
+            self._send_reply(sender, reply, msg_id)
+            return
+        except (ProtocolError, TypeError) as exc:  # the handler returned a body the peer would refuse
+            self._counters.handler_errors += 1
+            log.error("channel %r: handler reply to %r refused: %s", self._peer_id, sender, exc)
+            text = f"reply refused by the protocol: {exc}"[:MAX_TEXT_CHARS]
+            reply = ErrorMsg(request_id, ErrorCode.INTERNAL, text)
+        except (NcclKVError, ValueError) as exc:  # peer lost or channel closed meanwhile
+            log.warning("channel %r: could not reply to %r: %s", self._peer_id, sender, exc)
+            return
+        try:
+            self._send_reply(sender, reply, msg_id)
+        except (NcclKVError, ValueError) as exc:
+            log.warning("channel %r: could not report the refused reply to %r: %s", self._peer_id, sender, exc)

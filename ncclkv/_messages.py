@@ -1,0 +1,280 @@
+"""The control message types of :mod:`ncclkv.protocol` (msgspec Structs, tagged union).
+
+See :mod:`ncclkv.protocol` for the wire format and what decoding enforces.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal, Protocol, TypeAlias
+
+from msgspec import Meta, Struct
+
+from . import errors
+from .layout import KVGeometry, ParallelLayout, Span
+
+__all__ = [
+    "MAX_ID_CHARS",
+    "MAX_SHAPE_DIMS",
+    "MAX_TEXT_CHARS",
+    "PROTOCOL_VERSION",
+    "Ack",
+    "Announce",
+    "Done",
+    "Envelope",
+    "ErrorCode",
+    "ErrorMsg",
+    "GeometryMsg",
+    "Handshake",
+    "HandshakeAck",
+    "Heartbeat",
+    "LayoutMsg",
+    "Message",
+    "PullRequest",
+    "Ready",
+    "RouteMsg",
+]
+
+PROTOCOL_VERSION = 1
+MAX_SHAPE_DIMS = 8
+MAX_ID_CHARS = 512
+MAX_TEXT_CHARS = 4096
+
+NonNeg = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(ge=1)]
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
+DType = Annotated[str, Meta(min_length=1, max_length=64)]
+Pair = tuple[NonNeg, NonNeg]
+Role = Literal["producer", "consumer", "both"]
+
+
+class _Body(Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of the value types on the wire: immutable, no unknown fields."""
+
+
+class _Tagged(_Body, frozen=True, forbid_unknown_fields=True, tag=True):
+    """Base of the top-level messages; each subclass sets its short tag."""
+
+
+class LayoutMsg(_Body, frozen=True, forbid_unknown_fields=True):
+    tp_size: Positive
+    pp_size: Positive
+    layer_partition: tuple[Positive, ...] | None
+
+    @classmethod
+    def from_layout(cls, layout: ParallelLayout) -> LayoutMsg:
+        return cls(layout.tp_size, layout.pp_size, layout.layer_partition)
+
+    def to_layout(self) -> ParallelLayout:
+        """The layout; ``ValueError`` if the values do not form one (e.g. partition length != pp_size)."""
+        return ParallelLayout(self.tp_size, self.pp_size, self.layer_partition)
+
+
+class GeometryMsg(_Body, frozen=True, forbid_unknown_fields=True):
+    num_layers: Positive
+    num_kv_heads: Positive
+    head_size: Positive
+    dtype: DType
+    use_mla: bool
+
+    @classmethod
+    def from_geometry(cls, geometry: KVGeometry) -> GeometryMsg:
+        return cls(geometry.num_layers, geometry.num_kv_heads, geometry.head_size, geometry.dtype, geometry.use_mla)
+
+    def to_geometry(self) -> KVGeometry:
+        """The geometry; ``ValueError`` for an unknown dtype or MLA with more than one head."""
+        return KVGeometry(self.num_layers, self.num_kv_heads, self.head_size, self.dtype, self.use_mla)
+
+
+class _RouteLike(Protocol):
+    src: int
+    dst: int
+    layers: Span
+    heads: Span
+    tokens: Span
+
+
+class RouteMsg(_Body, frozen=True, forbid_unknown_fields=True):
+    """One route of a transfer plan; spans are ``(start, stop)`` pairs, half-open."""
+
+    src: NonNeg
+    dst: NonNeg
+    layers: Pair
+    heads: Pair
+    tokens: Pair
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "heads", "tokens"):
+            start, stop = getattr(self, name)
+            if start > stop:
+                raise ValueError(f"RouteMsg.{name} needs start <= stop, got ({start}, {stop})")
+
+    @classmethod
+    def from_spans(cls, src: int, dst: int, layers: Span, heads: Span, tokens: Span) -> RouteMsg:
+        return cls(src, dst, (layers.start, layers.stop), (heads.start, heads.stop), (tokens.start, tokens.stop))
+
+    @classmethod
+    def from_route(cls, route: _RouteLike) -> RouteMsg:
+        """From :class:`ncclkv.layout.Route` (or anything with its five attributes)."""
+        return cls.from_spans(route.src, route.dst, route.layers, route.heads, route.tokens)
+
+    def spans(self) -> tuple[Span, Span, Span]:
+        """``(layers, heads, tokens)`` as Spans."""
+        return Span(*self.layers), Span(*self.heads), Span(*self.tokens)
+
+
+class Handshake(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hs"):
+    """First message from each engine rank to a peer. ``data_addr`` is the ``host:port``
+    of the TCPStore used for data-plane rendezvous; ``control_addr`` the sender's ZMQ address."""
+
+    engine_id: Id
+    role: Role
+    rank: NonNeg
+    layout: LayoutMsg
+    geometry: GeometryMsg
+    wire_dtype: DType
+    protocol_version: NonNeg
+    control_addr: Id
+    data_addr: Id
+
+    @classmethod
+    def create(
+        cls,
+        engine_id: str,
+        role: Role,
+        rank: int,
+        layout: ParallelLayout,
+        geometry: KVGeometry,
+        control_addr: str,
+        data_addr: str,
+        wire_dtype: str | None = None,
+    ) -> Handshake:
+        """Build from layout values, at this build's :data:`PROTOCOL_VERSION`; wire dtype defaults to the cache dtype."""
+        return cls(
+            engine_id,
+            role,
+            rank,
+            LayoutMsg.from_layout(layout),
+            GeometryMsg.from_geometry(geometry),
+            wire_dtype or geometry.dtype,
+            PROTOCOL_VERSION,
+            control_addr,
+            data_addr,
+        )
+
+
+class HandshakeAck(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hs_ack"):
+    engine_id: Id
+    rank: NonNeg
+    accepted: bool
+    reason: Text
+
+
+class PullRequest(_Tagged, frozen=True, forbid_unknown_fields=True, tag="pull"):
+    """A consumer rank asks a producer rank to send it ``routes`` of one request."""
+
+    request_id: Id
+    dst_rank: NonNeg
+    consumer_engine_id: Id
+    routes: tuple[RouteMsg, ...]
+    num_tokens: NonNeg
+
+
+class Announce(_Tagged, frozen=True, forbid_unknown_fields=True, tag="ann"):
+    """The tensor with per-link sequence number ``seq`` follows on the data plane."""
+
+    request_id: Id
+    layer: NonNeg
+    route: RouteMsg
+    shape: Annotated[tuple[NonNeg, ...], Meta(max_length=MAX_SHAPE_DIMS)]
+    dtype: DType
+    nbytes: NonNeg
+    seq: NonNeg
+
+
+class Ack(_Tagged, frozen=True, forbid_unknown_fields=True, tag="ack"):
+    request_id: Id
+    seq: NonNeg | None
+
+
+class Ready(_Tagged, frozen=True, forbid_unknown_fields=True, tag="ready"):
+    request_id: Id
+
+
+class Done(_Tagged, frozen=True, forbid_unknown_fields=True, tag="done"):
+    """A producer rank sent all ``num_tensors`` tensors (``nbytes`` in all) for one consumer rank."""
+
+    request_id: Id
+    num_tensors: NonNeg
+    nbytes: NonNeg
+
+
+class ErrorCode(str, enum.Enum):
+    """Why a request failed; a str enum (not StrEnum) to keep Python 3.10 working."""
+
+    UNKNOWN_REQUEST = "unknown_request"
+    TIMEOUT = "timeout"
+    PEER_LOST = "peer_lost"
+    BAD_ANNOUNCE = "bad_announce"
+    CAPACITY = "capacity"
+    HANDSHAKE = "handshake"
+    PROTOCOL = "protocol"
+    CLOSED = "closed"
+    UNSUPPORTED = "unsupported"
+    INTERNAL = "internal"
+
+
+# Exception class <-> code, most specific first (TransferTimeout is a TransferError).
+_CODE_OF: tuple[tuple[type[BaseException], ErrorCode], ...] = (
+    (errors.TransferTimeout, ErrorCode.TIMEOUT),
+    (errors.PeerLostError, ErrorCode.PEER_LOST),
+    (errors.ShapeMismatchError, ErrorCode.BAD_ANNOUNCE),
+    (errors.CapacityError, ErrorCode.CAPACITY),
+    (errors.HandshakeError, ErrorCode.HANDSHAKE),
+    (errors.ProtocolError, ErrorCode.PROTOCOL),
+    (errors.ClosedError, ErrorCode.CLOSED),
+)
+_ERROR_OF: dict[ErrorCode, type[errors.NcclKVError]] = {code: cls for cls, code in _CODE_OF}  # type: ignore[misc]
+
+
+class ErrorMsg(_Tagged, frozen=True, forbid_unknown_fields=True, tag="err"):
+    request_id: Id | None
+    code: ErrorCode
+    text: Text
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, request_id: str | None = None) -> ErrorMsg:
+        """The error reply for ``exc``: typed ncclkv errors keep their kind, anything else is ``internal``."""
+        code = next((c for kind, c in _CODE_OF if isinstance(exc, kind)), ErrorCode.INTERNAL)
+        text = f"{type(exc).__name__}: {exc}"
+        if len(text) > MAX_TEXT_CHARS:
+            text = text[: MAX_TEXT_CHARS - 3] + "..."
+        return cls(request_id, code, text)
+
+    def to_exception(self, peer_id: str) -> errors.NcclKVError:
+        """The local exception for this reply from ``peer_id`` (``TransferError`` for codes without a class)."""
+        kind = _ERROR_OF.get(self.code, errors.TransferError)
+        where = f" for request {self.request_id!r}" if self.request_id is not None else ""
+        return kind(f"peer {peer_id!r} replied error {self.code.value!r}{where}: {self.text}")
+
+
+class Heartbeat(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hb"):
+    """``sent_ns`` is the sender's monotonic clock: echoed back for RTT, never compared across hosts."""
+
+    seq: NonNeg
+    sent_ns: NonNeg
+
+
+Message: TypeAlias = (
+    Handshake | HandshakeAck | PullRequest | Announce | Ack | Ready | Done | ErrorMsg | Heartbeat
+)
+
+
+class Envelope(_Body, frozen=True, forbid_unknown_fields=True):
+    """What one frame carries: the sender's peer id, its message id, the id replied to, and the body."""
+
+    sender: Id
+    msg_id: NonNeg
+    reply_to: NonNeg | None
+    body: Message

@@ -1,0 +1,113 @@
+"""State shared by a :class:`ncclkv.channel.Channel`'s threads: peer liveness (under one lock) and counters."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+
+from .errors import PeerLostError
+
+__all__ = ["Counters", "PeerTable"]
+
+
+@dataclass(slots=True)
+class Counters:
+    """Frame counters (heartbeats excluded); each field is written by one thread only."""
+
+    sent: int = 0
+    received: int = 0
+    rejected: int = 0
+    late_replies: int = 0
+    peers_lost: int = 0
+    handler_errors: int = 0
+
+
+@dataclass(slots=True)
+class _PeerState:
+    last_heard: float  # time.monotonic() of the last frame from the peer (or of connect())
+    lost: bool = False
+    rtt_s: float | None = None
+
+
+class PeerTable:
+    """Which peers are known, alive or lost, and the message-id counter.
+
+    A peer becomes known by :meth:`add` (an explicit connect) or :meth:`heard`
+    (it sent us a valid frame). It is lost when :meth:`overdue` finds nothing
+    heard from it for the deadline, or :meth:`mark_lost` is called; a lost peer
+    stays listed (so sends to it raise :class:`PeerLostError`, not "unknown")
+    until it is added or heard again.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._states: dict[str, _PeerState] = {}
+        self._ids = itertools.count(1)
+
+    def next_msg_id(self) -> int:
+        with self._lock:
+            return next(self._ids)
+
+    def add(self, peer_id: str, now: float) -> bool:
+        """Start tracking ``peer_id`` from ``now``; False if it is already alive (nothing changes)."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            if state is not None and not state.lost:
+                return False
+            self._states[peer_id] = _PeerState(last_heard=now)
+            return True
+
+    def heard(self, peer_id: str, now: float) -> bool:
+        """Record a valid frame from ``peer_id``; True if it was unknown or lost until now."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            if state is None or state.lost:
+                self._states[peer_id] = _PeerState(last_heard=now)
+                return True
+            state.last_heard = max(state.last_heard, now)
+            return False
+
+    def require_alive(self, peer_id: str) -> None:
+        """Raise ``ValueError`` for a peer never seen, :class:`PeerLostError` for a lost one."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            if state is None:
+                raise ValueError(
+                    f"unknown peer {peer_id!r}: connect() to it first, or wait until it sends a message"
+                )
+            if state.lost:
+                raise PeerLostError(f"peer {peer_id!r} is lost (nothing heard within the deadline)")
+
+    def overdue(self, now: float, deadline_s: float) -> list[str]:
+        """Mark lost, and return, the alive peers not heard from for more than ``deadline_s``."""
+        with self._lock:
+            late = [p for p, s in self._states.items() if not s.lost and now - s.last_heard > deadline_s]
+            for peer_id in late:
+                self._states[peer_id].lost = True
+            return late
+
+    def mark_lost(self, peer_id: str) -> bool:
+        """Mark ``peer_id`` lost now; False if it was unknown or already lost."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            if state is None or state.lost:
+                return False
+            state.lost = True
+            return True
+
+    def set_rtt(self, peer_id: str, rtt_s: float) -> None:
+        with self._lock:
+            state = self._states.get(peer_id)
+            if state is not None:
+                state.rtt_s = rtt_s
+
+    def alive(self, peer_id: str) -> bool:
+        with self._lock:
+            state = self._states.get(peer_id)
+            return state is not None and not state.lost
+
+    def rtt(self, peer_id: str) -> float | None:
+        with self._lock:
+            state = self._states.get(peer_id)
+            return None if state is None else state.rtt_s

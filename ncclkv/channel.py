@@ -1,0 +1,304 @@
+"""The ZMQ control channel: typed messages, request/reply with deadlines, heartbeats, liveness.
+
+One :class:`Channel` per engine rank. It binds one ROUTER (:attr:`Channel.address`)
+and holds one DEALER per peer it :meth:`~Channel.connect`\\ s to. Connecting on
+ONE side is enough: the other side answers through its ROUTER on the same TCP
+connection (connecting on both sides also works). A peer keeps the path it has
+while it is alive, so frames to it are FIFO: messages sent from one thread to
+one peer arrive in order, which the engine relies on to match announcements
+with data-plane tensors.
+
+Threads (all named ``ncclkv-channel-*``, all joined by :meth:`Channel.close`):
+
+* the I/O thread owns the ZMQ context and every socket (ZMQ sockets are not
+  thread-safe); callers enqueue frames and wake it, so :meth:`~Channel.send`
+  never blocks on the network. It also sends heartbeats, echoes the peers'
+  heartbeats (for RTT), declares peers lost, and resolves replies to
+  :meth:`~Channel.request` at once, even while a handler is busy;
+* the dispatcher thread calls ``on_message(sender, body)`` for every other
+  message, in arrival order, and ``on_peer_lost(peer_id)``; handlers may call
+  ``send`` and ``request``. A returned body is sent as the reply; an exception
+  is logged and answered with an :class:`ErrorMsg` (never for an incoming
+  ``ErrorMsg``, so two peers cannot ping-pong errors).
+
+Malformed frames are counted in :attr:`Channel.stats` ``.rejected``, logged,
+and answered with an ``ErrorMsg(code="protocol")`` on the connection they came
+in on; the channel keeps serving. Each channel has its own ``zmq.Context``,
+terminated on close after every socket was closed with linger 0, so close
+does not hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ._channel_io import IoLoop
+from ._dispatch import Dispatcher, MessageHandler, PeerLostHandler
+from ._env import env_settings
+from ._peers import Counters, PeerTable
+from .errors import ClosedError, PeerLostError, TransferTimeout
+from .protocol import Envelope, ErrorMsg, Message, encode
+
+__all__ = ["THREAD_PREFIX", "Channel", "ChannelStats", "MessageHandler", "PeerLostHandler"]
+
+log = logging.getLogger("ncclkv.channel")
+
+THREAD_PREFIX = "ncclkv-channel"
+
+_JOIN_S = 5.0  # how long close() waits for each thread
+_EXPIRED_KEEP = 4096  # msg ids of timed-out requests remembered, to drop their late replies quietly
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelStats:
+    """A snapshot of a channel's counters (heartbeats are not counted as sent/received)."""
+
+    sent: int
+    received: int
+    rejected: int
+    late_replies: int
+    peers_lost: int
+    handler_errors: int
+
+
+@dataclass(slots=True)
+class _Pending:
+    peer_id: str
+    done: threading.Event = field(default_factory=threading.Event)
+    reply: Message | None = None
+    error: BaseException | None = None
+
+
+class Channel:
+    """A ZMQ control endpoint named ``peer_id`` (see the module docstring for the model).
+
+    ``bind_host``, ``heartbeat_s``, ``deadline_s`` and ``max_frame_bytes``
+    default to :func:`ncclkv._env.env_settings`. ``port=0`` binds a free port.
+    ``deadline_s`` is both the default request timeout and the silence after
+    which a peer is declared lost; it must exceed ``heartbeat_s``.
+    """
+
+    def __init__(
+        self,
+        peer_id: str,
+        *,
+        bind_host: str | None = None,
+        port: int = 0,
+        on_message: MessageHandler | None = None,
+        on_peer_lost: PeerLostHandler | None = None,
+        heartbeat_s: float | None = None,
+        deadline_s: float | None = None,
+        max_frame_bytes: int | None = None,
+    ) -> None:
+        settings = env_settings()
+        self.heartbeat_s = settings.heartbeat_s if heartbeat_s is None else float(heartbeat_s)
+        self.deadline_s = settings.deadline_s if deadline_s is None else float(deadline_s)
+        self.max_frame_bytes = settings.max_frame_bytes if max_frame_bytes is None else int(max_frame_bytes)
+        host = settings.bind_host if bind_host is None else bind_host
+        _check_args(peer_id, port, self.heartbeat_s, self.deadline_s, self.max_frame_bytes)
+        self.peer_id = peer_id
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pending: dict[int, _Pending] = {}
+        self._expired: OrderedDict[int, None] = OrderedDict()
+        self._peers = PeerTable()
+        self._counters = Counters()
+        # The dispatcher exists before the socket is bound: a frame may arrive at once.
+        self._dispatcher = Dispatcher(
+            name=f"{THREAD_PREFIX}-dispatch[{peer_id}]",
+            peer_id=peer_id,
+            on_message=on_message,
+            on_peer_lost=on_peer_lost,
+            send_reply=lambda sender, body, reply_to: self._send(sender, body, reply_to, None),
+            counters=self._counters,
+        )
+        self._io = IoLoop(
+            peer_id=peer_id,
+            bind_endpoint=f"tcp://{host}:{port or '*'}",
+            max_frame_bytes=self.max_frame_bytes,
+            heartbeat_s=self.heartbeat_s,
+            deadline_s=self.deadline_s,
+            peers=self._peers,
+            counters=self._counters,
+            deliver=self._on_envelope,
+            lost=self._on_lost,
+        )
+        try:
+            self._address = self._io.start(timeout_s=_JOIN_S)
+        except BaseException:
+            self._closed = True
+            self._dispatcher.stop(_JOIN_S)
+            raise
+
+    # -- public API ----------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """The bound endpoint, ``tcp://HOST:PORT`` (with a wildcard bind host, advertise a real one)."""
+        return self._address
+
+    @property
+    def stats(self) -> ChannelStats:
+        c = self._counters
+        return ChannelStats(c.sent, c.received, c.rejected, c.late_replies, c.peers_lost, c.handler_errors)
+
+    def connect(self, peer_id: str, address: str) -> None:
+        """Open a DEALER to ``peer_id`` at ``address`` (``tcp://host:port``); a no-op if the peer is alive.
+
+        The peer counts as alive from now: if nothing is heard from it within
+        ``deadline_s`` it is declared lost. Non-blocking; frames sent before
+        the TCP connection is up are queued.
+        """
+        self._check_open()
+        if not isinstance(peer_id, str) or not peer_id:
+            raise ValueError(f"peer_id must be a non-empty str, got {peer_id!r}")
+        if not address.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"address must be tcp://host:port or ipc://path, got {address!r}")
+        if self._peers.add(peer_id, time.monotonic()):
+            self._io.submit_connect(peer_id, address)
+
+    def send(self, peer_id: str, body: Message, reply_to: int | None = None) -> int:
+        """Queue ``body`` for ``peer_id`` and return its msg_id; thread-safe, never blocks.
+
+        Raises ``ValueError`` for a peer never connected or heard from,
+        :class:`PeerLostError` for a lost one, :class:`ProtocolError` for a
+        body the peer would refuse (bad value, frame over ``max_frame_bytes``).
+        """
+        return self._send(peer_id, body, reply_to, None)
+
+    def request(self, peer_id: str, body: Message, timeout_s: float | None = None) -> Message:
+        """Send ``body`` and wait for the reply to it (``timeout_s`` defaults to ``deadline_s``).
+
+        Raises :class:`TransferTimeout` past the deadline, :class:`PeerLostError`
+        if the peer is lost meanwhile, :class:`ClosedError` if the channel
+        closes. An :class:`ErrorMsg` reply is raised as
+        ``ErrorMsg.to_exception(peer_id)``: the ncclkv error of its code
+        (``timeout`` -> TransferTimeout, ``capacity`` -> CapacityError, ...,
+        other codes -> TransferError), naming the peer, code, request and text.
+        """
+        wait_s = self.deadline_s if timeout_s is None else timeout_s
+        pending = _Pending(peer_id)
+        msg_id = self._send(peer_id, body, None, pending)
+        if not pending.done.wait(wait_s):
+            with self._lock:
+                still_pending = self._pending.pop(msg_id, None) is not None
+                if still_pending:
+                    self._expired[msg_id] = None
+                    while len(self._expired) > _EXPIRED_KEEP:
+                        self._expired.popitem(last=False)
+            if still_pending:
+                raise TransferTimeout(
+                    f"no reply from peer {peer_id!r} to {type(body).__name__} (msg_id {msg_id}) within {wait_s}s"
+                )
+        if pending.error is not None:
+            raise pending.error
+        assert pending.reply is not None
+        return pending.reply
+
+    def peer_alive(self, peer_id: str) -> bool:
+        """True if ``peer_id`` is known and was heard from within ``deadline_s``."""
+        return self._peers.alive(peer_id)
+
+    def last_rtt(self, peer_id: str) -> float | None:
+        """The latest heartbeat round trip to ``peer_id`` in seconds (None before the first echo)."""
+        return self._peers.rtt(peer_id)
+
+    def close(self) -> None:
+        """Stop and join both threads, close every socket (linger 0); idempotent.
+
+        Pending requests fail with :class:`ClosedError`, and so does any later
+        ``connect``/``send``/``request``.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending, self._pending = self._pending, {}
+        for entry in pending.values():
+            self._finish(entry, None, ClosedError(f"channel {self.peer_id!r} closed while waiting for a reply"))
+        if not self._io.stop(_JOIN_S):
+            log.error("channel %r: I/O thread did not stop within %ss", self.peer_id, _JOIN_S)
+        if not self._dispatcher.stop(_JOIN_S):
+            log.error("channel %r: a message handler is still running after %ss", self.peer_id, _JOIN_S)
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"Channel({self.peer_id!r}, {self._address}, {state})"
+
+    # -- internals -------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"channel {self.peer_id!r} is closed")
+        if not self._io.running:
+            raise ClosedError(f"channel {self.peer_id!r} stopped serving: its I/O thread failed (see the log)")
+
+    def _send(self, peer_id: str, body: Message, reply_to: int | None, pending: _Pending | None) -> int:
+        self._check_open()
+        self._peers.require_alive(peer_id)
+        msg_id = self._peers.next_msg_id()
+        frame = encode(Envelope(self.peer_id, msg_id, reply_to, body), self.max_frame_bytes)
+        if pending is not None:
+            with self._lock:
+                self._check_open()
+                self._pending[msg_id] = pending
+            if not self._peers.alive(peer_id):  # lost after the check above: _on_lost may have missed this entry
+                with self._lock:
+                    self._pending.pop(msg_id, None)
+                raise PeerLostError(f"peer {peer_id!r} was lost before {type(body).__name__} could be sent")
+        self._io.submit_send(peer_id, frame)
+        return msg_id
+
+    @staticmethod
+    def _finish(entry: _Pending, reply: Message | None, error: BaseException | None) -> None:
+        entry.reply, entry.error = reply, error
+        entry.done.set()
+
+    def _on_envelope(self, envelope: Envelope) -> None:
+        """On the I/O thread: resolve a reply to a pending request, else queue for the handler."""
+        if envelope.reply_to is not None:
+            with self._lock:
+                entry = self._pending.get(envelope.reply_to)
+                if entry is not None and entry.peer_id == envelope.sender:
+                    del self._pending[envelope.reply_to]
+                late = entry is None and envelope.reply_to in self._expired
+            if entry is not None and entry.peer_id == envelope.sender:
+                body = envelope.body
+                if isinstance(body, ErrorMsg):
+                    self._finish(entry, None, body.to_exception(envelope.sender))
+                else:
+                    self._finish(entry, body, None)
+                return
+            if late:
+                self._counters.late_replies += 1
+                log.debug("channel %r: late reply from %r to msg_id %s", self.peer_id, envelope.sender, envelope.reply_to)
+                return
+        self._dispatcher.put_message(envelope)
+
+    def _on_lost(self, peer_id: str, reason: str) -> None:
+        """On the I/O thread: fail the requests waiting on ``peer_id`` and schedule ``on_peer_lost``."""
+        with self._lock:
+            mine = [k for k, v in self._pending.items() if v.peer_id == peer_id]
+            entries = [self._pending.pop(k) for k in mine]
+        for entry in entries:
+            self._finish(entry, None, PeerLostError(f"peer {peer_id!r} lost while waiting for a reply: {reason}"))
+        self._dispatcher.put_lost(peer_id)
+
+
+def _check_args(peer_id: str, port: int, heartbeat_s: float, deadline_s: float, max_frame_bytes: int) -> None:
+    if not isinstance(peer_id, str) or not peer_id or peer_id.startswith("\x00") or len(peer_id.encode()) > 255:
+        raise ValueError(f"peer_id must be a non-empty str of at most 255 UTF-8 bytes, not starting with NUL; got {peer_id!r}")
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in [0, 65535] (0: a free port), got {port!r}")
+    if heartbeat_s <= 0 or deadline_s <= heartbeat_s:
+        raise ValueError(f"need 0 < heartbeat_s < deadline_s, got heartbeat_s={heartbeat_s}, deadline_s={deadline_s}")
+    if max_frame_bytes < 1024:
+        raise ValueError(f"max_frame_bytes must be >= 1024, got {max_frame_bytes}")

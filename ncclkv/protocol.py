@@ -1,0 +1,155 @@
+"""Typed, versioned control messages and their strict msgpack encoding.
+
+Wire format, version 1. One ZMQ frame holds one msgpack map, an
+:class:`Envelope`::
+
+    {"sender": str, "msg_id": int, "reply_to": int | nil, "body": {"type": TAG, ...}}
+
+``msg_id`` is unique per sender; a reply carries the request's ``msg_id`` in
+``reply_to``. ``body`` is one of the tagged messages of :data:`Message`
+(tags: ``hs hs_ack pull ann ack ready done err hb``). Every field is required
+on the wire, unknown fields are refused, and :func:`decode` checks the frame
+size before it parses a byte. What the decoder enforces, beyond types:
+
+* every count, rank, index, size, sequence number and id is an int ``>= 0``
+  (``tp_size``, ``pp_size``, layer counts, ``num_layers``, ``num_kv_heads``,
+  ``head_size``: ``>= 1``); ``bool`` is not an int here;
+* spans (``layers``, ``heads``, ``tokens`` of a route) have ``start <= stop``;
+* ``shape`` has at most :data:`MAX_SHAPE_DIMS` dims, each ``>= 0``;
+* ids and addresses are non-empty strings of at most :data:`MAX_ID_CHARS`
+  characters, error text at most :data:`MAX_TEXT_CHARS`;
+* ``role`` and ``ErrorMsg.code`` are members of their closed sets.
+
+Cross-field consistency (``nbytes == prod(shape) * itemsize``, a route inside
+the layout, a known dtype name) is the engine's job; handshake compatibility
+is :func:`check_compatible`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ._env import EnvSettings
+from ._messages import (
+    MAX_ID_CHARS,
+    MAX_SHAPE_DIMS,
+    MAX_TEXT_CHARS,
+    PROTOCOL_VERSION,
+    Ack,
+    Announce,
+    Done,
+    Envelope,
+    ErrorCode,
+    ErrorMsg,
+    GeometryMsg,
+    Handshake,
+    HandshakeAck,
+    Heartbeat,
+    LayoutMsg,
+    Message,
+    PullRequest,
+    Ready,
+    RouteMsg,
+)
+from .errors import HandshakeError, ProtocolError
+
+__all__ = [
+    "MAX_ID_CHARS",
+    "MAX_SHAPE_DIMS",
+    "MAX_TEXT_CHARS",
+    "PROTOCOL_VERSION",
+    "Ack",
+    "Announce",
+    "Done",
+    "Envelope",
+    "ErrorCode",
+    "ErrorMsg",
+    "GeometryMsg",
+    "Handshake",
+    "HandshakeAck",
+    "Heartbeat",
+    "LayoutMsg",
+    "Message",
+    "PullRequest",
+    "Ready",
+    "RouteMsg",
+    "check_compatible",
+    "decode",
+    "encode",
+]
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Envelope)
+_DEFAULT_MAX_FRAME_BYTES = EnvSettings().max_frame_bytes
+
+
+def decode(frame: bytes | bytearray | memoryview, max_frame_bytes: int = _DEFAULT_MAX_FRAME_BYTES) -> Envelope:
+    """Parse one frame; any defect (size, bytes, type, field, range) raises :class:`ProtocolError`."""
+    size = len(frame)
+    if size > max_frame_bytes:
+        raise ProtocolError(f"control frame of {size} bytes exceeds max_frame_bytes={max_frame_bytes}")
+    try:
+        return _DECODER.decode(frame)
+    except (msgspec.MsgspecError, ValueError, TypeError, RecursionError) as exc:
+        raise ProtocolError(f"malformed control frame ({size} bytes): {exc}") from None
+
+
+def encode(envelope: Envelope, max_frame_bytes: int = _DEFAULT_MAX_FRAME_BYTES) -> bytes:
+    """Serialise ``envelope``; raise :class:`ProtocolError` for anything the peer's :func:`decode` would refuse.
+
+    Structs do not type-check on construction, so the frame is decoded once
+    here (a few microseconds) and a bad value fails at the sender, naming it.
+    """
+    if not isinstance(envelope, Envelope):
+        raise TypeError(f"encode() takes an Envelope, got {type(envelope).__name__}")
+    name = type(envelope.body).__name__
+    try:
+        frame = _ENCODER.encode(envelope)
+    except (msgspec.MsgspecError, TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode {name}: {exc}") from None
+    try:
+        decode(frame, max_frame_bytes)
+    except ProtocolError as exc:
+        raise ProtocolError(f"{name} would be refused by the peer: {exc}") from None
+    return frame
+
+
+def check_compatible(local: Handshake, remote: Handshake) -> None:
+    """Raise :class:`HandshakeError` listing every way ``remote`` cannot talk to ``local``.
+
+    Checked: protocol version; geometry (``num_layers``, ``num_kv_heads``,
+    ``head_size``, ``use_mla``, ``dtype``) and ``wire_dtype``, which must be
+    equal on both sides; roles (two pure producers or two pure consumers have
+    nothing to exchange); and that the remote layout is valid, holds the
+    geometry and contains the remote rank. Layouts may differ: heterogeneous
+    TP/PP is the point. Each problem names both values, e.g.
+    ``num_kv_heads mismatch: local 8, remote 4``.
+    """
+    problems: list[str] = []
+
+    def compare(name: str, mine: object, theirs: object) -> None:
+        if mine != theirs:
+            problems.append(f"{name} mismatch: local {mine!r}, remote {theirs!r}")
+
+    compare("protocol_version", local.protocol_version, remote.protocol_version)
+    for name in ("num_layers", "num_kv_heads", "head_size", "use_mla", "dtype"):
+        compare(name, getattr(local.geometry, name), getattr(remote.geometry, name))
+    compare("wire_dtype", local.wire_dtype, remote.wire_dtype)
+    if local.role == remote.role != "both":
+        problems.append(f"role mismatch: local {local.role!r}, remote {remote.role!r} (nothing to exchange)")
+    if not problems:
+        problems.extend(_layout_problems(remote))
+    if problems:
+        who = f"engine {remote.engine_id!r} rank {remote.rank}"
+        raise HandshakeError(f"handshake with {who} refused: " + "; ".join(problems))
+
+
+def _layout_problems(remote: Handshake) -> list[str]:
+    try:
+        layout = remote.layout.to_layout()
+        layout.check(remote.geometry.to_geometry())
+    except ValueError as exc:
+        return [f"remote layout {remote.layout} cannot hold remote geometry {remote.geometry}: {exc}"]
+    if remote.rank >= layout.world_size:
+        return [f"remote rank {remote.rank} outside its layout's world_size={layout.world_size}"]
+    return []

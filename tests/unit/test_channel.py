@@ -1,0 +1,400 @@
+"""ncclkv.channel on real ZMQ sockets (127.0.0.1, free ports): request/reply, FIFO, deadlines,
+malformed frames, peer loss (closed channel and killed process), handler errors, clean close."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from ncclkv import errors
+from ncclkv.channel import THREAD_PREFIX, Channel
+from ncclkv.protocol import (
+    Ack,
+    Announce,
+    Done,
+    Envelope,
+    ErrorCode,
+    ErrorMsg,
+    Heartbeat,
+    Message,
+    Ready,
+    RouteMsg,
+    decode,
+    encode,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FAST = dict(heartbeat_s=0.05, deadline_s=0.5)
+ROUTE = RouteMsg(0, 0, (0, 1), (0, 1), (0, 16))
+
+
+def channel_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+@pytest.fixture(autouse=True)
+def no_thread_survives() -> Iterator[None]:
+    assert channel_threads() == []
+    yield
+    assert channel_threads() == [], "a channel thread outlived its test"
+
+
+@pytest.fixture
+def make_channel() -> Iterator[Callable[..., Channel]]:
+    made: list[Channel] = []
+
+    def make(peer_id: str, **kwargs: object) -> Channel:
+        made.append(Channel(peer_id, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for channel in made:
+        channel.close()
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def ack_ready(sender: str, body: Message) -> Message | None:
+    return Ack(body.request_id, None) if isinstance(body, Ready) else None  # type: ignore[union-attr]
+
+
+def test_request_reply_both_ways_over_one_connection(make_channel: Callable[..., Channel]) -> None:
+    server = make_channel("prefill-0", on_message=ack_ready)
+    client = make_channel("decode-0", on_message=ack_ready)
+    assert server.address.startswith("tcp://127.0.0.1:") and not server.address.endswith(":0")
+    client.connect("prefill-0", server.address)
+    assert client.request("prefill-0", Ready("r1"), timeout_s=5) == Ack("r1", None)
+    # the server never called connect(): it answers, and asks, on the client's connection
+    assert server.request("decode-0", Ready("r2"), timeout_s=5) == Ack("r2", None)
+    assert server.peer_alive("decode-0") and client.peer_alive("prefill-0")
+    wait_until(lambda: client.last_rtt("prefill-0") is not None and server.last_rtt("decode-0") is not None)
+    assert 0 < client.last_rtt("prefill-0") < 1.0  # type: ignore[operator]
+    # client sent: its request and its reply; received: the reply and the request (heartbeats not counted)
+    assert (client.stats.sent, client.stats.received, client.stats.rejected) == (2, 2, 0)
+
+
+def test_fifo_order_of_1000_messages_each_way(make_channel: Callable[..., Channel]) -> None:
+    seen: dict[str, list[int]] = {"a": [], "b": []}
+    done = {"a": threading.Event(), "b": threading.Event()}
+
+    def recorder(me: str) -> Callable[[str, Message], None]:
+        def handle(sender: str, body: Message) -> None:
+            assert isinstance(body, Announce)
+            seen[me].append(body.seq)
+            if len(seen[me]) == 1000:
+                done[me].set()
+
+        return handle
+
+    a = make_channel("a", on_message=recorder("a"), **FAST)
+    b = make_channel("b", on_message=recorder("b"), **FAST)
+    b.connect("a", a.address)
+    for seq in range(1000):
+        b.send("a", Announce("r", 0, ROUTE, (2, 16, 1, 8), "bfloat16", 512, seq))
+    assert done["a"].wait(10)
+    for seq in range(1000):  # a -> b goes through a's ROUTER: ordered too
+        a.send("b", Announce("r", 0, ROUTE, (2, 16, 1, 8), "bfloat16", 512, seq))
+    assert done["b"].wait(10)
+    assert seen == {"a": list(range(1000)), "b": list(range(1000))}
+
+
+def test_concurrent_senders_keep_their_own_order(make_channel: Callable[..., Channel]) -> None:
+    seen: list[tuple[int, int]] = []
+    done = threading.Event()
+
+    def handle(sender: str, body: Message) -> None:
+        assert isinstance(body, Ack) and body.seq is not None
+        seen.append((int(body.request_id), body.seq))
+        if len(seen) == 4 * 250:
+            done.set()
+
+    a = make_channel("a", on_message=handle)
+    b = make_channel("b")
+    b.connect("a", a.address)
+    start = threading.Barrier(4, timeout=5)
+
+    def sender(index: int) -> None:
+        start.wait()
+        for seq in range(250):
+            b.send("a", Ack(str(index), seq))
+
+    threads = [threading.Thread(target=sender, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert done.wait(10)
+    for index in range(4):
+        assert [seq for who, seq in seen if who == index] == list(range(250))
+
+
+def test_request_to_a_silent_peer_times_out_and_a_late_reply_is_dropped(make_channel: Callable[..., Channel]) -> None:
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    try:
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        client = make_channel("client")  # default deadline (10 s): the peer is not declared lost
+        client.connect("silent", f"tcp://127.0.0.1:{port}")
+        start = time.monotonic()
+        with pytest.raises(errors.TransferTimeout, match=r"no reply from peer 'silent' to Ready \(msg_id \d+\) within 0.3s"):
+            client.request("silent", Ready("r"), timeout_s=0.3)
+        elapsed = time.monotonic() - start
+        assert 0.3 <= elapsed < 2.0
+        frames = []
+        while not frames or isinstance(frames[-1].body, Heartbeat):  # the client's heartbeats come too
+            assert silent.poll(5000), "the request never reached the peer"
+            routing_id, frame = silent.recv_multipart()
+            assert routing_id == b"client"
+            frames.append(decode(frame))
+        request = frames[-1]
+        assert request.body == Ready("r")
+        late = Envelope("silent", 1, request.msg_id, Ack("r", None))
+        silent.send_multipart([routing_id, encode(late)])
+        wait_until(lambda: client.stats.late_replies == 1)
+        assert client.stats.received == 1
+    finally:
+        silent.close()
+        context.term()
+
+
+def test_malformed_frames_are_rejected_and_the_channel_keeps_serving(make_channel: Callable[..., Channel]) -> None:
+    server = make_channel("server", on_message=ack_ready, max_frame_bytes=4096)
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        raw.connect(server.address)
+        good = encode(Envelope("mallory", 1, None, Ready("r")))
+        bad_frames: list[list[bytes]] = [
+            [b"\xc1 not msgpack"],
+            [msgspec.msgpack.encode({"sender": "x", "msg_id": 1, "reply_to": None, "body": {"type": "nope"}})],
+            [good, good],  # two payload frames
+            [b"\x00" * 5000],  # over max_frame_bytes, under the socket's MAXMSGSIZE
+            [good],  # valid, but the routing id is ZMQ's random one, not "mallory"
+        ]
+        for parts in bad_frames:
+            raw.send_multipart(parts)
+        replies = []
+        for _ in bad_frames:  # each rejection is answered on the connection it came in on
+            assert raw.poll(5000)
+            replies.append(decode(raw.recv()))
+        assert [r.body.code for r in replies] == [ErrorCode.PROTOCOL] * len(bad_frames)  # type: ignore[union-attr]
+        texts = " | ".join(r.body.text for r in replies)  # type: ignore[union-attr]
+        for needle in ("malformed control frame", "expected 1 payload frame, got 2", "5000 bytes exceeds max_frame_bytes=4096",
+                       "frame names sender 'mallory'"):
+            assert needle in texts
+        assert server.stats.rejected == len(bad_frames)
+        assert server.stats.received == 0
+
+        client = make_channel("client")
+        client.connect("server", server.address)
+        assert client.request("server", Ready("after"), timeout_s=5) == Ack("after", None)
+    finally:
+        raw.close()
+        context.term()
+
+
+def test_rejection_replies_fit_a_small_frame_limit(make_channel: Callable[..., Channel]) -> None:
+    server = make_channel("server", max_frame_bytes=1024)
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        raw.setsockopt(zmq.ROUTING_ID, b"\xff" * 255)  # not UTF-8: quoted as 255 replacement chars
+        raw.connect(server.address)
+        # valid and under the limit, but it names a sender that is not its routing id; the error
+        # text quotes both names, about 1600 bytes of UTF-8: the reply must cut it to fit
+        frame = encode(Envelope("\U0001F600" * 200, 1, None, Ready("r")), max_frame_bytes=1024)
+        raw.send(frame)
+        assert raw.poll(5000)
+        reply = decode(raw.recv(), max_frame_bytes=1024)
+        assert isinstance(reply.body, ErrorMsg) and reply.body.code is ErrorCode.PROTOCOL
+        assert reply.body.text.startswith("frame names sender")
+        assert server.stats.rejected == 1
+    finally:
+        raw.close()
+        context.term()
+
+
+def test_peer_lost_when_the_other_channel_closes(make_channel: Callable[..., Channel]) -> None:
+    lost: list[str] = []
+    lost_event = threading.Event()
+
+    def on_lost(peer_id: str) -> None:
+        lost.append(peer_id)
+        lost_event.set()
+
+    a = make_channel("a", **FAST)  # no handler: every message is answered "unsupported"
+    b = make_channel("b", on_peer_lost=on_lost, **FAST)
+    b.connect("a", a.address)
+    with pytest.raises(errors.TransferError, match="'unsupported'.*has no message handler"):
+        b.request("a", Ready("r"), timeout_s=5)
+
+    quiet = make_channel("quiet", on_message=lambda sender, body: None, **FAST)  # handles, never answers
+    b.connect("quiet", quiet.address)
+    outcome: list[BaseException] = []
+    waiter = threading.Thread(target=lambda: _capture(outcome, lambda: b.request("quiet", Ready("hang"), timeout_s=10)))
+    waiter.start()
+    wait_until(lambda: quiet.stats.received == 1)
+    closed_at = time.monotonic()
+    quiet.close()
+    waiter.join(5)
+    assert not waiter.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], errors.PeerLostError)
+    assert "peer 'quiet' lost while waiting for a reply" in str(outcome[0])
+    assert time.monotonic() - closed_at < 2.0  # the deadline is 0.5 s, far from the request's 10 s
+    assert lost_event.wait(5) and lost == ["quiet"]
+    assert not b.peer_alive("quiet") and b.peer_alive("a")
+    with pytest.raises(errors.PeerLostError, match="'quiet' is lost"):
+        b.send("quiet", Ready("x"))
+    time.sleep(2 * FAST["deadline_s"])  # a second report would come within one more deadline
+    assert lost == ["quiet"] and b.stats.peers_lost == 1
+
+
+def _capture(sink: list[BaseException], call: Callable[[], object]) -> None:
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001  (the test inspects it)
+        sink.append(exc)
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from ncclkv.channel import Channel
+    from ncclkv.protocol import Ack, Ready
+
+    def handle(sender, body):
+        return Ack(body.request_id, 7) if isinstance(body, Ready) else None
+
+    with Channel("child", on_message=handle, heartbeat_s=0.05, deadline_s=0.5) as channel:
+        channel.connect("parent", sys.argv[1])
+        channel.send("parent", Ready("hello"))
+        end = time.monotonic() + 30  # the parent kills us long before
+        while time.monotonic() < end:
+            time.sleep(0.05)
+    """
+)
+
+
+def test_peer_in_another_process_then_killed(make_channel: Callable[..., Channel]) -> None:
+    hello = threading.Event()
+    lost = threading.Event()
+
+    def handle(sender: str, body: Message) -> None:
+        if sender == "child" and body == Ready("hello"):
+            hello.set()
+
+    parent = make_channel("parent", on_message=handle, on_peer_lost=lambda p: lost.set() if p == "child" else None, **FAST)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, parent.address], env=env)
+    try:
+        assert hello.wait(20), "the child never said hello"
+        assert parent.request("child", Ready("ping"), timeout_s=5) == Ack("ping", 7)
+        assert not lost.is_set()
+        child.kill()
+        killed_at = time.monotonic()
+        assert lost.wait(5)
+        assert time.monotonic() - killed_at < 2.0
+        assert not parent.peer_alive("child")
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def test_handler_errors_become_error_replies(make_channel: Callable[..., Channel]) -> None:
+    def handle(sender: str, body: Message) -> Message | None:
+        if isinstance(body, Done):
+            raise errors.CapacityError("staging full: need 10, have 3")
+        if isinstance(body, Ready) and body.request_id == "bad-reply":
+            return Ack("r", -1)  # the peer would refuse it
+        if isinstance(body, Ready):
+            raise KeyError(body.request_id)
+        return None
+
+    server = make_channel("server", on_message=handle)
+    client = make_channel("client")
+    client.connect("server", server.address)
+    with pytest.raises(errors.CapacityError, match=r"peer 'server' replied error 'capacity' for request 'r1': CapacityError: staging full"):
+        client.request("server", Done("r1", 1, 10), timeout_s=5)
+    with pytest.raises(errors.TransferError, match="'internal' for request 'r2': KeyError: 'r2'"):
+        client.request("server", Ready("r2"), timeout_s=5)
+    with pytest.raises(errors.TransferError, match="'internal'.*reply refused by the protocol"):
+        client.request("server", Ready("bad-reply"), timeout_s=5)
+    assert server.stats.handler_errors == 3
+
+
+def test_handlers_may_request_from_inside_a_handler(make_channel: Callable[..., Channel]) -> None:
+    def server_handle(sender: str, body: Message) -> Message | None:
+        if isinstance(body, Ready):  # ask the client something before answering it
+            inner = server.request(sender, Done(body.request_id, 2, 64), timeout_s=5)
+            assert isinstance(inner, Ack)
+            return Ack(body.request_id, inner.seq)
+        return None
+
+    server = make_channel("server", on_message=server_handle)
+    client = make_channel("client", on_message=lambda s, b: Ack(b.request_id, 99) if isinstance(b, Done) else None)
+    client.connect("server", server.address)
+    assert client.request("server", Ready("outer"), timeout_s=5) == Ack("outer", 99)
+
+
+def test_send_checks_before_queueing(make_channel: Callable[..., Channel]) -> None:
+    a = make_channel("a", max_frame_bytes=2048)
+    with pytest.raises(ValueError, match="unknown peer 'nobody'"):
+        a.send("nobody", Ready("r"))
+    a.connect("b", "tcp://127.0.0.1:9")  # nothing listens; connect itself does not block
+    with pytest.raises(errors.ProtocolError, match="exceeds max_frame_bytes=2048"):
+        a.send("b", ErrorMsg("r", ErrorCode.INTERNAL, "x" * 3000))
+    with pytest.raises(errors.ProtocolError, match="Done would be refused"):
+        a.send("b", Done("r", -2, 0))
+    with pytest.raises(ValueError, match="address must be tcp"):
+        a.connect("c", "127.0.0.1:5")
+    with pytest.raises(ValueError, match="heartbeat_s=1.0, deadline_s=0.5"):
+        Channel("x", heartbeat_s=1.0, deadline_s=0.5)
+    with pytest.raises(ValueError, match="peer_id"):
+        Channel("")
+
+
+def test_close_joins_threads_fails_waiters_and_refuses_later_calls(make_channel: Callable[..., Channel]) -> None:
+    quiet = make_channel("quiet", on_message=lambda s, b: None)
+    with Channel("client") as client:
+        assert len(channel_threads()) == 4  # I/O + dispatcher, for each channel
+        client.connect("quiet", quiet.address)
+        outcome: list[BaseException] = []
+        waiter = threading.Thread(target=lambda: _capture(outcome, lambda: client.request("quiet", Ready("r"), timeout_s=10)))
+        waiter.start()
+        wait_until(lambda: quiet.stats.received == 1)
+    waiter.join(5)
+    assert len(outcome) == 1 and isinstance(outcome[0], errors.ClosedError)
+    assert sorted(channel_threads()) == [f"{THREAD_PREFIX}-dispatch[quiet]", f"{THREAD_PREFIX}-io[quiet]"]
+    client.close()  # idempotent
+    for call in (lambda: client.send("quiet", Ready("r")), lambda: client.request("quiet", Ready("r")),
+                 lambda: client.connect("quiet", quiet.address)):
+        with pytest.raises(errors.ClosedError, match="'client' is closed"):
+            call()
+    quiet.close()
+    assert channel_threads() == []
+
+
+def test_bind_to_a_port_in_use_raises_and_leaves_no_thread() -> None:
+    with Channel("first") as first:
+        port = int(first.address.rsplit(":", 1)[1])
+        with pytest.raises(zmq.ZMQError):
+            Channel("second", port=port)
+    assert channel_threads() == []
