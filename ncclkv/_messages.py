@@ -137,6 +137,11 @@ class Handshake(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hs"):
     protocol_version: NonNeg
     control_addr: Id
     data_addr: Id
+    # A fresh nonce per handshake attempt, echoed by the responder: it names
+    # the data link the two sides then open (a link id is never reused).
+    session: Annotated[str, Meta(max_length=64)]
+    # Whether the two ranks open a data link now (some rank pairs only exchange control).
+    open_link: bool
 
     @classmethod
     def create(
@@ -149,6 +154,8 @@ class Handshake(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hs"):
         control_addr: str,
         data_addr: str,
         wire_dtype: str | None = None,
+        session: str = "",
+        open_link: bool = False,
     ) -> Handshake:
         """Build from layout values, at this build's :data:`PROTOCOL_VERSION`; wire dtype defaults to the cache dtype."""
         return cls(
@@ -161,6 +168,8 @@ class Handshake(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hs"):
             PROTOCOL_VERSION,
             control_addr,
             data_addr,
+            session,
+            open_link,
         )
 
 

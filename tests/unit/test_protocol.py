@@ -53,7 +53,7 @@ def handshake(**changes: object) -> Handshake:
 
 EXAMPLES = [
     handshake(),
-    Handshake("e", "both", 0, LayoutMsg(1, 2, (3, 1)), GeometryMsg(4, 1, 576, "float16", True), "float16", 7, "tcp://h:1", "h:2"),
+    Handshake("e", "both", 0, LayoutMsg(1, 2, (3, 1)), GeometryMsg(4, 1, 576, "float16", True), "float16", 7, "tcp://h:1", "h:2", "abc", True),
     HandshakeAck("decode-0", 0, True, ""),
     HandshakeAck("decode-0", 3, False, "num_kv_heads mismatch"),
     PullRequest("req-1", 0, "decode-0", (ROUTE, RouteMsg(1, 0, (16, 32), (0, 2), (5, 5))), 128),

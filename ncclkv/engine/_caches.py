@@ -1,0 +1,106 @@
+"""The paged KV caches one rank registered, checked against its shard."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ShapeMismatchError
+from ..layout import KVGeometry, ParallelLayout, Roi, Span, shard_roi
+from ..paged import CacheLayout, PagedCacheSpec, SlotMap, gather, scatter
+
+__all__ = ["RankCaches", "torch_dtype"]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    cache: torch.Tensor
+    spec: PagedCacheSpec
+
+
+class RankCaches:
+    """Per-layer paged caches of this rank's shard, and the gather/scatter of wire slices.
+
+    Heads in routes are global kv-head indices; the cache holds the shard's
+    heads from ``shard.heads.start`` on, so a route's heads are shifted by it.
+    """
+
+    def __init__(self, layout: ParallelLayout, geometry: KVGeometry, rank: int) -> None:
+        self.geometry = geometry
+        self.shard = shard_roi(layout, geometry, rank, 0)
+        self.wire_dtype = torch_dtype(geometry.dtype)
+        self._layers: dict[int, _Layer] = {}
+        self._lock = threading.Lock()
+
+    def register(self, kv_caches: Mapping[int, torch.Tensor], cache_layout: CacheLayout) -> None:
+        """Register the caches of this rank's layers (global layer index -> tensor)."""
+        want = set(self.shard.layers)
+        if set(kv_caches) != want:
+            raise ValueError(
+                f"registered layers {sorted(kv_caches)} differ from this rank's layers {self.shard.layers!r}"
+            )
+        layers: dict[int, _Layer] = {}
+        for index, cache in kv_caches.items():
+            spec = PagedCacheSpec.from_tensor(cache, cache_layout)
+            if spec.num_kv_heads != len(self.shard.heads) or spec.head_size != self.geometry.head_size:
+                raise ShapeMismatchError(
+                    f"layer {index}: cache holds {spec.num_kv_heads} heads of size {spec.head_size}, this rank's shard "
+                    f"has {len(self.shard.heads)} heads {self.shard.heads!r} of size {self.geometry.head_size}"
+                )
+            if cache.dtype != self.wire_dtype:
+                raise ShapeMismatchError(f"layer {index}: cache dtype {cache.dtype}, geometry says {self.wire_dtype}")
+            layers[index] = _Layer(cache, spec)
+        with self._lock:
+            self._layers = layers
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._layers)
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self._layers.values())).cache.device
+
+    def block_size(self) -> int:
+        return next(iter(self._layers.values())).spec.block_size
+
+    def slot_map(self, block_ids: Sequence[int]) -> SlotMap:
+        return SlotMap(list(block_ids), self.block_size())
+
+    def wire_shape(self, tokens: Span, heads: Span) -> tuple[int, ...]:
+        g = self.geometry
+        if g.use_mla:
+            return (1, len(tokens), g.head_size)
+        return (2, len(tokens), len(heads), g.head_size)
+
+    def check_route(self, roi: Roi, what: str) -> None:
+        if not self.shard.with_tokens(roi.tokens).covers(roi):
+            raise ShapeMismatchError(f"{what} {roi!r} lies outside this rank's shard {self.shard!r}")
+
+    def gather(self, layer: int, slots: SlotMap, tokens: Span, heads: Span, out: torch.Tensor) -> torch.Tensor:
+        entry = self._layer(layer)
+        return gather(entry.cache, entry.spec, slots, tokens, self._local(heads), out)
+
+    def scatter(self, layer: int, wire: torch.Tensor, slots: SlotMap, tokens: Span, heads: Span) -> None:
+        entry = self._layer(layer)
+        scatter(wire, entry.cache, entry.spec, slots, tokens, self._local(heads))
+
+    def _local(self, heads: Span) -> Span:
+        start = self.shard.heads.start
+        return Span(heads.start - start, heads.stop - start)
+
+    def _layer(self, layer: int) -> _Layer:
+        entry = self._layers.get(layer)
+        if entry is None:
+            raise ShapeMismatchError(f"layer {layer} is not registered on this rank (layers {self.shard.layers!r})")
+        return entry

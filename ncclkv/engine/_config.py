@@ -1,0 +1,106 @@
+"""Typed configuration of a transfer engine and the reference to a remote engine."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from .._env import env_settings
+from ..layout import KVGeometry, ParallelLayout
+
+__all__ = ["EngineConfig", "EngineRef", "Role", "peer_id"]
+
+Role = Literal["producer", "consumer", "both"]
+_ENGINE_ID = re.compile(r"[A-Za-z0-9._:@+-]{1,128}")
+
+
+def peer_id(engine_id: str, rank: int) -> str:
+    """The control-channel name of one rank of one engine."""
+    return f"{engine_id}.r{rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """One rank of one engine. Unset deadlines and sizes come from :func:`env_settings`.
+
+    ``hold_s`` is how long a producer keeps a finished request's blocks for
+    consumers that have not pulled them yet; after it they are released and
+    the request is reported as expired.
+    """
+
+    engine_id: str
+    rank: int
+    layout: ParallelLayout
+    geometry: KVGeometry
+    role: Role = "both"
+    device: str = "cpu"
+    bind_host: str | None = None
+    deadline_s: float | None = None
+    heartbeat_s: float | None = None
+    staging_bytes: int | None = None
+    hold_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine_id, str) or not _ENGINE_ID.fullmatch(self.engine_id):
+            raise ValueError(f"engine_id must be 1-128 chars of [A-Za-z0-9._:@+-], got {self.engine_id!r}")
+        if self.role not in ("producer", "consumer", "both"):
+            raise ValueError(f"role must be producer, consumer or both, got {self.role!r}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.layout.world_size:
+            raise ValueError(f"rank={self.rank!r} outside the layout's world_size={self.layout.world_size}")
+        self.layout.check(self.geometry)
+        for name in ("deadline_s", "heartbeat_s", "hold_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        settings = env_settings()
+        if self.deadline_s is None:
+            object.__setattr__(self, "deadline_s", settings.deadline_s)
+        if self.heartbeat_s is None:
+            object.__setattr__(self, "heartbeat_s", min(settings.heartbeat_s, self.deadline_s / 4))
+        if self.staging_bytes is None:
+            object.__setattr__(self, "staging_bytes", settings.staging_bytes)
+        if self.bind_host is None:
+            object.__setattr__(self, "bind_host", settings.bind_host)
+
+    @property
+    def peer_id(self) -> str:
+        return peer_id(self.engine_id, self.rank)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRef:
+    """How to reach every rank of an engine; travels in vLLM's ``kv_transfer_params``."""
+
+    engine_id: str
+    layout: ParallelLayout
+    control_addrs: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "control_addrs", tuple(self.control_addrs))
+        if len(self.control_addrs) != self.layout.world_size:
+            raise ValueError(
+                f"engine {self.engine_id!r}: {len(self.control_addrs)} control addresses for "
+                f"world_size={self.layout.world_size} (tp={self.layout.tp_size}, pp={self.layout.pp_size})"
+            )
+
+    def peer_id(self, rank: int) -> str:
+        return peer_id(self.engine_id, rank)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "engine_id": self.engine_id,
+            "tp_size": self.layout.tp_size,
+            "pp_size": self.layout.pp_size,
+            "layer_partition": list(self.layout.layer_partition) if self.layout.layer_partition else None,
+            "control_addrs": list(self.control_addrs),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> EngineRef:
+        try:
+            partition = data.get("layer_partition")
+            layout = ParallelLayout(int(data["tp_size"]), int(data["pp_size"]), tuple(partition) if partition else None)  # type: ignore[arg-type]
+            return cls(str(data["engine_id"]), layout, tuple(str(a) for a in data["control_addrs"]))  # type: ignore[union-attr]
+        except KeyError as err:
+            raise ValueError(f"engine reference is missing {err.args[0]!r}: {data!r}") from None

@@ -1,0 +1,288 @@
+"""The consumer side of one rank: expected requests, announcements, landing tensors layer by layer.
+
+``expect`` plans which producer ranks send what to this rank and asks each
+producer rank (all of them: those with nothing for us learn they can release
+their blocks). Each announcement is checked against the plan before its
+receive is posted, in announcement order, so receives match sends on the
+link. A tensor that cannot be accepted but is plausibly sized is received
+into scratch and dropped (the link stays in step); an implausible one breaks
+the link. A request fails alone: its blocks are reported, never half-filled
+silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+from ..channel import Channel
+from ..errors import NcclKVError, ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
+from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, Route, Span, SpanSet, TransferPlan, plan
+from ..paged import SlotMap
+from ..protocol import Announce, Done, ErrorMsg, PullRequest, RouteMsg
+from ._caches import RankCaches, torch_dtype
+from ._config import EngineRef
+from ._links import PeerLinks
+from ._stats import EngineStats
+
+__all__ = ["ConsumerSide"]
+
+log = logging.getLogger("ncclkv.engine")
+
+_Key = tuple[int, int, Route]  # (src rank, layer, route)
+
+
+@lru_cache(maxsize=256)
+def _cached_plan(src: ParallelLayout, dst: ParallelLayout, geometry: KVGeometry, tokens: SpanSet) -> TransferPlan:
+    return plan(src, dst, geometry, tokens)
+
+
+@dataclass(slots=True)
+class _Expected:
+    request_id: str
+    producer: EngineRef
+    slots: SlotMap
+    pending: set[_Key]
+    per_src: dict[int, int]  # tensors each producer rank will send us
+    remaining: dict[int, int]  # layer -> tensors still to land
+    started: float
+    progress: float
+    nbytes: int = 0
+    error: BaseException | None = None
+    announced: set[_Key] = field(default_factory=set)
+
+
+class ConsumerSide:
+    def __init__(self, engine_id: str, rank: int, layout: ParallelLayout, geometry: KVGeometry, caches: RankCaches,
+                 channel: Channel, peers: PeerLinks, executor: Executor, stats: EngineStats, deadline_s: float,
+                 staging_bytes: int) -> None:
+        self._engine_id, self._rank, self._layout, self._geometry = engine_id, rank, layout, geometry
+        self._caches, self._channel, self._peers, self._executor = caches, channel, peers, executor
+        self._stats, self._deadline_s, self._staging_bytes = stats, deadline_s, staging_bytes
+        self._cond = threading.Condition()
+        self._requests: dict[str, _Expected] = {}
+        self._recv_seq: dict[str, int] = {}  # link id -> seq the next announcement must carry
+
+    def expect(self, request_id: str, producer: EngineRef, block_ids: Sequence[int], tokens: SpanSet | int) -> None:
+        """Start receiving ``tokens`` of ``request_id`` from ``producer`` into ``block_ids``; returns at once."""
+        token_set = SpanSet.range(0, tokens) if isinstance(tokens, int) else tokens
+        slots = self._caches.slot_map(block_ids)
+        if token_set.bounds.stop > slots.num_tokens:
+            raise ValueError(f"request {request_id!r}: tokens {token_set!r} do not fit {len(block_ids)} blocks "
+                             f"of {slots.block_size}")
+        routes = _cached_plan(producer.layout, self._layout, self._geometry, token_set).routes_to(self._rank)
+        pending = {(r.src, layer, r) for r in routes for layer in r.layers}
+        per_src: dict[int, int] = {}
+        remaining = {layer: 0 for layer in self._caches.shard.layers}
+        for src, layer, _ in pending:
+            per_src[src] = per_src.get(src, 0) + 1
+            remaining[layer] += 1
+        now = time.monotonic()
+        with self._cond:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} is already expected")
+            self._requests[request_id] = _Expected(request_id, producer, slots, pending, per_src, remaining, now, now)
+        by_src: dict[int, list[Route]] = {src: [] for src in range(producer.layout.world_size)}
+        for route in routes:
+            by_src[route.src].append(route)
+        for src, src_routes in by_src.items():
+            self._executor.submit(self._pull, request_id, producer, src, src_routes, token_set)
+
+    def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
+        """Block until ``layer`` of ``request_id`` has landed; raise the request's error if it failed."""
+        if layer not in self._caches.shard.layers:
+            raise ValueError(f"layer {layer} is not on this rank (layers {self._caches.shard.layers!r})")
+        self._wait(request_id, lambda req: req.remaining[layer] == 0, timeout_s, f"layer {layer}")
+
+    def wait_all(self, request_id: str, timeout_s: float | None = None) -> None:
+        self._wait(request_id, lambda req: not req.pending, timeout_s, "all layers")
+
+    def take_finished(self) -> dict[str, BaseException | None]:
+        """Requests that completed or failed since the last call (a stalled one fails here too)."""
+        now = time.monotonic()
+        out: dict[str, BaseException | None] = {}
+        with self._cond:
+            for request_id, req in list(self._requests.items()):
+                if req.error is None and req.pending and now - req.progress > self._deadline_s:
+                    self._fail_locked(req, self._stall_error(req))
+                if req.error is not None or not req.pending:
+                    out[request_id] = req.error
+                    del self._requests[request_id]
+                    self._stats.record_request(req.error is not None)
+        return out
+
+    def abort(self, request_id: str) -> None:
+        """Stop filling ``request_id``'s blocks (late tensors are received and dropped)."""
+        with self._cond:
+            req = self._requests.pop(request_id, None)
+            if req is not None and req.error is None:
+                req.error = TransferError(f"request {request_id!r} aborted")
+            self._cond.notify_all()
+
+    @property
+    def num_pending(self) -> int:
+        with self._cond:
+            return len(self._requests)
+
+    # -- control messages (dispatcher thread) ----------------------------------------------
+    def on_announce(self, sender: str, ann: Announce) -> None:
+        peer = self._peers.get(sender)
+        if peer is None:
+            raise ProtocolError(f"announcement from {sender!r} before any handshake")
+        link = self._peers.link(sender)
+        want_seq = self._recv_seq.get(link.link_id, 0)
+        if ann.seq != want_seq:
+            self._peers.drop(sender, f"announcement seq {ann.seq}, expected {want_seq}")
+            self.fail_peer(sender, ProtocolError(f"{sender!r} announced seq {ann.seq}, expected {want_seq}"))
+            return
+        self._recv_seq[link.link_id] = want_seq + 1
+        route = Route(ann.route.src, ann.route.dst, *ann.route.spans())
+        key = (peer.remote.rank, ann.layer, route)
+        shape = self._caches.wire_shape(route.tokens, route.heads)
+        problem = None
+        with self._cond:
+            req = self._requests.get(ann.request_id)
+            if req is None or req.error is not None:
+                problem = f"request {ann.request_id!r} is not expected (finished, failed or aborted)"
+            elif req.producer.engine_id != peer.remote.engine_id or key not in req.pending or key in req.announced:
+                problem = f"{sender!r} announced layer {ann.layer} {route} which request {ann.request_id!r} does not expect"
+            elif tuple(ann.shape) != shape or ann.dtype != self._geometry.dtype:
+                problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
+            else:
+                req.announced.add(key)
+        if problem is None:
+            buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
+            link.recv(shape, self._caches.wire_dtype, out=buf).add_done_callback(
+                lambda fut: self._landed(ann.request_id, key, buf, fut))
+            return
+        log.warning("dropping announced tensor from %s: %s", sender, problem)
+        if req is not None and req.error is None:
+            self._fail(req, ShapeMismatchError(problem))
+        self._drain(sender, link, ann)
+
+    def on_done(self, sender: str, done: Done) -> None:
+        peer = self._peers.get(sender)
+        src = peer.remote.rank if peer is not None else -1
+        with self._cond:
+            req = self._requests.get(done.request_id)
+            if req is None or req.error is not None:
+                return
+            want = req.per_src.get(src, 0)
+            if done.num_tensors != want:
+                self._fail_locked(req, ProtocolError(
+                    f"{sender!r} says it sent {done.num_tensors} tensors of {done.request_id!r}, the plan says {want}"))
+
+    def on_error(self, sender: str, err: ErrorMsg) -> None:
+        if err.request_id is None:
+            log.error("error from %s: %s %s", sender, err.code.value, err.text)
+            return
+        with self._cond:
+            req = self._requests.get(err.request_id)
+            if req is not None and req.error is None:
+                self._fail_locked(req, err.to_exception(sender))
+
+    def fail_peer(self, peer_id: str, error: NcclKVError) -> None:
+        """Fail every request that still waits for data from ``peer_id``."""
+        with self._cond:
+            for req in self._requests.values():
+                if req.error is None and any(req.producer.peer_id(src) == peer_id for src, _, _ in req.pending):
+                    self._fail_locked(req, error)
+
+    # -- internals ------------------------------------------------------------------------
+    def _pull(self, request_id: str, producer: EngineRef, src: int, routes: list[Route], tokens: SpanSet) -> None:
+        peer_id = producer.peer_id(src)
+        try:
+            self._peers.ensure(peer_id, producer.control_addrs[src], need_link=bool(routes))
+            self._channel.request(peer_id, PullRequest(
+                request_id, self._rank, self._engine_id, tuple(RouteMsg.from_route(r) for r in routes),
+                tokens.bounds.stop), self._deadline_s)
+        except Exception as err:  # the request fails; the error names the producer rank
+            log.error("pull of %s from %s failed: %s", request_id, peer_id, err)
+            with self._cond:
+                req = self._requests.get(request_id)
+                if req is not None and req.error is None and routes:
+                    self._fail_locked(req, err if isinstance(err, NcclKVError) else TransferError(str(err)))
+
+    def _landed(self, request_id: str, key: _Key, buf: torch.Tensor, fut: Future[torch.Tensor]) -> None:
+        """On the link's receive thread: scatter a landed tensor unless its request failed meanwhile."""
+        with self._cond:
+            req = self._requests.get(request_id)
+        if req is None or req.error is not None:
+            return
+        error = fut.exception()
+        if error is None:
+            src, layer, route = key
+            try:
+                self._caches.scatter(layer, buf, req.slots, route.tokens, route.heads)
+            except Exception as err:  # reported on the request
+                error = err
+        with self._cond:
+            if error is not None:
+                self._fail_locked(req, error if isinstance(error, NcclKVError) else TransferError(str(error)))
+                return
+            if req.error is not None or key not in req.pending:
+                return
+            req.pending.discard(key)
+            layer = key[1]
+            req.remaining[layer] -= 1
+            req.progress = time.monotonic()
+            req.nbytes += buf.numel() * buf.element_size()
+            if req.remaining[layer] == 0:
+                self._stats.record_layer(layer, req.progress - req.started)
+            self._cond.notify_all()
+        self._stats.record_tensor(buf.numel() * buf.element_size())
+
+    def _drain(self, sender: str, link, ann: Announce) -> None:  # type: ignore[no-untyped-def]
+        """Receive an unwanted tensor into scratch to keep the link in step, or break the link if implausible."""
+        itemsize = DTYPE_SIZES.get(ann.dtype)
+        numel = math.prod(ann.shape)
+        if itemsize is None or numel * itemsize != ann.nbytes or ann.nbytes > self._staging_bytes:
+            reason = f"implausible announcement {tuple(ann.shape)} {ann.dtype} {ann.nbytes} B"
+            self._peers.drop(sender, reason)
+            self.fail_peer(sender, ProtocolError(f"{sender!r} sent an {reason}; link closed"))
+            return
+        link.recv(tuple(ann.shape), torch_dtype(ann.dtype))
+
+    def _wait(self, request_id: str, ready: Callable[[_Expected], bool], timeout_s: float | None, what: str) -> None:
+        limit = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                req = self._requests.get(request_id)
+                if req is None:
+                    raise ValueError(f"request {request_id!r} is not expected (or was already taken as finished)")
+                if req.error is not None:
+                    raise req.error
+                if ready(req):
+                    return
+                now = time.monotonic()
+                stall_at = req.progress + self._deadline_s
+                if now >= stall_at:
+                    self._fail_locked(req, self._stall_error(req))
+                    continue
+                if limit is not None and now >= limit:
+                    raise TransferTimeout(f"request {request_id!r}: {what} not landed within {timeout_s}s")
+                self._cond.wait(min(stall_at, limit if limit is not None else stall_at) - now)
+
+    def _stall_error(self, req: _Expected) -> TransferTimeout:
+        missing = sorted({(src, layer) for src, layer, _ in req.pending})[:8]
+        return TransferTimeout(
+            f"request {req.request_id!r}: no progress for {self._deadline_s}s; still missing "
+            f"{len(req.pending)} tensors, e.g. (src rank, layer) {missing}")
+
+    def _fail(self, req: _Expected, error: BaseException) -> None:
+        with self._cond:
+            self._fail_locked(req, error)
+
+    def _fail_locked(self, req: _Expected, error: BaseException) -> None:
+        if req.error is None:
+            req.error = error
+            log.warning("request %s failed: %s", req.request_id, error)
+        self._cond.notify_all()

@@ -1,0 +1,151 @@
+"""The transfer engine of one rank: wires channel, data plane, caches, producer and consumer sides."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..channel import Channel
+from ..errors import ClosedError, PeerLostError, ProtocolError
+from ..layout import SpanSet
+from ..paged import CacheLayout
+from ..protocol import Announce, Done, ErrorMsg, Handshake, Message, PullRequest
+from ..transport import DataPlane, LinkFactory
+from ._caches import RankCaches
+from ._config import EngineConfig, EngineRef
+from ._consumer import ConsumerSide
+from ._links import PeerLinks
+from ._producer import ProducerSide
+from ._stats import EngineStats, StatsSnapshot
+
+__all__ = ["TransferEngine"]
+
+log = logging.getLogger("ncclkv.engine")
+
+
+class TransferEngine:
+    """Moves KV slices of requests between this rank and the ranks of other engines.
+
+    Producer: :meth:`register` the caches, :meth:`finish` a request to hold its
+    blocks for the consumers, free them when :meth:`take_finished_sending`
+    returns it. Consumer: :meth:`register`, :meth:`expect` a request from a
+    producer (an :class:`EngineRef`), :meth:`wait_layer` per layer, and
+    :meth:`take_finished_receiving` for completions and failures.
+    ``transport`` defaults to a real :class:`DataPlane` (gloo on CPU, NCCL on
+    CUDA); tests of the layers above may pass a loopback one.
+    """
+
+    def __init__(self, config: EngineConfig, *, transport: LinkFactory | None = None) -> None:
+        self.config = config
+        cfg = config
+        assert cfg.deadline_s is not None and cfg.heartbeat_s is not None and cfg.staging_bytes is not None
+        self._closed = False
+        self._stats = EngineStats()
+        self._caches = RankCaches(cfg.layout, cfg.geometry, cfg.rank)
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"ncclkv-engine[{cfg.peer_id}]")
+        self._data_plane: LinkFactory = transport if transport is not None else DataPlane(cfg.bind_host)
+        self._channel = Channel(
+            cfg.peer_id, bind_host=cfg.bind_host, on_message=self._on_message, on_peer_lost=self._on_peer_lost,
+            heartbeat_s=cfg.heartbeat_s, deadline_s=cfg.deadline_s,
+        )
+        local = Handshake.create(cfg.engine_id, cfg.role, cfg.rank, cfg.layout, cfg.geometry,
+                                 self._channel.address, self._data_plane.address)
+        self._peers = PeerLinks(local, self._channel, self._data_plane, self._executor, cfg.device, cfg.deadline_s)
+        self._producer = ProducerSide(cfg.rank, cfg.layout, cfg.geometry, self._caches, self._channel, self._peers,
+                                      self._stats, cfg.hold_s, cfg.deadline_s)
+        self._consumer = ConsumerSide(cfg.engine_id, cfg.rank, cfg.layout, cfg.geometry, self._caches, self._channel,
+                                      self._peers, self._executor, self._stats, cfg.deadline_s, cfg.staging_bytes)
+
+    @property
+    def address(self) -> str:
+        """This rank's control address; gather every rank's into an :class:`EngineRef`."""
+        return self._channel.address
+
+    def register(self, kv_caches: Mapping[int, torch.Tensor], cache_layout: CacheLayout) -> None:
+        """Register this rank's paged caches: global layer index -> tensor in ``cache_layout``."""
+        self._check_open()
+        self._caches.register(kv_caches, cache_layout)
+
+    # -- producer ---------------------------------------------------------------------
+    def finish(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
+        """Hold a computed request's blocks until every consumer rank pulled them (or ``hold_s`` passes)."""
+        self._check_open()
+        self._producer.finish(request_id, block_ids, num_tokens)
+
+    def take_finished_sending(self) -> dict[str, BaseException | None]:
+        """Held requests whose blocks may be freed now, with the error if a consumer was not served."""
+        return self._producer.take_finished()
+
+    # -- consumer ---------------------------------------------------------------------
+    def expect(self, request_id: str, producer: EngineRef, block_ids: Sequence[int], tokens: SpanSet | int) -> None:
+        """Pull ``tokens`` (all, or a set with the already cached ones left out) into ``block_ids``; returns at once."""
+        self._check_open()
+        if producer.engine_id == self.config.engine_id:
+            raise ValueError(f"request {request_id!r}: producer engine {producer.engine_id!r} is this engine")
+        self._consumer.expect(request_id, producer, block_ids, tokens)
+
+    def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
+        """Block until ``layer`` of ``request_id`` is in this rank's cache (that layer only)."""
+        self._consumer.wait_layer(request_id, layer, timeout_s)
+
+    def wait(self, request_id: str, timeout_s: float | None = None) -> None:
+        """Block until every layer of ``request_id`` landed on this rank."""
+        self._consumer.wait_all(request_id, timeout_s)
+
+    def abort(self, request_id: str) -> None:
+        self._consumer.abort(request_id)
+
+    def take_finished_receiving(self) -> dict[str, BaseException | None]:
+        """Expected requests that landed (None) or failed (the error) since the last call."""
+        return self._consumer.take_finished()
+
+    def stats(self) -> StatsSnapshot:
+        return self._stats.snapshot()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._producer.num_held + self._consumer.num_pending
+
+    def close(self) -> None:
+        """Close the channel, every link and the data plane; join every thread started. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._channel.close()
+        self._peers.close()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._data_plane.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- channel callbacks (dispatcher thread) ------------------------------------------
+    def _on_message(self, sender: str, body: Message) -> Message | None:
+        if isinstance(body, Handshake):
+            return self._peers.on_handshake(sender, body)
+        if isinstance(body, Announce):
+            self._consumer.on_announce(sender, body)
+            return None
+        if isinstance(body, PullRequest):
+            return self._producer.on_pull(sender, body)
+        if isinstance(body, Done):
+            self._consumer.on_done(sender, body)
+            return None
+        if isinstance(body, ErrorMsg):
+            self._consumer.on_error(sender, body)
+            return None
+        raise ProtocolError(f"unexpected {type(body).__name__} from {sender!r}")
+
+    def _on_peer_lost(self, peer_id: str) -> None:
+        self._peers.drop(peer_id, "peer lost")
+        self._consumer.fail_peer(peer_id, PeerLostError(f"producer rank {peer_id!r} stopped answering"))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"engine {self.config.peer_id!r} is closed")

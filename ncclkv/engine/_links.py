@@ -1,0 +1,197 @@
+"""Handshakes with remote engine ranks and the one data link per pair of ranks.
+
+The side that needs a peer first (a consumer that pulls, a producer that
+pushes) is the initiator: it connects its channel, sends its
+:class:`Handshake` with a fresh ``session`` nonce, and the responder answers
+with its own handshake echoing the nonce, after checking compatibility (a
+mismatch fails on both sides with both values named). Both then open the
+same link: its id is derived from the two peer ids and the nonce, the
+responder's TCPStore is the rendezvous, and the smaller peer id is link rank
+0. A link is used in both directions; the n-th send in one direction matches
+the n-th receive on the other side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import uuid
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+
+from msgspec.structs import replace
+
+from ..channel import Channel
+from ..errors import ClosedError, HandshakeError, PeerLostError, ProtocolError, TransferTimeout
+from ..protocol import Handshake, check_compatible
+from ..transport import LinkBase, LinkFactory
+
+__all__ = ["Peer", "PeerLinks"]
+
+log = logging.getLogger("ncclkv.engine")
+
+
+@dataclass(slots=True)
+class Peer:
+    """A remote rank we shook hands with, and our link to it."""
+
+    peer_id: str
+    remote: Handshake
+    link: Future[LinkBase] | None  # None: control only (no tensors flow between these two ranks yet)
+
+
+def link_id_for(a: str, b: str, session: str) -> str:
+    low, high = sorted((a, b))
+    digest = hashlib.sha256(f"{low}|{high}|{session}".encode()).hexdigest()[:20]
+    return f"kv-{digest}"
+
+
+class PeerLinks:
+    """Peers by peer id; thread-safe. ``local`` is our handshake (its session is replaced per pair)."""
+
+    def __init__(self, local: Handshake, channel: Channel, data_plane: LinkFactory, executor: Executor,
+                 device: str, deadline_s: float) -> None:
+        self._local = local
+        self._channel = channel
+        self._data_plane = data_plane
+        self._executor = executor
+        self._device = device
+        self._deadline_s = deadline_s
+        self._lock = threading.Lock()
+        self._peers: dict[str, Peer] = {}
+        self._connecting: dict[str, threading.Lock] = {}
+        self._closed = False
+
+    def get(self, peer_id: str) -> Peer | None:
+        with self._lock:
+            return self._peers.get(peer_id)
+
+    def ensure(self, peer_id: str, control_addr: str, need_link: bool) -> Peer:
+        """Shake hands with ``peer_id`` (and open a link if ``need_link``) unless done; blocks up to the deadline."""
+        with self._lock:
+            self._check_open()
+            peer = self._peers.get(peer_id)
+            if peer is not None and _usable(peer, need_link):
+                return peer
+            gate = self._connecting.setdefault(peer_id, threading.Lock())
+        if not gate.acquire(timeout=self._deadline_s):
+            raise TransferTimeout(f"handshake with {peer_id!r} still in progress after {self._deadline_s}s")
+        try:
+            with self._lock:
+                peer = self._peers.get(peer_id)
+                if peer is not None and _usable(peer, need_link):
+                    return peer
+            session = uuid.uuid4().hex
+            self._channel.connect(peer_id, control_addr)
+            hello = replace(self._local, session=session, open_link=need_link)
+            reply = self._channel.request(peer_id, hello, self._deadline_s)
+            if not isinstance(reply, Handshake) or reply.session != session:
+                raise HandshakeError(f"peer {peer_id!r} answered the handshake with {type(reply).__name__}")
+            check_compatible(self._local, reply)
+            if not need_link:
+                return self._install(peer_id, reply, None)
+            link: Future[LinkBase] = Future()
+            peer = self._install(peer_id, reply, link)
+            try:
+                link.set_result(self._open_link(peer_id, reply.data_addr, session))
+            except BaseException as err:
+                link.set_exception(err)
+                self.drop(peer_id, err)
+                raise
+            return peer
+        finally:
+            gate.release()
+
+    def on_handshake(self, sender: str, remote: Handshake) -> Handshake:
+        """Responder side (dispatcher thread): check, reply at once, open the link in the background."""
+        self._check_open()
+        if sender != f"{remote.engine_id}.r{remote.rank}":
+            raise HandshakeError(f"handshake from {sender!r} names engine {remote.engine_id!r} rank {remote.rank}")
+        try:
+            check_compatible(self._local, remote)
+        except HandshakeError as err:
+            log.error("refused handshake from %s: %s", sender, err)
+            raise
+        if not remote.open_link:
+            self._install(sender, remote, None)
+            return replace(self._local, session=remote.session, open_link=False)
+        link: Future[LinkBase] = Future()
+        self._install(sender, remote, link)
+
+        def open_link() -> None:
+            if not link.set_running_or_notify_cancel():
+                return
+            try:
+                link.set_result(self._open_link(sender, self._data_plane.address, remote.session))
+            except BaseException as err:  # recorded in the future, seen by whoever waits for the link
+                log.error("link to %s failed to open: %s", sender, err)
+                link.set_exception(err)
+
+        self._executor.submit(open_link)
+        return replace(self._local, session=remote.session, open_link=True)
+
+    def link(self, peer_id: str) -> LinkBase:
+        """Our link to ``peer_id``, waiting up to the deadline for it to open."""
+        peer = self.get(peer_id)
+        if peer is None:
+            raise PeerLostError(f"no handshake with {peer_id!r} (lost or never connected)")
+        if peer.link is None:
+            raise ProtocolError(f"no data link with {peer_id!r}: its handshake asked for control only")
+        try:
+            return peer.link.result(timeout=self._deadline_s)
+        except TimeoutError:
+            raise TransferTimeout(f"link to {peer_id!r} not open after {self._deadline_s}s") from None
+
+    def drop(self, peer_id: str, reason: BaseException | str) -> None:
+        """Forget ``peer_id`` and close its link; the next ``ensure`` shakes hands anew."""
+        with self._lock:
+            peer = self._peers.pop(peer_id, None)
+        if peer is not None:
+            log.warning("dropping peer %s: %s", peer_id, reason)
+            _close_link(peer)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            if peer.link is not None:
+                peer.link.cancel()
+            _close_link(peer)
+
+    def _install(self, peer_id: str, remote: Handshake, link: Future[LinkBase]) -> Peer:
+        peer = Peer(peer_id, remote, link)
+        with self._lock:
+            self._check_open()
+            old = self._peers.get(peer_id)
+            self._peers[peer_id] = peer
+        if old is not None:  # the peer shook hands again: it lost our old link
+            _close_link(old)
+        return peer
+
+    def _open_link(self, peer_id: str, store_addr: str, session: str) -> LinkBase:
+        me = self._channel.peer_id
+        link_rank = 0 if me < peer_id else 1
+        return self._data_plane.open_link(link_id_for(me, peer_id, session), link_rank, store_addr, self._device,
+                                          self._deadline_s)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("engine peers are closed")
+
+
+def _usable(peer: Peer, need_link: bool) -> bool:
+    if peer.link is None:
+        return not need_link
+    if not peer.link.done():
+        return True
+    if peer.link.cancelled() or peer.link.exception() is not None:
+        return False
+    link = peer.link.result()
+    return not link.closed and link.broken is None
+
+
+def _close_link(peer: Peer) -> None:
+    if peer.link is not None and peer.link.done() and not peer.link.cancelled() and peer.link.exception() is None:
+        peer.link.result().close()

@@ -1,0 +1,219 @@
+"""The producer side of one rank: requests held for pulling, and serving the pulls.
+
+A finished request's blocks are held until every consumer rank has pulled
+(each consumer rank sends one PullRequest to every producer rank, with no
+routes where the plan gives it nothing from us), or until ``hold_s`` passes.
+Tensors go out layer-major so a consumer can finish layer 0 first; each
+tensor is gathered and announced on the link's send thread right before it is
+posted, so announcement order is data order on that link.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..channel import Channel
+from ..errors import ProtocolError, ShapeMismatchError, TransferTimeout
+from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, plan
+from ..paged import SlotMap
+from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, RouteMsg
+from ._caches import RankCaches
+from ._config import peer_id
+from ._links import PeerLinks
+from ._stats import EngineStats
+
+__all__ = ["ProducerSide"]
+
+log = logging.getLogger("ncclkv.engine")
+
+
+@dataclass(slots=True)
+class _Held:
+    request_id: str
+    slots: SlotMap
+    num_tokens: int
+    deadline: float
+    expected: set[str] | None = None  # consumer peer ids that will pull; known at the first pull
+    served: set[str] = field(default_factory=set)
+    error: BaseException | None = None
+
+
+class ProducerSide:
+    def __init__(self, rank: int, layout: ParallelLayout, geometry: KVGeometry, caches: RankCaches,
+                 channel: Channel, peers: PeerLinks, stats: EngineStats, hold_s: float, deadline_s: float) -> None:
+        self._rank, self._layout, self._geometry = rank, layout, geometry
+        self._caches, self._channel, self._peers, self._stats = caches, channel, peers, stats
+        self._hold_s, self._deadline_s = hold_s, deadline_s
+        self._lock = threading.Lock()
+        self._held: dict[str, _Held] = {}
+        self._early: dict[str, list[tuple[str, PullRequest, float]]] = {}  # pulls before finish()
+        self._finished: dict[str, BaseException | None] = {}
+        self._seq: dict[str, itertools.count[int]] = {}  # per link id: the seq the next announce carries
+
+    def finish(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
+        """Hold ``request_id``'s blocks for the consumers to pull."""
+        slots = self._caches.slot_map(block_ids)
+        if num_tokens > slots.num_tokens:
+            raise ValueError(f"request {request_id!r}: {num_tokens} tokens do not fit {len(block_ids)} blocks")
+        with self._lock:
+            if request_id in self._held:
+                raise ValueError(f"request {request_id!r} is already held for pulling")
+            self._held[request_id] = _Held(request_id, slots, num_tokens, time.monotonic() + self._hold_s)
+            early = self._early.pop(request_id, [])
+        for sender, pull, _ in early:
+            self._serve_or_refuse(sender, pull)
+
+    def on_pull(self, sender: str, pull: PullRequest) -> Ack:
+        """Dispatcher thread: check the pull against our own plan, then serve it (or park it)."""
+        routes = self._check_pull(sender, pull)
+        with self._lock:
+            held = self._held.get(pull.request_id)
+            if held is None:
+                self._early.setdefault(pull.request_id, []).append((sender, pull, time.monotonic() + self._deadline_s))
+                return Ack(pull.request_id, None)
+        self._serve(sender, pull, held, routes)
+        return Ack(pull.request_id, None)
+
+    def take_finished(self) -> dict[str, BaseException | None]:
+        """Requests whose blocks may be freed now: served to every consumer, failed, or expired."""
+        now = time.monotonic()
+        refused: list[tuple[str, PullRequest]] = []
+        with self._lock:
+            for request_id, held in list(self._held.items()):
+                if held.expected is not None and held.served >= held.expected:
+                    self._finished[request_id] = held.error
+                elif now > held.deadline:
+                    self._finished[request_id] = held.error or TransferTimeout(
+                        f"request {request_id!r} held {self._hold_s}s; pulled by {sorted(held.served)} of "
+                        f"{sorted(held.expected) if held.expected is not None else 'unknown consumers'}"
+                    )
+                else:
+                    continue
+                del self._held[request_id]
+            for request_id, parked in list(self._early.items()):
+                keep = [p for p in parked if p[2] >= now]
+                refused += [(s, p) for s, p, deadline in parked if deadline < now]
+                if keep:
+                    self._early[request_id] = keep
+                else:
+                    del self._early[request_id]
+            done, self._finished = self._finished, {}
+        for sender, pull in refused:
+            self._send_error(sender, TransferTimeout(f"request {pull.request_id!r} is not held by this producer"),
+                             pull.request_id)
+        return done
+
+    @property
+    def num_held(self) -> int:
+        with self._lock:
+            return len(self._held) + len(self._early)
+
+    # -- internals --------------------------------------------------------------------
+    def _check_pull(self, sender: str, pull: PullRequest) -> list[Route]:
+        peer = self._peers.get(sender)
+        if peer is None:
+            raise ProtocolError(f"pull for {pull.request_id!r} from {sender!r} before any handshake")
+        if pull.dst_rank != peer.remote.rank or pull.consumer_engine_id != peer.remote.engine_id:
+            raise ProtocolError(f"pull from {sender!r} names engine {pull.consumer_engine_id!r} rank {pull.dst_rank}")
+        routes = [Route(m.src, m.dst, *m.spans()) for m in pull.routes]
+        if routes:
+            tokens = SpanSet(r.tokens for r in routes)
+            want = plan(self._layout, peer.remote.layout.to_layout(), self._geometry, tokens)
+            mine = [r for r in want.routes_from(self._rank) if r.dst == pull.dst_rank]
+            if sorted(routes) != sorted(mine):
+                raise ProtocolError(
+                    f"pull for {pull.request_id!r} from {sender!r} asks routes {routes} but our plan gives {mine}"
+                )
+        return routes
+
+    def _serve_or_refuse(self, sender: str, pull: PullRequest) -> None:
+        try:
+            routes = self._check_pull(sender, pull)
+            with self._lock:
+                held = self._held[pull.request_id]
+            self._serve(sender, pull, held, routes)
+        except Exception as err:  # reported to the consumer; never silent
+            log.error("cannot serve pull %s from %s: %s", pull.request_id, sender, err)
+            self._send_error(sender, err, pull.request_id)
+
+    def _serve(self, sender: str, pull: PullRequest, held: _Held, routes: list[Route]) -> None:
+        peer = self._peers.get(sender)
+        assert peer is not None
+        consumer_layout = peer.remote.layout.to_layout()
+        with self._lock:
+            if held.expected is None:
+                held.expected = {peer_id(pull.consumer_engine_id, r) for r in range(consumer_layout.world_size)}
+        if any(r.tokens.stop > held.num_tokens for r in routes):
+            raise ShapeMismatchError(f"pull for {pull.request_id!r} asks tokens beyond the {held.num_tokens} held")
+        if not routes:
+            self._mark_served(held, sender, None)
+            return
+        link = self._peers.link(sender)
+        seq = self._seq.setdefault(link.link_id, itertools.count())
+        layers = sorted({layer for r in routes for layer in r.layers})
+        futures = []
+        nbytes = 0
+        started = time.monotonic()
+        for layer in layers:
+            for route in routes:
+                if layer not in route.layers:
+                    continue
+                shape = self._caches.wire_shape(route.tokens, route.heads)
+                buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
+                nbytes += buf.numel() * buf.element_size()
+                hook = self._announcer(sender, pull.request_id, layer, route, held.slots, buf, seq)
+                futures.append(link.send(buf, before_send=hook))
+        remaining = [len(futures)]
+        errors: list[BaseException] = []
+        gate = threading.Lock()
+
+        def on_sent(future) -> None:  # type: ignore[no-untyped-def]
+            with gate:
+                if future.exception() is not None:
+                    errors.append(future.exception())
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if not last:
+                return
+            error = errors[0] if errors else None
+            if error is None:
+                self._stats.record_send(nbytes, len(futures), time.monotonic() - started)
+                self._safe_send(sender, Done(pull.request_id, len(futures), nbytes))
+            else:
+                self._send_error(sender, error, pull.request_id)
+            self._mark_served(held, sender, error)
+
+        for future in futures:
+            future.add_done_callback(on_sent)
+
+    def _announcer(self, sender: str, request_id: str, layer: int, route: Route, slots: SlotMap,
+                   buf: torch.Tensor, seq: itertools.count[int]) -> Callable[[], None]:
+        def gather_and_announce() -> None:  # on the link's send thread, in send order
+            self._caches.gather(layer, slots, route.tokens, route.heads, buf)
+            self._channel.send(sender, Announce(
+                request_id, layer, RouteMsg.from_route(route), tuple(buf.shape), self._geometry.dtype,
+                buf.numel() * buf.element_size(), next(seq),
+            ))
+        return gather_and_announce
+
+    def _mark_served(self, held: _Held, sender: str, error: BaseException | None) -> None:
+        with self._lock:
+            held.served.add(sender)
+            if error is not None and held.error is None:
+                held.error = error
+
+    def _send_error(self, sender: str, error: BaseException, request_id: str) -> None:
+        self._safe_send(sender, ErrorMsg.from_exception(error, request_id))
+
+    def _safe_send(self, sender: str, body: Done | ErrorMsg) -> None:
+        try:
+            self._channel.send(sender, body)
+        except Exception as err:  # the peer is gone: its own side reports the request
+            log.warning("could not tell %s about %s: %s", sender, getattr(body, "request_id", "?"), err)
