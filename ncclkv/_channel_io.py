@@ -8,6 +8,14 @@ Routing: a peer we ``connect()`` to is reached through our DEALER (routing id
 = our peer id) and answers through its ROUTER; a peer that connected to us is
 reached through our ROUTER by its routing id. A peer keeps the path it has
 while it is alive, so everything sent to it travels on one ordered pipe.
+
+Authentication (:mod:`ncclkv.auth`): with CURVE the ROUTER is a CURVE server
+guarded by a ZAP thread (started before the bind, joined on close) and every
+DEALER a CURVE client; with a shared secret every frame is sealed on the way
+out and opened on the way in, before decoding, and a frame that fails is
+dropped unanswered. Hostile input costs bounded work: rejection replies and
+warning lines are token-bucketed, and frames over twice ``max_frame_bytes``
+make ZMQ drop the connection before buffering them.
 """
 
 from __future__ import annotations
@@ -22,15 +30,19 @@ from dataclasses import dataclass
 
 import zmq
 
+from ._auth import FrameGate, ZapGuard, configure_curve_client
 from ._peers import Counters, PeerTable
-from .errors import ProtocolError
-from .protocol import MAX_TEXT_CHARS, Envelope, ErrorCode, ErrorMsg, Heartbeat, decode, encode
+from .auth import ChannelAuth
+from .protocol import Envelope, Heartbeat, encode
 
 __all__ = ["IoLoop"]
 
 log = logging.getLogger("ncclkv.channel")
 
 _BATCH = 256  # frames read from one socket per poll, so no socket starves the others
+_ZAP_JOIN_S = 2.0
+
+_Command = tuple[str, str, str | bytes, bytes | None]  # kind, peer id, address or frame, server key
 
 
 @dataclass(slots=True)
@@ -54,6 +66,7 @@ class IoLoop:
         counters: Counters,
         deliver: Callable[[Envelope], None],
         lost: Callable[[str, str], None],
+        auth: ChannelAuth,
     ) -> None:
         self._peer_id = peer_id
         self._bind_endpoint = bind_endpoint
@@ -64,7 +77,12 @@ class IoLoop:
         self._counters = counters
         self._deliver = deliver
         self._lost = lost
-        self._commands: queue.SimpleQueue[tuple[str, str, str | bytes]] = queue.SimpleQueue()
+        self._auth = auth
+        self._gate = FrameGate(
+            peer_id=peer_id, max_frame_bytes=max_frame_bytes, auth=auth, counters=counters, next_msg_id=peers.next_msg_id
+        )
+        self._zap: ZapGuard | None = None
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake_rx, self._wake_tx = socket.socketpair()
         self._wake_rx.setblocking(False)
         self._wake_tx.setblocking(False)
@@ -91,11 +109,17 @@ class IoLoop:
     def running(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
-    def submit_send(self, peer_id: str, frame: bytes) -> None:
-        self._submit(("send", peer_id, frame))
+    @property
+    def curve_denied(self) -> int:
+        """CURVE clients the ZAP handler refused so far."""
+        zap = self._zap
+        return 0 if zap is None else zap.denied
 
-    def submit_connect(self, peer_id: str, address: str) -> None:
-        self._submit(("connect", peer_id, address))
+    def submit_send(self, peer_id: str, frame: bytes) -> None:
+        self._submit(("send", peer_id, frame, None))
+
+    def submit_connect(self, peer_id: str, address: str, server_key: bytes | None = None) -> None:
+        self._submit(("connect", peer_id, address, server_key))
 
     def stop(self, timeout_s: float) -> bool:
         """Stop the loop and wait for it; True if the thread ended within ``timeout_s``."""
@@ -109,7 +133,7 @@ class IoLoop:
             self._wake_tx.close()
         return stopped
 
-    def _submit(self, command: tuple[str, str, str | bytes]) -> None:
+    def _submit(self, command: _Command) -> None:
         self._commands.put(command)
         if not self._wake_pending:  # the loop clears the flag before it drains the queue
             self._wake_pending = True
@@ -127,11 +151,11 @@ class IoLoop:
         self._router = context.socket(zmq.ROUTER)
         self._poller = zmq.Poller()
         try:
-            self._open()
+            self._open(context)
         except BaseException as exc:  # reported to start(), which raises it in the caller
             self._start_error = exc
             self._router.close(linger=0)
-            context.term()
+            self._terminate(context)
             self._ready.set()
             return
         self._ready.set()
@@ -145,12 +169,24 @@ class IoLoop:
             for peer_id in list(self._links):
                 self._drop_link(peer_id)
             self._router.close(linger=0)
-            context.term()  # every socket is closed with linger 0: this cannot block
+            self._terminate(context)
 
-    def _open(self) -> None:
+    def _terminate(self, context: zmq.Context) -> None:
+        """Stop the ZAP thread, then end the context (every socket is closed with linger 0: no wait)."""
+        if self._zap is not None and not self._zap.stop(_ZAP_JOIN_S):
+            log.error("channel %r: ZAP thread did not stop within %ss; destroying its sockets", self._peer_id, _ZAP_JOIN_S)
+            context.destroy(linger=0)
+            return
+        context.term()
+
+    def _open(self, context: zmq.Context) -> None:
         self._configure(self._router)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown routing id -> error, not a silent drop
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its id over
+        if self._auth.curve is not None:  # the ZAP handler must exist before the first connection
+            self._zap = ZapGuard(context, self._auth.curve, self._peer_id)
+            self._zap.start()
+            self._zap.configure_server(self._router)
         self._router.bind(self._bind_endpoint)
         self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller.register(self._router, zmq.POLLIN)
@@ -169,8 +205,8 @@ class IoLoop:
         next_beat = time.monotonic()
         while not self._stop.is_set():
             ready = dict(self._poller.poll(timeout=tick_s * 1000))
-            if self._wake_rx.fileno() in ready:  # the poller reports plain sockets by fd
-                self._run_commands()
+            # Every turn, not only on a wake-up: a queued command never waits for another submit.
+            self._run_commands()
             if self._router in ready:
                 self._drain(self._router, None)
             for peer_id, link in list(self._links.items()):
@@ -185,28 +221,32 @@ class IoLoop:
                 self._lose(peer_id, f"nothing heard for more than deadline_s={self._deadline_s}s")
 
     def _run_commands(self) -> None:
-        self._wake_pending = False
+        # Drain the wake-up bytes BEFORE clearing the flag: a submit that saw the
+        # flag set wrote no byte, but its command is in the queue read below.
         try:
             while self._wake_rx.recv(4096):
                 pass
         except BlockingIOError:
             pass
+        self._wake_pending = False
         while True:
             try:
-                kind, peer_id, arg = self._commands.get_nowait()
+                kind, peer_id, arg, server_key = self._commands.get_nowait()
             except queue.Empty:
                 return
             if kind == "connect":
-                self._connect(peer_id, str(arg))
+                self._connect(peer_id, str(arg), server_key)
             else:
                 self._send(peer_id, bytes(arg), counted=True)
 
-    def _connect(self, peer_id: str, address: str) -> None:
+    def _connect(self, peer_id: str, address: str, server_key: bytes | None) -> None:
         if peer_id in self._links:  # already reachable: keep its path, so its frames stay in order
             return
         dealer = self._router.context.socket(zmq.DEALER)
         self._configure(dealer)
         dealer.setsockopt(zmq.ROUTING_ID, self._peer_id.encode())  # the peer's ROUTER knows us by name
+        if self._auth.curve is not None:
+            configure_curve_client(dealer, self._auth, server_key)
         try:
             dealer.connect(address)
         except zmq.ZMQError as exc:
@@ -223,6 +263,7 @@ class IoLoop:
             return
         if counted:  # before the send: the peer may answer before this thread runs again
             self._counters.sent += 1
+        frame = self._gate.seal(peer_id.encode(), frame)
         try:
             if link.dealer is not None:
                 link.dealer.send(frame, zmq.NOBLOCK)
@@ -241,27 +282,17 @@ class IoLoop:
             except zmq.Again:
                 return
             if dealer_peer is None:
-                routing_id, payload = parts[0], parts[1:]
+                routing_id, payload, origin = parts[0], parts[1:], parts[0]
             else:
-                routing_id, payload = None, parts
-            if len(payload) != 1:
-                self._reject(sock, routing_id, ProtocolError(f"expected 1 payload frame, got {len(payload)}"))
-                continue
+                routing_id, payload, origin = None, parts, dealer_peer.encode()
             try:
-                self._handle(sock, routing_id, dealer_peer, payload[0])
+                self._handle(sock, routing_id, origin, payload)
             except Exception:  # a bug handling one frame must not stop the channel
-                self._counters.rejected += 1
-                log.exception("channel %r: failed to handle a frame from %r", self._peer_id, routing_id or dealer_peer)
+                self._gate.count_failure(origin)
 
-    def _handle(self, sock: zmq.Socket, routing_id: bytes | None, dealer_peer: str | None, payload: bytes) -> None:
-        try:
-            envelope = decode(payload, self._max_frame_bytes)
-        except ProtocolError as exc:
-            self._reject(sock, routing_id, exc)
-            return
-        origin = dealer_peer if routing_id is None else routing_id.decode("utf-8", "replace")
-        if envelope.sender != origin:
-            self._reject(sock, routing_id, ProtocolError(f"frame names sender {envelope.sender!r} but came from {origin!r}"))
+    def _handle(self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, payload: list[bytes]) -> None:
+        envelope = self._gate.admit(sock, routing_id, origin, payload)
+        if envelope is None:  # rejected: counted, logged, answered if authentic
             return
         sender = envelope.sender
         self._peers.heard(sender, time.monotonic())
@@ -280,22 +311,7 @@ class IoLoop:
         self._counters.received += 1
         self._deliver(envelope)
 
-    def _reject(self, sock: zmq.Socket, routing_id: bytes | None, exc: ProtocolError) -> None:
-        """Count and log a bad frame, and tell its sender (on the socket it came in on) why."""
-        self._counters.rejected += 1
-        log.warning("channel %r: rejected a frame from %r: %s", self._peer_id, routing_id, exc)
-        # <= 4 UTF-8 bytes a char: the reply fits any max_frame_bytes >= 1024
-        text = str(exc)[: min(MAX_TEXT_CHARS, (self._max_frame_bytes - 512) // 4)]
-        frame = self._frame(ErrorMsg(None, ErrorCode.PROTOCOL, text), None)
-        try:
-            if routing_id is None:
-                sock.send(frame, zmq.NOBLOCK)
-            else:
-                sock.send_multipart([routing_id, frame], zmq.NOBLOCK)
-        except zmq.ZMQError as send_exc:
-            log.debug("channel %r: could not report the rejection: %s", self._peer_id, send_exc)
-
-    def _frame(self, body: Heartbeat | ErrorMsg, reply_to: int | None) -> bytes:
+    def _frame(self, body: Heartbeat, reply_to: int | None) -> bytes:
         envelope = Envelope(self._peer_id, self._peers.next_msg_id(), reply_to, body)
         return encode(envelope, self._max_frame_bytes)
 

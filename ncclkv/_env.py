@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["EnvSettings", "env_settings"]
 
@@ -49,6 +49,17 @@ class EnvSettings:
     NCCLKV_BIND_HOST         address control and data sockets bind to (default 127.0.0.1)
     NCCLKV_STAGING_BYTES     receive staging capacity per engine (default 1 GiB)
     NCCLKV_MAX_FRAME_BYTES   largest control frame accepted (default 1 MiB)
+    NCCLKV_FUZZ_EXAMPLES     messages the protocol fuzz tests generate in all (default 10000)
+
+    Control-channel authentication (see :mod:`ncclkv.auth`, docs/SECURITY.md; unset: off):
+    NCCLKV_CURVE_SECRET_FILE   this rank's zmq.auth ``.key_secret`` certificate
+    NCCLKV_CURVE_PUBLIC_FILE   certificate of the server key our DEALERs expect (default: our own)
+    NCCLKV_CURVE_ALLOWED_DIR   directory of ``*.key`` certificates of admitted clients (default: our own)
+    NCCLKV_CURVE_SECRET_KEY    Z85 secret key, instead of the file
+    NCCLKV_CURVE_SERVER_KEY    Z85 server key, with NCCLKV_CURVE_SECRET_KEY
+    NCCLKV_CURVE_ALLOWED_KEYS  comma-separated Z85 client keys, with NCCLKV_CURVE_SECRET_KEY
+    NCCLKV_SHARED_SECRET_FILE  file holding the HMAC key (>= 32 bytes)
+    NCCLKV_SHARED_SECRET       the HMAC key itself, instead of the file
     """
 
     deadline_s: float = 10.0
@@ -56,6 +67,15 @@ class EnvSettings:
     bind_host: str = "127.0.0.1"
     staging_bytes: int = 1 << 30
     max_frame_bytes: int = 1 << 20
+    fuzz_examples: int = 10_000
+    curve_secret_file: str = ""
+    curve_public_file: str = ""
+    curve_allowed_dir: str = ""
+    curve_secret_key: str = field(default="", repr=False)
+    curve_server_key: str = ""
+    curve_allowed_keys: str = ""
+    shared_secret_file: str = ""
+    shared_secret: str = field(default="", repr=False)
 
 
 def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
@@ -68,4 +88,13 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
         bind_host=env.get("NCCLKV_BIND_HOST") or default.bind_host,
         staging_bytes=_int(env, "NCCLKV_STAGING_BYTES", default.staging_bytes),
         max_frame_bytes=_int(env, "NCCLKV_MAX_FRAME_BYTES", default.max_frame_bytes),
+        fuzz_examples=_int(env, "NCCLKV_FUZZ_EXAMPLES", default.fuzz_examples),
+        curve_secret_file=env.get("NCCLKV_CURVE_SECRET_FILE", ""),
+        curve_public_file=env.get("NCCLKV_CURVE_PUBLIC_FILE", ""),
+        curve_allowed_dir=env.get("NCCLKV_CURVE_ALLOWED_DIR", ""),
+        curve_secret_key=env.get("NCCLKV_CURVE_SECRET_KEY", ""),
+        curve_server_key=env.get("NCCLKV_CURVE_SERVER_KEY", ""),
+        curve_allowed_keys=env.get("NCCLKV_CURVE_ALLOWED_KEYS", ""),
+        shared_secret_file=env.get("NCCLKV_SHARED_SECRET_FILE", ""),
+        shared_secret=env.get("NCCLKV_SHARED_SECRET", ""),
     )

@@ -15,6 +15,8 @@ from .layout import KVGeometry, ParallelLayout, Span
 
 __all__ = [
     "MAX_ID_CHARS",
+    "MAX_MODEL_DIM",
+    "MAX_ROUTES",
     "MAX_SHAPE_DIMS",
     "MAX_TEXT_CHARS",
     "PROTOCOL_VERSION",
@@ -31,6 +33,7 @@ __all__ = [
     "LayoutMsg",
     "Message",
     "PullRequest",
+    "PushOffer",
     "Ready",
     "RouteMsg",
 ]
@@ -39,9 +42,13 @@ PROTOCOL_VERSION = 1
 MAX_SHAPE_DIMS = 8
 MAX_ID_CHARS = 512
 MAX_TEXT_CHARS = 4096
+# Counts a peer sends that size our work: far above any real deployment, low enough
+# that nothing built from them (lists, loops, plans) can exhaust memory or time.
+MAX_ROUTES = 4096  # routes in one PullRequest / PushOffer
+MAX_MODEL_DIM = 1 << 16  # tp_size, pp_size, num_layers, num_kv_heads, head_size, partition entries
 
 NonNeg = Annotated[int, Meta(ge=0)]
-Positive = Annotated[int, Meta(ge=1)]
+ModelDim = Annotated[int, Meta(ge=1, le=MAX_MODEL_DIM)]
 Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
 DType = Annotated[str, Meta(min_length=1, max_length=64)]
@@ -58,9 +65,9 @@ class _Tagged(_Body, frozen=True, forbid_unknown_fields=True, tag=True):
 
 
 class LayoutMsg(_Body, frozen=True, forbid_unknown_fields=True):
-    tp_size: Positive
-    pp_size: Positive
-    layer_partition: tuple[Positive, ...] | None
+    tp_size: ModelDim
+    pp_size: ModelDim
+    layer_partition: Annotated[tuple[ModelDim, ...], Meta(max_length=MAX_MODEL_DIM)] | None
 
     @classmethod
     def from_layout(cls, layout: ParallelLayout) -> LayoutMsg:
@@ -72,9 +79,9 @@ class LayoutMsg(_Body, frozen=True, forbid_unknown_fields=True):
 
 
 class GeometryMsg(_Body, frozen=True, forbid_unknown_fields=True):
-    num_layers: Positive
-    num_kv_heads: Positive
-    head_size: Positive
+    num_layers: ModelDim
+    num_kv_heads: ModelDim
+    head_size: ModelDim
     dtype: DType
     use_mla: bool
 
@@ -122,6 +129,9 @@ class RouteMsg(_Body, frozen=True, forbid_unknown_fields=True):
     def spans(self) -> tuple[Span, Span, Span]:
         """``(layers, heads, tokens)`` as Spans."""
         return Span(*self.layers), Span(*self.heads), Span(*self.tokens)
+
+
+Routes = Annotated[tuple[RouteMsg, ...], Meta(max_length=MAX_ROUTES)]
 
 
 class Handshake(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hs"):
@@ -186,8 +196,24 @@ class PullRequest(_Tagged, frozen=True, forbid_unknown_fields=True, tag="pull"):
     request_id: Id
     dst_rank: NonNeg
     consumer_engine_id: Id
-    routes: tuple[RouteMsg, ...]
+    routes: Routes
     num_tokens: NonNeg
+
+
+class PushOffer(_Tagged, frozen=True, forbid_unknown_fields=True, tag="push"):
+    """A producer rank offers to stream ``routes`` of one request as it computes them.
+
+    The consumer rank reserves ``nbytes`` of staging (for tensors that land
+    before its blocks exist) or refuses with ``capacity`` before any tensor
+    is on the wire.
+    """
+
+    request_id: Id
+    src_rank: NonNeg
+    producer_engine_id: Id
+    routes: Routes
+    num_tokens: NonNeg
+    nbytes: NonNeg
 
 
 class Announce(_Tagged, frozen=True, forbid_unknown_fields=True, tag="ann"):
@@ -276,7 +302,7 @@ class Heartbeat(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hb"):
 
 
 Message: TypeAlias = (
-    Handshake | HandshakeAck | PullRequest | Announce | Ack | Ready | Done | ErrorMsg | Heartbeat
+    Handshake | HandshakeAck | PullRequest | PushOffer | Announce | Ack | Ready | Done | ErrorMsg | Heartbeat
 )
 
 

@@ -1,14 +1,18 @@
-"""State shared by a :class:`ncclkv.channel.Channel`'s threads: peer liveness (under one lock) and counters."""
+"""State shared by a :class:`ncclkv.channel.Channel`'s threads: peer liveness (under one lock), counters,
+and the token buckets that bound what a flood of bad frames can cost (log lines, error replies)."""
 
 from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from .errors import PeerLostError
 
-__all__ = ["Counters", "PeerTable"]
+__all__ = ["Budget", "Counters", "PeerTable"]
+
+MAX_LOST_PEERS = 4096  # lost peers remembered (to raise PeerLostError, not "unknown"); oldest forgotten first
 
 
 @dataclass(slots=True)
@@ -21,6 +25,36 @@ class Counters:
     late_replies: int = 0
     peers_lost: int = 0
     handler_errors: int = 0
+    auth_failures: int = 0  # frames dropped for a bad/missing MAC or a replay (I/O thread)
+
+
+@dataclass(slots=True)
+class Budget:
+    """A token bucket: up to ``burst`` events at once, refilled at ``per_s``; one thread only."""
+
+    per_s: float
+    burst: float
+    tokens: float = field(init=False)
+    stamp: float | None = field(default=None, init=False)  # time of the last take
+    refused: int = field(default=0, init=False)  # takes refused since the last granted one
+
+    def __post_init__(self) -> None:
+        self.tokens = self.burst
+
+    def take(self, now: float) -> bool:
+        if self.stamp is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.per_s)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        self.refused += 1
+        return False
+
+    def take_refused(self) -> int:
+        """The count of refused takes since the last call, reset to 0."""
+        refused, self.refused = self.refused, 0
+        return refused
 
 
 @dataclass(slots=True)
@@ -43,6 +77,7 @@ class PeerTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._states: dict[str, _PeerState] = {}
+        self._lost: OrderedDict[str, None] = OrderedDict()  # lost peers, oldest first
         self._ids = itertools.count(1)
 
     def next_msg_id(self) -> int:
@@ -56,6 +91,7 @@ class PeerTable:
             if state is not None and not state.lost:
                 return False
             self._states[peer_id] = _PeerState(last_heard=now)
+            self._lost.pop(peer_id, None)
             return True
 
     def heard(self, peer_id: str, now: float) -> bool:
@@ -64,6 +100,7 @@ class PeerTable:
             state = self._states.get(peer_id)
             if state is None or state.lost:
                 self._states[peer_id] = _PeerState(last_heard=now)
+                self._lost.pop(peer_id, None)
                 return True
             state.last_heard = max(state.last_heard, now)
             return False
@@ -84,7 +121,7 @@ class PeerTable:
         with self._lock:
             late = [p for p, s in self._states.items() if not s.lost and now - s.last_heard > deadline_s]
             for peer_id in late:
-                self._states[peer_id].lost = True
+                self._set_lost(peer_id)
             return late
 
     def mark_lost(self, peer_id: str) -> bool:
@@ -93,8 +130,17 @@ class PeerTable:
             state = self._states.get(peer_id)
             if state is None or state.lost:
                 return False
-            state.lost = True
+            self._set_lost(peer_id)
             return True
+
+    def _set_lost(self, peer_id: str) -> None:
+        """Under the lock: mark lost, and forget the oldest lost peers past :data:`MAX_LOST_PEERS`
+        (a stream of peers that each say hello once must not grow the table forever)."""
+        self._states[peer_id].lost = True
+        self._lost[peer_id] = None
+        while len(self._lost) > MAX_LOST_PEERS:
+            oldest, _ = self._lost.popitem(last=False)
+            del self._states[oldest]
 
     def set_rtt(self, peer_id: str, rtt_s: float) -> None:
         with self._lock:

@@ -23,9 +23,16 @@ Threads (all named ``ncclkv-channel-*``, all joined by :meth:`Channel.close`):
 
 Malformed frames are counted in :attr:`Channel.stats` ``.rejected``, logged,
 and answered with an ``ErrorMsg(code="protocol")`` on the connection they came
-in on; the channel keeps serving. Each channel has its own ``zmq.Context``,
-terminated on close after every socket was closed with linger 0, so close
-does not hang.
+in on; the channel keeps serving. Logs and answers about bad frames are rate
+limited, so a flood of them costs bounded work. Each channel has its own
+``zmq.Context``, terminated on close after every socket was closed with
+linger 0, so close does not hang.
+
+Authentication (``auth=``, a :class:`ncclkv.auth.ChannelAuth`; default: from
+the environment, off if nothing is set): CURVE keys and a ZAP handler thread
+(``ncclkv-channel-zap``, joined on close) admit only allowed clients to the
+ROUTER; a shared secret adds an HMAC to every frame and drops frames without a
+valid one unanswered, before decoding. See docs/SECURITY.md.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from ._channel_io import IoLoop
 from ._dispatch import Dispatcher, MessageHandler, PeerLostHandler
 from ._env import env_settings
 from ._peers import Counters, PeerTable
+from .auth import ChannelAuth, curve_key, load_channel_auth
 from .errors import ClosedError, PeerLostError, TransferTimeout
 from .protocol import Envelope, ErrorMsg, Message, encode
 
@@ -55,7 +63,12 @@ _EXPIRED_KEEP = 4096  # msg ids of timed-out requests remembered, to drop their 
 
 @dataclass(frozen=True, slots=True)
 class ChannelStats:
-    """A snapshot of a channel's counters (heartbeats are not counted as sent/received)."""
+    """A snapshot of a channel's counters (heartbeats are not counted as sent/received).
+
+    ``rejected`` counts every frame refused (malformed, oversized, misnamed or
+    unauthenticated); ``auth_failures`` the frames refused for a missing, bad
+    or replayed MAC plus the CURVE clients refused by the allow-list.
+    """
 
     sent: int
     received: int
@@ -63,6 +76,7 @@ class ChannelStats:
     late_replies: int
     peers_lost: int
     handler_errors: int
+    auth_failures: int = 0
 
 
 @dataclass(slots=True)
@@ -77,7 +91,9 @@ class Channel:
     """A ZMQ control endpoint named ``peer_id`` (see the module docstring for the model).
 
     ``bind_host``, ``heartbeat_s``, ``deadline_s`` and ``max_frame_bytes``
-    default to :func:`ncclkv._env.env_settings`. ``port=0`` binds a free port.
+    default to :func:`ncclkv._env.env_settings`, ``auth`` to
+    :func:`ncclkv.auth.load_channel_auth` (pass ``ChannelAuth()`` for none).
+    ``port=0`` binds a free port.
     ``deadline_s`` is both the default request timeout and the silence after
     which a peer is declared lost; it must exceed ``heartbeat_s``.
     """
@@ -93,8 +109,12 @@ class Channel:
         heartbeat_s: float | None = None,
         deadline_s: float | None = None,
         max_frame_bytes: int | None = None,
+        auth: ChannelAuth | None = None,
     ) -> None:
         settings = env_settings()
+        self.auth = load_channel_auth(settings) if auth is None else auth
+        if not isinstance(self.auth, ChannelAuth):
+            raise TypeError(f"auth must be a ChannelAuth, got {type(self.auth).__name__}")
         self.heartbeat_s = settings.heartbeat_s if heartbeat_s is None else float(heartbeat_s)
         self.deadline_s = settings.deadline_s if deadline_s is None else float(deadline_s)
         self.max_frame_bytes = settings.max_frame_bytes if max_frame_bytes is None else int(max_frame_bytes)
@@ -126,6 +146,7 @@ class Channel:
             counters=self._counters,
             deliver=self._on_envelope,
             lost=self._on_lost,
+            auth=self.auth,
         )
         try:
             self._address = self._io.start(timeout_s=_JOIN_S)
@@ -133,6 +154,10 @@ class Channel:
             self._closed = True
             self._dispatcher.stop(_JOIN_S)
             raise
+        log.info("channel %r listening on %s, auth: %s", peer_id, self._address, self.auth.describe())
+        if host in ("*", "0.0.0.0", "::", "") and not self.auth.enabled:
+            log.warning("channel %r listens on all interfaces (bind_host=%r) without authentication: "
+                        "any host that reaches it can talk to it; see docs/SECURITY.md", peer_id, host)
 
     # -- public API ----------------------------------------------------------------
     @property
@@ -143,22 +168,28 @@ class Channel:
     @property
     def stats(self) -> ChannelStats:
         c = self._counters
-        return ChannelStats(c.sent, c.received, c.rejected, c.late_replies, c.peers_lost, c.handler_errors)
+        auth_failures = c.auth_failures + self._io.curve_denied
+        return ChannelStats(c.sent, c.received, c.rejected, c.late_replies, c.peers_lost, c.handler_errors, auth_failures)
 
-    def connect(self, peer_id: str, address: str) -> None:
+    def connect(self, peer_id: str, address: str, *, server_key: bytes | str | None = None) -> None:
         """Open a DEALER to ``peer_id`` at ``address`` (``tcp://host:port``); a no-op if the peer is alive.
 
         The peer counts as alive from now: if nothing is heard from it within
         ``deadline_s`` it is declared lost. Non-blocking; frames sent before
-        the TCP connection is up are queued.
+        the TCP connection is up are queued. With CURVE, ``server_key`` is the
+        peer's public key (Z85), default ``auth.curve.server_key``; a peer
+        that cannot prove it holds the matching secret is never talked to.
         """
         self._check_open()
         if not isinstance(peer_id, str) or not peer_id:
             raise ValueError(f"peer_id must be a non-empty str, got {peer_id!r}")
         if not address.startswith(("tcp://", "ipc://")):
             raise ValueError(f"address must be tcp://host:port or ipc://path, got {address!r}")
+        key = curve_key(server_key, "server_key") if server_key is not None else None
+        if key is not None and self.auth.curve is None:
+            raise ValueError(f"server_key given for peer {peer_id!r} but this channel has no CURVE auth")
         if self._peers.add(peer_id, time.monotonic()):
-            self._io.submit_connect(peer_id, address)
+            self._io.submit_connect(peer_id, address, key)
 
     def send(self, peer_id: str, body: Message, reply_to: int | None = None) -> int:
         """Queue ``body`` for ``peer_id`` and return its msg_id; thread-safe, never blocks.

@@ -7,7 +7,7 @@ Wire format, version 1. One ZMQ frame holds one msgpack map, an
 
 ``msg_id`` is unique per sender; a reply carries the request's ``msg_id`` in
 ``reply_to``. ``body`` is one of the tagged messages of :data:`Message`
-(tags: ``hs hs_ack pull ann ack ready done err hb``). Every field is required
+(tags: ``hs hs_ack pull push ann ack ready done err hb``). Every field is required
 on the wire, unknown fields are refused, and :func:`decode` checks the frame
 size before it parses a byte. What the decoder enforces, beyond types:
 
@@ -16,13 +16,18 @@ size before it parses a byte. What the decoder enforces, beyond types:
   ``head_size``: ``>= 1``); ``bool`` is not an int here;
 * spans (``layers``, ``heads``, ``tokens`` of a route) have ``start <= stop``;
 * ``shape`` has at most :data:`MAX_SHAPE_DIMS` dims, each ``>= 0``;
+* ``routes`` holds at most :data:`MAX_ROUTES` routes; ``tp_size``, ``pp_size``,
+  ``num_layers``, ``num_kv_heads``, ``head_size`` and each ``layer_partition``
+  entry are at most :data:`MAX_MODEL_DIM`, the partition at most that long;
 * ids and addresses are non-empty strings of at most :data:`MAX_ID_CHARS`
   characters, error text at most :data:`MAX_TEXT_CHARS`;
 * ``role`` and ``ErrorMsg.code`` are members of their closed sets.
 
 Cross-field consistency (``nbytes == prod(shape) * itemsize``, a route inside
-the layout, a known dtype name) is the engine's job; handshake compatibility
-is :func:`check_compatible`.
+the layout, a known dtype name) and anything sized by a peer's numbers
+(announced ``nbytes`` against staging capacity, token counts against the
+request) are the engine's job; handshake compatibility is
+:func:`check_compatible`. The whole list is in docs/SECURITY.md.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import msgspec
 from ._env import EnvSettings
 from ._messages import (
     MAX_ID_CHARS,
+    MAX_MODEL_DIM,
+    MAX_ROUTES,
     MAX_SHAPE_DIMS,
     MAX_TEXT_CHARS,
     PROTOCOL_VERSION,
@@ -48,6 +55,7 @@ from ._messages import (
     LayoutMsg,
     Message,
     PullRequest,
+    PushOffer,
     Ready,
     RouteMsg,
 )
@@ -55,6 +63,8 @@ from .errors import HandshakeError, ProtocolError
 
 __all__ = [
     "MAX_ID_CHARS",
+    "MAX_MODEL_DIM",
+    "MAX_ROUTES",
     "MAX_SHAPE_DIMS",
     "MAX_TEXT_CHARS",
     "PROTOCOL_VERSION",
@@ -71,6 +81,7 @@ __all__ = [
     "LayoutMsg",
     "Message",
     "PullRequest",
+    "PushOffer",
     "Ready",
     "RouteMsg",
     "check_compatible",

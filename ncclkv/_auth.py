@@ -1,0 +1,274 @@
+"""The wire side of :mod:`ncclkv.auth`, and the gate every incoming frame passes.
+
+:class:`FrameGate` admits a frame only if it is authentic (shared-secret
+mode), decodes under the size limit, and names the sender it came from;
+everything else is counted, logged and (if authentic) answered, with logs and
+answers token-bucketed so that a flood of bad frames costs bounded work.
+:class:`FrameAuth` seals and opens frames; :class:`ZapGuard` runs CURVE's ZAP
+handler. All of it runs on the channel's I/O thread, except the ZAP
+callback, which runs on the ZAP thread and only reads a frozenset and bumps
+its own counter.
+
+Sealed frame (shared-secret mode)::
+
+    stamp (8 bytes, big-endian) | HMAC-SHA256 (32 bytes) | payload
+
+The MAC covers a version label, the sender id, the receiver id, the stamp and
+the payload, so a frame cannot be re-attributed, redirected or altered. The
+stamp is the sender's wall clock in ns, forced to increase by at least one per
+frame; the receiver keeps the last stamp per (sender, path) and refuses
+anything not newer (a replay). Frames on one path are FIFO, so a legitimate
+stamp is always newer. A sender seen for the first time must be within
+``max_clock_skew_s`` of the receiver's clock, so an old capture cannot be
+replayed to a receiver that restarted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import zmq
+from zmq.auth import Authenticator
+from zmq.auth.thread import ThreadAuthenticator
+
+from ._peers import Budget, Counters
+from .auth import AuthenticationError, ChannelAuth, CurveConfig
+from .errors import ProtocolError
+from .protocol import MAX_TEXT_CHARS, Envelope, ErrorCode, ErrorMsg, decode, encode
+
+__all__ = ["MAC_OVERHEAD", "FrameAuth", "FrameGate", "ZapGuard", "configure_curve_client"]
+
+log = logging.getLogger("ncclkv.channel")
+
+_LABEL = b"ncclkv-hmac-sha256-v1"
+_STAMP_BYTES = 8
+_MAC_BYTES = 32
+MAC_OVERHEAD = _STAMP_BYTES + _MAC_BYTES
+_MAX_SENDERS = 1 << 16  # replay state kept for this many (sender, path) pairs, least recent dropped first
+ZAP_DOMAIN = "ncclkv"
+# Replies to rejected frames, and warning lines about them: a flood of bad frames costs at most this.
+_REPLIES_PER_S, _REPLY_BURST = 50.0, 100.0
+_WARNINGS_PER_S, _WARNING_BURST = 1.0, 5.0
+
+
+def _ident(name: bytes) -> bytes:
+    assert len(name) <= 255, "peer ids and routing ids are at most 255 bytes"
+    return bytes([len(name)]) + name
+
+
+class FrameAuth:
+    """HMAC-SHA256 seal/open of frames for one channel (I/O thread only)."""
+
+    def __init__(self, secret: bytes, me: str, max_clock_skew_s: float) -> None:
+        self._secret = secret
+        self._me = _ident(me.encode())
+        self._max_skew_ns = int(max_clock_skew_s * 1e9)
+        self._last_sent = 0
+        self._last_seen: OrderedDict[tuple[bytes, bool], int] = OrderedDict()
+
+    def _mac(self, sender: bytes, receiver: bytes, stamp: bytes, payload: bytes) -> bytes:
+        mac = hmac.new(self._secret, _LABEL, hashlib.sha256)
+        for part in (sender, receiver, stamp, payload):
+            mac.update(part)
+        return mac.digest()
+
+    def seal(self, receiver: bytes, payload: bytes) -> bytes:
+        """``payload`` as a frame for peer ``receiver`` (its peer id, UTF-8)."""
+        self._last_sent = max(self._last_sent + 1, time.time_ns())
+        stamp = self._last_sent.to_bytes(_STAMP_BYTES, "big")
+        return stamp + self._mac(self._me, _ident(receiver), stamp, payload) + payload
+
+    def open(self, sender: bytes, frame: bytes, via_router: bool) -> bytes:
+        """The payload of ``frame`` from ``sender``; :class:`AuthenticationError` if it is not authentic or not new."""
+        if len(frame) < MAC_OVERHEAD:
+            raise AuthenticationError(f"frame of {len(frame)} bytes is shorter than a MAC header ({MAC_OVERHEAD})")
+        stamp, mac, payload = frame[:_STAMP_BYTES], frame[_STAMP_BYTES:MAC_OVERHEAD], frame[MAC_OVERHEAD:]
+        if len(sender) > 255 or not hmac.compare_digest(mac, self._mac(_ident(sender), self._me, stamp, payload)):
+            raise AuthenticationError("bad MAC: not signed with the shared secret, or altered")
+        value = int.from_bytes(stamp, "big")
+        key = (sender, via_router)
+        last = self._last_seen.get(key)
+        if last is None:
+            skew_ns = abs(value - time.time_ns())
+            if skew_ns > self._max_skew_ns:
+                raise AuthenticationError(
+                    f"first frame's stamp is {skew_ns / 1e9:.1f}s from this host's clock (max_clock_skew_s="
+                    f"{self._max_skew_ns / 1e9:g}): a stale replay, or unsynchronised clocks"
+                )
+        elif value <= last:
+            raise AuthenticationError(f"replayed or reordered frame: stamp {value} is not after {last}")
+        self._last_seen[key] = value
+        self._last_seen.move_to_end(key)
+        if len(self._last_seen) > _MAX_SENDERS:
+            self._last_seen.popitem(last=False)
+        return payload
+
+
+class _AllowList:
+    """The ZAP credentials provider: admits exactly the configured client keys, counts denials."""
+
+    def __init__(self, allowed: frozenset[bytes], peer_id: str) -> None:
+        self._allowed = allowed
+        self._peer_id = peer_id
+        self._warnings = Budget(_WARNINGS_PER_S, _WARNING_BURST)  # a refused client retries every 100 ms
+        self.denied = 0  # written by the ZAP thread only
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self._allowed:
+            return True
+        self.denied += 1
+        if self._warnings.take(time.monotonic()):
+            log.warning("channel %r: refused CURVE client key %s (not an allowed client; %d refused so far)",
+                        self._peer_id, key.decode("ascii", "replace"), self.denied)
+        return False
+
+
+class ZapGuard:
+    """The ZAP handler thread of one channel's context, and the CURVE server options of its ROUTER.
+
+    Created, started and stopped on the I/O thread (its pipe socket belongs there).
+    """
+
+    def __init__(self, context: zmq.Context, curve: CurveConfig, peer_id: str) -> None:
+        self._curve = curve
+        self._allow = _AllowList(curve.allowed_clients, peer_id)
+        self._auth = ThreadAuthenticator(context, log=logging.getLogger("ncclkv.channel.zap"))
+        self._thread_name = f"ncclkv-channel-zap[{peer_id}]"
+
+    @property
+    def denied(self) -> int:
+        return self._allow.denied
+
+    def start(self) -> None:
+        """Start the ZAP handler; must run before any CURVE server socket binds."""
+        self._auth.start()
+        self._auth.thread.name = self._thread_name
+        self._auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self._allow)
+
+    def configure_server(self, sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # fail closed if the ZAP handler is gone
+        sock.setsockopt_string(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.secret_key)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.public_key)
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+
+    def stop(self, timeout_s: float) -> bool:
+        """Stop and join the ZAP thread within ``timeout_s``, then close its sockets; True if it ended.
+
+        Not ``ThreadAuthenticator.stop``: that joins without a deadline, and
+        if the thread is already gone it blocks sending to a pipe with no peer.
+        """
+        thread: threading.Thread | None = self._auth.thread
+        if thread is not None and thread.is_alive():
+            try:
+                self._auth.pipe.send(b"TERMINATE", zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                log.error("could not signal the ZAP thread to stop: %s", exc)
+            thread.join(timeout_s)
+            if thread.is_alive():
+                return False
+        if self._auth.pipe is not None:
+            self._auth.pipe.close(linger=0)
+            self._auth.pipe = None
+        self._auth.thread = None
+        Authenticator.stop(self._auth)  # closes the ZAP socket
+        return True
+
+
+def configure_curve_client(sock: zmq.Socket, auth: ChannelAuth, server_key: bytes | None) -> None:
+    """Make ``sock`` (a DEALER) a CURVE client of ``server_key`` (default: the configured one)."""
+    curve = auth.curve
+    assert curve is not None
+    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_key or curve.server_key)
+
+
+class FrameGate:
+    """Admission of incoming frames, and sealing of outgoing ones, for one channel (I/O thread only)."""
+
+    def __init__(
+        self,
+        *,
+        peer_id: str,
+        max_frame_bytes: int,
+        auth: ChannelAuth,
+        counters: Counters,
+        next_msg_id: Callable[[], int],
+    ) -> None:
+        self._peer_id = peer_id
+        self._max_frame_bytes = max_frame_bytes
+        self._sealer = FrameAuth(auth.shared_secret, peer_id, auth.max_clock_skew_s) if auth.shared_secret else None
+        self._counters = counters
+        self._next_msg_id = next_msg_id
+        self._replies = Budget(_REPLIES_PER_S, _REPLY_BURST)
+        self._warnings = Budget(_WARNINGS_PER_S, _WARNING_BURST)
+
+    def seal(self, receiver: bytes, frame: bytes) -> bytes:
+        return frame if self._sealer is None else self._sealer.seal(receiver, frame)
+
+    def admit(self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, payload: list[bytes]) -> Envelope | None:
+        """The envelope of a good frame from ``origin``; None for a bad one, which was counted,
+        logged and (if authentic, or with no auth configured) answered on ``sock``."""
+        if len(payload) != 1 and self._sealer is None:
+            self.reject(sock, routing_id, origin, ProtocolError(f"expected 1 payload frame, got {len(payload)}"))
+            return None
+        frame = payload[0]
+        if self._sealer is not None:
+            try:
+                if len(payload) != 1:  # cannot be authenticated: dropped like a bad MAC
+                    raise AuthenticationError(f"expected 1 payload frame, got {len(payload)}")
+                frame = self._sealer.open(origin, frame, via_router=routing_id is not None)
+            except AuthenticationError as exc:
+                self._counters.auth_failures += 1
+                self.reject(sock, routing_id, origin, exc, authentic=False)
+                return None
+        try:
+            envelope = decode(frame, self._max_frame_bytes)
+        except ProtocolError as exc:
+            self.reject(sock, routing_id, origin, exc)
+            return None
+        name = origin.decode("utf-8", "replace")
+        if envelope.sender != name:
+            self.reject(sock, routing_id, origin, ProtocolError(f"frame names sender {envelope.sender!r} but came from {name!r}"))
+            return None
+        return envelope
+
+    def reject(
+        self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, exc: ProtocolError, authentic: bool = True
+    ) -> None:
+        """Count and log a bad frame; if ``authentic``, tell its sender why on the socket it came in on."""
+        self._counters.rejected += 1
+        now = time.monotonic()
+        self._warn(now, "channel %r: rejected a frame from %r: %s", origin, exc)
+        if not authentic or not self._replies.take(now):
+            return
+        # <= 4 UTF-8 bytes a char: the reply fits any max_frame_bytes >= 1024
+        text = str(exc)[: min(MAX_TEXT_CHARS, (self._max_frame_bytes - 512) // 4)]
+        envelope = Envelope(self._peer_id, self._next_msg_id(), None, ErrorMsg(None, ErrorCode.PROTOCOL, text))
+        frame = self.seal(origin, encode(envelope, self._max_frame_bytes))
+        try:
+            if routing_id is None:
+                sock.send(frame, zmq.NOBLOCK)
+            else:
+                sock.send_multipart([routing_id, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as send_exc:
+            log.debug("channel %r: could not report the rejection: %s", self._peer_id, send_exc)
+
+    def count_failure(self, origin: bytes) -> None:
+        """A frame whose handling raised (a bug): counted as rejected, logged with its traceback."""
+        self._counters.rejected += 1
+        if self._warnings.take(time.monotonic()):
+            log.exception("channel %r: failed to handle a frame from %r", self._peer_id, origin)
+
+    def _warn(self, now: float, fmt: str, origin: bytes, exc: BaseException) -> None:
+        if self._warnings.take(now):
+            unlogged = self._warnings.take_refused()
+            more = f" ({unlogged} more rejected frames not logged)" if unlogged else ""
+            log.warning(fmt + "%s", self._peer_id, origin, exc, more)

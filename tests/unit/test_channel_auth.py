@@ -1,0 +1,411 @@
+"""Authentication of the control channel (CURVE with a ZAP allow-list, HMAC shared secret), its
+configuration from files and environment, and where the channel listens by default."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import zmq
+import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
+
+from ncclkv import errors
+from ncclkv._auth import MAC_OVERHEAD, FrameAuth
+from ncclkv._env import env_settings
+from ncclkv.auth import (
+    AuthenticationError,
+    ChannelAuth,
+    CurveConfig,
+    load_channel_auth,
+    load_curve_files,
+    load_shared_secret,
+)
+from ncclkv.channel import THREAD_PREFIX, Channel
+from ncclkv.layout import KVGeometry, ParallelLayout
+from ncclkv.protocol import (
+    Ack,
+    Announce,
+    Envelope,
+    Handshake,
+    HandshakeAck,
+    Heartbeat,
+    Message,
+    Ready,
+    RouteMsg,
+    decode,
+    encode,
+)
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+FAST = dict(heartbeat_s=0.05, deadline_s=2.0)
+NO_ANSWER_S = 0.5  # how long an unauthenticated peer waits in vain (an authenticated one is answered in ms)
+HELLO = Handshake.create("decode-0", "consumer", 0, ParallelLayout(1, 1), KVGeometry(2, 2, 64), "tcp://h:1", "h:2")
+ANNOUNCE = Announce("req", 0, RouteMsg(0, 0, (0, 1), (0, 1), (0, 4)), (2, 4, 1, 64), "bfloat16", 1024, 0)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def channel_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+@pytest.fixture(autouse=True)
+def no_thread_survives() -> Iterator[None]:
+    yield
+    assert channel_threads() == [], "a channel thread (I/O, dispatcher or ZAP) outlived its test"
+
+
+class Server:
+    """A channel that records what its handler sees and answers handshakes and Ready."""
+
+    def __init__(self, auth: ChannelAuth) -> None:
+        self.seen: list[tuple[str, Message]] = []
+        self.channel = Channel("server", on_message=self.handle, auth=auth, **FAST)  # type: ignore[arg-type]
+
+    def handle(self, sender: str, body: Message) -> Message | None:
+        self.seen.append((sender, body))
+        if isinstance(body, Handshake):
+            return HandshakeAck("prefill-0", 0, True, "")
+        return Ack(body.request_id, None) if isinstance(body, Ready) else None
+
+
+class Channels:
+    """Makes the test's channels and closes them all at the end."""
+
+    def __init__(self) -> None:
+        self.made: list[Channel] = []
+
+    def server(self, auth: ChannelAuth) -> Server:
+        server = Server(auth)
+        self.made.append(server.channel)
+        return server
+
+    def client(self, peer_id: str, auth: ChannelAuth, **kwargs: object) -> Channel:
+        self.made.append(Channel(peer_id, auth=auth, **FAST, **kwargs))  # type: ignore[arg-type]
+        return self.made[-1]
+
+
+@pytest.fixture
+def make() -> Iterator[Channels]:
+    channels = Channels()
+    yield channels
+    for channel in reversed(channels.made):
+        channel.close()
+
+
+def assert_refused(client: Channel, server: Server) -> None:
+    """The client's handshake is never answered and its announce never reaches the handler."""
+    client.connect("server", server.channel.address)
+    client_send_ok = True
+    try:
+        client.send("server", ANNOUNCE)
+    except errors.PeerLostError:
+        client_send_ok = False  # a DEALER whose handshakes fail has no pipe left: the peer is lost
+    with pytest.raises((errors.TransferTimeout, errors.PeerLostError)):
+        client.request("server", HELLO, timeout_s=NO_ANSWER_S)
+    assert server.seen == [] and server.channel.stats.received == 0, (client_send_ok, server.seen)
+
+
+# -- CURVE ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Certificates in zmq.auth's format: server, client, an intruder; and an allowed-clients dir."""
+    root = tmp_path_factory.mktemp("certs")
+    paths = {}
+    for name in ("server", "client", "intruder"):
+        public, secret = zmq.auth.create_certificates(root, name)
+        paths[name], paths[f"{name}_secret"] = Path(public), Path(secret)
+    allowed = root / "allowed"
+    allowed.mkdir()
+    for name in ("server", "client"):
+        (allowed / f"{name}.key").write_bytes(paths[name].read_bytes())
+    paths["allowed"] = allowed
+    return paths
+
+
+def curve(certs: dict[str, Path], name: str, server: str = "server") -> ChannelAuth:
+    return ChannelAuth(curve=load_curve_files(certs[f"{name}_secret"], certs[server], certs["allowed"]))
+
+
+def test_curve_peers_with_allowed_keys_talk_both_ways(make: Channels, certs: dict[str, Path]) -> None:
+    server = make.server(curve(certs, "server"))
+    client = make.client("decode-0", curve(certs, "client"),
+                  on_message=lambda sender, body: Ack(body.request_id, 7) if isinstance(body, Ready) else None)
+    assert f"{THREAD_PREFIX}-zap[server]" in channel_threads()
+    client.connect("server", server.channel.address)
+    assert client.request("server", HELLO, timeout_s=10) == HandshakeAck("prefill-0", 0, True, "")
+    assert server.channel.request("decode-0", Ready("back"), timeout_s=10) == Ack("back", 7)  # and back
+    client.send("server", ANNOUNCE)
+    assert client.request("server", Ready("r"), timeout_s=10) == Ack("r", None)
+    assert [type(body) for _, body in server.seen] == [Handshake, Announce, Ready]
+    assert server.channel.stats.auth_failures == 0
+
+
+@pytest.mark.parametrize("who", ["no keys", "key not allowed", "wrong server key"])
+def test_curve_refuses_unauthenticated_peers(make: Channels, certs: dict[str, Path], who: str) -> None:
+    server = make.server(curve(certs, "server"))
+    auth = {
+        "no keys": ChannelAuth(),
+        "key not allowed": curve(certs, "intruder"),
+        "wrong server key": curve(certs, "client", server="intruder"),  # the client cannot be fooled either
+    }[who]
+    assert_refused(make.client("decode-0", auth), server)
+    if who == "key not allowed":
+        wait_until(lambda: server.channel.stats.auth_failures >= 1)  # the ZAP allow-list said no
+    good = make.client("decode-1", curve(certs, "client"))  # meanwhile, an allowed client is served
+    good.connect("server", server.channel.address)
+    assert good.request("server", Ready("ok"), timeout_s=10) == Ack("ok", None)
+
+
+@pytest.mark.parametrize(
+    ("keys", "event"),
+    [("none", zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL), ("intruder", zmq.EVENT_HANDSHAKE_FAILED_AUTH)],
+    ids=["no keys", "key not allowed"],
+)
+def test_curve_raw_socket_never_gets_a_byte_through(make: Channels, certs: dict[str, Path],
+                                                   keys: str, event: int) -> None:
+    """A raw DEALER sending a well-formed handshake under its own name: the ZMQ handshake fails
+    (seen on its monitor), so the frame never reaches the decoder, let alone the handler."""
+    server = make.server(curve(certs, "server"))
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    monitor = raw.get_monitor_socket(event)
+    try:
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.ROUTING_ID, b"decode-0")
+        if keys == "intruder":
+            public, secret = zmq.auth.load_certificate(certs["intruder_secret"])
+            raw.curve_publickey, raw.curve_secretkey = public, secret
+            raw.curve_serverkey = zmq.auth.load_certificate(certs["server"])[0]
+        raw.connect(server.channel.address)
+        raw.send(encode(Envelope("decode-0", 1, None, HELLO)))
+        assert monitor.poll(10_000) and recv_monitor_message(monitor)["event"] == event
+        assert not raw.poll(int(NO_ANSWER_S * 1000))
+        assert server.seen == [] and server.channel.stats.received == 0 and server.channel.stats.rejected == 0
+    finally:
+        raw.disable_monitor()
+        monitor.close(linger=0)
+        raw.close(linger=0)
+        context.term()
+
+
+def test_curve_and_secret_together_and_a_failed_bind_leaves_no_thread(make: Channels,
+                                                                     certs: dict[str, Path]) -> None:
+    both = ChannelAuth(curve=curve(certs, "server").curve, shared_secret=SECRET)
+    server = make.server(both)
+    client = make.client("decode-0", ChannelAuth(curve=curve(certs, "client").curve, shared_secret=SECRET))
+    client.connect("server", server.channel.address)
+    assert client.request("server", HELLO, timeout_s=10) == HandshakeAck("prefill-0", 0, True, "")
+    port = int(server.channel.address.rsplit(":", 1)[1])
+    threads = sorted(channel_threads())
+    with pytest.raises(zmq.ZMQError):
+        Channel("second", port=port, auth=both)  # the ZAP thread it started is joined before the error
+    assert sorted(channel_threads()) == threads
+
+
+# -- shared secret (HMAC) ------------------------------------------------------------------
+
+def test_hmac_peers_talk_and_heartbeat(make: Channels) -> None:
+    server = make.server(ChannelAuth(shared_secret=SECRET))
+    client = make.client("decode-0", ChannelAuth(shared_secret=SECRET))
+    client.connect("server", server.channel.address)
+    assert client.request("server", HELLO, timeout_s=10) == HandshakeAck("prefill-0", 0, True, "")
+    client.send("server", ANNOUNCE)
+    assert client.request("server", Ready("r"), timeout_s=10) == Ack("r", None)
+    wait_until(lambda: None not in (client.last_rtt("server"), server.channel.last_rtt("decode-0")))  # sealed too
+    assert [type(body) for _, body in server.seen] == [Handshake, Announce, Ready]
+    assert server.channel.stats.auth_failures == 0 and server.channel.stats.rejected == 0
+
+
+@pytest.mark.parametrize("who", ["no secret", "wrong secret"])
+def test_hmac_refuses_unauthenticated_peers(make: Channels, who: str) -> None:
+    server = make.server(ChannelAuth(shared_secret=SECRET))
+    auth = ChannelAuth() if who == "no secret" else ChannelAuth(shared_secret=SECRET[::-1])
+    assert_refused(make.client("decode-0", auth), server)
+    wait_until(lambda: server.channel.stats.auth_failures >= 2)  # the announce and the handshake, dropped
+    assert server.channel.stats.rejected == server.channel.stats.auth_failures and server.seen == []
+
+
+def test_hmac_drops_replays_alterations_and_misattributed_frames(make: Channels) -> None:
+    server = make.server(ChannelAuth(shared_secret=SECRET))
+    context = zmq.Context()
+    socks = {}
+    try:
+        for name in ("legit", "mallory"):
+            socks[name] = context.socket(zmq.DEALER)
+            socks[name].setsockopt(zmq.LINGER, 0)
+            socks[name].setsockopt(zmq.ROUTING_ID, name.encode())
+            socks[name].connect(server.channel.address)
+        legit = FrameAuth(SECRET, "legit", 300.0)  # a peer that knows the secret, driven by hand
+
+        def sealed(request_id: str, receiver: bytes = b"server") -> bytes:
+            return legit.seal(receiver, encode(Envelope("legit", 1, None, Ready(request_id))))
+
+        first = sealed("first")
+        altered = bytearray(sealed("altered"))
+        altered[-2] ^= 0x01
+        with mock.patch("ncclkv._auth.time.time_ns", return_value=time.time_ns() - 3600 * 10**9):
+            stale = FrameAuth(SECRET, "mallory", 300.0).seal(b"server", encode(Envelope("mallory", 1, None, Ready("stale"))))
+        socks["legit"].send(first)
+        socks["legit"].send(first)  # replayed
+        socks["legit"].send(bytes(altered))
+        socks["legit"].send(sealed("redirected", receiver=b"elsewhere"))
+        socks["mallory"].send(sealed("misattributed"))  # legit's frame, sent under another name
+        socks["mallory"].send(stale)  # an old capture, to a receiver that never heard from mallory
+        socks["mallory"].send(encode(Envelope("mallory", 1, None, Ready("plain"))))  # no MAC at all
+        socks["legit"].send(sealed("last"))  # FIFO per connection: when it lands, legit's earlier frames did
+        wait_until(lambda: len(server.seen) >= 2 and server.channel.stats.auth_failures >= 6)
+        assert [body.request_id for _, body in server.seen] == ["first", "last"]  # type: ignore[union-attr]
+        assert server.channel.stats.auth_failures == 6 and server.channel.stats.received == 2
+        replies: list[Message] = []  # sealed for legit (heartbeats too, now that it is a known peer)
+        while len(replies) < 2:
+            assert socks["legit"].poll(5000), replies
+            body = decode(legit.open(b"server", socks["legit"].recv(), via_router=False)).body
+            replies += [] if isinstance(body, Heartbeat) else [body]
+        assert replies == [Ack("first", None), Ack("last", None)]
+        assert not socks["mallory"].poll(0)  # unauthenticated frames are never answered
+    finally:
+        for sock in socks.values():
+            sock.close(linger=0)
+        context.term()
+
+
+def test_frame_auth_seal_and_open() -> None:
+    alice, bob = FrameAuth(SECRET, "alice", 300.0), FrameAuth(SECRET, "bob", 300.0)
+    frames = [alice.seal(b"bob", b"payload %d" % i) for i in range(3)]
+    assert all(len(f) == MAC_OVERHEAD + 9 for f in frames)
+    assert [bob.open(b"alice", f, via_router=True) for f in frames] == [b"payload 0", b"payload 1", b"payload 2"]
+    with pytest.raises(AuthenticationError, match="replayed or reordered"):
+        bob.open(b"alice", frames[1], via_router=True)
+    assert bob.open(b"alice", alice.seal(b"bob", b"x"), via_router=False) == b"x"  # another path keeps its own order
+    for bad in (frames[0][:10], b"", frames[0][:-1] + b"?"):
+        with pytest.raises(AuthenticationError):
+            FrameAuth(SECRET, "bob", 300.0).open(b"alice", bad, via_router=True)
+    with pytest.raises(AuthenticationError, match="bad MAC"):
+        FrameAuth(SECRET[::-1], "bob", 300.0).open(b"alice", alice.seal(b"bob", b"x"), via_router=True)
+
+
+# -- configuration --------------------------------------------------------------------------
+
+def test_auth_from_environment(certs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET + b"\n")
+    secret_file.chmod(0o600)
+    env = {"NCCLKV_CURVE_SECRET_FILE": str(certs["client_secret"]), "NCCLKV_CURVE_PUBLIC_FILE": str(certs["server"]),
+           "NCCLKV_CURVE_ALLOWED_DIR": str(certs["allowed"]), "NCCLKV_SHARED_SECRET_FILE": str(secret_file)}
+    auth = load_channel_auth(env_settings(env))
+    client_public = zmq.auth.load_certificate(certs["client"])[0]
+    assert auth.curve is not None and auth.curve.public_key == client_public
+    assert auth.curve.server_key == zmq.auth.load_certificate(certs["server"])[0]
+    assert auth.curve.allowed_clients == frozenset(zmq.auth.load_certificates(certs["allowed"]))
+    assert auth.shared_secret == SECRET and auth.enabled
+    assert SECRET.decode() not in repr(auth) and auth.curve.secret_key.decode() not in repr(auth)
+    assert auth.describe() == f"curve(public={client_public.decode()}, 2 allowed) + hmac-sha256"
+
+    public, secret = zmq.curve_keypair()
+    by_value = load_channel_auth(env_settings({"NCCLKV_CURVE_SECRET_KEY": secret.decode(),
+                                               "NCCLKV_SHARED_SECRET": SECRET.decode()}))
+    assert by_value.curve == CurveConfig(public, secret, public, frozenset({public}))  # one deployment-wide pair
+    assert SECRET.decode() not in repr(env_settings({"NCCLKV_SHARED_SECRET": SECRET.decode()}))
+    assert load_channel_auth(env_settings({})) == ChannelAuth() and not ChannelAuth().enabled
+
+    monkeypatch.setenv("NCCLKV_SHARED_SECRET", SECRET.decode())
+    with Channel("from-env") as channel:  # auth=None reads the environment
+        assert channel.auth.shared_secret == SECRET
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"NCCLKV_SHARED_SECRET": "short"}, "has 5 bytes; use at least 32"),
+        ({"NCCLKV_SHARED_SECRET": "x" * 32, "NCCLKV_SHARED_SECRET_FILE": "/nonexistent"}, "not both"),
+        ({"NCCLKV_SHARED_SECRET_FILE": "/nonexistent/secret"}, "does not exist"),
+        ({"NCCLKV_CURVE_ALLOWED_DIR": "/tmp"}, "no CURVE secret key"),
+        ({"NCCLKV_CURVE_SECRET_KEY": "not a key"}, "40-character Z85"),
+        ({"NCCLKV_CURVE_SECRET_FILE": "{server}"}, "holds no secret-key"),
+        ({"NCCLKV_CURVE_SECRET_FILE": "{server_secret}", "NCCLKV_CURVE_ALLOWED_DIR": "{empty}"}, "holds no *.key"),
+        ({"NCCLKV_CURVE_SECRET_FILE": "{server_secret}", "NCCLKV_CURVE_SERVER_KEY": "x" * 40}, "go with"),
+    ],
+)
+def test_bad_auth_configuration_is_refused(certs: dict[str, Path], tmp_path: Path, env: dict[str, str], message: str) -> None:
+    (tmp_path / "empty").mkdir()
+    names = {k: str(v) for k, v in certs.items()} | {"empty": str(tmp_path / "empty")}
+    with pytest.raises(ValueError, match=message.replace("*", r"\*")):
+        load_channel_auth(env_settings({k: v.format(**names) for k, v in env.items()}))
+
+
+def test_bad_auth_values_are_refused(certs: dict[str, Path], tmp_path: Path) -> None:
+    public, secret = zmq.curve_keypair()
+    other_public, _ = zmq.curve_keypair()
+    with pytest.raises(ValueError, match="does not belong"):
+        CurveConfig(other_public, secret, public, frozenset({public}))
+    with pytest.raises(ValueError, match="allowed_clients is empty"):
+        CurveConfig(public, secret, public, frozenset())
+    with pytest.raises(TypeError, match="auth must be a ChannelAuth"):
+        Channel("x", auth="secret")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no CURVE auth"):
+        with Channel("x", auth=ChannelAuth()) as channel:
+            channel.connect("y", "tcp://127.0.0.1:9", server_key=public)
+    short = tmp_path / "short"
+    short.write_bytes(b"abc")
+    with pytest.raises(ValueError, match="has 3 bytes"):
+        load_shared_secret(short)
+
+
+# -- where the channel listens --------------------------------------------------------------
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses in LISTEN state on ``port``, from /proc/net/tcp{,6} (hex, as the kernel writes them)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+def test_default_channel_listens_on_loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NCCLKV_BIND_HOST", raising=False)
+    with Channel("local", auth=ChannelAuth()) as channel:
+        host, port = channel.address.removeprefix("tcp://").rsplit(":", 1)
+        assert host == "127.0.0.1"
+        if Path("/proc/net/tcp").exists():
+            assert _listening_addresses(int(port)) == {"0100007F"}  # 127.0.0.1, not 0.0.0.0
+        outside = _non_loopback_address()
+        if outside is not None:  # reachable on loopback, refused from the host's other address
+            with pytest.raises(OSError):
+                socket.create_connection((outside, int(port)), timeout=2).close()
+        socket.create_connection(("127.0.0.1", int(port)), timeout=2).close()
+    monkeypatch.setenv("NCCLKV_BIND_HOST", "0.0.0.0")  # all interfaces only when asked
+    with Channel("wide", auth=ChannelAuth()) as channel:
+        port = int(channel.address.rsplit(":", 1)[1])
+        if Path("/proc/net/tcp").exists():
+            assert _listening_addresses(port) == {"00000000"}
+
+
+def _non_loopback_address() -> str | None:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("10.255.255.255", 1))  # no packet is sent: this only picks a route
+            address = probe.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
