@@ -24,10 +24,11 @@ from functools import lru_cache
 import torch
 
 from ..channel import Channel
-from ..errors import NcclKVError, ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
+from ..buffer import KVStoreBuffer
+from ..errors import CapacityError, NcclKVError, ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
 from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, Route, Span, SpanSet, TransferPlan, plan
 from ..paged import SlotMap
-from ..protocol import Announce, Done, ErrorMsg, PullRequest, RouteMsg
+from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, PushOffer, RouteMsg
 from ._caches import RankCaches, torch_dtype
 from ._config import EngineRef
 from ._links import PeerLinks
@@ -60,19 +61,48 @@ class _Expected:
     announced: set[_Key] = field(default_factory=set)
 
 
+@dataclass(slots=True)
+class _Staged:
+    """A pushed request whose blocks do not exist yet: its tensors wait in the staging store."""
+
+    producer_engine_id: str
+    since: float
+    keys: set[_Key] = field(default_factory=set)
+    announced: set[_Key] = field(default_factory=set)
+    landed: list[_Key] = field(default_factory=list)
+    reserved: int = 0
+    error: BaseException | None = None
+
+
+def _store_key(request_id: str, key: _Key) -> str:
+    src, layer, route = key
+    return f"{request_id}|{src}|{layer}|{route}"
+
+
 class ConsumerSide:
     def __init__(self, engine_id: str, rank: int, layout: ParallelLayout, geometry: KVGeometry, caches: RankCaches,
                  channel: Channel, peers: PeerLinks, executor: Executor, stats: EngineStats, deadline_s: float,
-                 staging_bytes: int) -> None:
+                 staging_bytes: int, hold_s: float) -> None:
         self._engine_id, self._rank, self._layout, self._geometry = engine_id, rank, layout, geometry
         self._caches, self._channel, self._peers, self._executor = caches, channel, peers, executor
         self._stats, self._deadline_s, self._staging_bytes = stats, deadline_s, staging_bytes
         self._cond = threading.Condition()
         self._requests: dict[str, _Expected] = {}
         self._recv_seq: dict[str, int] = {}  # link id -> seq the next announcement must carry
+        self._hold_s = hold_s
+        self._staged: dict[str, _Staged] = {}
+        self._reserved = 0  # staging bytes promised to accepted push offers
+        self._store = KVStoreBuffer(staging_bytes, evict=False)
 
-    def expect(self, request_id: str, producer: EngineRef, block_ids: Sequence[int], tokens: SpanSet | int) -> None:
-        """Start receiving ``tokens`` of ``request_id`` from ``producer`` into ``block_ids``; returns at once."""
+    def expect(self, request_id: str, producer: EngineRef, block_ids: Sequence[int], tokens: SpanSet | int,
+               push: bool = False) -> None:
+        """Start receiving ``tokens`` of ``request_id`` from ``producer`` into ``block_ids``; returns at once.
+
+        Pull (default): ask every producer rank. Push: the producer streams on
+        its own; tensors that landed before this call are taken from staging.
+        """
+        if push and not isinstance(tokens, int):
+            raise ValueError(f"request {request_id!r}: a pushed request carries all its tokens; pass their count")
         token_set = SpanSet.range(0, tokens) if isinstance(tokens, int) else tokens
         slots = self._caches.slot_map(block_ids)
         if token_set.bounds.stop > slots.num_tokens:
@@ -86,10 +116,29 @@ class ConsumerSide:
             per_src[src] = per_src.get(src, 0) + 1
             remaining[layer] += 1
         now = time.monotonic()
+        req = _Expected(request_id, producer, slots, pending, per_src, remaining, now, now)
+        staged_tensors: list[tuple[_Key, torch.Tensor]] = []
         with self._cond:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected")
-            self._requests[request_id] = _Expected(request_id, producer, slots, pending, per_src, remaining, now, now)
+            self._requests[request_id] = req
+            staged = self._staged.pop(request_id, None) if push else None
+            if staged is not None:
+                self._reserved -= staged.reserved
+                req.announced |= staged.announced
+                if staged.producer_engine_id != producer.engine_id:
+                    req.error = ProtocolError(f"request {request_id!r} was pushed by {staged.producer_engine_id!r}, "
+                                              f"expected from {producer.engine_id!r}")
+                req.error = req.error or staged.error
+                for key in staged.landed:
+                    tensor = self._store.get(_store_key(request_id, key))
+                    self._store.put(_store_key(request_id, key), None)
+                    if tensor is not None:
+                        staged_tensors.append((key, tensor))
+        for key, tensor in staged_tensors:
+            self._apply(req, key, tensor, None)
+        if push:
+            return
         by_src: dict[int, list[Route]] = {src: [] for src in range(producer.layout.world_size)}
         for route in routes:
             by_src[route.src].append(route)
@@ -117,6 +166,13 @@ class ConsumerSide:
                     out[request_id] = req.error
                     del self._requests[request_id]
                     self._stats.record_request(req.error is not None)
+            for request_id, staged in list(self._staged.items()):
+                if now - staged.since > self._hold_s:  # pushed, but never expected here: free its staging
+                    log.warning("dropping pushed request %s: not expected within %ss", request_id, self._hold_s)
+                    self._reserved -= staged.reserved
+                    for key in staged.landed:
+                        self._store.put(_store_key(request_id, key), None)
+                    del self._staged[request_id]
         return out
 
     def abort(self, request_id: str) -> None:
@@ -126,6 +182,13 @@ class ConsumerSide:
             if req is not None and req.error is None:
                 req.error = TransferError(f"request {request_id!r} aborted")
             self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._staged.clear()
+            self._reserved = 0
+            self._cond.notify_all()
+        self._store.close()
 
     @property
     def num_pending(self) -> int:
@@ -150,7 +213,15 @@ class ConsumerSide:
         problem = None
         with self._cond:
             req = self._requests.get(ann.request_id)
-            if req is None or req.error is not None:
+            staged = self._staged.get(ann.request_id) if req is None else None
+            if staged is not None:
+                if staged.error is not None or key not in staged.keys or key in staged.announced:
+                    problem = f"{sender!r} announced layer {ann.layer} {route} which push {ann.request_id!r} did not offer"
+                elif tuple(ann.shape) != shape or ann.dtype != self._geometry.dtype:
+                    problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
+                else:
+                    staged.announced.add(key)
+            elif req is None or req.error is not None:
                 problem = f"request {ann.request_id!r} is not expected (finished, failed or aborted)"
             elif req.producer.engine_id != peer.remote.engine_id or key not in req.pending or key in req.announced:
                 problem = f"{sender!r} announced layer {ann.layer} {route} which request {ann.request_id!r} does not expect"
@@ -167,6 +238,40 @@ class ConsumerSide:
         if req is not None and req.error is None:
             self._fail(req, ShapeMismatchError(problem))
         self._drain(sender, link, ann)
+
+    def on_push_offer(self, sender: str, offer: PushOffer) -> Ack:
+        """Accept a producer's push: direct if the request is expected, else reserve staging or refuse."""
+        peer = self._peers.get(sender)
+        if peer is None:
+            raise ProtocolError(f"push offer for {offer.request_id!r} from {sender!r} before any handshake")
+        src = peer.remote.rank
+        routes = sorted(Route(m.src, m.dst, *m.spans()) for m in offer.routes)
+        want = _cached_plan(peer.remote.layout.to_layout(), self._layout, self._geometry,
+                            SpanSet.range(0, offer.num_tokens)).routes_to(self._rank)
+        mine = sorted(r for r in want if r.src == src)
+        if routes != mine:
+            raise ProtocolError(f"push of {offer.request_id!r} from {sender!r} offers {routes}, our plan gives {mine}")
+        nbytes = sum(r.nbytes(self._geometry) for r in routes)
+        if offer.nbytes != nbytes:
+            raise ProtocolError(f"push of {offer.request_id!r} from {sender!r} says {offer.nbytes} B, routes hold {nbytes} B")
+        keys = {(src, layer, r) for r in routes for layer in r.layers}
+        with self._cond:
+            req = self._requests.get(offer.request_id)
+            if req is not None:
+                if req.producer.engine_id != offer.producer_engine_id:
+                    raise ProtocolError(f"push of {offer.request_id!r} from engine {offer.producer_engine_id!r}, "
+                                        f"expected from {req.producer.engine_id!r}")
+                return Ack(offer.request_id, None)
+            free = self._store.capacity_bytes - self._reserved
+            if nbytes > free:
+                raise CapacityError(
+                    f"push of {offer.request_id!r} from {sender!r} needs {nbytes} B of staging; capacity "
+                    f"{self._store.capacity_bytes} B, {self._reserved} B already reserved")
+            staged = self._staged.setdefault(offer.request_id, _Staged(offer.producer_engine_id, time.monotonic()))
+            staged.keys |= keys
+            staged.reserved += nbytes
+            self._reserved += nbytes
+        return Ack(offer.request_id, None)
 
     def on_done(self, sender: str, done: Done) -> None:
         peer = self._peers.get(sender)
@@ -212,14 +317,27 @@ class ConsumerSide:
                     self._fail_locked(req, err if isinstance(err, NcclKVError) else TransferError(str(err)))
 
     def _landed(self, request_id: str, key: _Key, buf: torch.Tensor, fut: Future[torch.Tensor]) -> None:
-        """On the link's receive thread: scatter a landed tensor unless its request failed meanwhile."""
+        """On the link's receive thread: stage a landed tensor, or scatter it unless its request failed."""
+        error = fut.exception()
         with self._cond:
             req = self._requests.get(request_id)
-        if req is None or req.error is not None:
+            if req is None:
+                staged = self._staged.get(request_id)
+                if staged is not None:
+                    if error is not None:
+                        staged.error = staged.error or error
+                    else:
+                        self._store.put(_store_key(request_id, key), buf)
+                        staged.landed.append(key)
+                return
+        self._apply(req, key, buf, error)
+
+    def _apply(self, req: _Expected, key: _Key, buf: torch.Tensor, error: BaseException | None) -> None:
+        """Scatter one landed tensor into the request's blocks and count it."""
+        if req.error is not None:
             return
-        error = fut.exception()
         if error is None:
-            src, layer, route = key
+            _, layer, route = key
             try:
                 self._caches.scatter(layer, buf, req.slots, route.tokens, route.heads)
             except Exception as err:  # reported on the request

@@ -12,7 +12,7 @@ from ..channel import Channel
 from ..errors import ClosedError, PeerLostError, ProtocolError
 from ..layout import SpanSet
 from ..paged import CacheLayout
-from ..protocol import Announce, Done, ErrorMsg, Handshake, Message, PullRequest
+from ..protocol import Announce, Done, ErrorMsg, Handshake, Message, PullRequest, PushOffer
 from ..transport import DataPlane, LinkFactory
 from ._caches import RankCaches
 from ._config import EngineConfig, EngineRef
@@ -55,9 +55,10 @@ class TransferEngine:
                                  self._channel.address, self._data_plane.address)
         self._peers = PeerLinks(local, self._channel, self._data_plane, self._executor, cfg.device, cfg.deadline_s)
         self._producer = ProducerSide(cfg.rank, cfg.layout, cfg.geometry, self._caches, self._channel, self._peers,
-                                      self._stats, cfg.hold_s, cfg.deadline_s)
+                                      self._executor, self._stats, cfg.hold_s, cfg.deadline_s)
         self._consumer = ConsumerSide(cfg.engine_id, cfg.rank, cfg.layout, cfg.geometry, self._caches, self._channel,
-                                      self._peers, self._executor, self._stats, cfg.deadline_s, cfg.staging_bytes)
+                                      self._peers, self._executor, self._stats, cfg.deadline_s, cfg.staging_bytes,
+                                      cfg.hold_s)
 
     @property
     def address(self) -> str:
@@ -70,8 +71,19 @@ class TransferEngine:
         self._caches.register(kv_caches, cache_layout)
 
     # -- producer ---------------------------------------------------------------------
-    def finish(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
-        """Hold a computed request's blocks until every consumer rank pulled them (or ``hold_s`` passes)."""
+    def start_push(self, request_id: str, consumer: EngineRef, block_ids: Sequence[int], num_tokens: int) -> None:
+        """Push mode: stream ``request_id`` to ``consumer`` layer by layer as :meth:`save_layer` is called."""
+        self._check_open()
+        self._producer.start_push(request_id, consumer, block_ids, num_tokens)
+
+    def save_layer(self, request_id: str, layer: int) -> None:
+        """Push mode: ``layer`` of ``request_id`` is computed; its slices go on the wire. Returns at once."""
+        self._check_open()
+        self._producer.save_layer(request_id, layer)
+
+    def finish(self, request_id: str, block_ids: Sequence[int] | None = None, num_tokens: int | None = None) -> None:
+        """Push mode: no more layers. Pull mode: hold the request's blocks until every consumer rank
+        pulled them (or ``hold_s`` passes). Either way :meth:`take_finished_sending` reports it."""
         self._check_open()
         self._producer.finish(request_id, block_ids, num_tokens)
 
@@ -80,12 +92,18 @@ class TransferEngine:
         return self._producer.take_finished()
 
     # -- consumer ---------------------------------------------------------------------
-    def expect(self, request_id: str, producer: EngineRef, block_ids: Sequence[int], tokens: SpanSet | int) -> None:
-        """Pull ``tokens`` (all, or a set with the already cached ones left out) into ``block_ids``; returns at once."""
+    def expect(self, request_id: str, producer: EngineRef, block_ids: Sequence[int], tokens: SpanSet | int,
+               *, push: bool = False) -> None:
+        """Receive ``request_id`` into ``block_ids``; returns at once.
+
+        Pull (default): ask the producer for ``tokens`` (all, or a set that
+        leaves out the ones already cached here). Push: the producer streams
+        every token on its own; ``tokens`` is their count.
+        """
         self._check_open()
         if producer.engine_id == self.config.engine_id:
             raise ValueError(f"request {request_id!r}: producer engine {producer.engine_id!r} is this engine")
-        self._consumer.expect(request_id, producer, block_ids, tokens)
+        self._consumer.expect(request_id, producer, block_ids, tokens, push)
 
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
         """Block until ``layer`` of ``request_id`` is in this rank's cache (that layer only)."""
@@ -118,6 +136,7 @@ class TransferEngine:
         self._peers.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._data_plane.close()
+        self._consumer.close()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -127,6 +146,7 @@ class TransferEngine:
 
     # -- channel callbacks (dispatcher thread) ------------------------------------------
     def _on_message(self, sender: str, body: Message) -> Message | None:
+        log.debug("%s <- %s: %s", self.config.peer_id, sender, type(body).__name__)
         if isinstance(body, Handshake):
             return self._peers.on_handshake(sender, body)
         if isinstance(body, Announce):
@@ -134,6 +154,8 @@ class TransferEngine:
             return None
         if isinstance(body, PullRequest):
             return self._producer.on_pull(sender, body)
+        if isinstance(body, PushOffer):
+            return self._consumer.on_push_offer(sender, body)
         if isinstance(body, Done):
             self._consumer.on_done(sender, body)
             return None

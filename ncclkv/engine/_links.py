@@ -173,8 +173,11 @@ class PeerLinks:
     def _open_link(self, peer_id: str, store_addr: str, session: str) -> LinkBase:
         me = self._channel.peer_id
         link_rank = 0 if me < peer_id else 1
-        return self._data_plane.open_link(link_id_for(me, peer_id, session), link_rank, store_addr, self._device,
-                                          self._deadline_s)
+        link_id = link_id_for(me, peer_id, session)
+        log.debug("opening link %s to %s (rank %d, store %s)", link_id, peer_id, link_rank, store_addr)
+        link = self._data_plane.open_link(link_id, link_rank, store_addr, self._device, self._deadline_s)
+        log.debug("opened link %s to %s", link_id, peer_id)
+        return link
 
     def _check_open(self) -> None:
         if self._closed:

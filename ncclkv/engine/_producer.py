@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import torch
@@ -24,9 +25,11 @@ from ..errors import ProtocolError, ShapeMismatchError, TransferTimeout
 from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, plan
 from ..paged import SlotMap
 from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, RouteMsg
+from ..transport import LinkBase
 from ._caches import RankCaches
-from ._config import peer_id
+from ._config import EngineRef, peer_id
 from ._links import PeerLinks
+from ._push import Pusher
 from ._stats import EngineStats
 
 __all__ = ["ProducerSide"]
@@ -47,7 +50,8 @@ class _Held:
 
 class ProducerSide:
     def __init__(self, rank: int, layout: ParallelLayout, geometry: KVGeometry, caches: RankCaches,
-                 channel: Channel, peers: PeerLinks, stats: EngineStats, hold_s: float, deadline_s: float) -> None:
+                 channel: Channel, peers: PeerLinks, executor: Executor, stats: EngineStats, hold_s: float,
+                 deadline_s: float) -> None:
         self._rank, self._layout, self._geometry = rank, layout, geometry
         self._caches, self._channel, self._peers, self._stats = caches, channel, peers, stats
         self._hold_s, self._deadline_s = hold_s, deadline_s
@@ -56,9 +60,24 @@ class ProducerSide:
         self._early: dict[str, list[tuple[str, PullRequest, float]]] = {}  # pulls before finish()
         self._finished: dict[str, BaseException | None] = {}
         self._seq: dict[str, itertools.count[int]] = {}  # per link id: the seq the next announce carries
+        self._pusher = Pusher(rank, layout, geometry, caches, channel, peers, executor, self._announcer,
+                              self._pushed, deadline_s)
 
-    def finish(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
-        """Hold ``request_id``'s blocks for the consumers to pull."""
+    def start_push(self, request_id: str, consumer: EngineRef, block_ids: Sequence[int], num_tokens: int) -> None:
+        self._pusher.start(request_id, consumer, list(block_ids), num_tokens)
+
+    def save_layer(self, request_id: str, layer: int) -> None:
+        if layer not in self._caches.shard.layers:
+            raise ValueError(f"layer {layer} is not on this rank (layers {self._caches.shard.layers!r})")
+        self._pusher.save_layer(request_id, layer)
+
+    def finish(self, request_id: str, block_ids: Sequence[int] | None = None, num_tokens: int | None = None) -> None:
+        """End a pushed request (no more layers), or hold a request's blocks for the consumers to pull."""
+        if self._pusher.pushing(request_id):
+            self._pusher.finish(request_id)
+            return
+        if block_ids is None or num_tokens is None:
+            raise ValueError(f"request {request_id!r} is not being pushed: finish() needs block_ids and num_tokens")
         slots = self._caches.slot_map(block_ids)
         if num_tokens > slots.num_tokens:
             raise ValueError(f"request {request_id!r}: {num_tokens} tokens do not fit {len(block_ids)} blocks")
@@ -110,6 +129,10 @@ class ProducerSide:
                              pull.request_id)
         return done
 
+    def _pushed(self, request_id: str, error: BaseException | None) -> None:
+        with self._lock:
+            self._finished[request_id] = error
+
     @property
     def num_held(self) -> int:
         with self._lock:
@@ -156,7 +179,6 @@ class ProducerSide:
             self._mark_served(held, sender, None)
             return
         link = self._peers.link(sender)
-        seq = self._seq.setdefault(link.link_id, itertools.count())
         layers = sorted({layer for r in routes for layer in r.layers})
         futures = []
         nbytes = 0
@@ -168,7 +190,7 @@ class ProducerSide:
                 shape = self._caches.wire_shape(route.tokens, route.heads)
                 buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
                 nbytes += buf.numel() * buf.element_size()
-                hook = self._announcer(sender, pull.request_id, layer, route, held.slots, buf, seq)
+                hook = self._announcer(link, sender, pull.request_id, layer, route, held.slots, buf)
                 futures.append(link.send(buf, before_send=hook))
         remaining = [len(futures)]
         errors: list[BaseException] = []
@@ -193,8 +215,10 @@ class ProducerSide:
         for future in futures:
             future.add_done_callback(on_sent)
 
-    def _announcer(self, sender: str, request_id: str, layer: int, route: Route, slots: SlotMap,
-                   buf: torch.Tensor, seq: itertools.count[int]) -> Callable[[], None]:
+    def _announcer(self, link: LinkBase, sender: str, request_id: str, layer: int, route: Route, slots: SlotMap,
+                   buf: torch.Tensor) -> Callable[[], None]:
+        seq = self._seq.setdefault(link.link_id, itertools.count())
+
         def gather_and_announce() -> None:  # on the link's send thread, in send order
             self._caches.gather(layer, slots, route.tokens, route.heads, buf)
             self._channel.send(sender, Announce(

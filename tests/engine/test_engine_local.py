@@ -1,22 +1,30 @@
-"""The engine with real ZMQ channels and real gloo links, every rank in this one process."""
+"""The engine with real ZMQ channels and real gloo links, every rank in this one process.
+
+Each engine rank has its own channel, data plane and threads, exactly as in
+separate processes; keeping them in one process makes the layout matrix
+cheap. tests/multiprocess/ runs the same flows across processes.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from ncclkv.engine import EngineRef
-from ncclkv.layout import KVGeometry, ParallelLayout, Span
+from ncclkv.errors import CapacityError, HandshakeError, TransferError
+from ncclkv.layout import KVGeometry, ParallelLayout, Span, SpanSet
 from ncclkv.paged import CacheLayout
 
 from .kvsim import RankSide
 
-GEOMETRY = KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32")
+GQA = KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32")
 
 
-def _engines(engine_id, layout, cache_layout, block_size, role, geometry=GEOMETRY, **config):  # type: ignore[no-untyped-def]
-    return [RankSide.build(engine_id, rank, layout, geometry, cache_layout, block_size, 16, role, **config)
+def _engines(engine_id: str, layout: ParallelLayout, geometry: KVGeometry, cache_layout: CacheLayout,
+             block_size: int, role: str, num_blocks: int = 16, **config: object) -> list[RankSide]:
+    return [RankSide.build(engine_id, rank, layout, geometry, cache_layout, block_size, num_blocks, role, **config)
             for rank in range(layout.world_size)]
 
 
@@ -30,12 +38,42 @@ def _close(*groups: list[RankSide]) -> None:
             side.engine.close()
 
 
-def test_pull_2x1_to_1x2_byte_exact() -> None:
-    src_layout, dst_layout = ParallelLayout(2, 1), ParallelLayout(1, 2)
-    prefill = _engines("prefill", src_layout, CacheLayout.CPU, 16, "producer")
-    decode = _engines("decode", dst_layout, CacheLayout.FLASH_NHD, 32, "consumer")
+def _wait_sent(sides: list[RankSide], request_id: str, timeout_s: float = 20) -> dict[str, BaseException | None]:
+    """Poll each producer rank until it reports ``request_id`` (the engine has no blocking variant)."""
+    outcome: dict[str, BaseException | None] = {}
+    for side in sides:
+        deadline = time.monotonic() + timeout_s
+        finished: dict[str, BaseException | None] = {}
+        while request_id not in finished:
+            assert time.monotonic() < deadline, f"rank {side.engine.config.rank} never finished {request_id}"
+            finished.update(side.engine.take_finished_sending())
+            if request_id not in finished:
+                threading.Event().wait(0.005)
+        outcome[f"{side.engine.config.rank}"] = finished[request_id]
+    return outcome
+
+
+LAYOUTS = [
+    ((1, 1), (1, 1), GQA),
+    ((2, 1), (1, 1), GQA),
+    ((1, 1), (2, 1), GQA),
+    ((2, 1), (1, 2), GQA),
+    ((1, 2), (2, 1), GQA),
+    ((4, 1), (2, 2), GQA),
+    ((4, 1), (1, 1), KVGeometry(num_layers=3, num_kv_heads=2, head_size=32, dtype="float32")),  # GQA heads < tp
+    ((1, 1), (4, 1), KVGeometry(num_layers=2, num_kv_heads=2, head_size=32, dtype="bfloat16")),  # replicated on dst
+    ((2, 1), (1, 2), KVGeometry(num_layers=4, num_kv_heads=1, head_size=64, dtype="bfloat16", use_mla=True)),
+]
+
+
+@pytest.mark.parametrize(("src", "dst", "geometry"), LAYOUTS, ids=lambda v: str(v) if isinstance(v, tuple) else None)
+def test_pull_byte_exact(src: tuple[int, int], dst: tuple[int, int], geometry: KVGeometry) -> None:
+    src_layout, dst_layout = ParallelLayout(*src), ParallelLayout(*dst)
+    mla = geometry.use_mla
+    prefill = _engines("prefill", src_layout, geometry, CacheLayout.MLA if mla else CacheLayout.CPU, 16, "producer")
+    decode = _engines("decode", dst_layout, geometry, CacheLayout.MLA if mla else CacheLayout.FLASH_NHD, 32, "consumer")
     try:
-        num_tokens, src_blocks, dst_blocks = 45, [5, 2, 9], [3, 0]
+        num_tokens, src_blocks, dst_blocks = 45, [5, 2, 9], [3, 0]  # a partial last block on both sides
         for side in prefill:
             side.fill(seed=1, block_ids=src_blocks, num_tokens=num_tokens)
             side.engine.finish("req-1", src_blocks, num_tokens)
@@ -47,13 +85,159 @@ def test_pull_2x1_to_1x2_byte_exact() -> None:
                 side.engine.wait_layer("req-1", layer, timeout_s=20)
             assert side.mismatches(1, dst_blocks, num_tokens, Span(0, num_tokens)) == []
             assert side.engine.take_finished_receiving() == {"req-1": None}
+        assert set(_wait_sent(prefill, "req-1").values()) == {None}
+    finally:
+        _close(prefill, decode)
+
+
+def test_pull_partial_prefix_leaves_cached_tokens_alone() -> None:
+    layout = ParallelLayout(2, 1)
+    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
+    decode = _engines("decode", ParallelLayout(1, 1), GQA, CacheLayout.FLASHINFER, 16, "consumer")
+    try:
+        num_tokens, blocks = 60, [1, 2, 3, 4]
         for side in prefill:
-            finished = {}
-            for _ in range(200):
-                finished.update(side.engine.take_finished_sending())
-                if finished:
-                    break
-                threading.Event().wait(0.01)
-            assert finished == {"req-1": None}
+            side.fill(seed=2, block_ids=blocks, num_tokens=num_tokens)
+            side.engine.finish("r", blocks, num_tokens)
+        # The decode side already holds the first two blocks (32 tokens): only 32..60 moves.
+        decode[0].fill(seed=99, block_ids=blocks[:2], num_tokens=32)
+        decode[0].engine.expect("r", _ref("prefill", layout, prefill), blocks, SpanSet.range(32, num_tokens))
+        decode[0].engine.wait("r", timeout_s=20)
+        assert decode[0].mismatches(2, blocks, num_tokens, Span(32, num_tokens)) == []
+        # The cached prefix is untouched: it still holds seed 99's values, not the producer's.
+        assert decode[0].mismatches(99, blocks[:2], 32, Span(0, 32)) == []
+        # 28 tokens x 4 heads x 32 x (K, V) x 4 B x 4 layers
+        assert decode[0].engine.stats().bytes_received == 28 * 4 * 32 * 2 * 4 * 4
+        assert set(_wait_sent(prefill, "r").values()) == {None}
+    finally:
+        _close(prefill, decode)
+
+
+def test_push_layer_zero_lands_before_the_last_layer_is_saved() -> None:
+    src_layout, dst_layout = ParallelLayout(2, 1), ParallelLayout(1, 1)
+    prefill = _engines("prefill", src_layout, GQA, CacheLayout.CPU, 16, "producer")
+    decode = _engines("decode", dst_layout, GQA, CacheLayout.FLASH_NHD, 16, "consumer")
+    try:
+        num_tokens, blocks = 40, [7, 1, 4]
+        consumer_ref = _ref("decode", dst_layout, decode)
+        layer0_landed = threading.Event()
+        saved_last: list[bool] = []
+
+        def consume() -> None:
+            decode[0].engine.wait_layer("p", 0, timeout_s=20)
+            saved_last.append(any(s.engine.stats().tensors_sent == GQA.num_layers for s in prefill))
+            layer0_landed.set()
+
+        for side in prefill:
+            side.fill(seed=3, block_ids=blocks, num_tokens=num_tokens)
+            side.engine.start_push("p", consumer_ref, blocks, num_tokens)
+        decode[0].engine.expect("p", _ref("prefill", src_layout, prefill), blocks, num_tokens, push=True)
+        waiter = threading.Thread(target=consume)
+        waiter.start()
+        for layer in range(GQA.num_layers - 1):
+            for side in prefill:
+                side.engine.save_layer("p", layer)
+        # The consumer must see layer 0 while the last layer has not even been saved.
+        assert layer0_landed.wait(20), "layer 0 never landed"
+        waiter.join(5)
+        assert saved_last == [False]
+        for side in prefill:
+            side.engine.save_layer("p", GQA.num_layers - 1)
+            side.engine.finish("p")
+        decode[0].engine.wait("p", timeout_s=20)
+        assert decode[0].mismatches(3, blocks, num_tokens, Span(0, num_tokens)) == []
+        assert set(_wait_sent(prefill, "p").values()) == {None}
+    finally:
+        _close(prefill, decode)
+
+
+def test_push_before_blocks_exist_is_staged_then_scattered() -> None:
+    layout = ParallelLayout(1, 1)
+    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
+    decode = _engines("decode", layout, GQA, CacheLayout.CPU, 32, "consumer")
+    try:
+        num_tokens, src_blocks, dst_blocks = 33, [0, 5, 6], [2, 8]
+        prefill[0].fill(seed=4, block_ids=src_blocks, num_tokens=num_tokens)
+        prefill[0].engine.start_push("s", _ref("decode", layout, decode), src_blocks, num_tokens)
+        for layer in range(GQA.num_layers):
+            prefill[0].engine.save_layer("s", layer)
+        prefill[0].engine.finish("s")
+        assert _wait_sent(prefill, "s") == {"0": None}  # everything sent while decode had no blocks
+        decode[0].engine.expect("s", _ref("prefill", layout, prefill), dst_blocks, num_tokens, push=True)
+        decode[0].engine.wait("s", timeout_s=20)
+        assert decode[0].mismatches(4, dst_blocks, num_tokens, Span(0, num_tokens)) == []
+    finally:
+        _close(prefill, decode)
+
+
+def test_push_larger_than_staging_is_refused_before_sending() -> None:
+    layout = ParallelLayout(1, 1)
+    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
+    decode = _engines("decode", layout, GQA, CacheLayout.CPU, 16, "consumer", staging_bytes=4096)
+    try:
+        prefill[0].engine.start_push("big", _ref("decode", layout, decode), [0, 1], 32)
+        prefill[0].engine.save_layer("big", 0)
+        prefill[0].engine.finish("big")
+        outcome = _wait_sent(prefill, "big")
+        assert isinstance(outcome["0"], CapacityError)
+        assert "4096" in str(outcome["0"]) and "131072" in str(outcome["0"])  # 32 tokens x 4 heads x 32 x 2 x 4 B x 4 layers
+        assert prefill[0].engine.stats().tensors_sent == 0
+        assert decode[0].engine.stats().tensors_received == 0
+    finally:
+        _close(prefill, decode)
+
+
+def test_many_concurrent_requests_share_one_link_in_order() -> None:
+    layout = ParallelLayout(1, 1)
+    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer", num_blocks=64)
+    decode = _engines("decode", layout, GQA, CacheLayout.FLASH_NHD, 16, "consumer", num_blocks=64)
+    try:
+        ref = _ref("prefill", layout, prefill)
+        requests = [(f"c{i}", [2 * i, 2 * i + 1], 17 + i % 16) for i in range(24)]
+        for i, (rid, blocks, n) in enumerate(requests):
+            prefill[0].fill(seed=100 + i, block_ids=blocks, num_tokens=n)
+            prefill[0].engine.finish(rid, blocks, n)
+        for rid, blocks, n in requests:
+            decode[0].engine.expect(rid, ref, blocks, n)
+        for i, (rid, blocks, n) in enumerate(requests):
+            decode[0].engine.wait(rid, timeout_s=30)
+            assert decode[0].mismatches(100 + i, blocks, n, Span(0, n)) == [], rid
+        assert len(prefill[0].engine._peers._peers) == 1  # one peer, one link, all requests
+    finally:
+        _close(prefill, decode)
+
+
+def test_mismatched_geometry_fails_on_both_sides_naming_both_values(caplog: pytest.LogCaptureFixture) -> None:
+    layout = ParallelLayout(1, 1)
+    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
+    other = KVGeometry(num_layers=4, num_kv_heads=4, head_size=64, dtype="float32")
+    decode = _engines("decode", layout, other, CacheLayout.CPU, 16, "consumer")
+    try:
+        prefill[0].engine.finish("m", [0], 8)
+        decode[0].engine.expect("m", _ref("prefill", layout, prefill), [0], 8)
+        with pytest.raises(HandshakeError) as err:
+            decode[0].engine.wait("m", timeout_s=20)
+        assert "head_size" in str(err.value) and "32" in str(err.value) and "64" in str(err.value)
+        assert any("refused handshake" in r.message and "head_size" in r.message for r in caplog.records)
+    finally:
+        _close(prefill, decode)
+
+
+def test_abort_drops_late_tensors_and_keeps_the_link_in_step() -> None:
+    layout = ParallelLayout(1, 1)
+    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
+    decode = _engines("decode", layout, GQA, CacheLayout.CPU, 16, "consumer")
+    try:
+        ref = _ref("prefill", layout, prefill)
+        for i, rid in enumerate(("a", "b")):
+            prefill[0].fill(seed=10 + i, block_ids=[i], num_tokens=16)
+            prefill[0].engine.finish(rid, [i], 16)
+        decode[0].engine.expect("a", ref, [0], 16)
+        decode[0].engine.abort("a")
+        decode[0].engine.expect("b", ref, [1], 16)
+        decode[0].engine.wait("b", timeout_s=20)
+        assert decode[0].mismatches(11, [1], 16, Span(0, 16)) == []
+        with pytest.raises((ValueError, TransferError)):
+            decode[0].engine.wait("a", timeout_s=1)
     finally:
         _close(prefill, decode)

@@ -1,0 +1,174 @@
+"""Producer-side push: stream a request's layers to its consumer ranks as they are computed.
+
+For each consumer rank with routes from us, a PushOffer reserves its staging
+before any tensor is sent. ``save_layer`` returns at once: layers saved
+before an offer is accepted wait in order in a backlog and are flushed, in
+order, when it is; later layers go straight to the link. ``finish`` marks the
+last layer; once every send completed each consumer rank gets ``Done``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+
+import torch
+
+from ..channel import Channel
+from ..errors import NcclKVError, TransferError
+from ..layout import KVGeometry, ParallelLayout, Route, plan
+from ..paged import SlotMap
+from ..protocol import Done, ErrorMsg, PushOffer, RouteMsg
+from ..transport import LinkBase
+from ._caches import RankCaches
+from ._config import EngineRef
+from ._links import PeerLinks
+
+__all__ = ["PushState", "Pusher"]
+
+log = logging.getLogger("ncclkv.engine")
+
+# (link, consumer peer id, request id, layer, route, slots, buffer) -> the hook that gathers and announces it
+Announcer = Callable[[LinkBase, str, str, int, Route, SlotMap, torch.Tensor], Callable[[], None]]
+
+
+@dataclass(slots=True)
+class PushState:
+    request_id: str
+    slots: SlotMap
+    by_dst: dict[str, list[Route]]
+    links: dict[str, LinkBase] = field(default_factory=dict)  # accepted consumer ranks
+    errors: dict[str, BaseException] = field(default_factory=dict)
+    saved: list[int] = field(default_factory=list)
+    sends: dict[str, list[Future[None]]] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+    finishing: bool = False
+    completed: bool = False
+    lock: threading.RLock = field(default_factory=threading.RLock)  # done-callbacks may run inline
+
+    @property
+    def resolved(self) -> bool:
+        return len(self.links) + len(self.errors) == len(self.by_dst)
+
+
+class Pusher:
+    def __init__(self, rank: int, layout: ParallelLayout, geometry: KVGeometry, caches: RankCaches, channel: Channel,
+                 peers: PeerLinks, executor: Executor, announcer: Announcer,
+                 on_complete: Callable[[str, BaseException | None], None], deadline_s: float) -> None:
+        self._rank, self._layout, self._geometry, self._caches = rank, layout, geometry, caches
+        self._channel, self._peers, self._executor = channel, peers, executor
+        self._announcer, self._on_complete, self._deadline_s = announcer, on_complete, deadline_s
+        self._lock = threading.Lock()
+        self._pushes: dict[str, PushState] = {}
+
+    def start(self, request_id: str, consumer: EngineRef, block_ids: list[int], num_tokens: int) -> None:
+        slots = self._caches.slot_map(block_ids)
+        if num_tokens > slots.num_tokens:
+            raise ValueError(f"request {request_id!r}: {num_tokens} tokens do not fit {len(block_ids)} blocks")
+        by_dst: dict[str, list[Route]] = {}
+        for route in plan(self._layout, consumer.layout, self._geometry, num_tokens).routes_from(self._rank):
+            by_dst.setdefault(consumer.peer_id(route.dst), []).append(route)
+        state = PushState(request_id, slots, by_dst)
+        with self._lock:
+            if request_id in self._pushes:
+                raise ValueError(f"request {request_id!r} is already being pushed")
+            self._pushes[request_id] = state
+        for dst, routes in by_dst.items():
+            self._executor.submit(self._offer, state, consumer, dst, routes, num_tokens)
+
+    def pushing(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._pushes
+
+    def save_layer(self, request_id: str, layer: int) -> None:
+        state = self._state(request_id)
+        with state.lock:
+            if state.finishing:
+                raise ValueError(f"request {request_id!r}: save_layer({layer}) after finish()")
+            state.saved.append(layer)
+            for dst, link in state.links.items():
+                self._send_layer(state, dst, link, layer)
+
+    def finish(self, request_id: str) -> None:
+        state = self._state(request_id)
+        with state.lock:
+            state.finishing = True
+        self._maybe_complete(state)
+
+    # -- internals --------------------------------------------------------------------
+    def _state(self, request_id: str) -> PushState:
+        with self._lock:
+            state = self._pushes.get(request_id)
+        if state is None:
+            raise ValueError(f"request {request_id!r} is not being pushed (call start_push first)")
+        return state
+
+    def _offer(self, state: PushState, consumer: EngineRef, dst: str, routes: list[Route], num_tokens: int) -> None:
+        try:
+            rank = int(dst.rsplit(".r", 1)[1])
+            self._peers.ensure(dst, consumer.control_addrs[rank], need_link=True)
+            nbytes = sum(r.nbytes(self._geometry) for r in routes)
+            self._channel.request(dst, PushOffer(
+                state.request_id, self._rank, self._channel.peer_id.rsplit(".r", 1)[0],
+                tuple(RouteMsg.from_route(r) for r in routes), num_tokens, nbytes), self._deadline_s)
+            link = self._peers.link(dst)
+        except Exception as err:  # this consumer rank fails; the others go on
+            log.error("push of %s to %s refused or failed: %s", state.request_id, dst, err)
+            with state.lock:
+                state.errors[dst] = err
+        else:
+            with state.lock:
+                state.links[dst] = link
+                for layer in state.saved:  # the backlog, in save order
+                    self._send_layer(state, dst, link, layer)
+        self._maybe_complete(state)
+
+    def _send_layer(self, state: PushState, dst: str, link: LinkBase, layer: int) -> None:
+        """Under ``state.lock``: queue every route of ``layer`` for ``dst``."""
+        for route in state.by_dst[dst]:
+            if layer not in route.layers:
+                continue
+            shape = self._caches.wire_shape(route.tokens, route.heads)
+            buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
+            hook = self._announcer(link, dst, state.request_id, layer, route, state.slots, buf)
+            ready = None
+            if buf.device.type == "cuda":  # the gather must see this layer's compute, done on the caller's stream
+                ready = torch.cuda.current_stream(buf.device).record_event()
+            future = link.send(buf, before_send=hook, ready_event=ready)
+            state.sends.setdefault(dst, []).append(future)
+            state.nbytes[dst] = state.nbytes.get(dst, 0) + buf.numel() * buf.element_size()
+            future.add_done_callback(lambda _f: self._maybe_complete(state))
+
+    def _maybe_complete(self, state: PushState) -> None:
+        with state.lock:
+            if state.completed or not state.finishing or not state.resolved:
+                return
+            if any(not f.done() for futures in state.sends.values() for f in futures):
+                return
+            state.completed = True
+            outcome: dict[str, BaseException | None] = {}
+            for dst in state.by_dst:
+                failed = [f.exception() for f in state.sends.get(dst, []) if f.exception() is not None]
+                outcome[dst] = state.errors.get(dst) or (failed[0] if failed else None)
+        with self._lock:
+            self._pushes.pop(state.request_id, None)
+        first_error: BaseException | None = None
+        for dst, error in outcome.items():
+            if error is None:
+                sends = state.sends.get(dst, [])
+                self._tell(dst, Done(state.request_id, len(sends), state.nbytes.get(dst, 0)))
+            else:
+                first_error = first_error or error
+                self._tell(dst, ErrorMsg.from_exception(error, state.request_id))
+        if first_error is not None and not isinstance(first_error, NcclKVError):
+            first_error = TransferError(str(first_error))
+        self._on_complete(state.request_id, first_error)
+
+    def _tell(self, dst: str, body: Done | ErrorMsg) -> None:
+        try:
+            self._channel.send(dst, body)
+        except Exception as err:  # the consumer is gone: its own side reports the request
+            log.warning("could not tell %s about %s: %s", dst, body.request_id, err)
