@@ -33,6 +33,9 @@ class LaunchInfo:
     local_world_size: int | None  # None: the launcher does not say
     master_addr: str
     master_port: int
+    # The launcher itself serves a TCPStore at master_addr:master_port (torchrun's
+    # agent store): every rank, rank 0 included, connects to it as a client.
+    store_hosted: bool = False
 
     @property
     def is_master(self) -> bool:
@@ -171,8 +174,9 @@ def discover(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             raise ValueError(f"{launcher}: {local_var}={local_rank} is outside local size {local_size}")
         if local_size > world_size:
             raise ValueError(f"{launcher}: local size {local_size} exceeds {world_var}={world_size}")
-    if local_rank > rank:
-        raise ValueError(f"{launcher}: {local_var}={local_rank} is larger than {rank_var}={rank}")
+    # No check of local_rank against rank: Open MPI 5 numbers a node's ranks in
+    # mapping order (by package), so local rank 2 may be global rank 1.
 
     addr, port = _master(env, launcher, world_size, all_local=local_size == world_size)
-    return LaunchInfo(launcher, rank, world_size, local_rank, local_size, addr, port)
+    store_hosted = launcher == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return LaunchInfo(launcher, rank, world_size, local_rank, local_size, addr, port, store_hosted)

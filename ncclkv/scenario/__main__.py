@@ -1,0 +1,56 @@
+"""``python -m ncclkv.scenario --kind NAME [options]``: run one rank of a scenario under any launcher."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ..errors import ClosedError, PeerLostError, TransferError
+from ..launch import discover
+from ._common import add_common_arguments
+from ._registry import EXIT_CHECK_FAILED, EXIT_OK, EXIT_PEER_FAILURE, SCENARIOS, ScenarioError, load_scenario
+
+__all__ = ["build_parser", "main"]
+
+# Errors that mean "a peer (or the link to it) failed", not "this rank is wrong".
+PEER_FAILURES = (PeerLostError, TransferError, ClosedError)
+
+
+def build_parser(kind: str | None) -> argparse.ArgumentParser:
+    """The full parser: common options, plus those of ``kind`` when known."""
+    kinds = "\n".join(f"  {name}" for name in sorted(SCENARIOS))
+    parser = argparse.ArgumentParser(
+        prog="python -m ncclkv.scenario",
+        description=f"Run this rank's part of a scenario. Kinds:\n{kinds}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--kind", required=True, choices=sorted(SCENARIOS), help="which scenario")
+    add_common_arguments(parser)
+    if kind in SCENARIOS:
+        module = load_scenario(kind)
+        module.add_arguments(parser)
+        parser.description = f"--kind {kind}: {module.HELP}"
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--kind")
+    known, _ = pre.parse_known_args(argv)
+    args = build_parser(known.kind).parse_args(argv)
+    module = load_scenario(args.kind)
+    info = discover()
+    try:
+        module.run(info, args)
+    except PEER_FAILURES as exc:
+        print(f"rank {info.rank}: peer failure detected: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_PEER_FAILURE
+    except ScenarioError as exc:
+        print(f"rank {info.rank}: check failed: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CHECK_FAILED
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

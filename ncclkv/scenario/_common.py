@@ -1,0 +1,104 @@
+"""Options every scenario kind shares, and how they resolve on one rank."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+import torch
+
+from .._env import env_settings
+from ..launch import LaunchInfo
+from ..layout import ParallelLayout
+from ._topology import PDTopology
+
+__all__ = ["add_common_arguments", "resolve_bind_host", "resolve_device", "topology_from_args"]
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--deadline", type=_positive_float, default=env_settings().deadline_s,
+        help="seconds any single wait may take (default: NCCLKV_DEADLINE_S, else 10)",
+    )
+    parser.add_argument(
+        "--small", action="store_true",
+        help="a smoke-test size (CI, a laptop, a test cluster): each kind shrinks its own sizes",
+    )
+    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto: cuda when every local rank gets a GPU")
+    parser.add_argument(
+        "--bind-host", default=None,
+        help="address the data plane binds to and publishes; 'auto': this host's address on the route to "
+        "MASTER_ADDR (default: NCCLKV_BIND_HOST, else 127.0.0.1)",
+    )
+    group = parser.add_argument_group("prefill/decode set (optional; the launch scripts pass it)")
+    group.add_argument("--prefill", type=_positive_int, default=None, help="number of prefill instances")
+    group.add_argument("--prefill-tp", type=_positive_int, default=1)
+    group.add_argument("--prefill-pp", type=_positive_int, default=1)
+    group.add_argument("--decode", type=_positive_int, default=None, help="number of decode instances")
+    group.add_argument("--decode-tp", type=_positive_int, default=1)
+    group.add_argument("--decode-pp", type=_positive_int, default=1)
+
+
+def topology_from_args(args: argparse.Namespace) -> PDTopology | None:
+    """The P/D set the options describe, or None when neither --prefill nor --decode is given."""
+    if args.prefill is None and args.decode is None:
+        return None
+    if args.prefill is None or args.decode is None:
+        raise ValueError(f"give both --prefill and --decode (got --prefill={args.prefill}, --decode={args.decode})")
+    return PDTopology(
+        args.prefill, ParallelLayout(args.prefill_tp, args.prefill_pp),
+        args.decode, ParallelLayout(args.decode_tp, args.decode_pp),
+    )
+
+
+def resolve_device(spec: str, info: LaunchInfo) -> torch.device:
+    """``cpu``, ``cuda`` (the local rank's GPU) or ``auto``."""
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_size = info.local_world_size or info.world_size
+    if spec == "auto":
+        # Two ranks of one NCCL link cannot share a GPU: fall back to gloo on the CPU.
+        spec = "cuda" if num_gpus >= local_size else "cpu"
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "cuda":
+        if num_gpus == 0:
+            raise ValueError(f"--device cuda on rank {info.rank}, but torch sees no GPU")
+        return torch.device("cuda", info.local_rank % num_gpus)
+    raise ValueError(f"--device must be cpu, cuda or auto, got {spec!r}")
+
+
+def resolve_bind_host(spec: str | None, info: LaunchInfo) -> str | None:
+    """None keeps the data plane's default; ``auto`` finds the local address that routes to the master."""
+    if spec != "auto":
+        return spec
+    family, _, _, _, sockaddr = socket.getaddrinfo(info.master_addr, info.master_port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect(sockaddr)  # UDP connect picks a route and sends nothing
+        host = str(sock.getsockname()[0])
+    spans_nodes = info.local_world_size is not None and info.local_world_size < info.world_size
+    if spans_nodes and (host.startswith("127.") or host == "::1"):
+        raise ValueError(
+            f"rank {info.rank}: --bind-host auto found loopback {host} on the way to MASTER_ADDR="
+            f"{info.master_addr}, but the job spans several nodes: set MASTER_ADDR to a routable address"
+        )
+    return host

@@ -1,0 +1,59 @@
+"""Scenario kinds by name, loaded on demand, and the exit codes of ``python -m ncclkv.scenario``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Protocol
+
+from ..launch import LaunchInfo
+
+__all__ = [
+    "EXIT_CHECK_FAILED",
+    "EXIT_OK",
+    "EXIT_PEER_FAILURE",
+    "SCENARIOS",
+    "ScenarioError",
+    "ScenarioModule",
+    "load_scenario",
+]
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 4  # a scenario's own check failed (wrong bytes, wrong order); 2 is argparse's
+EXIT_PEER_FAILURE = 3  # a typed peer/transfer error (PeerLostError, TransferError, TransferTimeout)
+
+# kind -> module. A module is imported only when its kind runs, so a kind that
+# needs more than torch (vLLM, ...) costs the others nothing.
+SCENARIOS: dict[str, str] = {
+    "ring": "ncclkv.scenario._ring",
+    "transfer": "ncclkv.scenario._transfer",
+}
+
+
+class ScenarioError(RuntimeError):
+    """A scenario's check failed on this rank; the message names the rank and what differed."""
+
+
+class ScenarioModule(Protocol):
+    """What a scenario module provides."""
+
+    HELP: str
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add this kind's own options (the common ones are already there)."""
+
+    def run(self, info: LaunchInfo, args: argparse.Namespace) -> None:
+        """Run this rank's part; return on success, raise on failure."""
+
+
+def load_scenario(kind: str) -> ScenarioModule:
+    """The module of scenario ``kind``; ValueError naming the known kinds otherwise."""
+    try:
+        module_name = SCENARIOS[kind]
+    except KeyError:
+        raise ValueError(f"unknown scenario kind {kind!r}; known: {', '.join(sorted(SCENARIOS))}") from None
+    module = importlib.import_module(module_name)
+    for name in ("HELP", "add_arguments", "run"):
+        if not hasattr(module, name):
+            raise TypeError(f"scenario module {module_name} lacks {name}")
+    return module  # type: ignore[return-value]  # checked above: it has the protocol's names

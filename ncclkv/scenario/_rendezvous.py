@@ -1,0 +1,129 @@
+"""A job-wide rendezvous through the TCPStore at MASTER_ADDR:MASTER_PORT.
+
+Rank 0 hosts the store (unless the launcher already serves one there, as
+torchrun does); every other rank connects as a client. Each wait has the
+deadline given at construction. Failures are typed: the store vanishing is a
+:class:`PeerLostError`, a deadline a :class:`TransferTimeout`, and a failure
+one rank reports reaches the others through :meth:`finish`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..errors import PeerLostError, TransferTimeout
+from ..launch import LaunchInfo
+
+__all__ = ["StoreRendezvous"]
+
+_OK = "ok"
+_FAILURE_GRACE_S = 5.0  # how long the hosting rank keeps the store up for ranks reading a failure
+
+
+class StoreRendezvous:
+    """Publish values, gather everyone's, and agree that all ranks finished (or one failed)."""
+
+    def __init__(self, info: LaunchInfo, *, prefix: str, deadline_s: float) -> None:
+        if not deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s!r}")
+        self._info = info
+        self._deadline_s = deadline_s
+        self._hosting = info.is_master and not info.store_hosted
+        self._where = f"rank {info.rank}: rendezvous store {info.master_addr}:{info.master_port}"
+        deadline = time.monotonic() + deadline_s
+        with self._typed("connect", deadline):
+            store = dist.TCPStore(
+                info.master_addr, info.master_port, is_master=self._hosting,
+                timeout=timedelta(seconds=deadline_s), wait_for_workers=False,
+            )
+        self._store: dist.Store = dist.PrefixStore(prefix, store)
+        self._raw_store = store  # the server lives as long as this object on rank 0
+        self._left = False
+
+    @property
+    def hosting(self) -> bool:
+        """True on the rank whose process serves the store."""
+        return self._hosting
+
+    def exchange(self, value: str, name: str = "value") -> list[str]:
+        """Publish this rank's ``value`` under ``name``; return every rank's, by rank (one call per name)."""
+        deadline = time.monotonic() + self._deadline_s
+        keys = [f"{name}/{rank}" for rank in range(self._info.world_size)]
+        with self._typed("exchange", deadline):
+            self._store.set(keys[self._info.rank], value)
+            self._wait(keys, deadline, "publish their value")
+            return [raw.decode() for raw in self._store.multi_get(keys)]
+
+    def report_failure(self, message: str) -> None:
+        """Tell every rank waiting in :meth:`finish` that this one failed; never raises."""
+        try:
+            self._store.compare_set("outcome", "", f"rank {self._info.rank} failed: {message}")
+            self._leave(strict=False)
+        except Exception:  # noqa: BLE001 - the store may be gone too; the caller raises the real error
+            pass
+
+    def finish(self) -> None:
+        """Return once every rank called finish; raise PeerLostError if one reported a failure.
+
+        The hosting rank then waits for every rank to have read the outcome, so
+        that closing the store fails no one (after a failure, for a short grace
+        only: a rank that died never reads it).
+        """
+        deadline = time.monotonic() + self._deadline_s
+        size = self._info.world_size
+        with self._typed("finish", deadline):
+            if self._store.add("done", 1) == size:
+                self._store.compare_set("outcome", "", _OK)
+            self._wait(["outcome"], deadline, "finish")
+            outcome = self._store.get("outcome").decode()
+            self._leave(strict=outcome == _OK)
+            if outcome != _OK:
+                raise PeerLostError(f"{self._where}: peer failure: {outcome}")
+
+    def _leave(self, *, strict: bool) -> None:
+        """Count this rank out of the store (once); the hosting rank waits until every rank is out."""
+        if self._left:
+            return
+        self._left = True
+        if self._store.add("left", 1) == self._info.world_size:
+            self._store.set("all_left", _OK)
+        if not self._hosting:
+            return
+        if strict:
+            self._wait(["all_left"], time.monotonic() + self._deadline_s, "read the outcome")
+            return
+        try:
+            self._store.wait(["all_left"], timedelta(seconds=min(_FAILURE_GRACE_S, self._deadline_s)))
+        except dist.DistError:
+            pass  # a rank that died never leaves; the failure is raised by the caller either way
+
+    def _wait(self, keys: list[str], deadline: float, what: str) -> None:
+        left = deadline - time.monotonic()
+        try:
+            self._store.wait(keys, timedelta(seconds=max(0.001, left)))
+        except dist.DistStoreError as exc:
+            if "timeout" not in str(exc).lower():
+                raise
+            missing = [key for key in keys if not self._store.check([key])]
+            raise TransferTimeout(
+                f"{self._where}: not every rank did {what} within {self._deadline_s:g} s (missing {missing})"
+            ) from exc
+
+    @contextmanager
+    def _typed(self, step: str, deadline: float) -> Iterator[None]:
+        """Turn torch's store errors into PeerLostError / TransferTimeout naming this rank and step."""
+        try:
+            yield
+        except (PeerLostError, TransferTimeout):
+            raise
+        except dist.DistError as exc:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if time.monotonic() >= deadline - 0.01:
+                raise TransferTimeout(f"{self._where}: {step} not done within {self._deadline_s:g} s: {text}") from exc
+            raise PeerLostError(f"{self._where}: {step}: lost the store: {text}") from exc
+

@@ -1,0 +1,223 @@
+"""Scenario ``transfer``: prefill engines stream KV to decode engines through the transfer engine.
+
+Every rank is one engine rank of a prefill/decode set (:class:`PDTopology`,
+given by the launch scripts' --prefill/--decode options). Request ``i`` goes
+from prefill instance ``i % P`` to decode instance ``(i // P) % D``, so every
+pair of instances carries traffic. Producers write each request's
+deterministic KV into their paged caches (vLLM CPU layout, block 16) and
+either hold it for pulling or push it layer by layer; consumers receive into
+flash NHD caches with block 32 and check every byte. Control addresses travel
+through the launcher's TCPStore; so do the per-rank results that rank 0
+prints as one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..engine import EngineConfig, EngineRef, TransferEngine
+from ..launch import LaunchInfo
+from ..layout import KVGeometry, ParallelLayout, Roi, shard_roi
+from ..paged import CacheLayout
+from ._common import resolve_bind_host, resolve_device, topology_from_args
+from ._kv import check_landed, fill_shard, make_cache
+from ._registry import ScenarioError
+from ._rendezvous import StoreRendezvous
+from ._topology import PDTopology, RankPlace
+
+__all__ = ["HELP", "TransferConfig", "add_arguments", "run"]
+
+HELP = "prefill engines send KV to decode engines (pull or push), checked byte-exact on every decode rank"
+PRODUCER_LAYOUT, PRODUCER_BLOCK = CacheLayout.CPU, 16
+CONSUMER_LAYOUT, CONSUMER_BLOCK = CacheLayout.FLASH_NHD, 32
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """The requests of one run; request ``i`` has ``tokens[i]`` tokens and seed ``i + 1``."""
+
+    geometry: KVGeometry
+    tokens: tuple[int, ...]
+    mode: str = "pull"
+    deadline_s: float = 10.0
+    kill_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("pull", "push"):
+            raise ValueError(f"mode must be pull or push, got {self.mode!r}")
+        if not self.tokens or min(self.tokens) < 1:
+            raise ValueError(f"every request needs >= 1 token, got {self.tokens}")
+
+    def blocks(self, request: int, block_size: int) -> list[int]:
+        """The block ids of ``request`` on a side with ``block_size``: its own contiguous run."""
+        per = math.ceil(max(self.tokens) / block_size)
+        return list(range(request * per, (request + 1) * per))
+
+    def num_blocks(self, block_size: int) -> int:
+        return len(self.tokens) * math.ceil(max(self.tokens) / block_size)
+
+
+def pair_of(request: int, topology: PDTopology) -> tuple[int, int]:
+    """(prefill instance, decode instance) of ``request``."""
+    return request % topology.num_prefill, (request // topology.num_prefill) % topology.num_decode
+
+
+def _engine_id(role: str, instance: int) -> str:
+    return f"{role}{instance}"
+
+
+def _refs(topology: PDTopology, addresses: list[str]) -> dict[tuple[str, int], EngineRef]:
+    """Every instance's EngineRef from the global ranks' published control addresses."""
+    refs, rank = {}, 0
+    for role, count, layout in (("prefill", topology.num_prefill, topology.prefill),
+                                ("decode", topology.num_decode, topology.decode)):
+        for instance in range(count):
+            refs[(role, instance)] = EngineRef(_engine_id(role, instance), layout,
+                                               tuple(addresses[rank:rank + layout.world_size]))
+            rank += layout.world_size
+    return refs
+
+
+def _wait_sent(engine: TransferEngine, requests: list[str], deadline_s: float) -> None:
+    """Poll until every request this producer rank holds or pushed was sent (or failed: raise it)."""
+    pending, deadline = set(requests), time.monotonic() + deadline_s
+    while pending:
+        for request_id, error in engine.take_finished_sending().items():
+            if error is not None:
+                raise error
+            pending.discard(request_id)
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"requests {sorted(pending)} not sent within {deadline_s} s")
+        if pending:
+            time.sleep(0.002)  # polling the engine's own bookkeeping; no data waits on this
+
+
+def run_rank(info: LaunchInfo, place: RankPlace, topology: PDTopology, cfg: TransferConfig, device: torch.device,
+             bind_host: str | None, rendezvous: StoreRendezvous) -> list[dict[str, object]]:
+    """One rank's part; returns every rank's numbers (place, bytes, seconds, requests, tensors)."""
+    producer = place.role == "prefill"
+    layout: ParallelLayout = topology.prefill if producer else topology.decode
+    engine_rank = layout.rank(place.tp_rank, place.pp_rank)
+    engine = TransferEngine(EngineConfig(
+        _engine_id(place.role, place.instance), engine_rank, layout, cfg.geometry,
+        role="producer" if producer else "consumer", device=str(device), bind_host=bind_host,
+        deadline_s=cfg.deadline_s))
+    try:
+        shard: Roi = shard_roi(layout, cfg.geometry, engine_rank, 0)
+        cache_layout, block = (PRODUCER_LAYOUT, PRODUCER_BLOCK) if producer else (CONSUMER_LAYOUT, CONSUMER_BLOCK)
+        dtype = getattr(torch, cfg.geometry.dtype)
+        caches = {layer: make_cache(cache_layout, cfg.num_blocks(block), block, len(shard.heads),
+                                    cfg.geometry.head_size, dtype, device) for layer in shard.layers}
+        engine.register(caches, cache_layout)
+        refs = _refs(topology, rendezvous.exchange(engine.address))
+        mine = [i for i in range(len(cfg.tokens))
+                if pair_of(i, topology)[0 if producer else 1] == place.instance]
+        if producer:  # the KV "prefill" computed, before anyone measures the transfer
+            for i in mine:
+                fill_shard(caches, cache_layout, cfg.geometry, shard, i + 1, cfg.blocks(i, block), cfg.tokens[i])
+        rendezvous.exchange("filled", name="filled")
+        started = time.monotonic()
+        if producer:
+            for i in mine:
+                blocks, n = cfg.blocks(i, block), cfg.tokens[i]
+                if cfg.mode == "pull":
+                    engine.finish(f"req{i}", blocks, n)
+                else:
+                    engine.start_push(f"req{i}", refs[("decode", pair_of(i, topology)[1])], blocks, n)
+                    for layer in shard.layers:
+                        engine.save_layer(f"req{i}", layer)
+                        if info.rank == cfg.kill_rank:
+                            os._exit(9)  # a producer dies mid-request: its consumers must report it
+                    engine.finish(f"req{i}")
+            _wait_sent(engine, [f"req{i}" for i in mine], cfg.deadline_s * 3)
+        else:
+            for i in mine:
+                producer_ref = refs[("prefill", pair_of(i, topology)[0])]
+                engine.expect(f"req{i}", producer_ref, cfg.blocks(i, block), cfg.tokens[i], push=cfg.mode == "push")
+            for i in mine:
+                engine.wait(f"req{i}")
+            seconds = time.monotonic() - started
+            for i in mine:
+                bad = check_landed(caches, cache_layout, cfg.geometry, shard, i + 1, cfg.blocks(i, block),
+                                   cfg.tokens[i])
+                if bad:
+                    raise ScenarioError(f"rank {info.rank} ({place}): request req{i} differs in layers {bad}")
+        if producer:
+            seconds = time.monotonic() - started
+        stats = engine.stats()
+        mine_result = {"place": str(place), "bytes": stats.bytes_received or stats.bytes_sent, "seconds": seconds,
+                       "requests": len(mine), "tensors": stats.tensors_received or stats.tensors_sent}
+        results = [json.loads(text) for text in rendezvous.exchange(json.dumps(mine_result), name="result")]
+        rendezvous.finish()  # nobody closes a link while a peer still reads from it
+        return results
+    finally:
+        engine.close()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=16, help="requests in all (default 16; --small: 4)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--mla", action="store_true", help="one latent per token (set --kv-heads 1)")
+    parser.add_argument("--max-tokens", type=int, default=512, help="request lengths vary up to this")
+    parser.add_argument("--mode", choices=("pull", "push"), default="pull")
+    parser.add_argument("--kill-rank", type=int, default=None, help="this prefill rank dies after its first saved layer (push)")
+
+
+def config_from_args(args: argparse.Namespace) -> TransferConfig:
+    requests, max_tokens = (4, 80) if args.small else (args.requests, args.max_tokens)
+    if requests < 1 or max_tokens < 1:
+        raise ValueError(f"--requests and --max-tokens must be >= 1, got {requests}, {max_tokens}")
+    # Lengths spread over [max/4, max] with partial last blocks on both sides.
+    tokens = tuple(max(1, max_tokens // 4 + (i * 37) % (max_tokens - max_tokens // 4 + 1)) for i in range(requests))
+    geometry = KVGeometry(args.layers, args.kv_heads, args.head_size, args.dtype, args.mla)
+    return TransferConfig(geometry, tokens, args.mode, args.deadline, args.kill_rank)
+
+
+def run(info: LaunchInfo, args: argparse.Namespace) -> None:
+    topology = topology_from_args(args)
+    if topology is None:
+        raise ValueError("--kind transfer needs a prefill/decode set: --prefill N --decode M [--prefill-tp ...]")
+    topology.check_world(info.world_size, info.launcher)
+    cfg = config_from_args(args)
+    topology.prefill.check(cfg.geometry)
+    topology.decode.check(cfg.geometry)
+    place = topology.place(info.rank)
+    rendezvous = StoreRendezvous(info, prefix="ncclkv/transfer", deadline_s=cfg.deadline_s * 3)
+    try:
+        results = run_rank(info, place, topology, cfg, resolve_device(args.device, info),
+                           resolve_bind_host(args.bind_host, info), rendezvous)
+    except BaseException as exc:
+        rendezvous.report_failure(f"{type(exc).__name__}: {exc}")
+        raise
+    if info.rank == 0:
+        print(summary_table(topology, cfg, results), flush=True)
+
+
+def summary_table(topology: PDTopology, cfg: TransferConfig, results: list[dict[str, object]]) -> str:
+    """One line per decode rank: requests, bytes, seconds, GB/s; and the totals."""
+    lines = [f"ncclkv transfer {topology} mode={cfg.mode} requests={len(cfg.tokens)} "
+             f"tokens={sum(cfg.tokens)} geometry={cfg.geometry.num_layers}L x {cfg.geometry.num_kv_heads}H x "
+             f"{cfg.geometry.head_size} {cfg.geometry.dtype}",
+             f"{'rank':<36}{'requests':>9}{'tensors':>9}{'MiB':>10}{'s':>8}{'GB/s':>8}"]
+    total_bytes, longest = 0.0, 0.0
+    for row in results:
+        if not str(row["place"]).startswith("decode"):
+            continue
+        nbytes, seconds = float(row["bytes"]), max(float(row["seconds"]), 1e-9)  # type: ignore[arg-type]
+        total_bytes, longest = total_bytes + nbytes, max(longest, seconds)
+        lines.append(f"{row['place']!s:<36}{int(row['requests']):>9}{int(row['tensors']):>9}"  # type: ignore[call-overload]
+                     f"{nbytes / 2**20:>10.1f}{seconds:>8.3f}{nbytes / seconds / 1e9:>8.2f}")
+    lines.append(f"{'all decode ranks':<36}{len(cfg.tokens):>9}{'':>9}{total_bytes / 2**20:>10.1f}"
+                 f"{longest:>8.3f}{total_bytes / max(longest, 1e-9) / 1e9:>8.2f}")
+    lines.append("every landed byte checked against the producer's KV: OK")
+    return "\n".join(lines)
