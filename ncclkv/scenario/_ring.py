@@ -149,7 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(info: LaunchInfo, args: argparse.Namespace) -> None:
-    count, nbytes = (min(args.count, _SMALL_COUNT), min(args.nbytes, _SMALL_NBYTES)) if args.small else (args.count, args.nbytes)
+    count, nbytes = args.count, args.nbytes
+    if args.small:
+        count, nbytes = min(count, _SMALL_COUNT), min(nbytes, _SMALL_NBYTES)
     config = RingConfig(count, nbytes, args.deadline, args.kill_rank, args.kill_at)
     config.check_world(info.world_size)
     topology = topology_from_args(args)

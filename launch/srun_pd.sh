@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Start a prefill/decode set as one Slurm job step; see launch/_pd_args.sh for the options.
+#
+#   launch/srun_pd.sh --prefill 2 --prefill-tp 2 --decode 2 --decode-tp 2
+#
+# Inside an allocation (sbatch, salloc) the step uses it; otherwise srun makes one.
+# GPUS_PER_TASK (default 1; 0 requests none), SRUN_MPI (default pmix; "none" for
+# sites without the PMIx plugin), PYTHON (default: python on PATH).
+# MASTER_ADDR / MASTER_PORT default to the first node and a port derived from the job id.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/_pd_args.sh"
+pd_parse_args "$@"
+
+gpus=${GPUS_PER_TASK:-1}
+[[ $gpus =~ ^[0-9]+$ ]] || pd_die "GPUS_PER_TASK must be a non-negative integer, got '$gpus'"
+gpu_args=()
+((gpus == 0)) || gpu_args=(--gpus-per-task "$gpus")
+exec srun --ntasks "$WORLD_SIZE" "${gpu_args[@]}" --mpi "${SRUN_MPI:-pmix}" \
+    "${PYTHON:-python}" -m ncclkv.scenario "${SCENARIO_ARGS[@]}"

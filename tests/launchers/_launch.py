@@ -1,0 +1,89 @@
+"""Helpers for tests/launchers: bounded subprocesses in their own session, child environments, free ports."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["REPO", "VENV_BIN", "Finished", "SlurmCluster", "child_env", "run", "unused_port"]
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A child process that ended (or was killed at its timeout)."""
+
+    command: str
+    returncode: int
+    output: str  # stdout and stderr, interleaved
+    elapsed_s: float
+    timed_out: bool
+
+    def describe(self) -> str:
+        state = "timed out" if self.timed_out else f"exit {self.returncode}"
+        return f"$ {self.command}\n({state} after {self.elapsed_s:.1f} s)\n{self.output[-6000:]}"
+
+
+def run(command: Sequence[str], *, env: dict[str, str], timeout_s: float, cwd: Path = REPO) -> Finished:
+    """Run ``command`` in its own session; on timeout kill that whole process group (by its id)."""
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        list(command), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    timed_out = False
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=30)
+    text = " ".join(command)
+    return Finished(text, proc.returncode, output, time.monotonic() - started, timed_out)
+
+
+def unused_port() -> int:
+    """A free TCP port below the kernel's ephemeral range, so no outgoing connection or bind(0) takes it meanwhile."""
+    low = 32768
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+        low = int(ports.read().split()[0])
+    for port in random.sample(range(20000, min(low, 32768)), 64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found below the ephemeral range")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment, with the venv's tools first on PATH and the repository importable."""
+    env = dict(os.environ)
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    env["NCCLKV_DEADLINE_S"] = "60"  # two shared cores: a rank may start many seconds after its peers
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)  # from an outer launcher, if any: the child's launcher sets its own
+    env.update(extra)
+    return env
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmCluster:
+    """The one-node Slurm of the ``slurm`` fixture."""
+
+    conf: Path
+    workdir: Path
+    env: dict[str, str]  # child_env() with SLURM_CONF; tests add a MASTER_PORT per job

@@ -1,0 +1,65 @@
+"""srun and sbatch on a one-node Slurm started by the session fixture (conftest.py), for real."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from _launch import REPO, SlurmCluster, run, unused_port
+
+from ncclkv.layout import ParallelLayout
+from ncclkv.scenario import PDTopology
+
+pytestmark = pytest.mark.slurm
+
+TIMEOUT_S = 150
+SLURM_TIME_LIMIT = "3"  # minutes: Slurm ends a job that outlives the test's own timeout
+TEMPLATES = sorted((REPO / "slurm").glob("pd_*.sbatch"))
+
+
+def ring_lines(output: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(0) for m in re.finditer(r"ring rank (\d+)/\d+ .*byte-exact.*", output)}
+
+
+def template_topology(text: str) -> tuple[int, PDTopology]:
+    """The task count and P/D set a template asks for, read from its own lines."""
+    ntasks = int(re.search(r"^#SBATCH --ntasks=(\d+)$", text, re.M).group(1))
+    sizes = {name: int(value) for name, value in re.findall(r"--(prefill|prefill-tp|prefill-pp|decode|decode-tp|decode-pp) (\d+)", text)}
+    topology = PDTopology(
+        sizes["prefill"], ParallelLayout(sizes["prefill-tp"], sizes["prefill-pp"]),
+        sizes["decode"], ParallelLayout(sizes["decode-tp"], sizes["decode-pp"]),
+    )
+    return ntasks, topology
+
+
+def test_srun_pmix_runs_the_ring(slurm: SlurmCluster) -> None:
+    env = {**slurm.env, "MASTER_PORT": str(unused_port())}
+    command = [
+        "srun", "-n", "4", "--mpi=pmix", f"--time={SLURM_TIME_LIMIT}",
+        sys.executable, "-m", "ncclkv.scenario", "--kind", "ring", "--count", "8", "--nbytes", "262144",
+    ]
+    done = run(command, env=env, timeout_s=TIMEOUT_S)
+    print(f"srun -n 4 --mpi=pmix ring: {done.elapsed_s:.1f} s")
+    assert done.returncode == 0, done.describe()
+    lines = ring_lines(done.output)
+    assert sorted(lines) == [0, 1, 2, 3], done.describe()
+    assert all("(slurm, cpu)" in line and "8 received byte-exact" in line for line in lines.values()), lines
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=[path.stem for path in TEMPLATES])
+def test_sbatch_template_small(slurm: SlurmCluster, template: Path, tmp_path: Path) -> None:
+    ntasks, topology = template_topology(template.read_text())
+    assert ntasks == topology.world_size, f"{template.name}: --ntasks={ntasks}, its P/D set has {topology.world_size} ranks"
+    out = tmp_path / "job.out"
+    env = {**slurm.env, "MASTER_PORT": str(unused_port()), "NCCLKV_SMALL": "1", "PYTHON": sys.executable}
+    command = ["sbatch", "--wait", f"--output={out}", f"--time={SLURM_TIME_LIMIT}", str(template.relative_to(REPO))]
+    done = run(command, env=env, timeout_s=TIMEOUT_S)
+    output = out.read_text() if out.exists() else "(no job output)"
+    print(f"sbatch --wait {template.name} ({ntasks} tasks): {done.elapsed_s:.1f} s")
+    assert done.returncode == 0, f"{done.describe()}\n--- job output\n{output[-6000:]}"
+    lines = ring_lines(output)
+    assert sorted(lines) == list(range(ntasks)), output
+    for rank, line in lines.items():
+        assert f"(slurm as {topology.place(rank)}, cpu): 4 tensors" in line, line

@@ -1,0 +1,73 @@
+"""Run ``python -m MODULE ARGS`` on this MPI rank, sending the output of every rank but 0 to a log file.
+
+    mpiexec -n 4 python tests/mpi/_rank_wrapper.py [--log-dir DIR] -m pytest tests/mpi -p no:cacheprovider
+
+Under mpiexec every rank prints its own pytest report and rank 0's summary may
+say "passed" while another rank failed; only rank 0 should talk. The
+redirection must happen here, before pytest starts (its terminal writer holds
+on to the original stdout). Rank r writes to ``DIR/rank<r>.log``; DIR defaults
+to a folder named after the MPI job in the temp directory. The exit code is
+the module's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+import tempfile
+from pathlib import Path
+
+RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+
+
+def rank_from_env() -> int:
+    for name in RANK_VARS:
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 0
+
+
+def default_log_dir() -> Path:
+    # PMIX_NAMESPACE names the MPI job (e.g. "prterun-host-1234@1"): all ranks agree on it.
+    job = os.environ.get("PMIX_NAMESPACE") or f"ppid{os.getppid()}"
+    return Path(tempfile.gettempdir()) / f"ncclkv-mpi-{job.replace('@', '-').replace('/', '-')}"
+
+
+def redirect_to(path: Path) -> None:
+    """Point file descriptors 1 and 2 (and so sys.stdout/sys.stderr and child processes) at ``path``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def parse(argv: list[str]) -> tuple[Path | None, str, list[str]]:
+    """``[--log-dir DIR] -m MODULE ARGS...`` -> (DIR, MODULE, ARGS); everything after MODULE is its own."""
+    if "-m" not in argv or argv.index("-m") + 1 >= len(argv):
+        raise SystemExit(f"usage: {Path(__file__).name} [--log-dir DIR] -m MODULE [ARGS...]")
+    at = argv.index("-m")
+    own = argparse.ArgumentParser(prog=Path(__file__).name)
+    own.add_argument("--log-dir", type=Path, default=None)
+    opts = own.parse_args(argv[:at])
+    return opts.log_dir, argv[at + 1], argv[at + 2 :]
+
+
+def main() -> None:
+    log_dir, module, args = parse(sys.argv[1:])
+    rank = rank_from_env()
+    log_dir = log_dir or default_log_dir()
+    if rank == 0:
+        print(f"[rank wrapper] ranks other than 0 write to {log_dir}/rank<r>.log", flush=True)
+    else:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        redirect_to(log_dir / f"rank{rank}.log")
+    sys.argv = [module, *args]
+    sys.path[0] = os.getcwd()  # what `python -m` puts first, instead of this script's folder
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+if __name__ == "__main__":
+    main()

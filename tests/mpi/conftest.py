@@ -1,0 +1,43 @@
+"""Tests that run on every rank of an MPI job: ``mpiexec -n N python tests/mpi/_rank_wrapper.py -m pytest tests/mpi``.
+
+Outside mpiexec nothing here is collected (``collect_ignore_glob``), so the
+default ``pytest`` run neither imports mpi4py nor starts MPI. Under MPI a
+failure on any rank prints that rank's report to its stderr and aborts every
+rank with ``COMM_WORLD.Abort`` rather than leaving the others hung in a
+collective; the job then exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+UNDER_MPI = any(os.environ.get(name) for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
+
+if not UNDER_MPI:
+    collect_ignore_glob = ["test_*.py"]
+else:
+    from mpi4py import MPI
+
+    @pytest.fixture(scope="session")
+    def comm() -> Any:
+        return MPI.COMM_WORLD
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+        outcome = yield
+        report = outcome.get_result()
+        if report.failed:
+            world = MPI.COMM_WORLD
+            sys.__stderr__.write(
+                f"\n===== rank {world.rank}/{world.size}: {report.nodeid} failed ({report.when}); "
+                f"aborting every rank =====\n{report.longreprtext}\n"
+            )
+            sys.__stderr__.flush()
+            sys.stdout.flush()
+            if world.size > 1:
+                world.Abort(1)

@@ -1,0 +1,218 @@
+"""ncclkv.scenario without a launcher: topology, ring payload checks, the store rendezvous, exit codes.
+
+The scenarios themselves run under real launchers in tests/launchers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import types
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from ncclkv.errors import PeerLostError, TransferTimeout
+from ncclkv.launch import LaunchInfo, free_port
+from ncclkv.layout import ParallelLayout
+from ncclkv.scenario import EXIT_CHECK_FAILED, EXIT_OK, EXIT_PEER_FAILURE, SCENARIOS, PDTopology, ScenarioError, load_scenario
+from ncclkv.scenario.__main__ import build_parser, main
+from ncclkv.scenario._common import resolve_bind_host, resolve_device, topology_from_args
+from ncclkv.scenario._rendezvous import StoreRendezvous
+from ncclkv.scenario._ring import RingConfig, check_payload, ring_payload
+
+WAIT_S = 20.0
+
+
+def info(rank: int, world_size: int, port: int = 29500, local_world_size: int | None = None) -> LaunchInfo:
+    local = world_size if local_world_size is None else local_world_size
+    return LaunchInfo("env", rank, world_size, rank % local, local, "127.0.0.1", port)
+
+
+# -- topology ------------------------------------------------------------------
+
+
+def test_topology_places_prefill_instances_then_decode_instances() -> None:
+    topo = PDTopology(2, ParallelLayout(2, 1), 1, ParallelLayout(2, 2))
+    places = [str(topo.place(rank)) for rank in range(topo.world_size)]
+    assert topo.world_size == 8 and str(topo) == "2P(tp=2,pp=1)+1D(tp=2,pp=2)"
+    assert places == [
+        "prefill[0] tp_rank=0 pp_rank=0", "prefill[0] tp_rank=1 pp_rank=0",
+        "prefill[1] tp_rank=0 pp_rank=0", "prefill[1] tp_rank=1 pp_rank=0",
+        "decode[0] tp_rank=0 pp_rank=0", "decode[0] tp_rank=1 pp_rank=0",
+        "decode[0] tp_rank=0 pp_rank=1", "decode[0] tp_rank=1 pp_rank=1",
+    ]
+    with pytest.raises(ValueError, match=r"rank=8 outside the world_size=8"):
+        topo.place(8)
+    with pytest.raises(ValueError, match=r"needs 8 ranks, torchrun started 4"):
+        topo.check_world(4, "torchrun")
+    with pytest.raises(ValueError, match=r"num_decode must be a positive int, got 0"):
+        PDTopology(1, ParallelLayout(), 0, ParallelLayout())
+
+
+def test_topology_options_come_together_or_not_at_all() -> None:
+    parser = build_parser("ring")
+    assert topology_from_args(parser.parse_args(["--kind", "ring"])) is None
+    topo = topology_from_args(parser.parse_args(["--kind", "ring", "--prefill", "1", "--decode", "2", "--decode-tp", "2"]))
+    assert topo == PDTopology(1, ParallelLayout(1, 1), 2, ParallelLayout(2, 1))
+    with pytest.raises(ValueError, match=r"--prefill=1, --decode=None"):
+        topology_from_args(parser.parse_args(["--kind", "ring", "--prefill", "1"]))
+
+
+# -- ring payloads and configuration --------------------------------------------
+
+
+def test_payload_check_names_ranks_seq_and_first_bad_byte() -> None:
+    good = ring_payload(sender=1, seq=5, nbytes=4096)
+    check_payload(good.clone(), receiver=2, sender=1, seq=5)
+    bad = good.clone()
+    bad[1000] ^= 0xFF
+    with pytest.raises(ScenarioError, match=r"rank 2: tensor seq 5 from rank 1 differs in 1 of 4096 bytes \(first at byte 1000\)"):
+        check_payload(bad, receiver=2, sender=1, seq=5)
+    with pytest.raises(ScenarioError, match=r"it carries rank 1 seq 6"):  # out of order: says what arrived instead
+        check_payload(ring_payload(1, 6, 4096), receiver=2, sender=1, seq=5)
+    assert not torch.equal(ring_payload(0, 5, 4096), ring_payload(1, 5, 4096))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"count": 0}, r"count must be >= 1, got 0"),
+        ({"nbytes": 20}, r"nbytes must be a multiple of 8 and >= 24, got 20"),
+        ({"deadline_s": 0.0}, r"deadline_s must be > 0"),
+        ({"kill_rank": 1, "kill_at": 8}, r"kill_at must be in \[0, count=8\), got 8"),
+    ],
+)
+def test_ring_config_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RingConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_ring_config_checks_the_world() -> None:
+    with pytest.raises(ValueError, match=r"a ring needs at least 2 ranks, the launcher started 1"):
+        RingConfig().check_world(1)
+    with pytest.raises(ValueError, match=r"kill_rank=4 is outside world_size=4"):
+        RingConfig(kill_rank=4).check_world(4)
+
+
+# -- registry, parser, resolution ---------------------------------------------------
+
+
+def test_unknown_kind_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown scenario kind 'nope'; known: .*ring"):
+        load_scenario("nope")
+    args = build_parser("ring").parse_args(["--kind", "ring", "--small", "--count", "3"])
+    assert (args.count, args.small, args.kill_rank) == (3, True, None)
+
+
+def test_device_and_bind_host_resolution() -> None:
+    assert resolve_device("cpu", info(0, 2)) == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto", info(0, 2)) == torch.device("cpu")
+        with pytest.raises(ValueError, match=r"--device cuda on rank 0, but torch sees no GPU"):
+            resolve_device("cuda", info(0, 2))
+    with pytest.raises(ValueError, match=r"--device must be cpu, cuda or auto, got 'tpu'"):
+        resolve_device("tpu", info(0, 2))
+    assert resolve_bind_host(None, info(0, 2)) is None
+    assert resolve_bind_host("10.1.2.3", info(0, 2)) == "10.1.2.3"
+    assert resolve_bind_host("auto", info(0, 2)) == "127.0.0.1"
+    with pytest.raises(ValueError, match=r"found loopback 127.0.0.1 .* spans several nodes"):
+        resolve_bind_host("auto", info(0, 8, local_world_size=4))
+
+
+# -- the store rendezvous, ranks as threads ---------------------------------------
+
+
+def on_ranks(world_size: int, body: Callable[[int], object]) -> list[object]:
+    """Run ``body(rank)`` on one thread per rank; return each result or the exception it raised."""
+    results: list[object] = [None] * world_size
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = body(rank)
+        except Exception as exc:  # noqa: BLE001 - returned to the test, which asserts on it
+            results[rank] = exc
+
+    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert not any(thread.is_alive() for thread in threads), "a rank did not finish within its deadline"
+    return results
+
+
+def test_rendezvous_exchanges_values_then_finishes() -> None:
+    port = free_port()
+
+    def body(rank: int) -> list[str]:
+        rendezvous = StoreRendezvous(info(rank, 3, port), prefix="t", deadline_s=WAIT_S)
+        values = rendezvous.exchange(f"addr-{rank}")
+        rendezvous.finish()
+        return values
+
+    assert on_ranks(3, body) == [["addr-0", "addr-1", "addr-2"]] * 3
+
+
+def test_rendezvous_failure_on_one_rank_reaches_the_others() -> None:
+    port = free_port()
+
+    def body(rank: int) -> None:
+        rendezvous = StoreRendezvous(info(rank, 3, port), prefix="t", deadline_s=WAIT_S)
+        rendezvous.exchange(str(rank))
+        if rank == 2:
+            rendezvous.report_failure("TransferError: link broke")
+            raise ScenarioError("rank 2 gave up")
+        rendezvous.finish()
+
+    outcomes = on_ranks(3, body)
+    for rank in (0, 1):
+        assert isinstance(outcomes[rank], PeerLostError)
+        assert f"rank {rank}: " in str(outcomes[rank]) and "rank 2 failed: TransferError: link broke" in str(outcomes[rank])
+
+
+def test_rendezvous_missing_rank_is_a_timeout_naming_it() -> None:
+    port = free_port()
+
+    def body(rank: int) -> list[str]:  # rank 2 of 3 never comes
+        return StoreRendezvous(info(rank, 3, port), prefix="t", deadline_s=1.0).exchange(str(rank))
+
+    outcomes = on_ranks(2, body)
+    assert all(isinstance(exc, TransferTimeout) and "missing ['value/2']" in str(exc) for exc in outcomes), outcomes
+
+
+# -- exit codes of python -m ncclkv.scenario -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "printed"),
+    [
+        (None, EXIT_OK, ""),
+        (PeerLostError("heartbeats stopped"), EXIT_PEER_FAILURE, "rank 0: peer failure detected: PeerLostError: heartbeats stopped"),
+        (ScenarioError("rank 0: bytes differ"), EXIT_CHECK_FAILED, "rank 0: check failed: rank 0: bytes differ"),
+    ],
+)
+def test_main_maps_outcomes_to_exit_codes(
+    error: Exception | None, code: int, printed: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = types.ModuleType("ncclkv_test_outcome")
+    module.HELP = "raises what the test says"  # type: ignore[attr-defined]
+    module.add_arguments = lambda parser: parser.add_argument("--flag", action="store_true")  # type: ignore[attr-defined]
+    seen: list[argparse.Namespace] = []
+
+    def run(launch: LaunchInfo, args: argparse.Namespace) -> None:
+        seen.append(args)
+        if error is not None:
+            raise error
+
+    module.run = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(SCENARIOS, "outcome", module.__name__)
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK",
+                 "PMI_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["--kind", "outcome", "--flag"]) == code
+    assert seen and seen[0].flag is True
+    assert printed in capsys.readouterr().err
