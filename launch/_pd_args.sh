@@ -1,7 +1,7 @@
 # Shared by launch/torchrun_pd.sh and launch/srun_pd.sh (sourced, not run).
 #
 # pd_parse_args "$@" reads the prefill/decode set:
-#   --kind KIND                         scenario kind (default: ring)
+#   --kind KIND                         scenario kind (default: transfer)
 #   --prefill N --prefill-tp T --prefill-pp P
 #   --decode M  --decode-tp T  --decode-pp P
 #   -- ARGS...                          passed on to `python -m ncclkv.scenario`
@@ -12,7 +12,7 @@ pd_usage() {
 usage: $(basename "$0") [--kind KIND] [--prefill N] [--prefill-tp T] [--prefill-pp P]
                          [--decode M] [--decode-tp T] [--decode-pp P] [-- SCENARIO_ARGS...]
 Starts N prefill and M decode instances (T x P ranks each) running
-\`python -m ncclkv.scenario --kind KIND\`. Defaults: --kind ring, 1P1D, TP=PP=1.
+\`python -m ncclkv.scenario --kind KIND\`. Defaults: --kind transfer, 1P1D, TP=PP=1.
 USAGE
 }
 
@@ -22,7 +22,7 @@ pd_die() {
 }
 
 pd_parse_args() {
-    local kind=ring prefill=1 prefill_tp=1 prefill_pp=1 decode=1 decode_tp=1 decode_pp=1
+    local kind=transfer prefill=1 prefill_tp=1 prefill_pp=1 decode=1 decode_tp=1 decode_pp=1
     local extra=()
     while (($#)); do
         case $1 in

@@ -102,3 +102,40 @@ def test_default_pytest_run_does_not_collect_tests_mpi() -> None:
         env=child_env(), timeout_s=120,
     )
     assert done.returncode == 5 and "no tests" in done.output, done.describe()  # 5: nothing collected
+
+
+TRANSFER_OK = "every landed byte checked against the producer's KV: OK"
+
+
+@pytest.mark.parametrize(
+    "topology",
+    [
+        ("--prefill", "2", "--decode", "2"),  # 2P2D: every prefill instance feeds every decode instance
+        ("--prefill", "1", "--prefill-tp", "2", "--decode", "1", "--decode-pp", "2"),  # heterogeneous layouts
+    ],
+    ids=["2P2D", "tp2-to-pp2"],
+)
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_transfer_scenario_is_byte_exact(topology: tuple[str, ...], mode: str) -> None:
+    done = mpiexec(RANKS, sys.executable, "-m", "ncclkv.scenario", "--kind", "transfer", *topology,
+                   "--mode", mode, "--small", "--deadline", "60")
+    print(f"mpiexec -n {RANKS} transfer {' '.join(topology)} {mode}: {done.elapsed_s:.1f} s")
+    assert done.returncode == 0, done.describe()
+    assert TRANSFER_OK in done.output, done.describe()
+    assert done.output.count("decode[") >= 2, done.describe()  # rank 0's table lists every decode rank
+
+
+def test_transfer_with_a_prefill_rank_killed_mid_request_ends_typed_without_hang() -> None:
+    deadline_s = 20
+    report = f'{shlex.quote(sys.executable)} -m ncclkv.scenario "$@"; echo "rank $OMPI_COMM_WORLD_RANK exit $?"'
+    done = mpiexec(
+        RANKS, "bash", "-c", report, "transfer", "--kind", "transfer", "--prefill", "2", "--decode", "2",
+        "--mode", "push", "--small", "--kill-rank", "1", "--deadline", str(deadline_s),
+        runtime_options="error-nonzero-status=false",
+    )
+    print(f"mpiexec -n {RANKS} transfer --kill-rank 1: {done.elapsed_s:.1f} s")
+    assert not done.timed_out, done.describe()
+    exits = {int(rank): int(code) for rank, code in re.findall(r"rank (\d+) exit (\d+)", done.output)}
+    assert exits == {0: 3, 1: 9, 2: 3, 3: 3}, done.describe()
+    for rank in (0, 2, 3):
+        assert re.search(rf"rank {rank}: peer failure detected: {TYPED}: ", done.output), done.describe()

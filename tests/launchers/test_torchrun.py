@@ -58,3 +58,19 @@ def test_torchrun_pd_script_places_prefill_and_decode_ranks() -> None:
 def test_torchrun_pd_script_rejects_bad_sizes() -> None:
     done = run(["bash", str(REPO / "launch" / "torchrun_pd.sh"), "--decode-tp", "0"], env=child_env(), timeout_s=30)
     assert done.returncode == 2 and "--decode-tp must be a positive integer, got '0'" in done.output, done.describe()
+
+
+def test_torchrun_runs_the_transfer_scenario() -> None:
+    torchrun = VENV_BIN / "torchrun"
+    if not torchrun.exists():
+        pytest.skip(f"no torchrun next to {sys.executable}")
+    command = [
+        str(torchrun), "--nproc-per-node", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+        "--rdzv-id", uuid.uuid4().hex, "--max-restarts", "0",
+        "-m", "ncclkv.scenario", "--kind", "transfer", "--prefill", "2", "--decode", "1", "--decode-tp", "2",
+        "--small", "--deadline", "60",
+    ]
+    done = run(command, env=child_env(), timeout_s=TIMEOUT_S)
+    print(f"torchrun transfer 2P+1D(tp2): {done.elapsed_s:.1f} s")
+    assert done.returncode == 0, done.describe()
+    assert "every landed byte checked against the producer's KV: OK" in done.output, done.describe()
