@@ -10,32 +10,25 @@ headline is the ratio ncclkv / memcpy (best and median over the rounds).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import time
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ncclkv.layout import Span
 from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather, kv_view, scatter
 
-__all__ = ["main"]
+from ._common import (
+    DEFAULT_OUT, MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, timed,
+)
 
-MIB = 1 << 20
-DEFAULT_OUT = Path(__file__).resolve().parent / "out"
+__all__ = ["NAME", "TITLE", "main", "plot", "run"]
 
-
-def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+NAME = "paged"
+TITLE = "Paged gather/scatter per cache layout against memcpy of the same bytes"
 
 
 def _case(
@@ -69,7 +62,7 @@ def _case(
             fn()
     for _ in range(args.repeats):
         for name, fn in ops.items():
-            times[name].append(_timed(fn, device))
+            times[name].append(timed(fn, device))
     _check(cache, spec, block_ids, tokens, take, wire)
     nbytes = wire.numel() * wire.element_size()
     rows = []
@@ -110,29 +103,45 @@ def _check(
         raise AssertionError(f"gather of {spec.layout.name} tokens {tokens!r} heads {take!r} is wrong")
 
 
-def _table(rows: list[dict[str, object]]) -> str:
-    head = (
-        f"{'layout':<11}{'slice':<8}{'MiB':>6}  {'op':<8}{'GB/s best':>10}{'median':>8}"
-        f"{'memcpy':>8}{'ratio best':>11}{'median':>8}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['layout']:<11}{r['slice']:<8}{r['bytes'] / MIB:>6.1f}  {r['op']:<8}{r['gbps_best']:>10.2f}"
-            f"{r['gbps_median']:>8.2f}{r['memcpy_gbps_median']:>8.2f}{r['ratio_best']:>11.2f}{r['ratio_median']:>8.2f}"
-        )
-    return "\n".join(lines)
+COLUMNS = (
+    Column("layout", "layout", align="<"),
+    Column("slice", "slice", align="<"),
+    Column("size_mib", "MiB", "{:.2f}"),
+    Column("op", "op", align="<"),
+    Column("gbps_best", "GB/s best"),
+    Column("gbps_median", "median"),
+    Column("memcpy_gbps_median", "memcpy"),
+    Column("ratio_best", "ratio best"),
+    Column("ratio_median", "median"),
+)
+
+ANALYSIS = """\
+Whole blocks move with one index_select / index_copy_ over the block dim
+(views widened to 8- or 16-byte words), the partial first and last blocks with
+a strided copy each. Layouts whose block holds one head's tokens contiguously
+copy long runs; the vLLM CPU layout interleaves K and V per (block, head), so
+its copies are strided rows of head_size elements and run below memcpy speed.
+"""
 
 
-def _plot(rows: list[dict[str, object]], path: Path) -> bool:
-    try:
-        import matplotlib
+def _headline(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for op in ("gather", "scatter"):
+        full = [r for r in rows if r["op"] == op and r["slice"] == "full"]
+        if full:
+            worst, best = min(full, key=lambda r: r["ratio_median"]), max(full, key=lambda r: r["ratio_median"])
+            lines.append(
+                f"{op} / memcpy (median, full slices): {worst['ratio_median']:.2f} ({worst['layout']}, "
+                f"{worst['size_mib']:g} MiB) to {best['ratio_median']:.2f} ({best['layout']}, {best['size_mib']:g} MiB)"
+            )
+    return lines
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+
+def plot(result: BenchResult, path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
         return False
-    full = [r for r in rows if r["slice"] == "full"]
+    full = [r for r in result.rows if r["slice"] == "full"]
     sizes = sorted({float(r["size_mib"]) for r in full})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, op in zip(axes, ("gather", "scatter")):
@@ -155,7 +164,7 @@ def _plot(rows: list[dict[str, object]], path: Path) -> bool:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench_paged", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small slices, few rounds (a few seconds)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for paged.json / paged.png")
+    parser.add_argument("--out", type=Path, help=f"folder for paged.json / paged.png (default {DEFAULT_OUT.name}/)")
     parser.add_argument("--sizes-mib", type=float, nargs="+", help="slice sizes (default 1 16 64; quick 0.25 1)")
     parser.add_argument("--repeats", type=int, help="timed rounds (default 15; quick 3)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -177,8 +186,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(argv)
+def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> list[dict[str, object]]:
     device = torch.device(args.device)
     threads = torch.get_num_threads()
     if args.threads:
@@ -186,20 +194,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, object]] = []
     try:
         for size in args.sizes_mib:
+            progress(f"{NAME}: {size:g} MiB slices")
             for partial in (False, True):
                 for layout in CacheLayout:
                     if partial and layout is CacheLayout.MLA:
                         continue  # one latent: no head subrange
                     rows.extend(_case(layout, int(size * MIB), partial, args, device))
     finally:
-        torch.set_num_threads(threads)  # main() may run inside another program (tests)
-    print(_table(rows))
-    args.out.mkdir(parents=True, exist_ok=True)
+        torch.set_num_threads(threads)  # may run inside another program (tests, ncclkv bench)
+    return rows
+
+
+def _result(args: argparse.Namespace, rows: list[dict[str, object]], command: str) -> BenchResult:
     meta = {
+        "machine": machine_info(),
+        "command": command,
         "torch": torch.__version__,
-        "device": str(device),
-        "threads": args.threads or threads,
-        "machine": platform.machine(),
+        "device": args.device,
+        "threads": args.threads or torch.get_num_threads(),
         "dtype": args.dtype,
         "block_size": args.block_size,
         "num_kv_heads": args.num_kv_heads,
@@ -209,9 +221,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         "quick": args.quick,
         "slices": "full: all heads from token 0; partial: half the heads from mid-block",
     }
-    (args.out / "paged.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-    plotted = not args.no_plot and _plot(rows, args.out / "paged.png")
-    print(f"wrote {args.out / 'paged.json'}" + (f" and {args.out / 'paged.png'}" if plotted else ""))
+    return BenchResult(NAME, TITLE, COLUMNS, rows, meta, _headline(rows), ANALYSIS)  # type: ignore[arg-type]
+
+
+def run(ctx: BenchContext) -> BenchResult:
+    """The benchmark with its defaults (``--quick`` when the context is quick), for ``ncclkv bench``."""
+    opts = ctx.options
+    argv = ["--threads", "1"]  # as the other benchmarks: two OpenMP threads on a busy 2-core machine stall small copies
+    argv += (["--quick"] if opts.quick else []) + ([] if opts.repeats is None else ["--repeats", str(opts.repeats)])
+    args = _parse(argv)
+    return _result(args, _measure(args, ctx.progress), opts.command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    rows = _measure(args, lambda _: None)
+    command = " ".join(["python -m benchmarks.bench_paged", *(sys.argv[1:] if argv is None else argv)])
+    result = _result(args, rows, command)
+    print(result.table())
+    out = args.out or default_out(args.quick)
+    json_path, png_path = save(result, out, None if args.no_plot else plot)
+    print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
     return 0
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 # Imported lazily so that `ncclkv plan` never pays for torch or vLLM.
-COMMANDS = ("plan",)
+COMMANDS = ("plan", "demo", "bench")
 
 
 def _build_parser() -> argparse.ArgumentParser:

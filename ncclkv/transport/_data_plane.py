@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .._env import env_settings
 from ..errors import ClosedError
-from ._base import check_link_args, join_address, split_address
+from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, check_link_args, join_address, split_address
 from ._group import open_group
 from ._link import Link
 
@@ -78,7 +78,8 @@ class DataPlane:
         timeout_s: float,
         *,
         op_timeout_s: float | None = None,
-        max_in_flight: int = 8,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
     ) -> Link:
         """Connect a 2-rank group with the peer by ``timeout_s`` and return our end of it.
 
@@ -107,7 +108,8 @@ class DataPlane:
             raise
         link = Link(
             link_id, link_rank, dev, backend,
-            timeout_s=op_timeout, max_in_flight=max_in_flight, peer=store_addr, on_close=self._forget,
+            timeout_s=op_timeout, max_in_flight=max_in_flight, max_in_flight_bytes=max_in_flight_bytes,
+            peer=store_addr, on_close=self._forget,
         )
         with self._lock:
             if not self._closed:

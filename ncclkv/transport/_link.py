@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from ..errors import ClosedError, NcclKVError, TransferError, TransferTimeout
-from ._base import LinkStats
+from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, LinkStats
 from ._pipe import Completed, Op, Pending, Pipe, settle
 
 __all__ = ["Backend", "Link"]
@@ -66,7 +66,8 @@ class Link:
         backend: Backend,
         *,
         timeout_s: float,
-        max_in_flight: int = 8,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
         peer: str = "",
         on_close: Callable[[Link], None] | None = None,
     ) -> None:
@@ -74,6 +75,8 @@ class Link:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         if not (isinstance(max_in_flight, int) and max_in_flight >= 1):
             raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        if not (isinstance(max_in_flight_bytes, int) and max_in_flight_bytes >= 1):
+            raise ValueError(f"max_in_flight_bytes must be an int >= 1, got {max_in_flight_bytes!r}")
         self._link_id = link_id
         self._link_rank = link_rank
         self._device = device
@@ -94,7 +97,8 @@ class Link:
             self._stream = torch.cuda.Stream(device=device)
         name = f"ncclkv-link-{link_id}"
         self._pipes = tuple(
-            Pipe(f"{name}-{kind}", partial(self._post, d), partial(self._finish, d), self._fail, max_in_flight)
+            Pipe(f"{name}-{kind}", partial(self._post, d), partial(self._finish, d), self._fail, max_in_flight,
+                 max_in_flight_bytes)
             for d, kind in enumerate(("send", "recv"))
         )
 
@@ -162,7 +166,7 @@ class Link:
         """Queue a receive of the peer's next tensor (sized from its announcement); return at once.
 
         Receives are posted in call order on the link's receive thread, at most
-        ``max_in_flight`` ahead. ``out`` (contiguous, this link's device, the
+        ``max_in_flight`` (and ``max_in_flight_bytes``) ahead. ``out`` (contiguous, this link's device, the
         given shape and dtype) is filled in place; otherwise a tensor is
         allocated. The sent tensor must have the same number of bytes: gloo
         aborts the process on a size mismatch and NCCL does not check.

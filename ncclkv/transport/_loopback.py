@@ -19,7 +19,7 @@ import torch
 
 from .._env import env_settings
 from ..errors import ClosedError, ShapeMismatchError, TransferError, TransferTimeout
-from ._base import check_link_args
+from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, check_link_args
 from ._link import Link
 
 __all__ = ["LoopbackHub", "LoopbackTransport", "loopback_pair"]
@@ -109,16 +109,19 @@ def loopback_pair(
     *,
     device: torch.device | str = "cpu",
     timeout_s: float | None = None,
-    max_in_flight: int = 8,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
 ) -> tuple[Link, Link]:
     """Both ends (link rank 0, link rank 1) of an in-process link."""
     timeout = env_settings().deadline_s if timeout_s is None else timeout_s
     dev = check_link_args(link_id, 0, device, timeout)
     wire = _Wire()
-    return (
-        Link(link_id, 0, dev, _WireEnd(wire, 0), timeout_s=timeout, max_in_flight=max_in_flight, peer="loopback"),
-        Link(link_id, 1, dev, _WireEnd(wire, 1), timeout_s=timeout, max_in_flight=max_in_flight, peer="loopback"),
-    )
+    ends = [
+        Link(link_id, rank, dev, _WireEnd(wire, rank), timeout_s=timeout, max_in_flight=max_in_flight,
+             max_in_flight_bytes=max_in_flight_bytes, peer="loopback")
+        for rank in (0, 1)
+    ]
+    return ends[0], ends[1]
 
 
 class LoopbackHub:
@@ -191,7 +194,8 @@ class LoopbackTransport:
         timeout_s: float,
         *,
         op_timeout_s: float | None = None,
-        max_in_flight: int = 8,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
     ) -> Link:
         dev = check_link_args(link_id, link_rank, device, timeout_s)
         with self._lock:
@@ -200,7 +204,8 @@ class LoopbackTransport:
         wire = self.hub.meet(store_addr, link_id, link_rank, time.monotonic() + timeout_s)
         link = Link(
             link_id, link_rank, dev, _WireEnd(wire, link_rank),
-            timeout_s=timeout_s if op_timeout_s is None else op_timeout_s, max_in_flight=max_in_flight, peer=store_addr, on_close=self._forget,
+            timeout_s=timeout_s if op_timeout_s is None else op_timeout_s, max_in_flight=max_in_flight,
+            max_in_flight_bytes=max_in_flight_bytes, peer=store_addr, on_close=self._forget,
         )
         with self._lock:
             self._links[link_id] = link

@@ -2,8 +2,12 @@
 
 A pipe owns two threads. The poster takes queued ops in order, runs an op's
 ``before_send`` hook and posts it to the backend without waiting for earlier
-ops to finish (up to ``max_in_flight`` outstanding: several posted sends keep
-the wire busy, one blocking send after another does not). The reaper waits for
+ops to finish, up to ``max_in_flight`` ops and ``max_in_flight_bytes`` bytes
+outstanding (one op always goes, however large). Many posted operations keep
+the wire busy; one blocking send after another does not, and gloo in
+particular writes a send's payload only once the peer's receive is posted, so
+a shallow receive window costs a round trip per tensor. The byte bound keeps
+the last posted op's deadline (counted from its posting) meaningful. The reaper waits for
 the oldest posted op, with that op's deadline, and completes futures in order.
 Both threads end when the pipe is stopped; :meth:`Pipe.join` waits for them.
 """
@@ -56,6 +60,10 @@ class Op:
     pending: Pending | None = None
     deadline: float = 0.0
 
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
 
 def settle(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> bool:
     """Complete ``future`` unless it already is; return whether this call completed it."""
@@ -79,13 +87,16 @@ class Pipe:
         finish: Callable[[Op], None],
         fail: Callable[[Op, BaseException], None],
         max_in_flight: int,
+        max_in_flight_bytes: int,
     ) -> None:
-        if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if max_in_flight < 1 or max_in_flight_bytes < 1:
+            raise ValueError(f"max_in_flight and max_in_flight_bytes must be >= 1, got {max_in_flight}, {max_in_flight_bytes}")
         self._post = post
         self._finish = finish
         self._fail = fail
         self._max_in_flight = max_in_flight
+        self._max_in_flight_bytes = max_in_flight_bytes
+        self._bytes_in_flight = 0
         self._cond = threading.Condition()
         self._queued: deque[Op] = deque()
         self._in_flight: deque[Op] = deque()
@@ -114,6 +125,7 @@ class Pipe:
             self._stopping = True
             ops = [*self._in_flight, *self._queued]
             self._in_flight.clear()
+            self._bytes_in_flight = 0
             self._queued.clear()
             self._cond.notify_all()
         return ops
@@ -129,7 +141,7 @@ class Pipe:
     def _post_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not (self._queued and len(self._in_flight) < self._max_in_flight):
+                while not self._stopping and not (self._queued and self._has_room(self._queued[0])):
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -147,7 +159,14 @@ class Pipe:
                     settle(op.future, error=ClosedError(f"{op.label}: the link is closed"))
                     return
                 self._in_flight.append(op)
+                self._bytes_in_flight += op.nbytes
                 self._cond.notify_all()
+
+    def _has_room(self, op: Op) -> bool:
+        """Whether ``op`` may be posted now; called with the condition held."""
+        if not self._in_flight:
+            return True
+        return len(self._in_flight) < self._max_in_flight and self._bytes_in_flight + op.nbytes <= self._max_in_flight_bytes
 
     def _run_hook(self, op: Op) -> bool:
         # A failed hook means the tensor was never announced: skip it, the data
@@ -179,5 +198,6 @@ class Pipe:
                 if not self._in_flight or self._in_flight[0] is not op:
                     continue  # stopped meanwhile; stop() handed the op to the closer
                 self._in_flight.popleft()
+                self._bytes_in_flight -= op.nbytes
                 self._cond.notify_all()
             self._finish(op)

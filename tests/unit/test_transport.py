@@ -300,3 +300,25 @@ def test_closing_a_gloo_link_fails_pending_ops_on_both_ends_at_once() -> None:
         for a, b in ((k0, k1), (n1, n0)):
             a.send(torch.arange(4.0))
             assert b.recv((4,), torch.float32).result(WAIT_S).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_posted_bytes_are_bounded_but_one_large_tensor_always_goes() -> None:
+    a, b = loopback_pair("bounded-bytes", timeout_s=WAIT_S, max_in_flight=64, max_in_flight_bytes=1000)
+    sizes = [2000, 100, 100, 900]  # the first exceeds the bound alone; then 100 + 100 fit, + 900 does not
+    hooks: list[int] = []
+    posted = [threading.Event() for _ in sizes]
+
+    def hook(seq: int) -> None:
+        hooks.append(seq)
+        posted[seq].set()
+
+    sends = [a.send(torch.zeros(n, dtype=torch.uint8), before_send=lambda seq=seq: hook(seq)) for seq, n in enumerate(sizes)]
+    assert posted[0].wait(WAIT_S), "a tensor larger than the byte bound was never posted"
+    assert not posted[1].wait(0.3), "a second tensor was posted next to one over the byte bound"
+    b.recv((2000,), torch.uint8).result(WAIT_S)  # completes send 0
+    assert posted[2].wait(WAIT_S) and not posted[3].wait(0.3), "900 bytes were posted next to 200 (bound 1000)"
+    assert hooks == [0, 1, 2]
+    for n in sizes[1:]:
+        b.recv((n,), torch.uint8).result(WAIT_S)
+    assert [f.result(WAIT_S) for f in sends] == [None] * 4 and hooks == [0, 1, 2, 3]
+    a.close(), b.close()

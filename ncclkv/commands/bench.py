@@ -1,0 +1,108 @@
+"""``ncclkv bench``: run the benchmarks, print a table each, save JSON + PNG, regenerate RESULTS.md.
+
+Examples::
+
+    ncclkv bench --quick                 # every benchmark, small sizes (well under a minute)
+    ncclkv bench transfer overlap        # full runs of two benchmarks
+    ncclkv bench control --repeats 200   # fewer requests
+
+Benchmarks: paged (gather/scatter against memcpy), transfer (gather -> link ->
+scatter between two processes against raw gloo send/recv and memcpy), overlap
+(layer-wise sending during a synthetic prefill), control (control-plane time
+per request, link creation per peer pair). Results go to ``--out`` (default
+benchmarks/out/, quick runs benchmarks/out/quick/); full runs into the default
+folder also rewrite benchmarks/RESULTS.md, other runs write RESULTS.md into
+their output folder. The benchmarks live in the source checkout's
+``benchmarks/`` folder, next to the ``ncclkv`` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="run the benchmarks (tables, JSON, PNG, RESULTS.md)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats: a smoke test")
+    parser.add_argument("--out", type=Path, help="folder for NAME.json and NAME.png")
+    parser.add_argument("--repeats", type=int, help="timed rounds per measurement (default: each benchmark's own)")
+    parser.add_argument("--results", type=Path, help="the RESULTS.md to write (default: see above)")
+    parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: redraw the figures and rewrite RESULTS.md from the JSON in --out")
+    parser.set_defaults(run=run)
+
+
+def _runner() -> ModuleType:
+    """``benchmarks._runner`` from the checkout that holds this package."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "_runner.py").is_file():
+        raise ValueError(f"ncclkv bench needs the source checkout's benchmarks/ folder; none next to {root.name}/ncclkv")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))  # a console script's sys.path holds the package, not the checkout
+    return importlib.import_module("benchmarks._runner")
+
+
+@contextlib.contextmanager
+def _progress(name: str) -> Iterator[Callable[[str], None]]:
+    """A live status line (rich) while one benchmark runs; plain lines on stderr without rich."""
+    try:
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    except ImportError:
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        yield lambda _text: None
+        return
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task(name)
+        yield lambda text: bar.update(task, description=text)
+
+
+def _show(outcome: Any) -> None:
+    result = outcome.result
+    print(f"\n{result.name}: {result.title}\n")
+    print(result.table())
+    for line in result.headline:
+        print(f"  {line}")
+    saved = [outcome.json_path] + ([outcome.png_path] if outcome.png_path else [])
+    print("wrote " + ", ".join(str(p) for p in saved))
+
+
+def run(args: argparse.Namespace) -> int:
+    runner = _runner()
+    if args.list:
+        for name in runner.BENCHMARKS:
+            print(f"{name:10} {runner.load(name).TITLE}")
+        return 0
+    names = list(dict.fromkeys(args.names)) or list(runner.BENCHMARKS)
+    unknown = [n for n in names if n not in runner.BENCHMARKS]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(runner.BENCHMARKS)}")
+    if args.repeats is not None and args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    common = importlib.import_module("benchmarks._common")
+    out = args.out or common.default_out(args.quick)
+    with common.BenchContext(common.BenchOptions(args.quick, args.repeats, out)) as ctx:
+        for name in [] if args.report_only else names:  # each gets its own status line and prints its table when done
+            with _progress(name) as progress:
+                ctx.report_to(progress)
+                outcome = runner.run_one(name, ctx)
+                ctx.report_to(None)
+            _show(outcome)
+    results = runner.write_results_md(args.results or runner.results_path(out, args.quick), out, redraw=args.report_only)
+    print(f"\nwrote {results}")
+    return 0

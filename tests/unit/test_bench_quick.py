@@ -1,0 +1,156 @@
+"""``ncclkv bench``: a quick run of every benchmark writes its JSON, PNG, table and RESULTS.md.
+
+Nothing here asserts a timing: the machine is shared, and the numbers are the
+benchmarks' business. The quick run is still a real check: the transfer
+benchmark compares what the receiver's cache holds with what was sent, and the
+control benchmark checks every request's Announce count and each link's data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import _common, _runner
+from ncclkv import cli
+
+NAMES = ("paged", "transfer", "overlap", "control")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("bench")
+    buffer = io.StringIO()  # capsys is function-scoped; one run serves the module's tests
+    with contextlib.redirect_stdout(buffer):
+        assert cli.main(["bench", "--quick", "--out", str(out)]) == 0
+    return out, buffer.getvalue()
+
+
+def test_every_benchmark_writes_json_and_png(quick_run: tuple[Path, str]) -> None:
+    out, _ = quick_run
+    for name in NAMES:
+        data = json.loads((out / f"{name}.json").read_text())
+        result = _common.BenchResult.from_json(data)
+        assert result.name == name and result.rows and result.meta["quick"] is True
+        assert result.meta["command"] == f"ncclkv bench {name} --quick"
+        assert {"cpu", "cores", "torch"} <= set(result.meta["machine"])
+        for row in result.rows:  # every column of the table has a value in every row
+            assert {c.key for c in result.columns} <= set(row), f"{name}: row lacks {set(c.key for c in result.columns) - set(row)}"
+        assert (out / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_tables_have_the_expected_columns(quick_run: tuple[Path, str]) -> None:
+    out, printed = quick_run
+    expected = {
+        "transfer": ["slice", "raw GB/s", "link GB/s", "ncclkv GB/s", "memcpy GB/s", "ncclkv/raw", "ncclkv/memcpy"],
+        "overlap": ["c ms", "x ms", "layer-wise exposed (x)", "after-compute exposed (x)", "compute slowdown"],
+        "control": ["what", "p50 us", "p99 us"],
+        "paged": ["layout", "op", "GB/s best", "ratio best"],
+    }
+    for name, headers in expected.items():
+        result = _common.BenchResult.from_json(json.loads((out / f"{name}.json").read_text()))
+        header_line = result.table().splitlines()[0]
+        cells = [cell.strip() for cell in header_line.strip("|").split("|")]
+        assert all(h in cells for h in headers), f"{name}: {cells}"
+        assert header_line in printed  # each table was printed
+
+
+def test_transfer_rows_cover_the_sizes_with_finite_ratios(quick_run: tuple[Path, str]) -> None:
+    out, _ = quick_run
+    rows = json.loads((out / "transfer.json").read_text())["results"]
+    assert [r["slice_bytes"] for r in rows] == [64 << 10, 1 << 20, 4 << 20]
+    for row in rows:
+        for key in ("ncclkv_raw_median", "ncclkv_memcpy_median", "link_raw_median", "cpu_ceiling"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
+
+
+def test_results_md_presents_every_benchmark(quick_run: tuple[Path, str]) -> None:
+    out, printed = quick_run
+    text = (out / "RESULTS.md").read_text()
+    assert f"wrote {out / 'RESULTS.md'}" in printed
+    for name in NAMES:
+        assert f"## {name}:" in text and f"![{name}](figures/{name}.png)" in text
+        assert (out / "figures" / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
+        assert f"`ncclkv bench {name} --quick`" in text
+    assert text.count("- Machine: ") == len(NAMES) and "torch " in text
+    assert str(out) not in text  # no machine-specific paths in the document
+
+
+def test_quick_runs_never_touch_the_committed_results(tmp_path: Path) -> None:
+    assert _runner.results_path(_common.DEFAULT_OUT, quick=False) == _common.BENCH_DIR / "RESULTS.md"
+    assert _runner.results_path(_common.QUICK_OUT, quick=True) == _common.QUICK_OUT / "RESULTS.md"
+    assert _runner.results_path(_common.DEFAULT_OUT, quick=True) == _common.DEFAULT_OUT / "RESULTS.md"
+    assert _runner.results_path(tmp_path, quick=False) == tmp_path / "RESULTS.md"
+    assert _common.default_out(True) == _common.QUICK_OUT != _common.default_out(False)
+
+
+def test_unknown_names_and_bad_repeats_are_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "transfer", "nope", "--quick", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown benchmark(s) nope" in err and "transfer" in err
+    assert cli.main(["bench", "control", "--repeats", "0", "--out", str(tmp_path)]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
+def test_list_names_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(NAMES)
+
+
+def test_format_table_aligns_and_formats() -> None:
+    columns = (_common.Column("name", "name", align="<"), _common.Column("gbps", "GB/s"), _common.Column("n", "n", "{:d}"))
+    table = _common.format_table(columns, [{"name": "a", "gbps": 1.234, "n": 3}, {"name": "long name", "n": 10}])
+    assert table.splitlines() == [
+        "| name      | GB/s |  n |",
+        "|:----------|-----:|---:|",
+        "| a         | 1.23 |  3 |",
+        "| long name |    - | 10 |",
+    ]
+    with pytest.raises(ValueError, match="align"):
+        _common.Column("x", "x", align="^")
+
+
+def test_statistics_helpers() -> None:
+    assert _common.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
+    assert _common.percentile([5.0], 99) == 5.0
+    assert _common.percentile(list(range(101)), 99) == 99.0
+    stats = _common.summary([4.0, 1.0, 3.0])
+    assert (stats["min"], stats["median"], stats["max"], stats["count"]) == (1.0, 3.0, 4.0, 3.0)
+    with pytest.raises(ValueError):
+        _common.summary([])
+    with pytest.raises(ValueError, match="q must be"):
+        _common.percentile([1.0], 101)
+    assert _common.format_size(64 << 10) == "64 KiB" and _common.format_size(3 << 19) == "1.5 MiB"
+
+
+def test_result_json_round_trip_and_options() -> None:
+    result = _common.BenchResult("x", "X", (_common.Column("a", "A", "{:.1f}"),), [{"a": 1.0}], {"k": 1}, ["h"], "why")
+    again = _common.BenchResult.from_json(json.loads(json.dumps(result.to_json())))
+    assert again == result
+    with pytest.raises(ValueError, match="not a benchmark result"):
+        _common.BenchResult.from_json({"meta": {}, "results": []})
+    with pytest.raises(ValueError, match="repeats"):
+        _common.BenchOptions(repeats=0)
+    assert _common.BenchOptions(quick=True).rounds(full=10, quick=3) == 3
+    assert _common.BenchOptions(repeats=7).rounds(full=10, quick=3) == 7
+
+
+def test_report_only_redraws_and_flags_unreadable_results(quick_run: tuple[Path, str], tmp_path: Path) -> None:
+    out, _ = quick_run
+    (tmp_path / "transfer.json").write_text((out / "transfer.json").read_text())
+    (tmp_path / "paged.json").write_text(json.dumps({"meta": {}, "results": []}))  # an older format
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(["bench", "--report-only", "--quick", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "`paged.json` could not be read" in text and "rerun `ncclkv bench paged`" in text
+    assert "## transfer:" in text and "## overlap" not in text
+    assert (tmp_path / "transfer.png").read_bytes()[:8] == PNG_MAGIC  # drawn from the JSON alone
+    assert (tmp_path / "figures" / "transfer.png").is_file()
