@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .._env import env_settings
-from ..errors import ClosedError
+from ..errors import ClosedError, TransferTimeout
 from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, check_link_args, join_address, split_address
 from ._group import open_group
 from ._link import Link
@@ -55,6 +55,8 @@ class DataPlane:
         self._lock = threading.Lock()
         self._links: dict[str, Link | None] = {}  # None: being opened
         self._gloo_device: object | None = None
+        self._clients: dict[str, dist.Store] = {}  # store address -> our connection to it
+        self._client_gates: dict[str, threading.Lock] = {}
         self._closed = False
 
     @property
@@ -101,10 +103,13 @@ class DataPlane:
                 raise ValueError(f"link id {link_id!r} is already open on data plane {self._address}")
             self._links[link_id] = None
         try:
-            backend = open_group(link_id, link_rank, store_addr, dev, deadline, op_timeout, self._gloo)
+            client = self._client(store_addr, deadline)
+            backend = open_group(link_id, link_rank, store_addr, client, dev, deadline, op_timeout, self._gloo)
         except BaseException:
             with self._lock:
                 self._links.pop(link_id, None)
+                # The peer (or its store) may be gone: the next link to it connects afresh.
+                self._clients.pop(store_addr, None)
             raise
         link = Link(
             link_id, link_rank, dev, backend,
@@ -125,6 +130,8 @@ class DataPlane:
             links = [link for link in self._links.values() if link is not None]
         for link in links:
             link.close()
+        with self._lock:
+            self._clients.clear()
         self._server = None  # the server and its socket go with the last reference
 
     def __enter__(self) -> DataPlane:
@@ -135,6 +142,39 @@ class DataPlane:
 
     def __repr__(self) -> str:
         return f"DataPlane({self._address}, {len(self.links())} links{', closed' if self._closed else ''})"
+
+    def _client(self, store_addr: str, deadline: float) -> dist.Store:
+        """One long-lived connection per store address, shared by every link rendezvous through it.
+
+        A c10d TCPStore client connect takes 5 s now and then (about 3 in 100
+        here, torch 2.13), so connecting once per peer store rather than once
+        per link keeps that off the link-opening path. Our own store is
+        reached through the server object, which is also a client. Sharing is
+        safe: the rendezvous polls instead of blocking the connection, and
+        each peer's own end uses its own connection (see ``open_group``).
+        """
+        if store_addr == self._address:
+            assert self._server is not None
+            return self._server
+        with self._lock:
+            gate = self._client_gates.setdefault(store_addr, threading.Lock())
+        if not gate.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TransferTimeout(f"data plane {self._address}: connecting to store {store_addr} took too long")
+        try:
+            client = self._clients.get(store_addr)
+            if client is None:
+                host, port = split_address(store_addr)
+                left = timedelta(seconds=max(0.001, deadline - time.monotonic()))
+                try:
+                    client = dist.TCPStore(host, port, is_master=False, timeout=left)
+                except Exception as exc:  # torch raises DistError subclasses and plain RuntimeErrors
+                    raise TransferTimeout(f"data plane {self._address}: cannot reach store {store_addr}: "
+                                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+                with self._lock:
+                    self._clients[store_addr] = client
+            return client
+        finally:
+            gate.release()
 
     def _gloo(self) -> object:
         # One gloo device (listening socket + event loop) per data plane, shared by its links.

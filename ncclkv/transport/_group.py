@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from ..errors import HandshakeError, NcclKVError, TransferError, TransferTimeout
-from ._base import split_address
 
 __all__ = ["TorchBackend", "open_group"]
 
@@ -99,35 +98,45 @@ def _make_group(
     return dist.ProcessGroupGloo(store, link_rank, 2, options)
 
 
+def _poll(store: dist.Store, key: str, deadline: float) -> bool:
+    """Wait for ``key`` without a blocking store wait: those hold the (shared) client for their whole length."""
+    pause = 0.0005
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    return True
+
+
 def open_group(
     link_id: str,
     link_rank: int,
     store_addr: str,
+    client: dist.Store,
     device: torch.device,
     deadline: float,
     op_timeout_s: float,
     gloo_device: Callable[[], object],
 ) -> TorchBackend:
-    """Meet the peer through the TCPStore at ``store_addr`` and connect a 2-rank group by ``deadline``.
+    """Meet the peer through ``client`` (a connection to the TCPStore at ``store_addr``) and connect a 2-rank group.
 
-    Both ends first publish their backend under the link's prefix, so a peer
-    that never joins is a :class:`TransferTimeout` from a store wait we control,
-    and a gloo end facing an NCCL end is a :class:`HandshakeError`.
+    Both ends first publish their backend under the link's prefix and poll for
+    the peer's, so a peer that never joins is a :class:`TransferTimeout` we
+    control, a gloo end facing an NCCL end is a :class:`HandshakeError`, and
+    the group's own (blocking) rendezvous starts only once the peer is there.
     """
-    host, port = split_address(store_addr)
-    backend = "nccl" if device.type == "cuda" else "gloo"
     peer = 1 - link_rank
+    backend = "nccl" if device.type == "cuda" else "gloo"
     where = f"link {link_id!r} (link rank {link_rank}, store {store_addr})"
     timeout_s = deadline - time.monotonic()
     try:
-        # A client connection of its own even to our own server: a blocking wait
-        # holds a store connection, and links open concurrently.
-        client = dist.TCPStore(host, port, is_master=False, timeout=_left(deadline))
         store = dist.PrefixStore(f"ncclkv/{link_id}", client)
         if store.add(f"joined/{link_rank}", 1) != 1:
             raise ValueError(f"{where}: link rank {link_rank} already joined; every link needs a new link_id")
         store.set(f"backend/{link_rank}", backend)
-        store.wait([f"backend/{peer}"], _left(deadline))
+        if not _poll(store, f"backend/{peer}", deadline):
+            raise TransferTimeout(f"{where}: peer (link rank {peer}) did not join within {timeout_s:.3g} s")
         peer_backend = store.get(f"backend/{peer}").decode()
         if peer_backend != backend:
             raise HandshakeError(f"{where}: this end uses {backend} on {device}, the peer uses {peer_backend}")
@@ -139,4 +148,4 @@ def open_group(
         if time.monotonic() >= deadline - 0.01 or "time" in text.lower():
             raise TransferTimeout(f"{where}: peer (link rank {peer}) not connected within {timeout_s:.3g} s: {text}") from exc
         raise TransferError(f"{where}: cannot connect to peer (link rank {peer}): {text}") from exc
-    return TorchBackend(pg, link_rank, device, client)
+    return TorchBackend(pg, link_rank, device, store)
