@@ -126,7 +126,7 @@ def test_transfer_scenario_is_byte_exact(topology: tuple[str, ...], mode: str) -
 
 
 def test_transfer_with_a_prefill_rank_killed_mid_request_ends_typed_without_hang() -> None:
-    deadline_s = 20
+    deadline_s = 8
     report = f'{shlex.quote(sys.executable)} -m ncclkv.scenario "$@"; echo "rank $OMPI_COMM_WORLD_RANK exit $?"'
     done = mpiexec(
         RANKS, "bash", "-c", report, "transfer", "--kind", "transfer", "--prefill", "2", "--decode", "2",
