@@ -59,6 +59,7 @@ class _Expected:
     nbytes: int = 0
     error: BaseException | None = None
     announced: set[_Key] = field(default_factory=set)
+    applying: int = 0  # scatters into the request's blocks running right now
 
 
 @dataclass(slots=True)
@@ -162,7 +163,7 @@ class ConsumerSide:
             for request_id, req in list(self._requests.items()):
                 if req.error is None and req.pending and now - req.progress > self._deadline_s:
                     self._fail_locked(req, self._stall_error(req))
-                if req.error is not None or not req.pending:
+                if (req.error is not None or not req.pending) and req.applying == 0:
                     out[request_id] = req.error
                     del self._requests[request_id]
                     self._stats.record_request(req.error is not None)
@@ -176,12 +177,17 @@ class ConsumerSide:
         return out
 
     def abort(self, request_id: str) -> None:
-        """Stop filling ``request_id``'s blocks (late tensors are received and dropped)."""
+        """Stop filling ``request_id``'s blocks (late tensors are received and dropped).
+
+        When this returns no scatter into its blocks is running, so they may be reused."""
         with self._cond:
             req = self._requests.pop(request_id, None)
             if req is not None and req.error is None:
                 req.error = TransferError(f"request {request_id!r} aborted")
             self._cond.notify_all()
+            limit = time.monotonic() + self._deadline_s
+            while req is not None and req.applying and time.monotonic() < limit:
+                self._cond.wait(limit - time.monotonic())
 
     def close(self) -> None:
         with self._cond:
@@ -275,11 +281,16 @@ class ConsumerSide:
 
     def on_done(self, sender: str, done: Done) -> None:
         peer = self._peers.get(sender)
-        src = peer.remote.rank if peer is not None else -1
+        if peer is None:  # anyone can reach our ROUTER: only a peer we shook hands with speaks for a request
+            raise ProtocolError(f"Done for {done.request_id!r} from {sender!r} before any handshake")
+        src = peer.remote.rank
         with self._cond:
             req = self._requests.get(done.request_id)
             if req is None or req.error is not None:
                 return
+            if req.producer.engine_id != peer.remote.engine_id:
+                raise ProtocolError(f"Done for {done.request_id!r} from {sender!r}, which is not its producer "
+                                    f"{req.producer.engine_id!r}")
             want = req.per_src.get(src, 0)
             if done.num_tensors != want:
                 self._fail_locked(req, ProtocolError(
@@ -291,8 +302,12 @@ class ConsumerSide:
             return
         with self._cond:
             req = self._requests.get(err.request_id)
-            if req is not None and req.error is None:
-                self._fail_locked(req, err.to_exception(sender))
+            if req is None or req.error is not None:
+                return
+            if sender not in {req.producer.peer_id(r) for r in range(req.producer.layout.world_size)}:
+                log.warning("ignored error for %s from %s, not its producer: %s", err.request_id, sender, err.text)
+                return
+            self._fail_locked(req, err.to_exception(sender))
 
     def fail_peer(self, peer_id: str, error: NcclKVError) -> None:
         """Fail every request that still waits for data from ``peer_id``."""
@@ -334,8 +349,10 @@ class ConsumerSide:
 
     def _apply(self, req: _Expected, key: _Key, buf: torch.Tensor, error: BaseException | None) -> None:
         """Scatter one landed tensor into the request's blocks and count it."""
-        if req.error is not None:
-            return
+        with self._cond:
+            if req.error is not None:
+                return
+            req.applying += 1  # abort() and take_finished() wait for this scatter
         if error is None:
             _, layer, route = key
             try:
@@ -343,6 +360,8 @@ class ConsumerSide:
             except Exception as err:  # reported on the request
                 error = err
         with self._cond:
+            req.applying -= 1
+            self._cond.notify_all()
             if error is not None:
                 self._fail_locked(req, error if isinstance(error, NcclKVError) else TransferError(str(error)))
                 return

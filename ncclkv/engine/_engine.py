@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..channel import Channel
-from ..errors import ClosedError, PeerLostError, ProtocolError
+from ..errors import ClosedError, HandshakeError, PeerLostError, ProtocolError
 from ..layout import SpanSet
 from ..paged import CacheLayout
 from ..protocol import Announce, Done, ErrorMsg, Handshake, Message, PullRequest, PushOffer
 from ..transport import DataPlane, LinkFactory
-from ._caches import RankCaches
+from ._caches import CacheCopier, RankCaches
 from ._config import EngineConfig, EngineRef
 from ._consumer import ConsumerSide
 from ._links import PeerLinks
@@ -65,10 +65,14 @@ class TransferEngine:
         """This rank's control address; gather every rank's into an :class:`EngineRef`."""
         return self._channel.address
 
-    def register(self, kv_caches: Mapping[int, torch.Tensor], cache_layout: CacheLayout) -> None:
-        """Register this rank's paged caches: global layer index -> tensor in ``cache_layout``."""
+    def register(self, kv_caches: Mapping[int, torch.Tensor], cache_layout: CacheLayout,
+                 copier: CacheCopier | None = None) -> None:
+        """Register this rank's paged caches: global layer index -> tensor in ``cache_layout``.
+
+        ``copier`` replaces :mod:`ncclkv.paged`'s gather/scatter for caches whose
+        slots are stored in another memory order than ``cache_layout`` says."""
         self._check_open()
-        self._caches.register(kv_caches, cache_layout)
+        self._caches.register(kv_caches, cache_layout, copier)
 
     # -- producer ---------------------------------------------------------------------
     def start_push(self, request_id: str, consumer: EngineRef, block_ids: Sequence[int], num_tokens: int) -> None:
@@ -86,6 +90,11 @@ class TransferEngine:
         pulled them (or ``hold_s`` passes). Either way :meth:`take_finished_sending` reports it."""
         self._check_open()
         self._producer.finish(request_id, block_ids, num_tokens)
+
+    def release(self, request_id: str) -> bool:
+        """Pull mode: stop holding ``request_id`` (its consumers' pulls fail). :meth:`take_finished_sending`
+        reports it, with an error, once no send from its blocks is running. False when it is not held."""
+        return self._producer.release(request_id)
 
     def take_finished_sending(self) -> dict[str, BaseException | None]:
         """Held requests whose blocks may be freed now, with the error if a consumer was not served."""
@@ -148,7 +157,11 @@ class TransferEngine:
     def _on_message(self, sender: str, body: Message) -> Message | None:
         log.debug("%s <- %s: %s", self.config.peer_id, sender, type(body).__name__)
         if isinstance(body, Handshake):
-            return self._peers.on_handshake(sender, body)
+            try:
+                return self._peers.on_handshake(sender, body)
+            except HandshakeError:  # logged by on_handshake; the initiator gets it as the reply
+                self._stats.record_refused_handshake()
+                raise
         if isinstance(body, Announce):
             self._consumer.on_announce(sender, body)
             return None

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..channel import Channel
-from ..errors import ProtocolError, ShapeMismatchError, TransferTimeout
+from ..errors import ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
 from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, plan
 from ..paged import SlotMap
 from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, RouteMsg
@@ -46,6 +46,8 @@ class _Held:
     expected: set[str] | None = None  # consumer peer ids that will pull; known at the first pull
     served: set[str] = field(default_factory=set)
     error: BaseException | None = None
+    serving: int = 0  # pulls whose sends from these blocks are still running
+    released: bool = False  # no new pulls; reported once ``serving`` is 0
 
 
 class ProducerSide:
@@ -61,7 +63,7 @@ class ProducerSide:
         self._finished: dict[str, BaseException | None] = {}
         self._seq: dict[str, itertools.count[int]] = {}  # per link id: the seq the next announce carries
         self._pusher = Pusher(rank, layout, geometry, caches, channel, peers, executor, self._announcer,
-                              self._pushed, deadline_s)
+                              self._pushed, deadline_s, stats)
 
     def start_push(self, request_id: str, consumer: EngineRef, block_ids: Sequence[int], num_tokens: int) -> None:
         self._pusher.start(request_id, consumer, list(block_ids), num_tokens)
@@ -97,6 +99,8 @@ class ProducerSide:
             if held is None:
                 self._early.setdefault(pull.request_id, []).append((sender, pull, time.monotonic() + self._deadline_s))
                 return Ack(pull.request_id, None)
+        if held.released:
+            raise TransferError(f"request {pull.request_id!r} was released by the producer")
         self._serve(sender, pull, held, routes)
         return Ack(pull.request_id, None)
 
@@ -106,6 +110,8 @@ class ProducerSide:
         refused: list[tuple[str, PullRequest]] = []
         with self._lock:
             for request_id, held in list(self._held.items()):
+                if held.serving:  # sends still read its blocks: never report it yet
+                    continue
                 if held.expected is not None and held.served >= held.expected:
                     self._finished[request_id] = held.error
                 elif now > held.deadline:
@@ -128,6 +134,18 @@ class ProducerSide:
             self._send_error(sender, TransferTimeout(f"request {pull.request_id!r} is not held by this producer"),
                              pull.request_id)
         return done
+
+    def release(self, request_id: str) -> bool:
+        """Stop holding ``request_id`` for pulls; :meth:`take_finished` reports it (with an error) once no
+        send from its blocks is running. False when it is not held."""
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is None:
+                return False
+            held.released = True
+            held.deadline = float("-inf")
+            held.error = held.error or TransferError(f"request {request_id!r} released before every consumer pulled")
+            return True
 
     def _pushed(self, request_id: str, error: BaseException | None) -> None:
         with self._lock:
@@ -179,6 +197,8 @@ class ProducerSide:
             self._mark_served(held, sender, None)
             return
         link = self._peers.link(sender)
+        with self._lock:
+            held.serving += 1  # released by _mark_served(..., sending=True) once every send completed
         layers = sorted({layer for r in routes for layer in r.layers})
         futures = []
         nbytes = 0
@@ -210,7 +230,7 @@ class ProducerSide:
                 self._safe_send(sender, Done(pull.request_id, len(futures), nbytes))
             else:
                 self._send_error(sender, error, pull.request_id)
-            self._mark_served(held, sender, error)
+            self._mark_served(held, sender, error, sending=True)
 
         for future in futures:
             future.add_done_callback(on_sent)
@@ -227,8 +247,9 @@ class ProducerSide:
             ))
         return gather_and_announce
 
-    def _mark_served(self, held: _Held, sender: str, error: BaseException | None) -> None:
+    def _mark_served(self, held: _Held, sender: str, error: BaseException | None, sending: bool = False) -> None:
         with self._lock:
+            held.serving -= int(sending)
             held.served.add(sender)
             if error is not None and held.error is None:
                 held.error = error

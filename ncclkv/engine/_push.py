@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..channel import Channel
-from ..errors import NcclKVError, TransferError
+from ..errors import ClosedError, NcclKVError, TransferError
 from ..layout import KVGeometry, ParallelLayout, Route, plan
 from ..paged import SlotMap
 from ..protocol import Done, ErrorMsg, PushOffer, RouteMsg
@@ -26,6 +27,7 @@ from ..transport import LinkBase
 from ._caches import RankCaches
 from ._config import EngineRef
 from ._links import PeerLinks
+from ._stats import EngineStats
 
 __all__ = ["PushState", "Pusher"]
 
@@ -47,6 +49,7 @@ class PushState:
     nbytes: dict[str, int] = field(default_factory=dict)
     finishing: bool = False
     completed: bool = False
+    started: float = field(default_factory=time.monotonic)
     lock: threading.RLock = field(default_factory=threading.RLock)  # done-callbacks may run inline
 
     @property
@@ -57,10 +60,12 @@ class PushState:
 class Pusher:
     def __init__(self, rank: int, layout: ParallelLayout, geometry: KVGeometry, caches: RankCaches, channel: Channel,
                  peers: PeerLinks, executor: Executor, announcer: Announcer,
-                 on_complete: Callable[[str, BaseException | None], None], deadline_s: float) -> None:
+                 on_complete: Callable[[str, BaseException | None], None], deadline_s: float,
+                 stats: EngineStats | None = None) -> None:
         self._rank, self._layout, self._geometry, self._caches = rank, layout, geometry, caches
         self._channel, self._peers, self._executor = channel, peers, executor
         self._announcer, self._on_complete, self._deadline_s = announcer, on_complete, deadline_s
+        self._stats = stats
         self._lock = threading.Lock()
         self._pushes: dict[str, PushState] = {}
 
@@ -89,7 +94,7 @@ class Pusher:
             if state.finishing:
                 raise ValueError(f"request {request_id!r}: save_layer({layer}) after finish()")
             state.saved.append(layer)
-            for dst, link in state.links.items():
+            for dst, link in list(state.links.items()):  # a failed send removes its consumer rank
                 self._send_layer(state, dst, link, layer)
 
     def finish(self, request_id: str) -> None:
@@ -127,9 +132,13 @@ class Pusher:
         self._maybe_complete(state)
 
     def _send_layer(self, state: PushState, dst: str, link: LinkBase, layer: int) -> None:
-        """Under ``state.lock``: queue every route of ``layer`` for ``dst``."""
+        """Under ``state.lock``: queue every route of ``layer`` for ``dst``.
+
+        A link closed meanwhile (its peer lost, or broken) fails this consumer rank only; the
+        caller's ``save_layer`` goes on for the others and never raises for it.
+        """
         for route in state.by_dst[dst]:
-            if layer not in route.layers:
+            if layer not in route.layers or dst not in state.links:
                 continue
             shape = self._caches.wire_shape(route.tokens, route.heads)
             buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
@@ -137,7 +146,13 @@ class Pusher:
             ready = None
             if buf.device.type == "cuda":  # the gather must see this layer's compute, done on the caller's stream
                 ready = torch.cuda.current_stream(buf.device).record_event()
-            future = link.send(buf, before_send=hook, ready_event=ready)
+            try:
+                future = link.send(buf, before_send=hook, ready_event=ready)
+            except ClosedError as err:
+                log.warning("push of %s to %s: layer %d not sent: %s", state.request_id, dst, layer, err)
+                del state.links[dst]
+                state.errors[dst] = TransferError(f"push of {state.request_id!r} to {dst!r}: layer {layer} not sent: {err}")
+                return
             state.sends.setdefault(dst, []).append(future)
             state.nbytes[dst] = state.nbytes.get(dst, 0) + buf.numel() * buf.element_size()
             future.add_done_callback(lambda _f: self._maybe_complete(state))
@@ -159,6 +174,8 @@ class Pusher:
         for dst, error in outcome.items():
             if error is None:
                 sends = state.sends.get(dst, [])
+                if self._stats is not None:
+                    self._stats.record_send(state.nbytes.get(dst, 0), len(sends), time.monotonic() - state.started)
                 self._tell(dst, Done(state.request_id, len(sends), state.nbytes.get(dst, 0)))
             else:
                 first_error = first_error or error

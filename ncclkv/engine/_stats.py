@@ -21,6 +21,8 @@ class StatsSnapshot:
     # layer -> seconds from expect() until that layer had fully landed, summed over requests
     layer_wait_seconds: dict[int, float]
     layer_wait_count: dict[int, int]
+    # handshakes this rank refused as responder (the initiator gets the HandshakeError)
+    handshakes_refused: int = 0
 
 
 @dataclass(slots=True)
@@ -35,6 +37,7 @@ class EngineStats:
     requests_failed: int = 0
     layer_wait_seconds: dict[int, float] = field(default_factory=dict)
     layer_wait_count: dict[int, int] = field(default_factory=dict)
+    handshakes_refused: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record_send(self, nbytes: int, tensors: int, seconds: float) -> None:
@@ -54,6 +57,10 @@ class EngineStats:
             self.layer_wait_seconds[layer] = self.layer_wait_seconds.get(layer, 0.0) + seconds
             self.layer_wait_count[layer] = self.layer_wait_count.get(layer, 0) + 1
 
+    def record_refused_handshake(self) -> None:
+        with self.lock:
+            self.handshakes_refused += 1
+
     def record_request(self, failed: bool) -> None:
         with self.lock:
             if failed:
@@ -66,5 +73,5 @@ class EngineStats:
             return StatsSnapshot(
                 self.bytes_sent, self.tensors_sent, self.requests_sent, self.send_seconds, self.bytes_received,
                 self.tensors_received, self.requests_received, self.requests_failed,
-                dict(self.layer_wait_seconds), dict(self.layer_wait_count),
+                dict(self.layer_wait_seconds), dict(self.layer_wait_count), self.handshakes_refused,
             )

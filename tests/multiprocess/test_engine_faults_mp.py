@@ -1,0 +1,336 @@
+"""The transfer engine across real processes when things go wrong (issue 4 failures, issue 9 part 3).
+
+A peer process is SIGKILLed or SIGSTOPped at a chosen phase of a request:
+before it answers a handshake, after it announced a tensor but before
+posting it, after it sent Done, while its consumer stops reading or dies.
+Each time the affected request ends in a typed error within the deadline
+(``deadline_s=3`` here), other requests finish byte-exact, the dead link is
+torn down, and a fresh peer process works afterwards. The phase is reached
+through a hook in the victim process (it posts a note and holds that
+thread), never by sleeping. Also: garbage on a consumer's ROUTER during a
+transfer, mismatched handshakes, and a push larger than the staging.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import msgspec
+import pytest
+import zmq
+
+from ncclkv._env import EnvSettings
+from ncclkv.engine import EngineRef
+from ncclkv.layout import KVGeometry, ParallelLayout, Route, Span
+from ncclkv.paged import CacheLayout
+from ncclkv.protocol import Announce, Done, Envelope, ErrorCode, ErrorMsg, RouteMsg, decode, encode
+
+from _engine_pool import WAIT_S, Pool, Proc, blocks, build_engine
+from _engine_workers import Outcome, Req
+
+pytestmark = pytest.mark.multiprocess
+
+GQA = KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32")
+ONE = ParallelLayout(1, 1)
+DEADLINE_S = 3.0  # small here, so failures show quickly (the shipped default is checked below)
+LATE_S = 2.5  # detection may take one heartbeat tick and a busy core on top of the deadline
+PEER_FAILURES = {"TransferError", "TransferTimeout", "PeerLostError", "ClosedError"}
+
+
+def _build(proc: Proc, engine_id: str, role: str, cache: CacheLayout = CacheLayout.CPU, block: int = 16,
+           **config: object) -> EngineRef:
+    return build_engine([proc], engine_id, ONE, GQA, cache, block, role, deadline_s=DEADLINE_S, num_blocks=64,
+                        **config)
+
+
+def _req(rid: str, seed: int, slot: int, num_tokens: int = 40) -> Req:
+    """A request of ``num_tokens`` in 16-token blocks; ``slot`` keeps requests' blocks apart on both sides."""
+    return Req(rid, seed, num_tokens, blocks(num_tokens, 16, 4 * slot), blocks(num_tokens, 16, 4 * slot))
+
+
+def _failed_in_time(outcome: Outcome, since: float, what: str) -> float:
+    assert outcome.error_type in PEER_FAILURES, f"{what}: {outcome}"
+    assert outcome.reported == outcome.error_type, f"{what}: take_finished_* said {outcome.reported}: {outcome}"
+    elapsed = outcome.at - since
+    assert 0 < elapsed < DEADLINE_S + LATE_S, f"{what}: failed {elapsed:.2f}s after the fault: {outcome}"
+    print(f"\n[engine faults] {what}: {outcome.error_type} {elapsed:.2f}s after the fault")
+    return elapsed
+
+
+def _assert_ok(outcomes: dict[str, Outcome], where: str) -> None:
+    bad = {rid: o for rid, o in outcomes.items() if not o.ok}
+    assert not bad, f"{where}: {bad}"
+
+
+def _fresh_producer_serves(procs: Pool, index: int, engine_id: str, consumer: Proc, consumer_key: str,
+                           req: Req) -> None:
+    """A new process, with the killed producer's engine id, serves ``req`` to the same consumer engine."""
+    fresh = procs.replace(index)
+    ref = _build(fresh, engine_id, "producer")
+    fresh.call("hold", key=engine_id, reqs=[req])
+    consumer.call("expect", key=consumer_key, producer=ref, reqs=[req])
+    _assert_ok(consumer.call("wait", key=consumer_key, reqs=[req]), "after restart")
+    _assert_ok(fresh.call("take_sent", key=engine_id, rids=[req.rid]), "restarted producer")
+
+
+def test_default_deadline_stays_at_most_ten_seconds() -> None:
+    assert EnvSettings().deadline_s <= 10.0
+
+
+# -- 3a: a producer killed mid-request ---------------------------------------------------------
+
+
+def test_killed_producer_fails_its_request_only_and_the_consumer_closes_clean(procs: Pool) -> None:
+    victim, healthy, consumer = procs[0], procs[1], procs[2]
+    ref_v = _build(victim, "kill-v", "producer")
+    ref_h = _build(healthy, "kill-h", "producer", CacheLayout.FLASH_NHD)
+    ref_c = _build(consumer, "kill-d", "consumer", CacheLayout.FLASHINFER)
+    doomed = _req("doomed", 7, 0, 48)
+    others = [_req(f"h{i}", 20 + i, 1 + i, 17 + 3 * i) for i in range(8)]
+    victim.submit("push", key="kill-v", req=doomed, consumer=ref_c, gate_after=1)
+    assert victim.note() == ("parked", "doomed", 1)
+    consumer.call("expect", key="kill-d", producer=ref_v, reqs=[doomed], push=True)  # layers 0, 1 were staged
+    consumer.call("expect", key="kill-d", producer=ref_h, reqs=others)
+    # Mid-request: layers 0 and 1 are in the consumer's blocks, layer 3 is not.
+    assert consumer.call("wait_layer", key="kill-d", req=doomed, layer=1, probe_layer=3) == "empty"
+    killed_at = victim.kill()
+    healthy.call("hold", key="kill-h", reqs=others)  # served after the kill, while the doomed one fails
+    outcomes = consumer.call("wait", key="kill-d", reqs=[doomed, *others])
+    _failed_in_time(outcomes.pop("doomed"), killed_at, "producer killed between layers")
+    _assert_ok(outcomes, "requests from the other producer")
+    _assert_ok(healthy.call("take_sent", key="kill-h", rids=[r.rid for r in others]), "other producer")
+    assert consumer.call("close_all") == [], "engine threads left in the consumer process after close"
+
+
+# -- 3b: garbage on the consumer's ROUTER during a transfer ----------------------------------
+
+
+def _replies(sock: zmq.Socket, count: int) -> list[Envelope]:
+    out = []
+    while len(out) < count:
+        assert sock.poll(int(WAIT_S * 1000)), f"got {len(out)} of {count} replies"
+        out.append(decode(sock.recv()))
+    return out
+
+
+def _replies_until(sock: zmq.Socket, msg_id: int) -> list[Envelope]:
+    """Everything received (heartbeats included) up to the reply to ``msg_id``."""
+    out: list[Envelope] = []
+    while not out or out[-1].reply_to != msg_id:
+        assert sock.poll(int(WAIT_S * 1000)), f"no reply to msg_id {msg_id}; got {out}"
+        out.append(decode(sock.recv()))
+    return out
+
+
+def test_garbage_on_the_consumer_router_is_rejected_and_the_transfer_completes(procs: Pool) -> None:
+    producer, consumer = procs[0], procs[1]
+    ref_p = _build(producer, "junk-p", "producer")
+    ref_c = _build(consumer, "junk-d", "consumer", CacheLayout.FLASH_NHD)
+    req = _req("j", 11, 0, 48)
+    producer.submit("push", key="junk-p", req=req, consumer=ref_c, gate_after=1)
+    assert producer.note() == ("parked", "j", 1)
+    consumer.call("expect", key="junk-d", producer=ref_p, reqs=[req], push=True)
+    assert consumer.call("wait_layer", key="junk-d", req=req, layer=1, probe_layer=3) == "empty"
+    address = ref_c.control_addrs[0]
+    context = zmq.Context()
+    try:
+        junk = context.socket(zmq.DEALER)
+        junk.setsockopt(zmq.LINGER, 0)
+        junk.setsockopt(zmq.ROUTING_ID, b"junk")
+        junk.connect(address)
+        misnamed = encode(Envelope("junk-p.r0", 1, None, Done("j", 4, 1)))  # claims to be the producer
+        junk.send(b"\x00\xffnot msgpack at all")
+        junk.send(msgspec.msgpack.encode({"sender": "junk", "body": [1, 2, 3]}))
+        junk.send_multipart([b"two", b"parts"])
+        junk.send(misnamed)
+        junk.send(b"\x91" * ((1 << 20) + 100))  # over max_frame_bytes (1 MiB)
+        rejected = _replies(junk, 5)  # answered in order: every frame above was handled
+        assert all(isinstance(e.body, ErrorMsg) and e.body.code == ErrorCode.PROTOCOL for e in rejected), rejected
+        # Well-formed messages from a sender that never shook hands must not touch the request.
+        intruder = context.socket(zmq.DEALER)
+        intruder.setsockopt(zmq.LINGER, 0)
+        intruder.setsockopt(zmq.ROUTING_ID, b"intruder.r0")
+        intruder.connect(address)
+        route = RouteMsg.from_route(Route(0, 0, Span(2, 3), Span(0, 4), Span(0, 48)))
+        for msg_id, body in enumerate((Done("j", 1, 8), ErrorMsg("j", ErrorCode.TIMEOUT, "fake failure"),
+                                       Announce("j", 2, route, (2, 48, 4, 32), "float32", 49152, 2)), 1):
+            intruder.send(encode(Envelope("intruder.r0", msg_id, None, body)))
+        answers = _replies_until(intruder, 3)  # the announcement's refusal: all three were handled
+        assert {e.reply_to: e.body.code for e in answers if isinstance(e.body, ErrorMsg)} == {
+            1: ErrorCode.PROTOCOL, 3: ErrorCode.PROTOCOL}, answers  # an ErrorMsg is never answered
+    finally:
+        context.destroy(linger=0)
+    # The request is intact and still waits for its last layers.
+    assert consumer.call("wait_layer", key="junk-d", req=req, layer=1, probe_layer=3) == "empty"
+    producer.gate.set()
+    assert producer.result().ok
+    _assert_ok(consumer.call("wait", key="junk-d", reqs=[req]), "consumer")
+    stats = consumer.call("stats", key="junk-d")
+    assert stats["channel"]["rejected"] >= 5 and stats["tensors_received"] == GQA.num_layers, stats
+
+
+# -- 3c: mismatched handshakes -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("field", "consumer_config", "ours", "theirs"), [
+    ("head_size", {"geometry": KVGeometry(4, 4, 64, "float32")}, "32", "64"),
+    ("dtype", {"geometry": KVGeometry(4, 4, 32, "bfloat16")}, "'float32'", "'bfloat16'"),
+    ("protocol_version", {"protocol_version": 2}, "1", "2"),
+])
+def test_mismatched_handshake_fails_on_both_sides_naming_both_values(
+        procs: Pool, field: str, consumer_config: dict[str, object], ours: str, theirs: str) -> None:
+    producer, consumer = procs[0], procs[1]
+    ref_p = _build(producer, f"hs-p-{field}", "producer")
+    config = {"geometry": GQA, **consumer_config}
+    geometry = config.pop("geometry")
+    build_engine([consumer], f"hs-d-{field}", ONE, geometry, CacheLayout.CPU, 16, "consumer", deadline_s=DEADLINE_S,
+                 **config)
+    req = _req("m", 1, 0, 16)
+    producer.call("hold", key=f"hs-p-{field}", reqs=[req])
+    consumer.call("expect", key=f"hs-d-{field}", producer=ref_p, reqs=[req])
+    outcome = consumer.call("wait", key=f"hs-d-{field}", reqs=[req])["m"]
+    both = f"{field} mismatch: local {ours}, remote {theirs}"  # as the responder saw it
+    assert outcome.error_type == "HandshakeError" and both in outcome.message, outcome
+    assert outcome.reported == "HandshakeError"
+    assert producer.call("stats", key=f"hs-p-{field}")["handshakes_refused"] == 1
+    logged = producer.call("logs", contains="refused handshake")
+    assert len(logged) == 1 and both in logged[0], logged
+
+
+# -- 3d: a push larger than the staging -------------------------------------------------------
+
+
+def test_push_larger_than_staging_is_refused_before_anything_moves(procs: Pool) -> None:
+    producer, consumer = procs[0], procs[1]
+    ref_p = _build(producer, "cap-p", "producer")
+    ref_c = _build(consumer, "cap-d", "consumer", staging_bytes=4096)
+    big = _req("big", 5, 0, 32)  # 32 tokens x 4 heads x 32 x (K, V) x 4 B x 4 layers = 131072 B
+    outcome = producer.call("push", key="cap-p", req=big, consumer=ref_c)
+    assert outcome.error_type == "CapacityError", outcome
+    assert "4096" in outcome.message and "131072" in outcome.message, outcome
+    assert producer.call("stats", key="cap-p")["tensors_sent"] == 0
+    stats = consumer.call("stats", key="cap-d")
+    assert (stats["tensors_received"], stats["staging_used"], stats["staging_reserved"]) == (0, 0, 0), stats
+    # The same pair goes on: a push the consumer expects lands in its blocks directly, no staging needed.
+    fits = _req("fits", 6, 1, 32)
+    consumer.call("expect", key="cap-d", producer=ref_p, reqs=[fits], push=True)
+    assert producer.call("push", key="cap-p", req=fits, consumer=ref_c).ok
+    _assert_ok(consumer.call("wait", key="cap-d", reqs=[fits]), "consumer")
+
+
+# -- 3e (issue 9): a peer killed at each phase ---------------------------------------------------
+
+
+def test_producer_killed_during_handshake(procs: Pool) -> None:
+    victim, healthy, consumer = procs[0], procs[1], procs[2]
+    ref_v = _build(victim, "hs-kill-p", "producer")
+    ref_h = _build(healthy, "hs-kill-h", "producer")
+    _build(consumer, "hs-kill-d", "consumer")
+    doomed, fine = _req("doomed", 1, 0), _req("fine", 2, 1)
+    victim.call("hold", key="hs-kill-p", reqs=[doomed])
+    victim.call("stall", key="hs-kill-p", phase="handshake")
+    consumer.call("expect", key="hs-kill-d", producer=ref_v, reqs=[doomed])
+    assert victim.note() == ("stalled", "handshake")  # it got the handshake and will never reply
+    killed_at = victim.kill()
+    healthy.call("hold", key="hs-kill-h", reqs=[fine])
+    consumer.call("expect", key="hs-kill-d", producer=ref_h, reqs=[fine])
+    outcomes = consumer.call("wait", key="hs-kill-d", reqs=[doomed, fine])
+    _failed_in_time(outcomes.pop("doomed"), killed_at, "producer killed before answering the handshake")
+    _assert_ok(outcomes, "the other producer's request")
+    consumer.call("peer_gone", key="hs-kill-d", peer_id="hs-kill-p.r0")
+    _fresh_producer_serves(procs, 0, "hs-kill-p", consumer, "hs-kill-d", _req("again", 3, 2))
+
+
+def test_producer_killed_after_announcing_a_tensor_it_never_sends(procs: Pool) -> None:
+    victim, healthy, consumer = procs[0], procs[1], procs[2]
+    ref_v = _build(victim, "ann-kill-p", "producer")
+    ref_h = _build(healthy, "ann-kill-h", "producer")
+    _build(consumer, "ann-kill-d", "consumer", CacheLayout.FLASH_HND)
+    doomed, fine = _req("doomed", 1, 0), _req("fine", 2, 1)
+    victim.call("stall", key="ann-kill-p", phase="announce", rid="doomed", layer=1)
+    victim.call("hold", key="ann-kill-p", reqs=[doomed])
+    consumer.call("expect", key="ann-kill-d", producer=ref_v, reqs=[doomed])
+    assert victim.note() == ("stalled", "announce")
+    # The consumer accepted the announcement of layer 1 and posted its receive: seq 0 (layer 0) and seq 1.
+    assert consumer.call("recv_posted", key="ann-kill-d", peer_id="ann-kill-p.r0", count=2) == 2
+    killed_at = victim.kill()
+    healthy.call("hold", key="ann-kill-h", reqs=[fine])
+    consumer.call("expect", key="ann-kill-d", producer=ref_h, reqs=[fine])
+    outcomes = consumer.call("wait", key="ann-kill-d", reqs=[doomed, fine])
+    _failed_in_time(outcomes.pop("doomed"), killed_at, "producer killed between announcement and tensor")
+    _assert_ok(outcomes, "the other producer's request")
+    consumer.call("peer_gone", key="ann-kill-d", peer_id="ann-kill-p.r0")
+    _fresh_producer_serves(procs, 0, "ann-kill-p", consumer, "ann-kill-d", _req("again", 3, 2))
+
+
+def test_producer_killed_after_done(procs: Pool) -> None:
+    victim, healthy, consumer = procs[0], procs[1], procs[2]
+    ref_v = _build(victim, "done-kill-p", "producer")
+    ref_h = _build(healthy, "done-kill-h", "producer")
+    _build(consumer, "done-kill-d", "consumer")
+    served, late, fine = _req("served", 1, 0), _req("late", 2, 1), _req("fine", 3, 2)
+    victim.call("hold", key="done-kill-p", reqs=[served])
+    consumer.call("expect", key="done-kill-d", producer=ref_v, reqs=[served])
+    _assert_ok(consumer.call("wait", key="done-kill-d", reqs=[served]), "served before the kill")
+    _assert_ok(victim.call("take_sent", key="done-kill-p", rids=["served"]), "victim before the kill")
+    killed_at = victim.kill()
+    consumer.call("expect", key="done-kill-d", producer=ref_v, reqs=[late])  # the dead producer's next request
+    healthy.call("hold", key="done-kill-h", reqs=[fine])
+    consumer.call("expect", key="done-kill-d", producer=ref_h, reqs=[fine])
+    outcomes = consumer.call("wait", key="done-kill-d", reqs=[late, fine])
+    _failed_in_time(outcomes.pop("late"), killed_at, "request to a producer killed after Done")
+    _assert_ok(outcomes, "the other producer's request")
+    consumer.call("peer_gone", key="done-kill-d", peer_id="done-kill-p.r0")
+    _fresh_producer_serves(procs, 0, "done-kill-p", consumer, "done-kill-d", _req("again", 4, 3))
+
+
+def test_consumer_that_stops_reading_fails_the_push_within_the_deadline(procs: Pool) -> None:
+    producer, victim, healthy = procs[0], procs[1], procs[2]
+    ref_p = _build(producer, "stop-p", "producer")
+    ref_v = _build(victim, "stop-v", "consumer")
+    _build(healthy, "stop-h", "consumer")
+    doomed, fine = _req("doomed", 1, 0), _req("fine", 2, 1)
+    producer.call("hold", key="stop-p", reqs=[fine])
+    producer.submit("push", key="stop-p", req=doomed, consumer=ref_v, gate_after=0)
+    assert producer.note() == ("parked", "doomed", 0)
+    victim.call("expect", key="stop-v", producer=ref_p, reqs=[doomed], push=True)
+    assert victim.call("wait_layer", key="stop-v", req=doomed, layer=0, probe_layer=3) == "empty"
+    stopped_at = victim.signal(signal.SIGSTOP)
+    producer.gate.set()  # layers 1..3 go to a consumer that reads nothing
+    healthy.call("expect", key="stop-h", producer=ref_p, reqs=[fine])
+    _assert_ok(healthy.call("wait", key="stop-h", reqs=[fine]), "the other consumer")
+    _failed_in_time(producer.result(), stopped_at, "push to a SIGSTOPped consumer")
+    producer.call("peer_gone", key="stop-p", peer_id="stop-v.r0")
+    victim.signal(signal.SIGCONT)
+    # Awake again, the consumer reports its request as failed rather than waiting forever.
+    late = victim.call("wait", key="stop-v", reqs=[doomed])["doomed"]
+    assert late.error_type in PEER_FAILURES | {"ProtocolError"}, late
+    victim.kill()
+    fresh = procs.replace(1)
+    ref_f = _build(fresh, "stop-v2", "consumer")
+    again = _req("again", 3, 2)
+    fresh.call("expect", key="stop-v2", producer=ref_p, reqs=[again], push=True)
+    assert producer.call("push", key="stop-p", req=again, consumer=ref_f).ok
+    _assert_ok(fresh.call("wait", key="stop-v2", reqs=[again]), "fresh consumer")
+
+
+def test_consumer_killed_mid_push_while_the_producer_keeps_saving_layers(procs: Pool) -> None:
+    producer, victim = procs[0], procs[1]
+    ref_p = _build(producer, "ckill-p", "producer")
+    ref_v = _build(victim, "ckill-v", "consumer")
+    doomed = _req("doomed", 1, 0)
+    producer.submit("push", key="ckill-p", req=doomed, consumer=ref_v, gate_after=0, resume="lost")
+    assert producer.note() == ("parked", "doomed", 0)
+    victim.call("expect", key="ckill-v", producer=ref_p, reqs=[doomed], push=True)
+    assert victim.call("wait_layer", key="ckill-v", req=doomed, layer=0, probe_layer=3) == "empty"
+    killed_at = victim.kill()
+    # The producer saves layers 1..3 after it lost the consumer: save_layer must not raise; the push fails.
+    kind, rid, resumed_at = producer.note()
+    assert (kind, rid) == ("resumed", "doomed") and resumed_at > killed_at
+    _failed_in_time(producer.result(), killed_at, "push whose consumer died mid-request")
+    fresh = procs.replace(1)
+    ref_f = _build(fresh, "ckill-v2", "consumer")
+    again = _req("again", 2, 1)
+    fresh.call("expect", key="ckill-v2", producer=ref_p, reqs=[again], push=True)
+    assert producer.call("push", key="ckill-p", req=again, consumer=ref_f).ok
+    _assert_ok(fresh.call("wait", key="ckill-v2", reqs=[again]), "fresh consumer")
