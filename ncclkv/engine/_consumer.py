@@ -59,6 +59,7 @@ class _Expected:
     nbytes: int = 0
     error: BaseException | None = None
     announced: set[_Key] = field(default_factory=set)
+    push: bool = False  # pushed: nothing arrives before the producer's prefill runs
     applying: int = 0  # scatters into the request's blocks running right now
 
 
@@ -117,7 +118,7 @@ class ConsumerSide:
             per_src[src] = per_src.get(src, 0) + 1
             remaining[layer] += 1
         now = time.monotonic()
-        req = _Expected(request_id, producer, slots, pending, per_src, remaining, now, now)
+        req = _Expected(request_id, producer, slots, pending, per_src, remaining, now, now, push=push)
         staged_tensors: list[tuple[_Key, torch.Tensor]] = []
         with self._cond:
             if request_id in self._requests:
@@ -161,7 +162,7 @@ class ConsumerSide:
         out: dict[str, BaseException | None] = {}
         with self._cond:
             for request_id, req in list(self._requests.items()):
-                if req.error is None and req.pending and now - req.progress > self._deadline_s:
+                if req.error is None and req.pending and now > self._stall_at(req):
                     self._fail_locked(req, self._stall_error(req))
                 if (req.error is not None or not req.pending) and req.applying == 0:
                     out[request_id] = req.error
@@ -235,6 +236,7 @@ class ConsumerSide:
                 problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
             else:
                 req.announced.add(key)
+                req.progress = time.monotonic()  # an announcement is progress: its tensor is on the way
         if problem is None:
             buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
             link.recv(shape, self._caches.wire_dtype, out=buf).add_done_callback(
@@ -400,13 +402,20 @@ class ConsumerSide:
                 if ready(req):
                     return
                 now = time.monotonic()
-                stall_at = req.progress + self._deadline_s
+                stall_at = self._stall_at(req)
                 if now >= stall_at:
                     self._fail_locked(req, self._stall_error(req))
                     continue
                 if limit is not None and now >= limit:
                     raise TransferTimeout(f"request {request_id!r}: {what} not landed within {timeout_s}s")
                 self._cond.wait(min(stall_at, limit if limit is not None else stall_at) - now)
+
+    def _stall_at(self, req: _Expected) -> float:
+        """When ``req`` counts as stalled: ``deadline_s`` without progress, but a pushed request
+        whose first tensor has not been announced yet may wait ``hold_s`` (its prefill may be queued)."""
+        if req.push and not req.announced:
+            return req.progress + self._hold_s
+        return req.progress + self._deadline_s
 
     def _stall_error(self, req: _Expected) -> TransferTimeout:
         missing = sorted({(src, layer) for src, layer, _ in req.pending})[:8]

@@ -46,11 +46,19 @@ class TransferEngine:
         self._stats = EngineStats()
         self._caches = RankCaches(cfg.layout, cfg.geometry, cfg.rank)
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"ncclkv-engine[{cfg.peer_id}]")
-        self._data_plane: LinkFactory = transport if transport is not None else DataPlane(cfg.bind_host)
-        self._channel = Channel(
-            cfg.peer_id, bind_host=cfg.bind_host, on_message=self._on_message, on_peer_lost=self._on_peer_lost,
-            heartbeat_s=cfg.heartbeat_s, deadline_s=cfg.deadline_s,
-        )
+        data_plane: LinkFactory | None = None
+        try:  # a failure half-way leaves no thread or socket behind
+            data_plane = transport if transport is not None else DataPlane(cfg.bind_host)
+            self._channel = Channel(
+                cfg.peer_id, bind_host=cfg.bind_host, on_message=self._on_message,
+                on_peer_lost=self._on_peer_lost, heartbeat_s=cfg.heartbeat_s, deadline_s=cfg.deadline_s,
+            )
+        except BaseException:
+            if data_plane is not None and transport is None:
+                data_plane.close()
+            self._executor.shutdown(wait=True)
+            raise
+        self._data_plane: LinkFactory = data_plane
         local = Handshake.create(cfg.engine_id, cfg.role, cfg.rank, cfg.layout, cfg.geometry,
                                  self._channel.address, self._data_plane.address)
         self._peers = PeerLinks(local, self._channel, self._data_plane, self._executor, cfg.device, cfg.deadline_s)

@@ -241,3 +241,37 @@ def test_abort_drops_late_tensors_and_keeps_the_link_in_step() -> None:
             decode[0].engine.wait("a", timeout_s=1)
     finally:
         _close(prefill, decode)
+
+
+def test_pushed_request_may_wait_hold_s_for_its_first_tensor_then_deadline_s_applies() -> None:
+    layout = ParallelLayout(1, 1)
+    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer", deadline_s=0.4)
+    decode = _engines("decode", layout, GQA, CacheLayout.CPU, 16, "consumer", deadline_s=0.4, hold_s=30)
+    try:
+        prefill[0].fill(seed=21, block_ids=[0, 1], num_tokens=20)
+        decode[0].engine.expect("late", _ref("prefill", layout, prefill), [2, 3], 20, push=True)
+        # The prefill is queued for longer than deadline_s: no stall yet, the first tensor may take hold_s.
+        assert not threading.Event().wait(1.0)
+        assert decode[0].engine.take_finished_receiving() == {}
+        prefill[0].engine.start_push("late", _ref("decode", layout, decode), [0, 1], 20)
+        for layer in range(GQA.num_layers):
+            prefill[0].engine.save_layer("late", layer)
+        prefill[0].engine.finish("late")
+        decode[0].engine.wait("late", timeout_s=20)
+        assert decode[0].mismatches(21, [2, 3], 20, Span(0, 20)) == []
+        # A pull, on the other hand, stalls after deadline_s when its producer holds nothing.
+        decode[0].engine.expect("never", _ref("prefill", layout, prefill), [4], 8)
+        with pytest.raises(TransferError):
+            decode[0].engine.wait("never", timeout_s=20)
+    finally:
+        _close(prefill, decode)
+
+
+def test_a_failed_engine_start_leaves_no_thread_behind() -> None:
+    from ncclkv.engine import EngineConfig, TransferEngine
+
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(Exception):
+        TransferEngine(EngineConfig("bad", 0, ParallelLayout(1, 1), GQA, bind_host="203.0.113.1"))  # not ours: bind fails
+    left = {t.name for t in threading.enumerate()} - before
+    assert not [name for name in left if name.startswith("ncclkv")], left
