@@ -1,0 +1,118 @@
+"""The connector's typed configuration: vLLM's ``kv_connector_extra_config`` parsed at the boundary.
+
+No vLLM import here, so the parsing is testable (and usable by tools) without vLLM.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Literal, Union, get_args, get_origin, get_type_hints
+
+from ..engine import Role
+from ..paged import CacheLayout
+
+__all__ = ["KVRole", "NcclKVConfig", "engine_role"]
+
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+_ENGINE_ROLES: dict[str, Role] = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
+
+
+def engine_role(kv_role: str | None) -> Role:
+    """vLLM's ``kv_role`` as the transfer engine's role; ValueError naming the value otherwise."""
+    role = _ENGINE_ROLES.get(kv_role or "")
+    if role is None:
+        raise ValueError(f"kv_role must be one of {sorted(_ENGINE_ROLES)}, got {kv_role!r}")
+    return role
+
+
+@dataclass(frozen=True, slots=True)
+class NcclKVConfig:
+    """``kv_connector_extra_config`` of :class:`ncclkv.connector.NcclKVConnector`.
+
+    deadline_s, heartbeat_s, staging_bytes, bind_host
+        Transfer-engine settings; unset ones come from ``NCCLKV_*`` (ncclkv._env).
+    hold_s
+        How long a producer keeps a finished request's blocks for a consumer
+        that has not pulled them; then they are freed and the pull fails.
+    async_load
+        Consumer: True (default) loads between scheduler steps (the request
+        waits in WAITING_FOR_REMOTE_KVS, nothing blocks the forward pass).
+        False loads inside the forward pass of the step that computes the
+        rest of the prompt, layer by layer (``wait_for_layer_load`` waits for
+        that layer only); the last prompt token is always computed locally.
+    cache_layout
+        Name of a :class:`ncclkv.paged.CacheLayout` (``"cpu"``, ``"flash_nhd"``,
+        ...) when the shape of vLLM's KV cache is ambiguous; default: detected.
+    ref_path
+        When set, the scheduler writes this engine's ``EngineRef`` (JSON, every
+        rank's control address) to this file once all workers reported. A
+        client that wants push mode passes it as ``remote_decode``.
+    corrupt_for_test
+        TEST-ONLY. A consumer flips the sign bit of every value it loaded before
+        vLLM reads it, so a test can prove that the transferred KV is used.
+        Never set it in a deployment.
+    """
+
+    deadline_s: float | None = None
+    heartbeat_s: float | None = None
+    staging_bytes: int | None = None
+    bind_host: str | None = None
+    hold_s: float = 120.0
+    async_load: bool = True
+    cache_layout: str | None = None
+    ref_path: str | None = None
+    corrupt_for_test: bool = False
+
+    def __post_init__(self) -> None:
+        hints = get_type_hints(type(self))
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), hints[f.name])
+        for name in ("deadline_s", "heartbeat_s", "hold_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"kv_connector_extra_config[{name!r}] must be > 0, got {value!r}")
+        if self.staging_bytes is not None and self.staging_bytes < 1:
+            raise ValueError(f"kv_connector_extra_config['staging_bytes'] must be >= 1, got {self.staging_bytes!r}")
+        if self.cache_layout is not None:
+            self.layout()  # validates the name
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, object] | None) -> NcclKVConfig:
+        """Parse the extra config; unknown keys raise ValueError naming them and the known ones."""
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys for NcclKVConnector: {unknown}; "
+                             f"known keys: {sorted(known)}")
+        return cls(**extra)  # type: ignore[arg-type]
+
+    def layout(self) -> CacheLayout | None:
+        if self.cache_layout is None:
+            return None
+        try:
+            return CacheLayout(self.cache_layout)
+        except ValueError:
+            names = [layout.value for layout in CacheLayout]
+            raise ValueError(f"kv_connector_extra_config['cache_layout']={self.cache_layout!r} is not one of "
+                             f"{names}") from None
+
+
+def _check_type(name: str, value: object, hint: object) -> None:
+    """Exact types: a bool is not an int, an int is accepted for a float."""
+    allowed = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    for kind in allowed:
+        if kind is type(None) and value is None:
+            return
+        if kind is bool and isinstance(value, bool):
+            return
+        if kind in (int, float) and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if kind is float and isinstance(value, float):
+            return
+        if kind is str and isinstance(value, str):
+            return
+    names = " or ".join("None" if k is type(None) else getattr(k, "__name__", str(k)) for k in allowed)
+    raise ValueError(f"kv_connector_extra_config[{name!r}] must be {names}, got {type(value).__name__} {value!r}")

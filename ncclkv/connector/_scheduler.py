@@ -1,0 +1,242 @@
+"""The scheduler role: decide what each request loads or sends, and tell the workers each step.
+
+Consumer (decode): a request whose params are a :class:`RemotePrefill` for
+these very tokens (checked by block hash) loads the tokens it does not
+already hold locally, once. Every later lookup of that request (after a
+load failure, or a preemption) answers ``(0, False)``: vLLM then recomputes,
+or finds the loaded blocks in its own prefix cache.
+
+Producer (prefill): for a request with ``do_remote_decode`` the step that
+completes its prompt also tells the workers to hold its blocks for a pull
+(from the end of that step, so a consumer can pull while this engine sits
+idle) or, when the request names its decode engine, to push its KV layer by
+layer during that step. When it finishes, its blocks stay allocated until
+the workers report the transfer done, and its final output carries the
+:class:`RemotePrefill` the decode engine needs. A preempted request is held
+again, under a new transfer id, when its recomputed prompt completes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request, RequestStatus
+
+from ..engine import EngineRef
+from ..hashing import ExtraKeys
+from ._config import NcclKVConfig
+from ._metadata import HoldJob, LoadJob, NcclKVMetadata, PushJob, engine_ref_from_handshakes
+from ._params import PrefillIntent, RemotePrefill, parse_params, token_hash
+
+__all__ = ["SchedulerSide"]
+
+log = logging.getLogger("ncclkv.connector")
+
+_SENT_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+@dataclass(slots=True)
+class _Produce:
+    request: Request
+    push_to: EngineRef | None
+    transfer_id: str | None = None  # set in the step that completes the prompt (hold or push issued)
+
+
+def extra_keys(request: Request) -> ExtraKeys:
+    """What besides the tokens makes KV differ: the LoRA adapter and the cache salt."""
+    lora = request.lora_request.lora_name if request.lora_request is not None else None
+    return (lora, request.cache_salt)
+
+
+class SchedulerSide:
+    def __init__(self, engine_id: str, config: NcclKVConfig, producer: bool, consumer: bool, block_size: int) -> None:
+        self._engine_id, self._config, self._block_size = engine_id, config, block_size
+        self._producer, self._consumer = producer, consumer
+        self._ref: EngineRef | None = None
+        self._params: dict[str, PrefillIntent | RemotePrefill | None] = {}
+        self._verified: dict[str, bool] = {}
+        self._asked: dict[str, int] = {}  # req -> num_computed_tokens of the last positive answer
+        self._issued: set[str] = set()  # loads handed to the workers: never load again
+        self._loading: set[str] = set()  # async loads not yet reported finished
+        self._held: set[str] = set()  # producer: blocks kept until finished_sending
+        self._produce: dict[str, _Produce] = {}
+        self._loads: list[LoadJob] = []
+        self._releases: list[str] = []
+        self.num_invalid_params = 0
+        self.num_load_errors = 0
+
+    # -- handshake ------------------------------------------------------------------
+    def set_handshakes(self, handshakes: dict[tuple[int, int], Any]) -> None:
+        if not handshakes:
+            log.warning("ncclkv: no worker handshake metadata; this engine cannot produce kv_transfer_params")
+            return
+        self._ref = engine_ref_from_handshakes(handshakes)
+        if self._ref.engine_id != self._engine_id:
+            log.warning("ncclkv: workers use engine id %r, the scheduler's config says %r; using the workers'",
+                        self._ref.engine_id, self._engine_id)
+        if self._config.ref_path:
+            _write_json(self._config.ref_path, self._ref.to_dict())
+
+    @property
+    def engine_ref(self) -> EngineRef | None:
+        return self._ref
+
+    # -- lookups ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        remote = self._params_of(request)
+        req_id = request.request_id
+        if not isinstance(remote, RemotePrefill) or req_id in self._issued:
+            return 0, False
+        if not self._consumer:
+            log.warning("ncclkv: request %s asks to load remote KV, but this engine is a pure producer", req_id)
+            return 0, False
+        if not self._verify(request, remote):
+            return 0, False
+        if remote.pushed or self._config.async_load:
+            num_new, load_async = remote.num_tokens - num_computed_tokens, True
+        else:  # loaded in the forward pass that computes the rest: at least one token must be computed
+            num_new, load_async = min(remote.num_tokens, request.num_prompt_tokens - 1) - num_computed_tokens, False
+        if num_new <= 0:
+            return 0, False
+        self._asked[req_id] = num_computed_tokens  # overwritten on a repeated call: still side-effect free
+        return num_new, load_async
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        params = self._params_of(request)
+        if isinstance(params, PrefillIntent) and self._producer:
+            self._produce.setdefault(req_id, _Produce(request, params.push_to))
+            return
+        if num_external_tokens == 0 or not isinstance(params, RemotePrefill) or req_id in self._issued:
+            return
+        start = self._asked.pop(req_id, None)
+        if start is None:
+            raise RuntimeError(f"ncclkv: {num_external_tokens} external tokens allocated for {req_id} "
+                               f"without a positive get_num_new_matched_tokens answer")
+        (block_ids, *_) = blocks.get_block_ids()
+        sync = not (params.pushed or self._config.async_load)
+        tokens = ((0, params.num_tokens),) if params.pushed else ((start, start + num_external_tokens),)
+        self._loads.append(LoadJob(req_id, params.transfer_id, params.producer, tuple(block_ids), tokens,
+                                   params.num_tokens, params.pushed, sync))
+        self._issued.add(req_id)
+        if not sync:
+            self._loading.add(req_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput, block_ids_of: Any) -> NcclKVMetadata:
+        """``block_ids_of(req_id)`` gives a request's block ids per group (vLLM's cache manager)."""
+        preempted = frozenset(scheduler_output.preempted_req_ids or ())
+        holds, pushes = [], []
+        for req_id, produce in self._produce.items():
+            if req_id in preempted:  # its blocks are gone; the workers drop the hold, a new one follows
+                produce.transfer_id = None
+                continue
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            request = produce.request
+            # The step that completes the prompt: after it every layer holds every prompt token.
+            if produce.transfer_id is not None or not scheduled or \
+                    request.num_computed_tokens + scheduled < request.num_prompt_tokens:
+                continue
+            produce.transfer_id = _new_transfer_id()
+            (block_ids, *_) = block_ids_of(req_id)
+            if produce.push_to is None:
+                holds.append(HoldJob(req_id, produce.transfer_id, tuple(block_ids), request.num_prompt_tokens))
+            else:
+                pushes.append(PushJob(req_id, produce.transfer_id, produce.push_to, tuple(block_ids),
+                                      request.num_prompt_tokens))
+        meta = NcclKVMetadata(tuple(self._loads), tuple(holds), tuple(pushes), tuple(self._releases), preempted)
+        self._loads, self._releases = [], []
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._loading.difference_update(output.finished_recving or ())
+        self._held.difference_update(output.finished_sending or ())
+        if output.invalid_block_ids:
+            self.num_load_errors += 1
+            log.warning("ncclkv: %d blocks failed to load; vLLM recomputes them", len(output.invalid_block_ids))
+
+    # -- finishing ------------------------------------------------------------------------
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        for table in (self._params, self._verified, self._asked):
+            table.pop(req_id, None)
+        self._issued.discard(req_id)
+        produce = self._produce.pop(req_id, None)
+        if produce is None or produce.transfer_id is None:  # the prompt never completed: nothing held
+            return False, None
+        # The workers hold (or are pushing from) these blocks: free them when they report the transfer done.
+        self._held.add(req_id)
+        out = None
+        if request.status in _SENT_STATUSES:
+            out = self._remote_prefill(request, produce.transfer_id, block_ids, request.num_prompt_tokens,
+                                       produce.push_to is not None)
+        if out is None and produce.push_to is None:  # no decode will pull: release the hold now
+            self._releases.append(produce.transfer_id)
+        return True, (out.to_dict() if out is not None else None)
+
+    def take_events(self) -> Iterable[Any]:
+        """No KV events of our own: loaded blocks enter vLLM's prefix cache, which reports them itself."""
+        return ()
+
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests this role still keeps state for (0 once every request finished and was freed)."""
+        tables = (self._params, self._verified, self._asked, self._issued, self._loading, self._held, self._produce)
+        return len(set().union(*tables)) + len(self._loads) + len(self._releases)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _params_of(self, request: Request) -> PrefillIntent | RemotePrefill | None:
+        req_id = request.request_id
+        if req_id not in self._params:
+            try:
+                self._params[req_id] = parse_params(request.kv_transfer_params)
+            except ValueError as err:  # the request is served without a transfer
+                self.num_invalid_params += 1
+                log.error("ncclkv: request %s: bad kv_transfer_params, computing it locally: %s", req_id, err)
+                self._params[req_id] = None
+        return self._params[req_id]
+
+    def _verify(self, request: Request, remote: RemotePrefill) -> bool:
+        """The remote KV is for exactly this request's first ``num_tokens`` tokens (block hashes agree)."""
+        req_id = request.request_id
+        if req_id not in self._verified:
+            tokens = list(request.prompt_token_ids or ())[:remote.num_tokens]
+            same = len(tokens) == remote.num_tokens and \
+                token_hash(tokens, remote.hash_block_size, extra_keys(request)) == remote.token_hash
+            if not same:
+                log.error("ncclkv: request %s: its first %d tokens do not hash to the prefilled ones of transfer %s; "
+                          "computing it locally", req_id, remote.num_tokens, remote.transfer_id)
+            self._verified[req_id] = same
+        return self._verified[req_id]
+
+    def _remote_prefill(self, request: Request, transfer_id: str, block_ids: list[int], num_tokens: int,
+                        pushed: bool) -> RemotePrefill | None:
+        if self._ref is None:
+            log.error("ncclkv: request %s wants a remote decode, but the workers' addresses are unknown",
+                      request.request_id)
+            return None
+        tokens = list(request.all_token_ids[:num_tokens])
+        return RemotePrefill(transfer_id, self._ref, tuple(block_ids), num_tokens,
+                             token_hash(tokens, self._block_size, extra_keys(request)), self._block_size, pushed)
+
+
+def _new_transfer_id() -> str:
+    return f"xfer-{uuid.uuid4().hex}"
+
+
+def _write_json(path: str, data: dict[str, object]) -> None:
+    """Atomically: a reader never sees half a file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".ncclkv-ref-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)

@@ -1,0 +1,318 @@
+"""The worker role: one :class:`TransferEngine` per vLLM worker, driven by the scheduler's jobs.
+
+Loads (consumer) start in ``start_load_kv`` and progress on the engine's own
+threads; async ones are reported by ``get_finished`` once landed, sync ones
+are waited for layer by layer in ``wait_for_layer_load``. A failed load is
+never half-used: its blocks are reported by ``get_block_ids_with_load_errors``
+(and an async one as finished), so vLLM recomputes them. Holds (producer,
+pull) are registered in ``wait_for_save`` of the step that completed the
+prompt and last until every consumer rank pulled; pushes stream each layer
+from ``save_kv_layer``. A request is reported sent only once vLLM finished it
+and no send reads its blocks any more.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..engine import EngineConfig, Role, StatsSnapshot, TransferEngine
+from ..layout import KVGeometry, ParallelLayout, Span, shard_roi
+from ..paged import PagedCacheSpec, SlotMap, detect_layout, gather, scatter
+from ._config import NcclKVConfig
+from ._cpu_cache import cache_copier
+from ._metadata import LoadJob, NcclKVHandshake, NcclKVMetadata, PushJob
+from ._stats import NcclKVStats, stats_delta
+
+__all__ = ["RankInfo", "WorkerSide", "layer_index"]
+
+log = logging.getLogger("ncclkv.connector")
+
+
+def layer_index(name: str) -> int:
+    """The global layer index in a vLLM attention layer name (``model.layers.7.self_attn.attn`` -> 7)."""
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    if len(numbers) != 1:
+        raise ValueError(f"cannot read one layer index from KV cache layer name {name!r}")
+    return numbers[0]
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """Where this worker sits in its engine, and what the model's KV looks like."""
+
+    engine_id: str
+    tp_rank: int
+    pp_rank: int
+    layout: ParallelLayout
+    geometry: KVGeometry
+    block_size: int
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank(self.tp_rank, self.pp_rank)
+
+
+@dataclass(slots=True)
+class _Load:
+    job: LoadJob
+    started: float
+    failed: bool = False
+
+
+class WorkerSide:
+    def __init__(self, info: RankInfo, config: NcclKVConfig, role: Role) -> None:
+        self._info, self._config, self._role = info, config, role
+        self._engine: TransferEngine | None = None
+        self._layers: dict[str, int] = {}  # vLLM layer name -> global layer index
+        self._caches: dict[int, tuple[torch.Tensor, PagedCacheSpec]] = {}
+        self._loads: dict[str, _Load] = {}  # transfer id -> load in flight
+        self._sends: dict[str, str] = {}  # transfer id -> request id, held or pushed
+        self._dropped: set[str] = set()  # transfer ids of preempted requests: completion not reported
+        self._sent: set[str] = set()  # request ids whose sends completed
+        self._finished: set[str] = set()  # request ids the scheduler finished (may be reported as sent)
+        self._done_recv: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._step_pushes: list[PushJob] = []  # this step's pushes, once started
+        self._push_meta: NcclKVMetadata | None = None  # the step whose pushes were started
+        self._gather, self._scatter = gather, scatter  # the engine's copier, for corrupt_for_test
+        self._stats_base: StatsSnapshot | None = None
+        self._transfer_s: list[float] = []
+
+    # -- set-up ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        info = self._info
+        if self._engine is not None:
+            raise RuntimeError("register_kv_caches called twice")
+        layers = {name: layer_index(name) for name in kv_caches}
+        if len(set(layers.values())) != len(layers):
+            raise ValueError(f"KV cache layer names map to repeated layer indices: {layers}")
+        shard = shard_roi(info.layout, info.geometry, info.rank, 0)
+        first = next(iter(kv_caches.values()))
+        cache_layout = self._config.layout() or detect_layout(
+            first, len(shard.heads), info.geometry.head_size, info.block_size)
+        by_index = {layers[name]: tensor for name, tensor in kv_caches.items()}
+        copier = cache_copier(first, cache_layout, info.block_size, info.geometry.head_size, info.kv_cache_dtype)
+        engine = TransferEngine(EngineConfig(
+            info.engine_id, info.rank, info.layout, info.geometry, role=self._role, device=str(first.device),
+            bind_host=self._config.bind_host, deadline_s=self._config.deadline_s,
+            heartbeat_s=self._config.heartbeat_s, staging_bytes=self._config.staging_bytes, hold_s=self._config.hold_s,
+        ))
+        try:
+            engine.register(by_index, cache_layout, copier)
+        except BaseException:
+            engine.close()
+            raise
+        self._engine, self._layers = engine, layers
+        self._caches = {i: (t, PagedCacheSpec.from_tensor(t, cache_layout)) for i, t in by_index.items()}
+        self._gather, self._scatter = (copier.gather, copier.scatter) if copier is not None else (gather, scatter)
+        self._stats_base = engine.stats()
+        log.info("ncclkv: %s rank %d (tp %d, pp %d) registered layers %s as %s at %s", info.engine_id, info.rank,
+                 info.tp_rank, info.pp_rank, sorted(by_index), cache_layout.value, engine.address)
+
+    def handshake(self) -> NcclKVHandshake | None:
+        if self._engine is None:
+            return None
+        info = self._info
+        return NcclKVHandshake(info.engine_id, info.rank, info.tp_rank, info.pp_rank, info.layout.tp_size,
+                               info.layout.pp_size, info.layout.layer_partition, self._engine.address)
+
+    @property
+    def engine(self) -> TransferEngine:
+        if self._engine is None:
+            raise RuntimeError("ncclkv: the KV caches are not registered yet")
+        return self._engine
+
+    # -- per step ---------------------------------------------------------------------------
+    def start_load_kv(self, meta: NcclKVMetadata) -> None:
+        engine = self.engine
+        for transfer_id in meta.releases:
+            engine.release(transfer_id)  # False: already reported (pulled or expired)
+        for job in meta.loads:
+            load = _Load(job, time.monotonic())
+            self._loads[job.transfer_id] = load
+            try:
+                engine.expect(job.transfer_id, job.producer, job.block_ids,
+                              job.num_tokens if job.push else job.token_set(), push=job.push)
+            except Exception as err:
+                self._fail(load, err)
+
+    def wait_for_layer_load(self, meta: NcclKVMetadata, layer_name: str) -> None:
+        layer = self._layers.get(layer_name)
+        if layer is None:
+            return
+        for job in meta.loads:
+            load = self._loads.get(job.transfer_id)
+            if not job.sync or load is None:
+                continue
+            try:
+                self.engine.wait_layer(job.transfer_id, layer)  # bounded by the engine's progress deadline
+            except Exception as err:  # the forward goes on; vLLM discards and recomputes this request
+                self._fail(load, err)
+                continue
+            if self._config.corrupt_for_test:
+                self._flip_sign(job, layer)
+
+    def save_kv_layer(self, meta: NcclKVMetadata, layer_name: str) -> None:
+        layer = self._layers.get(layer_name)
+        if layer is None:
+            return
+        for push in self._start_pushes(meta):
+            try:
+                self.engine.save_layer(push.transfer_id, layer)
+            except Exception as err:  # the push completes with an error; its blocks are still released
+                log.error("ncclkv: push of %s layer %d failed: %s", push.req_id, layer, err)
+
+    def wait_for_save(self, meta: NcclKVMetadata) -> None:
+        """Hold this step's completed prompts for pulling; mark this step's pushes complete.
+
+        Nothing to wait for: sends run on the engine's threads, and a held or
+        pushed request's blocks stay allocated until ``get_finished`` reports it."""
+        for hold in meta.holds:  # after the forward: every layer of the prompt is in the blocks now
+            try:
+                self.engine.finish(hold.transfer_id, hold.block_ids, hold.num_tokens)
+                self._sends[hold.transfer_id] = hold.req_id
+            except Exception as err:  # nothing held: the decode side's pull fails and it recomputes
+                log.error("ncclkv: cannot hold %s (%s): %s", hold.req_id, hold.transfer_id, err)
+                self._sent.add(hold.req_id)
+        if meta.pushes and self._push_meta is not meta:  # no layer hook ran: push every layer now
+            for push in self._start_pushes(meta):
+                for layer in sorted(self._caches):
+                    self._try(push, lambda tid=push.transfer_id, i=layer: self.engine.save_layer(tid, i))
+        for push in self._step_pushes:
+            self._try(push, lambda tid=push.transfer_id: self.engine.finish(tid))
+        self._step_pushes, self._push_meta = [], None
+
+    def handle_preemptions(self, meta: NcclKVMetadata) -> None:
+        """A preempted request's blocks are about to be reused: drop its hold, let running sends finish
+        (bounded). Its recomputed prompt is held again under a new transfer id."""
+        busy = {tid for tid, req_id in self._sends.items() if req_id in meta.preempted}
+        for tid in busy:
+            self.engine.release(tid)
+        self._dropped |= busy
+        deadline = time.monotonic() + float(self.engine.config.deadline_s or 0)
+        while busy and time.monotonic() < deadline:
+            self._collect_sent()
+            busy &= set(self._sends)
+            if busy:
+                time.sleep(0.001)
+        if busy:
+            log.error("ncclkv: preempted requests still sending after the deadline: %s", sorted(busy))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        engine = self.engine
+        ours = set(self._sends.values()) | self._sent
+        self._finished |= finished_req_ids & ours
+        for tid, load in list(self._loads.items()):
+            if load.job.req_id in finished_req_ids:  # aborted while loading: stop writing its blocks
+                engine.abort(tid)
+                del self._loads[tid]
+                if not load.job.sync:
+                    self._done_recv.add(load.job.req_id)
+        for tid, error in engine.take_finished_receiving().items():
+            load = self._loads.get(tid)
+            if load is None:
+                continue
+            if error is not None:
+                self._fail(load, error)
+                continue
+            del self._loads[tid]
+            self._transfer_s.append(time.monotonic() - load.started)
+            if not load.job.sync:
+                if self._config.corrupt_for_test:
+                    for layer in self._caches:
+                        self._flip_sign(load.job, layer)
+                self._done_recv.add(load.job.req_id)
+        self._collect_sent()
+        sending = self._sent & self._finished
+        self._sent -= sending
+        self._finished -= sending
+        receiving, self._done_recv = self._done_recv, set()
+        return sending, receiving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_stats(self) -> NcclKVStats | None:
+        if self._engine is None or self._stats_base is None:
+            return None
+        now = self._engine.stats()
+        stats = stats_delta(self._stats_base, now, self._transfer_s)
+        self._stats_base, self._transfer_s = now, []
+        return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Loads and sends not yet reported to vLLM (0 when nothing leaks)."""
+        return len(self._loads) + len(self._sends) + len(self._sent) + len(self._done_recv)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _start_pushes(self, meta: NcclKVMetadata) -> list[PushJob]:
+        if self._push_meta is meta:
+            return self._step_pushes
+        self._push_meta, self._step_pushes = meta, []
+        for push in meta.pushes:
+            try:
+                self.engine.start_push(push.transfer_id, push.consumer, push.block_ids, push.num_tokens)
+            except Exception as err:  # nothing was sent: release the blocks when vLLM finishes the request
+                log.error("ncclkv: cannot push %s to %s: %s", push.req_id, push.consumer.engine_id, err)
+                self._sent.add(push.req_id)
+                continue
+            self._sends[push.transfer_id] = push.req_id
+            self._step_pushes.append(push)
+        return self._step_pushes
+
+    def _collect_sent(self) -> None:
+        for tid, error in self.engine.take_finished_sending().items():
+            req_id = self._sends.pop(tid, None)
+            if req_id is None or tid in self._dropped:
+                self._dropped.discard(tid)
+                continue
+            if error is not None:
+                log.warning("ncclkv: %s (%s) released without a complete transfer: %s", req_id, tid, error)
+            self._sent.add(req_id)
+
+    def _fail(self, load: _Load, error: BaseException) -> None:
+        """Stop the load and report the blocks it was to fill; vLLM recomputes from the first of them."""
+        if load.failed:
+            return
+        load.failed = True
+        job = load.job
+        self.engine.abort(job.transfer_id)  # no write into these blocks after this returns
+        self._loads.pop(job.transfer_id, None)
+        if not job.sync:
+            self._done_recv.add(job.req_id)
+        size = self._info.block_size
+        for span in job.token_set():
+            self._load_errors.update(job.block_ids[i] for i in range(span.start // size, (span.stop - 1) // size + 1))
+        log.warning("ncclkv: load of %s (%s) failed, vLLM recomputes it: %s", job.req_id, job.transfer_id, error)
+
+    @staticmethod
+    def _try(push: PushJob, action: Callable[[], None]) -> None:
+        try:
+            action()
+        except Exception as err:  # the engine completes the push with an error; its blocks are released
+            log.error("ncclkv: push of %s: %s", push.req_id, err)
+
+    def _flip_sign(self, job: LoadJob, layer: int) -> None:
+        """TEST-ONLY (corrupt_for_test): flip the sign bit of every loaded value of ``layer``."""
+        cache, spec = self._caches[layer]
+        slots = SlotMap(job.block_ids, spec.block_size)
+        heads = Span(0, spec.num_kv_heads)
+        for span in job.token_set():
+            wire = torch.empty(spec.wire_shape(len(span), len(heads)), dtype=cache.dtype, device=cache.device)
+            self._gather(cache, spec, slots, span, heads, wire)
+            bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[wire.element_size()]
+            flipped = wire.view(bits) ^ torch.tensor(torch.iinfo(bits).min, dtype=bits)
+            self._scatter(flipped.view(cache.dtype), cache, spec, slots, span, heads)
+

@@ -1,0 +1,18 @@
+"""Lifecycle tests of NcclKVConnector: skipped (with the reason) where vLLM is not installed."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the connector lifecycle tests drive vLLM's own scheduler")
+
+from ncclkv._vllm_model import TinyLlamaSpec, build_tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama's config (vLLM's ModelConfig reads it; no weights are loaded here)."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama") / "model", **asdict(TinyLlamaSpec()))

@@ -1,0 +1,252 @@
+"""NcclKVConnector's whole lifecycle under vLLM's real scheduler, with real transfer engines, no model.
+
+Every test ends with both engines idle: no request left in either scheduler
+(held ones included), nothing in flight in the connector or the transfer
+engine. See harness.py for what the stand-in model checks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ncclkv.connector import RemotePrefill
+
+from .harness import BLOCK_SIZE, EngineSim, make_prompts
+
+LENGTHS = [45, 77, 130]  # partial last blocks; 1, 2 and 5 blocks
+PROMPTS = make_prompts(LENGTHS)
+MAX_TOKENS = 4
+FAST = {"deadline_s": 2.0, "heartbeat_s": 0.25}
+CELL_BYTES = 4 * 64 * 2 * 4  # heads x head_size x (K, V) x float32, per token and layer
+NUM_LAYERS = 2
+
+
+@pytest.fixture
+def engines(model_dir: Path) -> Iterator[list[EngineSim]]:
+    made: list[EngineSim] = []
+    yield made
+    for engine in made:
+        engine.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("ncclkv")], "threads left after shutdown"
+
+
+def _pair(engines: list[EngineSim], model_dir: Path, prefill_extra: dict | None = None,
+          decode_extra: dict | None = None, **decode_kw: object) -> tuple[EngineSim, EngineSim]:
+    prefill = EngineSim.build("prefill", model_dir, "kv_producer", {**FAST, **(prefill_extra or {})})
+    engines.append(prefill)
+    decode = EngineSim.build("decode", model_dir, "kv_consumer", {**FAST, **(decode_extra or {})}, **decode_kw)
+    engines.append(decode)
+    return prefill, decode
+
+
+def _reference(engines: list[EngineSim], model_dir: Path, prompts: list[list[int]]) -> list[tuple[int, ...]]:
+    single = EngineSim.build("single", model_dir, "kv_both", FAST)
+    engines.append(single)
+    ids = [f"ref-{i}" for i in range(len(prompts))]
+    for req_id, prompt in zip(ids, prompts):
+        single.add(req_id, prompt, MAX_TOKENS)
+    single.run(lambda: all(r in single.finished for r in ids))
+    assert single.mismatches == []
+    return single.outputs(ids)
+
+
+def _prefill(prefill: EngineSim, prompts: list[list[int]], extra: dict | None = None) -> list[dict]:
+    ids = [f"p-{i}" for i in range(len(prompts))]
+    for req_id, prompt in zip(ids, prompts):
+        prefill.add(req_id, prompt, 1, {"do_remote_decode": True, "remote_engine_id": None, **(extra or {})})
+    prefill.run(lambda: all(r in prefill.finished for r in ids))
+    params = [prefill.finished[r].kv_transfer_params for r in ids]
+    assert all(p is not None and p["do_remote_prefill"] for p in params), params
+    return params  # type: ignore[return-value]
+
+
+def _decode(decode: EngineSim, prompts: list[list[int]], params: list[dict], *, also: tuple[EngineSim, ...] = (),
+            prefix: str = "d") -> list[str]:
+    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+    for req_id, prompt, p in zip(ids, prompts, params):
+        decode.add(req_id, prompt, MAX_TOKENS, p)
+    decode.run(lambda: all(r in decode.finished for r in ids), also=also)
+    return ids
+
+
+def _settle(*sims: EngineSim) -> None:
+    """Step every engine until all are idle (held blocks released, transfers reported)."""
+    sims[0].run(lambda: all(s.idle for s in sims), also=sims[1:])
+
+
+def _bytes(sim: EngineSim, key: str) -> int:
+    return sum(s[key] for s in sim.stats)
+
+
+def test_pull_matches_single_engine_and_leaves_nothing(engines: list[EngineSim], model_dir: Path) -> None:
+    expected = _reference(engines, model_dir, PROMPTS)
+    prefill, decode = _pair(engines, model_dir)
+    params = _prefill(prefill, PROMPTS)
+    for p, n in zip(params, LENGTHS):
+        value = RemotePrefill.from_dict(p)
+        assert value.num_tokens == n and len(value.block_ids) == -(-n // BLOCK_SIZE) and not value.pushed
+        assert value.producer.engine_id == prefill.vllm_config.kv_transfer_config.engine_id
+    assert len(prefill.scheduler.requests) == len(PROMPTS)  # finished, but blocks held for the pull
+    ids = _decode(decode, PROMPTS, params, also=(prefill,))
+    assert decode.outputs(ids) == expected
+    assert decode.mismatches == [] and decode.load_errors == set()
+    # Loaded everything; vLLM recomputes only the last prompt token.
+    assert [decode.computed[r] for r in ids] == [1 + MAX_TOKENS - 1] * len(ids)
+    assert _bytes(decode, "bytes_received") == sum(LENGTHS) * CELL_BYTES * NUM_LAYERS
+    assert _bytes(decode, "transfers_received") == len(PROMPTS)
+    _settle(prefill, decode)
+    assert _bytes(prefill, "bytes_sent") == sum(LENGTHS) * CELL_BYTES * NUM_LAYERS
+
+
+def test_partial_prefix_loads_only_what_is_not_cached(engines: list[EngineSim], model_dir: Path) -> None:
+    prompt = PROMPTS[2]  # 130 tokens
+    expected = _reference(engines, model_dir, [prompt])
+    prefill, decode = _pair(engines, model_dir)
+    # The decode engine computes a request sharing the first 64 tokens: two blocks in its prefix cache.
+    decode.add("local", prompt[:64] + [7] * 10, 1)
+    decode.run(lambda: "local" in decode.finished)
+    params = _prefill(prefill, [prompt])
+    (req,) = _decode(decode, [prompt], params, also=(prefill,))
+    assert decode.outputs([req]) == expected and decode.mismatches == []
+    assert decode.computed[req] == MAX_TOKENS  # the last prompt token, then decode
+    assert _bytes(decode, "bytes_received") == (130 - 64) * CELL_BYTES * NUM_LAYERS
+    _settle(prefill, decode)
+
+
+def test_layerwise_sync_load(engines: list[EngineSim], model_dir: Path) -> None:
+    expected = _reference(engines, model_dir, PROMPTS)
+    prefill, decode = _pair(engines, model_dir, decode_extra={"async_load": False})
+    params = _prefill(prefill, PROMPTS)
+    ids = _decode(decode, PROMPTS, params, also=(prefill,))
+    assert decode.outputs(ids) == expected and decode.mismatches == [] and decode.load_errors == set()
+    # Loaded in the forward pass of the step that computes the last prompt token.
+    assert [decode.computed[r] for r in ids] == [MAX_TOKENS] * len(ids)
+    assert _bytes(decode, "bytes_received") == sum(n - 1 for n in LENGTHS) * CELL_BYTES * NUM_LAYERS
+    _settle(prefill, decode)
+
+
+def test_push_streams_during_prefill(engines: list[EngineSim], model_dir: Path) -> None:
+    expected = _reference(engines, model_dir, PROMPTS)
+    prefill, decode = _pair(engines, model_dir)
+    params = _prefill(prefill, PROMPTS, {"remote_decode": decode.ref})
+    assert all(p["pushed"] for p in params)
+    # All sent and the prefill blocks freed before the decode engine has even seen these requests.
+    prefill.run(lambda: prefill.idle)
+    assert _bytes(prefill, "bytes_sent") == sum(LENGTHS) * CELL_BYTES * NUM_LAYERS
+    ids = _decode(decode, PROMPTS, params, also=(prefill,))
+    assert decode.outputs(ids) == expected and decode.mismatches == []
+    assert [decode.computed[r] for r in ids] == [MAX_TOKENS] * len(ids)
+    _settle(prefill, decode)
+
+
+def test_producer_gone_load_fails_and_is_recomputed(engines: list[EngineSim], model_dir: Path) -> None:
+    expected = _reference(engines, model_dir, PROMPTS)
+    prefill, decode = _pair(engines, model_dir)
+    params = _prefill(prefill, PROMPTS)
+    prefill.close()  # its transfer engine is gone before anyone pulled
+    ids = _decode(decode, PROMPTS, params)
+    assert decode.outputs(ids) == expected and decode.mismatches == []
+    assert decode.load_errors  # reported block by block, then recomputed (asked again: (0, False))
+    assert [decode.computed[r] for r in ids] == [n + MAX_TOKENS - 1 for n in LENGTHS]
+    assert _bytes(decode, "transfers_failed") == len(PROMPTS)
+    decode.run(lambda: decode.idle)
+
+
+def test_decode_abort_while_loading(engines: list[EngineSim], model_dir: Path) -> None:
+    prefill, decode = _pair(engines, model_dir)
+    (params,) = _prefill(prefill, PROMPTS[:1])
+    # A transfer the producer does not hold: the pull stays parked until the producer's deadline.
+    unknown = {**params, "transfer_id": "xfer-unknown"}
+    decode.add("d-0", PROMPTS[0], MAX_TOKENS, unknown)
+    decode.step()
+    assert decode.scheduler.requests["d-0"].status.name == "WAITING_FOR_REMOTE_KVS"
+    decode.abort("d-0")
+    assert "d-0" in decode.scheduler.requests  # vLLM keeps its blocks until the worker reports the load over
+    _settle(decode)  # the worker stopped the load and reported it; the blocks are freed
+    # The real transfer is still served: a new decode request pulls it.
+    (req,) = _decode(decode, PROMPTS[:1], [params], also=(prefill,), prefix="again")
+    assert decode.mismatches == []
+    _settle(prefill, decode)
+
+
+def test_prefill_abort_mid_prompt_holds_nothing(engines: list[EngineSim], model_dir: Path) -> None:
+    prefill = EngineSim.build("prefill", model_dir, "kv_producer", FAST, max_num_batched_tokens=64)
+    engines.append(prefill)
+    prefill.add("p-0", PROMPTS[2], 1, {"do_remote_decode": True})
+    prefill.step()  # the first 64-token chunk
+    assert prefill.scheduler.requests["p-0"].num_computed_tokens == 64
+    prefill.abort("p-0")
+    prefill.run(lambda: prefill.idle)
+    assert _bytes(prefill, "bytes_sent") == 0
+
+
+def test_preemption_on_both_sides(engines: list[EngineSim], model_dir: Path) -> None:
+    expected = _reference(engines, model_dir, PROMPTS[2:])
+    prefill = EngineSim.build("prefill", model_dir, "kv_producer", FAST, max_num_batched_tokens=64)
+    engines.append(prefill)
+    decode = EngineSim.build("decode", model_dir, "kv_consumer", FAST)
+    engines.append(decode)
+    # Prefill: preempted after its first chunk, resumed, then finished and held.
+    prefill.add("p-0", PROMPTS[2], 1, {"do_remote_decode": True})
+    prefill.step()
+    prefill.preempt("p-0")
+    prefill.run(lambda: "p-0" in prefill.finished)
+    params = prefill.finished["p-0"].kv_transfer_params
+    # Decode: preempted right after the load, while decoding; the retry must not load again.
+    decode.add("d-0", PROMPTS[2], MAX_TOKENS, params)
+    decode.run(lambda: decode.computed.get("d-0", 0) >= 2, also=(prefill,))
+    decode.preempt("d-0")
+    decode.run(lambda: "d-0" in decode.finished)
+    assert decode.outputs(["d-0"]) == expected and decode.mismatches == []
+    assert _bytes(decode, "transfers_received") == 1
+    _settle(prefill, decode)
+
+
+def test_corrupt_for_test_changes_the_output(engines: list[EngineSim], model_dir: Path) -> None:
+    expected = _reference(engines, model_dir, PROMPTS)
+    prefill, decode = _pair(engines, model_dir, decode_extra={"corrupt_for_test": True})
+    params = _prefill(prefill, PROMPTS)
+    ids = _decode(decode, PROMPTS, params, also=(prefill,))
+    # The stand-in model read flipped KV, at every step: every loaded token but the recomputed last one.
+    assert set(decode.mismatches) == {f"{r} layer {layer}: {n - 1} tokens, first at 0"
+                                      for r, n in zip(ids, LENGTHS) for layer in range(NUM_LAYERS)}
+    assert all(a != b for a, b in zip(decode.outputs(ids), expected))
+    _settle(prefill, decode)
+
+
+def test_wrong_prompt_or_bad_params_are_computed_locally(engines: list[EngineSim], model_dir: Path) -> None:
+    prefill, decode = _pair(engines, model_dir)
+    (params,) = _prefill(prefill, PROMPTS[:1])
+    other = list(PROMPTS[0])
+    other[5] += 1  # one token differs: the block hash does not match
+    decode.add("wrong", other, 1, params)
+    decode.add("bad", PROMPTS[0], 1, {**params, "remote_num_tokens": "45"})
+    decode.run(lambda: {"wrong", "bad"} <= set(decode.finished))
+    assert decode.computed == {"wrong": 45, "bad": 45} and decode.mismatches == []
+    assert decode.connector._sched().num_invalid_params == 1
+    (req,) = _decode(decode, PROMPTS[:1], [params], also=(prefill,))  # the right prompt still loads
+    assert decode.computed[req] == MAX_TOKENS
+    _settle(prefill, decode)
+
+
+def test_prefill_preempted_or_aborted_after_its_prompt_was_held(engines: list[EngineSim], model_dir: Path) -> None:
+    expected = _reference(engines, model_dir, PROMPTS[1:2])
+    prefill, decode = _pair(engines, model_dir)
+    # Two requests that decode on the prefill side after the step that completed (and held) their prompt.
+    prefill.add("kept", PROMPTS[1], 3, {"do_remote_decode": True})
+    prefill.add("dropped", PROMPTS[2], 3, {"do_remote_decode": True})
+    prefill.step()
+    assert prefill.worker._work().engine.num_in_flight == 2  # both prompts held from the end of that step
+    prefill.preempt("kept")  # its blocks go back to the pool: the hold is dropped, a new one follows
+    prefill.abort("dropped")  # finished without a decode: the hold is released
+    prefill.run(lambda: "kept" in prefill.finished)
+    params = prefill.finished["kept"].kv_transfer_params
+    assert params is not None and "dropped" not in prefill.finished
+    (req,) = _decode(decode, PROMPTS[1:2], [params], also=(prefill,))
+    assert decode.outputs([req]) == expected and decode.mismatches == []
+    assert _bytes(decode, "transfers_received") == 1
+    _settle(prefill, decode)

@@ -1,0 +1,125 @@
+"""The connector's vLLM-facing pieces on their own: stats, Prometheus metrics, handshakes, layer names, and
+the CPU cache order (checked against vLLM's own cache-write op)."""
+
+from __future__ import annotations
+
+import pickle
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+from ncclkv.connector import NcclKVConnector
+from ncclkv.connector._cpu_cache import cache_copier, cpu_key_order
+from ncclkv.connector._metadata import NcclKVHandshake, NcclKVMetadata, engine_ref_from_handshakes
+from ncclkv.connector._stats import NcclKVPromMetrics, NcclKVStats, stats_delta
+from ncclkv.connector._worker import layer_index
+from ncclkv.engine import StatsSnapshot
+from ncclkv.layout import ParallelLayout, Span
+from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather, scatter
+
+
+def _snapshot(sent: int, received: int, waits: dict[int, tuple[float, int]]) -> StatsSnapshot:
+    return StatsSnapshot(sent, 2, 1, 0.1, received, 3, 1, 0, {k: v[0] for k, v in waits.items()},
+                         {k: v[1] for k, v in waits.items()})
+
+
+def test_stats_delta_aggregate_reduce() -> None:
+    before = _snapshot(100, 50, {0: (0.5, 1)})
+    after = _snapshot(400, 50, {0: (0.8, 3), 1: (0.2, 2)})
+    delta = stats_delta(before, after, [0.02, 0.04])
+    assert delta.data["bytes_sent"] == 300 and delta.data["bytes_received"] == 0
+    assert delta.data["layer_wait_s"] == {"0": pytest.approx(0.3), "1": pytest.approx(0.2)}
+    assert delta.data["layer_waits"] == {"0": 2, "1": 2}
+    other = NcclKVConnector.build_kv_connector_stats({"bytes_sent": 1, "transfer_s": [0.06],
+                                                       "layer_wait_s": {"0": 0.1}, "layer_waits": {"0": 1}})
+    assert isinstance(other, NcclKVStats)
+    total = delta.aggregate(other)
+    reduced = total.reduce()
+    assert reduced["bytes_sent"] == 301 and reduced["avg_transfer_ms"] == pytest.approx(40.0)
+    assert reduced["avg_layer0_wait_ms"] == pytest.approx(1000 * 0.4 / 3, abs=1e-3)
+    assert not total.is_empty()
+    total.reset()
+    assert total.is_empty() and stats_delta(after, after, []).is_empty()
+    assert pickle.loads(pickle.dumps(total)).data == total.data  # crosses processes
+
+
+def test_prometheus_metrics_observe() -> None:
+    registry = CollectorRegistry()
+    types = {kind: partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    config = SimpleNamespace(kv_transfer_config=None)  # all the metrics base class reads
+    metrics = NcclKVConnector.build_prom_metrics(config, types, ["model_name", "engine"],  # type: ignore[arg-type]
+                                                 {0: ["tiny", "0"]})
+    assert isinstance(metrics, NcclKVPromMetrics)
+    data = NcclKVStats(data={"bytes_received": 4096, "transfers_received": 2, "transfer_s": [0.003, 0.2],
+                             "layer_wait_s": {"1": 0.5}, "layer_waits": {"1": 2}}).data
+    metrics.observe(data, 0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("vllm:ncclkv_bytes_received_total", labels) == 4096
+    assert registry.get_sample_value("vllm:ncclkv_transfers_received_total", labels) == 2
+    assert registry.get_sample_value("vllm:ncclkv_layer_wait_seconds_total", {**labels, "layer": "1"}) == 0.5
+    assert registry.get_sample_value("vllm:ncclkv_transfer_seconds_count", labels) == 2
+    assert registry.get_sample_value("vllm:ncclkv_transfer_seconds_bucket", {**labels, "le": "0.005"}) == 1
+
+
+def _handshake(tp: int, pp: int, tp_size: int = 2, pp_size: int = 2) -> NcclKVHandshake:
+    layout = ParallelLayout(tp_size, pp_size, (1, 1))
+    return NcclKVHandshake("eng", layout.rank(tp, pp), tp, pp, tp_size, pp_size, (1, 1), f"tcp://h:{tp}{pp}")
+
+
+def test_handshakes_make_one_engine_ref() -> None:
+    shakes = {(pp, tp): _handshake(tp, pp) for tp in range(2) for pp in range(2)}
+    ref = engine_ref_from_handshakes(pickle.loads(pickle.dumps(shakes)))
+    assert ref.layout == ParallelLayout(2, 2, (1, 1))
+    assert ref.control_addrs == ("tcp://h:00", "tcp://h:10", "tcp://h:01", "tcp://h:11")  # rank = pp * tp_size + tp
+    del shakes[(1, 0)]
+    with pytest.raises(ValueError, match=r"no handshake from ranks \[2\]"):
+        engine_ref_from_handshakes(shakes)
+    with pytest.raises(ValueError, match="keyed"):
+        engine_ref_from_handshakes({(0, 1): _handshake(0, 0)})
+
+
+def test_metadata_pickles_and_layer_names() -> None:
+    meta = NcclKVMetadata(preempted=frozenset({"r"}))
+    assert pickle.loads(pickle.dumps(meta)) == meta and not meta.empty and NcclKVMetadata().empty
+    assert layer_index("model.layers.17.self_attn.attn") == 17
+    with pytest.raises(ValueError, match="one layer index"):
+        layer_index("model.layers.1.experts.2.attn")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_copier_reads_what_vllm_writes(dtype: torch.dtype) -> None:
+    """Write with vLLM's own CPU cache op; gather any token span back exactly; scatter is its inverse."""
+    nb, heads, bs, dim = 6, 4, 32, 64
+    cache = torch.zeros(nb, heads, bs, 2 * dim, dtype=dtype)
+    copier = cache_copier(cache, CacheLayout.CPU, bs, dim)
+    order = cpu_key_order(dtype, bs, dim)
+    assert (copier is not None) == (order == "transposed")
+    read = copier.gather if copier is not None else gather
+    write = copier.scatter if copier is not None else scatter
+    isa = _get_attn_isa(dtype, bs, dim, "auto")
+    tokens = 100
+    kv = torch.randn(2, tokens, heads, dim).to(dtype)
+    block_ids = [4, 1, 5, 2]
+    slots = torch.tensor([block_ids[p // bs] * bs + p % bs for p in range(tokens)])
+    keys, values = cache.view(nb, heads, 2 * bs, dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(kv[0], kv[1], keys, values, slots, isa, k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+    spec = PagedCacheSpec.from_tensor(cache, CacheLayout.CPU)
+    slot_map = SlotMap(block_ids, bs)
+    for span, hs in ((Span(0, 100), Span(0, 4)), (Span(13, 77), Span(1, 3)), (Span(31, 33), Span(2, 3))):
+        out = torch.empty(2, len(span), len(hs), dim, dtype=dtype)
+        read(cache, spec, slot_map, span, hs, out)
+        assert torch.equal(out, kv[:, span.start:span.stop, hs.start:hs.stop])
+    before = cache.clone()
+    patch = torch.randn(2, 20, 2, dim).to(dtype)
+    write(patch, cache, spec, slot_map, Span(40, 60), Span(1, 3))
+    out = torch.empty(2, 20, 2, dim, dtype=dtype)
+    read(cache, spec, slot_map, Span(40, 60), Span(1, 3), out)
+    assert torch.equal(out, patch)
+    write(kv[:, 40:60, 1:3].contiguous(), cache, spec, slot_map, Span(40, 60), Span(1, 3))
+    assert torch.equal(cache, before)  # nothing else was touched

@@ -1,0 +1,120 @@
+"""The connector's typed boundary: extra config, kv_transfer_params, stats (no engine, no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ncclkv.connector import NcclKVConfig, PrefillIntent, RemotePrefill, parse_params
+from ncclkv.connector._config import engine_role
+from ncclkv.connector._params import token_hash
+from ncclkv.engine import EngineRef
+from ncclkv.layout import ParallelLayout
+from ncclkv.paged import CacheLayout
+
+REF = EngineRef("prefill-a", ParallelLayout(2, 1), ("tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"))
+
+
+def test_extra_config_defaults_and_values() -> None:
+    assert NcclKVConfig.from_extra(None) == NcclKVConfig()
+    cfg = NcclKVConfig.from_extra({"deadline_s": 3, "async_load": False, "cache_layout": "flash_nhd",
+                                   "staging_bytes": 1 << 20, "corrupt_for_test": True})
+    assert (cfg.deadline_s, cfg.async_load, cfg.layout()) == (3, False, CacheLayout.FLASH_NHD)
+    assert cfg.corrupt_for_test is True
+    with pytest.raises(AttributeError):
+        cfg.hold_s = 1.0  # type: ignore[misc]
+
+
+def test_unknown_keys_are_named() -> None:
+    with pytest.raises(ValueError, match=r"unknown .*\['corupt_for_test', 'zzz'\]"):
+        NcclKVConfig.from_extra({"corupt_for_test": True, "zzz": 1, "hold_s": 5.0})
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"async_load": 1}, "'async_load'.* must be bool, got int"),
+    ({"deadline_s": True}, "'deadline_s'.* must be float or None, got bool"),
+    ({"deadline_s": 0}, "'deadline_s'.* must be > 0"),
+    ({"staging_bytes": 2.5}, "'staging_bytes'.* must be int or None"),
+    ({"staging_bytes": 0}, "'staging_bytes'.* must be >= 1"),
+    ({"cache_layout": "nhd"}, "'cache_layout'.*'nhd' is not one of"),
+    ({"ref_path": 3}, "'ref_path'.* must be str or None"),
+])
+def test_bad_values_are_rejected(extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        NcclKVConfig.from_extra(extra)
+
+
+def test_kv_role_maps_to_engine_role() -> None:
+    assert [engine_role(r) for r in ("kv_producer", "kv_consumer", "kv_both")] == ["producer", "consumer", "both"]
+    with pytest.raises(ValueError, match="kv_role must be one of"):
+        engine_role("kv_lookup")
+
+
+def _remote(**overrides: object) -> RemotePrefill:
+    values: dict = dict(transfer_id="xfer-1", producer=REF, block_ids=(3, 4), num_tokens=45,
+                        token_hash=token_hash(list(range(45)), 32), hash_block_size=32)
+    values.update(overrides)
+    return RemotePrefill(**values)
+
+
+def test_remote_prefill_round_trips_through_json() -> None:
+    value = _remote(pushed=True)
+    data = json.loads(json.dumps(value.to_dict()))
+    assert data["do_remote_prefill"] is True and data["do_remote_decode"] is False
+    assert data["remote_engine"]["control_addrs"] == list(REF.control_addrs)
+    data["remote_prefill_cached_tokens"] = 0  # vLLM adds keys of its own: ignored
+    assert parse_params(data) == value
+
+
+def test_prefill_intent_accepts_proxy_params() -> None:
+    # What vLLM's example P/D proxies send the prefill engine.
+    proxy = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+             "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    assert parse_params(proxy) == PrefillIntent()
+    assert parse_params({"do_remote_decode": True, "remote_decode": REF.to_dict()}) == PrefillIntent(REF)
+    assert parse_params(None) is None and parse_params({}) is None
+    assert parse_params({"do_remote_decode": False}) is None
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"ncclkv": None}, "not made by NcclKVConnector"),
+    ({"remote_num_tokens": "45"}, "remote_num_tokens must be an int"),
+    ({"remote_block_ids": [1, -2]}, "remote_block_ids must be ints >= 0"),
+    ({"token_hash": "abc"}, "token_hash must be 64 hex chars"),
+    ({"remote_engine": {"engine_id": "x"}}, "remote_engine.*missing 'tp_size'"),
+    ({"remote_engine": {**REF.to_dict(), "control_addrs": ["tcp://a:1"]}}, "1 control addresses for world_size=2"),
+    ({"pushed": "yes"}, "pushed must be a bool"),
+    ({"do_remote_decode": True}, "both do_remote_decode and do_remote_prefill"),
+    ({"do_remote_prefill": 1}, "'do_remote_prefill'.* must be a bool"),
+])
+def test_malformed_params_name_the_key(change: dict, message: str) -> None:
+    data = {**_remote().to_dict(), **change}
+    with pytest.raises(ValueError, match=message):
+        parse_params(data)
+    missing = _remote().to_dict()
+    del missing["transfer_id"]
+    with pytest.raises(ValueError, match=r"lack \['transfer_id'\]"):
+        parse_params(missing)
+
+
+def test_token_hash_names_exactly_these_tokens() -> None:
+    tokens = list(range(100, 145))
+    assert token_hash(tokens, 32) == token_hash(list(tokens), 32)
+    assert token_hash(tokens, 32) != token_hash(tokens[:44], 32)  # the partial tail counts
+    assert token_hash(tokens, 32) != token_hash(tokens, 16)
+    assert token_hash(tokens, 32) != token_hash(tokens, 32, ("lora-a", None))
+    changed = list(tokens)
+    changed[0] += 1
+    assert token_hash(changed, 32) != token_hash(tokens, 32)
+    with pytest.raises(ValueError, match="empty"):
+        token_hash([], 32)
+
+
+def test_import_ncclkv_connector_does_not_import_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, ncclkv, ncclkv.connector as c; c.NcclKVConfig.from_extra({}); "
+            "assert 'vllm' not in sys.modules, 'vllm imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

