@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ncclkv.layout import Span
-from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather, kv_view, scatter
+from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather, part_views, scatter
 
 from ._common import (
     DEFAULT_OUT, MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, timed,
@@ -95,10 +95,9 @@ def _check(
     """The measured code must be right: compare with advanced indexing (allocating, outside the timing)."""
     cache.uniform_()  # distinct values, in place (no temporary the size of the cache)
     gather(cache, spec, block_ids, tokens, take, wire)
-    view = kv_view(cache, spec)
     slots = torch.tensor([block_ids[t // spec.block_size] for t in tokens], device=cache.device)
     offsets = torch.tensor([t % spec.block_size for t in tokens], device=cache.device)
-    expected = view[:, slots, offsets][:, :, take.start : take.stop]
+    expected = torch.stack([part[slots, offsets][:, take.start : take.stop] for part in part_views(cache, spec)])
     if not torch.equal(wire.view(expected.shape), expected):
         raise AssertionError(f"gather of {spec.layout.name} tokens {tokens!r} heads {take!r} is wrong")
 

@@ -1,13 +1,13 @@
-"""vLLM's CPU KV cache as its attention kernels really store it.
+"""Which CPU layout vLLM's attention kernels really write: ``CacheLayout.CPU`` or ``CacheLayout.CPU_KT``.
 
 The CPU cache tensor is ``[num_blocks, heads, block_size, 2*head_size]`` and,
 per (block, head), holds the keys in the first half and the values in the
-second. The values are ``[block_size, head_size]`` (token-major), but with the
-portable SIMD kernels (ISA ``vec``, the float32 path) the keys are stored
-transposed, ``[head_size, block_size]``: a whole block reads back right
-whatever the order, a slice of one does not. :func:`cpu_key_order` asks
-vLLM's own cache-write op where one block's keys land, and
-:class:`TransposedKeyCopier` gathers and scatters that order for the engine.
+second. The values are ``[block_size, head_size]`` (token-major); the keys are
+token-major too (``CPU``) or transposed, ``[head_size, block_size]``
+(``CPU_KT``), depending on the ISA vLLM picks (``_get_attn_isa``): vLLM 0.32's
+portable kernels (``vec``, ``vec16``) transpose them for every dtype. The shape
+cannot tell the two apart, so :func:`cpu_key_order` writes one block with
+vLLM's own cache-write op and reads back where the keys landed.
 """
 
 from __future__ import annotations
@@ -16,20 +16,20 @@ from typing import Literal
 
 import torch
 
-from ..engine import CacheCopier
-from ..layout import Span
-from ..paged import CacheLayout, PagedCacheSpec, SlotMap
+from ..paged import CacheLayout
 
-__all__ = ["TransposedKeyCopier", "cache_copier", "cpu_key_order"]
+__all__ = ["cpu_cache_layout", "cpu_key_order"]
 
 KeyOrder = Literal["token_major", "transposed"]
+
+_CPU_LAYOUTS = (CacheLayout.CPU, CacheLayout.CPU_KT)
 
 
 def cpu_key_order(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> KeyOrder:
     """Write one block with vLLM's CPU cache op and read back the order of its keys and values.
 
     Raises NotImplementedError naming the ISA when the values are not token-major
-    or the keys neither token-major nor transposed.
+    or the keys neither token-major nor transposed (e.g. AMX's packed tiles).
     """
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -56,55 +56,24 @@ def cpu_key_order(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_
     raise NotImplementedError(f"vLLM CPU attention (ISA {isa!r}) stores keys in an order ncclkv does not read")
 
 
-def cache_copier(cache: torch.Tensor, layout: CacheLayout, block_size: int, head_size: int,
-                 kv_cache_dtype: str = "auto") -> CacheCopier | None:
-    """The engine's gather/scatter for this cache: ours when vLLM's CPU kernels store keys transposed,
-    None (ncclkv.paged's) for every other layout."""
-    if layout is not CacheLayout.CPU or cache.device.type != "cpu":
-        return None
+def cpu_cache_layout(layout: CacheLayout, cache: torch.Tensor, block_size: int, head_size: int,
+                     kv_cache_dtype: str = "auto", configured: bool = False) -> CacheLayout:
+    """The layout to read ``cache`` with: for a CPU-shaped cache on the CPU, ``CPU`` or ``CPU_KT``
+    as vLLM's cache op writes it; any other ``layout`` unchanged.
+
+    ``layout`` is the one detected from the shape (``CPU`` for both) or, with
+    ``configured``, the one the user named: a configured ``CPU`` / ``CPU_KT`` that
+    vLLM's op contradicts raises ValueError naming both (reading it would corrupt
+    every partial block).
+    """
+    if layout not in _CPU_LAYOUTS or cache.device.type != "cpu":
+        return layout
     order = cpu_key_order(cache.dtype, block_size, head_size, kv_cache_dtype)
-    return TransposedKeyCopier() if order == "transposed" else None
-
-
-def _runs(slots: SlotMap, tokens: Span) -> list[tuple[int, int, int, int]]:
-    """(block id, offset in block, length, offset in the wire) for each block ``tokens`` touch."""
-    size, out = slots.block_size, []
-    start = tokens.start
-    while start < tokens.stop:
-        index, offset = divmod(start, size)
-        length = min(size - offset, tokens.stop - start)
-        out.append((slots.block_ids[index], offset, length, start - tokens.start))
-        start += length
-    return out
-
-
-def _halves(cache: torch.Tensor, spec: PagedCacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views ``keys[block, head, dim, token]`` and ``values[block, head, token, dim]`` of a CPU cache."""
-    nb, heads, bs, dim = spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size
-    if cache.stride(3) != 1 or cache.stride(2) != 2 * dim:
-        raise ValueError(f"a CPU cache needs contiguous [block_size, 2*head_size] rows, got strides {cache.stride()}")
-    flat = cache.view(nb, heads, 2 * bs * dim)
-    return flat[:, :, :bs * dim].unflatten(2, (dim, bs)), flat[:, :, bs * dim:].unflatten(2, (bs, dim))
-
-
-class TransposedKeyCopier:
-    """``gather`` / ``scatter`` (as in :mod:`ncclkv.paged`) for a CPU cache with keys ``[head_size, block_size]``."""
-
-    @staticmethod
-    def gather(cache: torch.Tensor, spec: PagedCacheSpec, slots: SlotMap, tokens: Span, heads: Span,
-               out: torch.Tensor) -> torch.Tensor:
-        keys, values = _halves(cache, spec)
-        hs = slice(heads.start, heads.stop)
-        for block, offset, length, at in _runs(slots, tokens):
-            out[0, at:at + length].copy_(keys[block, hs, :, offset:offset + length].permute(2, 0, 1))
-            out[1, at:at + length].copy_(values[block, hs, offset:offset + length].transpose(0, 1))
-        return out
-
-    @staticmethod
-    def scatter(wire: torch.Tensor, cache: torch.Tensor, spec: PagedCacheSpec, slots: SlotMap, tokens: Span,
-                heads: Span) -> None:
-        keys, values = _halves(cache, spec)
-        hs = slice(heads.start, heads.stop)
-        for block, offset, length, at in _runs(slots, tokens):
-            keys[block, hs, :, offset:offset + length].copy_(wire[0, at:at + length].permute(1, 2, 0))
-            values[block, hs, offset:offset + length].copy_(wire[1, at:at + length].transpose(0, 1))
+    found = CacheLayout.CPU_KT if order == "transposed" else CacheLayout.CPU
+    if configured and layout is not found:
+        raise ValueError(
+            f"kv_connector_extra_config['cache_layout']={layout.value!r}, but vLLM's CPU cache op stores keys "
+            f"{order.replace('_', '-')} for {cache.dtype}, block_size {block_size}, head_size {head_size}: "
+            f"use {found.value!r} (or leave cache_layout unset)"
+        )
+    return found

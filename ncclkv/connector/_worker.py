@@ -24,7 +24,7 @@ from ..engine import EngineConfig, Role, StatsSnapshot, TransferEngine
 from ..layout import KVGeometry, ParallelLayout, Span, shard_roi
 from ..paged import PagedCacheSpec, SlotMap, detect_layout, gather, scatter
 from ._config import NcclKVConfig
-from ._cpu_cache import cache_copier
+from ._cpu_cache import cpu_cache_layout
 from ._metadata import LoadJob, NcclKVHandshake, NcclKVMetadata, PushJob
 from ._stats import NcclKVStats, stats_delta
 
@@ -80,7 +80,6 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._step_pushes: list[PushJob] = []  # this step's pushes, once started
         self._push_meta: NcclKVMetadata | None = None  # the step whose pushes were started
-        self._gather, self._scatter = gather, scatter  # the engine's copier, for corrupt_for_test
         self._stats_base: StatsSnapshot | None = None
         self._transfer_s: list[float] = []
 
@@ -94,23 +93,24 @@ class WorkerSide:
             raise ValueError(f"KV cache layer names map to repeated layer indices: {layers}")
         shard = shard_roi(info.layout, info.geometry, info.rank, 0)
         first = next(iter(kv_caches.values()))
-        cache_layout = self._config.layout() or detect_layout(
-            first, len(shard.heads), info.geometry.head_size, info.block_size)
+        configured = self._config.layout()
+        cache_layout = configured or detect_layout(first, len(shard.heads), info.geometry.head_size, info.block_size)
+        # CPU and CPU_KT share a shape: vLLM's own cache op says which one its kernels write.
+        cache_layout = cpu_cache_layout(cache_layout, first, info.block_size, info.geometry.head_size,
+                                        info.kv_cache_dtype, configured=configured is not None)
         by_index = {layers[name]: tensor for name, tensor in kv_caches.items()}
-        copier = cache_copier(first, cache_layout, info.block_size, info.geometry.head_size, info.kv_cache_dtype)
         engine = TransferEngine(EngineConfig(
             info.engine_id, info.rank, info.layout, info.geometry, role=self._role, device=str(first.device),
             bind_host=self._config.bind_host, deadline_s=self._config.deadline_s,
             heartbeat_s=self._config.heartbeat_s, staging_bytes=self._config.staging_bytes, hold_s=self._config.hold_s,
         ))
         try:
-            engine.register(by_index, cache_layout, copier)
+            engine.register(by_index, cache_layout)
         except BaseException:
             engine.close()
             raise
         self._engine, self._layers = engine, layers
         self._caches = {i: (t, PagedCacheSpec.from_tensor(t, cache_layout)) for i, t in by_index.items()}
-        self._gather, self._scatter = (copier.gather, copier.scatter) if copier is not None else (gather, scatter)
         self._stats_base = engine.stats()
         log.info("ncclkv: %s rank %d (tp %d, pp %d) registered layers %s as %s at %s", info.engine_id, info.rank,
                  info.tp_rank, info.pp_rank, sorted(by_index), cache_layout.value, engine.address)
@@ -311,8 +311,8 @@ class WorkerSide:
         heads = Span(0, spec.num_kv_heads)
         for span in job.token_set():
             wire = torch.empty(spec.wire_shape(len(span), len(heads)), dtype=cache.dtype, device=cache.device)
-            self._gather(cache, spec, slots, span, heads, wire)
+            gather(cache, spec, slots, span, heads, wire)
             bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[wire.element_size()]
             flipped = wire.view(bits) ^ torch.tensor(torch.iinfo(bits).min, dtype=bits)
-            self._scatter(flipped.view(cache.dtype), cache, spec, slots, span, heads)
+            scatter(flipped.view(cache.dtype), cache, spec, slots, span, heads)
 

@@ -5,8 +5,12 @@ one ``index_select`` / ``index_copy_`` over the block dim of each part (K, V) as
 4-D view; dim 0 is the fast path of both ops, indexing another dim is about 10x
 slower. Both views are reinterpreted with the widest integer dtype their strides
 allow, so the copy moves 8-byte words instead of 2-byte elements. The partial
-first and last blocks are one strided ``copy_`` each. Only torch ops run here, so
-the same code runs on CUDA tensors, asynchronously on the current stream.
+first and last blocks are one strided ``copy_`` each. CPU_KT keys (``[D, bs]`` per
+block and head) cannot be widened and need a transpose: whole blocks go through
+an L2-sized bounce buffer in their own order (indexed copy of contiguous rows),
+then one batched transposing ``copy_``; that transpose bounds them to a few GB/s.
+Only torch ops run here, so the same code runs on CUDA tensors, asynchronously on
+the current stream.
 """
 
 from __future__ import annotations
@@ -18,29 +22,31 @@ import torch
 from ..errors import ShapeMismatchError
 from ..layout import Span
 from ._slots import SlicePlan, SlotMap
-from ._spec import PagedCacheSpec, kv_view
+from ._spec import PagedCacheSpec, part_views
 
 __all__ = ["gather", "scatter"]
 
 # complex128 is only a 16-byte word here: every op below moves it without arithmetic.
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16)
+# CPU_KT keys pass through a bounce buffer of about this size (L2-sized: both passes hit cache).
+_BOUNCE_BYTES = 512 * 1024
 
 
-def _widen(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of ``a`` and ``b`` (same dtype and shape) as the widest word their strides and alignment allow.
+def _widen(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Views of ``tensors`` (one dtype) as the widest word all their strides and alignments allow.
 
     Bytes are moved unchanged, so this is exact for every dtype; it only cuts the
     number of elements the indexed copies walk (``index_copy_`` costs per element:
     16-byte words run it about 2x faster than 8-byte ones on CPU).
     """
-    itemsize = a.element_size()
+    itemsize = tensors[0].element_size()
     for wide in _WIDE_DTYPES:
         ratio = wide.itemsize // itemsize
         if ratio <= 1:
             break
-        if _can_view(a, ratio, wide.itemsize) and _can_view(b, ratio, wide.itemsize):
-            return a.view(wide), b.view(wide)
-    return a, b
+        if all(_can_view(t, ratio, wide.itemsize) for t in tensors):
+            return tuple(t.view(wide) for t in tensors)
+    return tensors
 
 
 def _can_view(t: torch.Tensor, ratio: int, align: int) -> bool:
@@ -57,6 +63,9 @@ def _as_slot_map(blocks: SlotMap | Sequence[int] | torch.Tensor, spec: PagedCach
     return SlotMap(blocks, spec.block_size)
 
 
+_Part = tuple[torch.Tensor, torch.Tensor]  # (cache part [nb, bs, h, D'], wire part [T, h, D'])
+
+
 def _prepare(
     cache: torch.Tensor,
     spec: PagedCacheSpec,
@@ -65,14 +74,15 @@ def _prepare(
     heads: Span,
     wire: torch.Tensor,
     wire_name: str,
-) -> tuple[torch.Tensor, torch.Tensor, SlicePlan]:
-    """Check every argument; return the cache view ``[parts, nb, bs, h, D']``, the wire ``[parts, T, h, D']``, the plan.
+) -> tuple[list[_Part], SlicePlan]:
+    """Check every argument; return per part (K, V) the cache view and the wire view, and the plan.
 
-    Both views are widened alike, so ``D'`` is the head size in wide words.
+    Each pair is widened alike, so ``D'`` is the head size in wide words (a CPU_KT
+    key part, whose head dim is strided, stays narrow).
     """
     if not isinstance(tokens, Span) or not isinstance(heads, Span):
         raise TypeError(f"tokens and heads must be Span, got {type(tokens).__name__}, {type(heads).__name__}")
-    view = kv_view(cache, spec)
+    views = part_views(cache, spec)
     if heads.stop > spec.num_kv_heads:
         raise ValueError(f"head span {heads!r} is outside the cache's {spec.num_kv_heads} kv heads")
     expected = spec.wire_shape(len(tokens), len(heads))
@@ -89,8 +99,55 @@ def _prepare(
     if plan.max_block_id >= spec.num_blocks:
         raise ValueError(f"block id {plan.max_block_id} is out of range for a cache of {spec.num_blocks} blocks")
     wire4 = wire.view(spec.kv_parts, len(tokens), len(heads), spec.head_size)
-    view, wire4 = _widen(view[:, :, :, heads.start : heads.stop], wire4)
-    return view, wire4, plan
+    parts: list[_Part] = []
+    for view, wire_part in zip(views, wire4.unbind(0)):
+        cache_part, wire_part = _widen(view[:, :, heads.start : heads.stop], wire_part)
+        parts.append((cache_part, wire_part))
+    return parts, plan
+
+
+def _token_minor(part: torch.Tensor) -> bool:
+    """True for a CPU_KT key part ``[nb, bs, h, D]``: per (block, head) the tokens are the contiguous dim."""
+    return part.size(1) > 1 and part.stride(1) == 1 and part.stride(3) != 1
+
+
+def _steps(num_full: int, part: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, stop)`` block ranges for the transposed path, so its bounce buffer stays in cache."""
+    block_bytes = part[0].numel() * part.element_size()
+    step = max(1, _BOUNCE_BYTES // block_bytes)
+    return [(start, min(num_full, start + step)) for start in range(0, num_full, step)]
+
+
+def _gather_blocks(part: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst[i] = part[index[i]]`` for whole blocks; ``dst`` is ``[n, bs, h, D']``, contiguous."""
+    if not _token_minor(part):
+        torch.index_select(part, 0, index, out=dst)
+        return
+    # Whole blocks in their own [h, D, bs] order first (an indexed copy of contiguous
+    # rows), then one batched transpose into the wire, a cache-sized chunk at a time.
+    num, bs, heads, dim = dst.shape
+    (natural,) = _widen(part.permute(0, 2, 3, 1))  # [nb, h, D, bs]
+    for start, stop in _steps(num, part):
+        bounce = torch.index_select(natural, 0, index[start:stop]).view(part.dtype)
+        rows = bounce.view(stop - start, heads * dim, bs).transpose(1, 2)
+        dst[start:stop].view(stop - start, bs, heads * dim).copy_(rows)
+
+
+def _scatter_blocks(src: torch.Tensor, part: torch.Tensor, index: torch.Tensor) -> None:
+    """``part[index[i]] = src[i]`` for whole blocks; ``src`` is ``[n, bs, h, D']``, contiguous."""
+    if not _token_minor(part):
+        part.index_copy_(0, index, src)
+        return
+    num, bs, heads, dim = src.shape
+    natural = part.permute(0, 2, 3, 1)  # [nb, h, D, bs]
+    steps = _steps(num, part)
+    bounce = torch.empty((steps[0][1], heads, dim, bs), dtype=part.dtype, device=part.device)
+    for start, stop in steps:
+        chunk = bounce[: stop - start]
+        rows = src[start:stop].view(stop - start, bs, heads * dim).transpose(1, 2)
+        chunk.view(stop - start, heads * dim, bs).copy_(rows)
+        wide_natural, wide_chunk = _widen(natural, chunk)
+        wide_natural.index_copy_(0, index[start:stop], wide_chunk)
 
 
 def gather(
@@ -107,18 +164,17 @@ def gather(
     of the cache dtype and on the cache's device. Pass a :class:`SlotMap` built
     once per request to avoid rebuilding index tensors on every layer.
     """
-    view, wire, plan = _prepare(cache, spec, block_ids, tokens, heads, out, "out")
+    parts, plan = _prepare(cache, spec, block_ids, tokens, heads, out, "out")
     if len(tokens) == 0 or len(heads) == 0:
         return out
-    for run in plan.edges:
-        dst = wire[:, run.wire_start : run.wire_start + run.length]
-        dst.copy_(view[:, run.block_id, run.offset : run.offset + run.length])
-    if plan.block_index is not None:
-        num_full = len(plan.full_block_ids)
-        stop = plan.full_start + num_full * spec.block_size
-        for part in range(spec.kv_parts):
-            dst = wire[part, plan.full_start : stop].unflatten(0, (num_full, spec.block_size))
-            torch.index_select(view[part], 0, plan.block_index, out=dst)
+    for view, wire in parts:
+        for run in plan.edges:
+            at = slice(run.wire_start, run.wire_start + run.length)
+            wire[at].copy_(view[run.block_id, run.offset : run.offset + run.length])
+        if plan.block_index is not None:
+            num_full = len(plan.full_block_ids)
+            dst = wire[plan.full_start : plan.full_start + num_full * spec.block_size]
+            _gather_blocks(view, plan.block_index, dst.unflatten(0, (num_full, spec.block_size)))
     return out
 
 
@@ -136,19 +192,18 @@ def scatter(
     size than the one the slice was gathered from. The blocks the span touches
     must be distinct.
     """
-    view, wire4, plan = _prepare(cache, spec, block_ids, tokens, heads, wire, "wire")
+    parts, plan = _prepare(cache, spec, block_ids, tokens, heads, wire, "wire")
     if len(tokens) == 0 or len(heads) == 0:
         return
     if not plan.distinct:
         used = list(plan.full_block_ids) + [run.block_id for run in plan.edges]
         repeated = sorted({b for b in used if used.count(b) > 1})
         raise ValueError(f"token span {tokens!r} maps to repeated block ids {repeated[:8]}; scatter needs distinct blocks")
-    for run in plan.edges:
-        src = wire4[:, run.wire_start : run.wire_start + run.length]
-        view[:, run.block_id, run.offset : run.offset + run.length].copy_(src)
-    if plan.block_index is not None:
-        num_full = len(plan.full_block_ids)
-        stop = plan.full_start + num_full * spec.block_size
-        for part in range(spec.kv_parts):
-            src = wire4[part, plan.full_start : stop].unflatten(0, (num_full, spec.block_size))
-            view[part].index_copy_(0, plan.block_index, src)
+    for view, src in parts:
+        for run in plan.edges:
+            at = slice(run.wire_start, run.wire_start + run.length)
+            view[run.block_id, run.offset : run.offset + run.length].copy_(src[at])
+        if plan.block_index is not None:
+            num_full = len(plan.full_block_ids)
+            full = src[plan.full_start : plan.full_start + num_full * spec.block_size]
+            _scatter_blocks(full.unflatten(0, (num_full, spec.block_size)), view, plan.block_index)

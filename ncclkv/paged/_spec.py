@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ShapeMismatchError
 
-__all__ = ["CacheLayout", "PagedCacheSpec", "detect_layout", "kv_view", "wire_shape"]
+__all__ = ["CacheLayout", "PagedCacheSpec", "detect_layout", "kv_view", "part_views", "wire_shape"]
 
 
 class CacheLayout(enum.Enum):
@@ -21,8 +21,15 @@ class CacheLayout(enum.Enum):
       is accepted: of dims 2 and 3, the one with the larger stride is read as the
       heads (on equal strides, which block_size 1 gives, the size-1 dim as the tokens).
     - ``FLASHINFER``: ``[nb, 2, bs, H, D]``.
-    - ``CPU``: vLLM CPU, ``[nb, H, bs, 2*D]`` whose memory per (block, head) is K
-      ``[bs, D]`` followed by V ``[bs, D]``.
+    - ``CPU``: ``[nb, H, bs, 2*D]`` whose memory per (block, head) is K ``[bs, D]``
+      followed by V ``[bs, D]``, both token-major.
+    - ``CPU_KT``: vLLM CPU, keys transposed per block: the same shape and halves as
+      ``CPU``, but K is stored ``[D, bs]`` (V still ``[bs, D]``). vLLM 0.32's portable
+      CPU kernels (ISA ``vec`` / ``vec16``, every dtype) write this. The shape cannot
+      tell ``CPU`` from ``CPU_KT``: the caller must say which (:func:`detect_layout`
+      answers ``CPU``). Whole blocks copied byte for byte survive either reading; tokens
+      taken out of a block do not.
+      Its keys move at transposed-copy speed (a few GB/s on CPU), its values as ``CPU``'s.
     - ``MLA``: ``[nb, bs, latent]``, one latent per token (``H`` = 1, ``D`` = latent).
     """
 
@@ -30,7 +37,11 @@ class CacheLayout(enum.Enum):
     FLASH_HND = "flash_hnd"
     FLASHINFER = "flashinfer"
     CPU = "cpu"
+    CPU_KT = "cpu_kt"
     MLA = "mla"
+
+
+_CPU_LAYOUTS = (CacheLayout.CPU, CacheLayout.CPU_KT)
 
 
 _PATTERNS = {
@@ -38,6 +49,7 @@ _PATTERNS = {
     CacheLayout.FLASH_HND: "[2, num_blocks, num_kv_heads, block_size, head_size] (or its permuted view)",
     CacheLayout.FLASHINFER: "[num_blocks, 2, block_size, num_kv_heads, head_size]",
     CacheLayout.CPU: "[num_blocks, num_kv_heads, block_size, 2*head_size]",
+    CacheLayout.CPU_KT: "[num_blocks, num_kv_heads, block_size, 2*head_size]",
     CacheLayout.MLA: "[num_blocks, block_size, latent]",
 }
 
@@ -91,7 +103,7 @@ class PagedCacheSpec:
             return (2, nb, heads, bs, dim)
         if layout is CacheLayout.FLASHINFER:
             return (nb, 2, bs, heads, dim)
-        if layout is CacheLayout.CPU:
+        if layout in _CPU_LAYOUTS:
             return (nb, heads, bs, 2 * dim)
         return (nb, bs, dim)
 
@@ -102,13 +114,13 @@ class PagedCacheSpec:
     def from_tensor(cls, tensor: torch.Tensor, layout: CacheLayout) -> PagedCacheSpec:
         """Read the geometry of ``tensor`` taken as ``layout``; ValueError naming expected vs actual."""
         shape = tuple(tensor.shape)
-        ndim = {CacheLayout.CPU: 4, CacheLayout.MLA: 3}.get(layout, 5)
+        ndim = {CacheLayout.CPU: 4, CacheLayout.CPU_KT: 4, CacheLayout.MLA: 3}.get(layout, 5)
         bad = len(shape) != ndim or any(size < 1 for size in shape)
         if not bad and layout in (CacheLayout.FLASH_NHD, CacheLayout.FLASH_HND):
             bad = shape[0] != 2
         elif not bad and layout is CacheLayout.FLASHINFER:
             bad = shape[1] != 2
-        elif not bad and layout is CacheLayout.CPU:
+        elif not bad and layout in _CPU_LAYOUTS:
             bad = shape[3] % 2 != 0
         if bad:
             raise ValueError(f"a {layout.name} cache must be {_PATTERNS[layout]}, got shape {list(shape)}")
@@ -118,7 +130,7 @@ class PagedCacheSpec:
             nb, heads, bs, dim = shape[1:] if _hnd_is_physical(tensor) else (shape[1], shape[3], shape[2], shape[4])
         elif layout is CacheLayout.FLASHINFER:
             nb, _, bs, heads, dim = shape
-        elif layout is CacheLayout.CPU:
+        elif layout in _CPU_LAYOUTS:
             nb, heads, bs, dim = shape[0], shape[1], shape[2], shape[3] // 2
         else:
             (nb, bs, dim), heads = shape, 1
@@ -134,19 +146,57 @@ def wire_shape(num_tokens: int, num_heads: int, head_size: int, mla: bool) -> tu
     return (2, num_tokens, num_heads, head_size)
 
 
+def _check_cpu_rows(cache: torch.Tensor, spec: PagedCacheSpec) -> None:
+    dim = spec.head_size
+    if cache.stride(3) != 1 or cache.stride(2) != 2 * dim:
+        raise ValueError(
+            f"a {spec.layout.name} cache needs contiguous [block_size, 2*head_size] rows, got strides {cache.stride()}"
+        )
+
+
+def _check_cache(cache: torch.Tensor, spec: PagedCacheSpec) -> None:
+    if cache.dtype != spec.dtype:
+        raise ShapeMismatchError(f"cache dtype is {cache.dtype}, spec says {spec.dtype}")
+    hnd_view = spec.layout is CacheLayout.FLASH_HND and cache.dim() == 5 and not _hnd_is_physical(cache)
+    if not hnd_view and tuple(cache.shape) != spec.shape:
+        raise ShapeMismatchError(
+            f"{spec.layout.name} cache has shape {list(cache.shape)}, spec expects {list(spec.shape)}"
+        )
+
+
+def part_views(cache: torch.Tensor, spec: PagedCacheSpec) -> tuple[torch.Tensor, ...]:
+    """One view per part (K, V; MLA: the latent) as ``[num_blocks, block_size, num_kv_heads, head_size]`` (no copy).
+
+    Exists for every layout, CPU_KT included (its keys and values have different
+    strides, so :func:`kv_view` cannot stack them). Raises as :func:`kv_view`.
+    """
+    if spec.layout is not CacheLayout.CPU_KT:
+        return tuple(kv_view(cache, spec).unbind(0))
+    _check_cache(cache, spec)
+    _check_cpu_rows(cache, spec)
+    nb, heads, bs, dim = spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size
+    halves = cache.view(nb, heads, 2, bs * dim)
+    keys = halves[:, :, 0].unflatten(2, (dim, bs)).permute(0, 3, 1, 2)
+    values = halves[:, :, 1].unflatten(2, (bs, dim)).permute(0, 2, 1, 3)
+    return keys, values
+
+
 def kv_view(cache: torch.Tensor, spec: PagedCacheSpec) -> torch.Tensor:
     """A view of ``cache`` as ``[parts, num_blocks, block_size, num_kv_heads, head_size]`` (no copy).
 
     ``parts`` is K, V (MLA: the latent, with one head). Raises ShapeMismatchError when
-    ``cache`` does not match ``spec``.
+    ``cache`` does not match ``spec``, ValueError for CPU_KT (no such view: use
+    :func:`part_views`).
     """
-    if cache.dtype != spec.dtype:
-        raise ShapeMismatchError(f"cache dtype is {cache.dtype}, spec says {spec.dtype}")
+    _check_cache(cache, spec)
     layout = spec.layout
+    if layout is CacheLayout.CPU_KT:
+        raise ValueError(
+            "a CPU_KT cache has no single [parts, ...] view: its keys are [head_size, block_size] per block "
+            "and head, its values [block_size, head_size]; use part_views"
+        )
     if layout is CacheLayout.FLASH_HND and cache.dim() == 5 and not _hnd_is_physical(cache):
         view = cache
-    elif tuple(cache.shape) != spec.shape:
-        raise ShapeMismatchError(f"{layout.name} cache has shape {list(cache.shape)}, spec expects {list(spec.shape)}")
     elif layout is CacheLayout.FLASH_NHD:
         view = cache
     elif layout is CacheLayout.FLASH_HND:
@@ -154,9 +204,8 @@ def kv_view(cache: torch.Tensor, spec: PagedCacheSpec) -> torch.Tensor:
     elif layout is CacheLayout.FLASHINFER:
         view = cache.transpose(0, 1)
     elif layout is CacheLayout.CPU:
+        _check_cpu_rows(cache, spec)
         nb, heads, bs, dim = spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size
-        if cache.stride(3) != 1 or cache.stride(2) != 2 * dim:
-            raise ValueError(f"a CPU cache needs contiguous [block_size, 2*head_size] rows, got strides {cache.stride()}")
         view = cache.view(nb, heads, 2, bs, dim).permute(2, 0, 3, 1, 4)
     else:
         view = cache.unsqueeze(0).unsqueeze(3)
@@ -171,10 +220,15 @@ def detect_layout(
 ) -> CacheLayout:
     """The layout of ``tensor`` when its shape (and, for HND, strides) allows only one reading.
 
+    Never answers CPU_KT: its shape is CPU's, so a ``[num_blocks, num_kv_heads,
+    block_size, 2*head_size]`` tensor reads as CPU and a caller whose keys may be
+    transposed (vLLM's CPU kernels) must choose between the two itself.
     Raises ValueError naming the shape when no layout fits or several read it differently.
     """
     fits: dict[CacheLayout, torch.Tensor] = {}
     for layout in CacheLayout:
+        if layout is CacheLayout.CPU_KT:
+            continue
         try:
             spec = PagedCacheSpec.from_tensor(tensor, layout)
         except ValueError:

@@ -41,7 +41,7 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from ncclkv.connector import NcclKVConnector
-from ncclkv.connector._cpu_cache import TransposedKeyCopier, cpu_key_order
+from ncclkv.connector._cpu_cache import cpu_cache_layout
 from ncclkv.layout import Span
 from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather
 
@@ -215,10 +215,10 @@ class EngineSim:
     # -- the stand-in model -------------------------------------------------------------------
     def __post_init__(self) -> None:
         self._partial: dict[str, list[int]] = {}
-        self._spec = PagedCacheSpec.from_tensor(next(iter(self.caches.values())), CacheLayout.CPU)
+        first = next(iter(self.caches.values()))
+        layout = cpu_cache_layout(CacheLayout.CPU, first, BLOCK_SIZE, HEAD_SIZE)  # CPU or CPU_KT, as vLLM writes
+        self._spec = PagedCacheSpec.from_tensor(first, layout)
         self._isa = _get_attn_isa(torch.float32, BLOCK_SIZE, HEAD_SIZE, "auto")
-        transposed = cpu_key_order(torch.float32, BLOCK_SIZE, HEAD_SIZE) == "transposed"
-        self._read = TransposedKeyCopier.gather if transposed else gather
 
     def _forward(self, so: Any) -> dict[str, list[int]]:
         sampled: dict[str, list[int]] = {}
@@ -242,8 +242,8 @@ class EngineSim:
             self.worker.wait_for_layer_load(name)
             for req_id, request, start, num, slots, tokens in jobs:  # "attention": read the whole context
                 stop = start + num
-                got = self._read(cache, self._spec, slots, Span(0, stop), heads,
-                                 torch.empty(2, stop, NUM_KV_HEADS, HEAD_SIZE))
+                got = gather(cache, self._spec, slots, Span(0, stop), heads,
+                             torch.empty(2, stop, NUM_KV_HEADS, HEAD_SIZE))
                 bad = (got != expected_kv(layer, tokens[:stop], 0)).any(dim=(0, 2, 3)).nonzero().flatten()
                 if len(bad):
                     self.mismatches.append(f"{req_id} layer {layer}: {len(bad)} tokens, first at {int(bad[0])}")

@@ -14,7 +14,7 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from ncclkv.connector import NcclKVConnector
-from ncclkv.connector._cpu_cache import cache_copier, cpu_key_order
+from ncclkv.connector._cpu_cache import cpu_cache_layout, cpu_key_order
 from ncclkv.connector._metadata import NcclKVHandshake, NcclKVMetadata, engine_ref_from_handshakes
 from ncclkv.connector._stats import NcclKVPromMetrics, NcclKVStats, stats_delta
 from ncclkv.connector._worker import layer_index
@@ -92,16 +92,16 @@ def test_metadata_pickles_and_layer_names() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_copier_reads_what_vllm_writes(dtype: torch.dtype) -> None:
-    """Write with vLLM's own CPU cache op; gather any token span back exactly; scatter is its inverse."""
+def test_cpu_layout_choice_reads_what_vllm_writes(dtype: torch.dtype) -> None:
+    """Write with vLLM's own CPU cache op; the connector's layout gathers any token span back exactly."""
     nb, heads, bs, dim = 6, 4, 32, 64
     cache = torch.zeros(nb, heads, bs, 2 * dim, dtype=dtype)
-    copier = cache_copier(cache, CacheLayout.CPU, bs, dim)
+    layout = cpu_cache_layout(CacheLayout.CPU, cache, bs, dim)  # what register_kv_caches does with a detected CPU
     order = cpu_key_order(dtype, bs, dim)
-    assert (copier is not None) == (order == "transposed")
-    read = copier.gather if copier is not None else gather
-    write = copier.scatter if copier is not None else scatter
+    assert layout is (CacheLayout.CPU_KT if order == "transposed" else CacheLayout.CPU)
     isa = _get_attn_isa(dtype, bs, dim, "auto")
+    if isa in ("vec", "vec16"):  # vLLM's portable kernels store K column-major ([head_size, block_size])
+        assert layout is CacheLayout.CPU_KT
     tokens = 100
     kv = torch.randn(2, tokens, heads, dim).to(dtype)
     block_ids = [4, 1, 5, 2]
@@ -109,17 +109,33 @@ def test_cpu_copier_reads_what_vllm_writes(dtype: torch.dtype) -> None:
     keys, values = cache.view(nb, heads, 2 * bs, dim).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(kv[0], kv[1], keys, values, slots, isa, k_scale=1.0, v_scale=1.0,
                                    kv_cache_dtype="auto")
-    spec = PagedCacheSpec.from_tensor(cache, CacheLayout.CPU)
+    spec = PagedCacheSpec.from_tensor(cache, layout)
     slot_map = SlotMap(block_ids, bs)
     for span, hs in ((Span(0, 100), Span(0, 4)), (Span(13, 77), Span(1, 3)), (Span(31, 33), Span(2, 3))):
         out = torch.empty(2, len(span), len(hs), dim, dtype=dtype)
-        read(cache, spec, slot_map, span, hs, out)
+        gather(cache, spec, slot_map, span, hs, out)
         assert torch.equal(out, kv[:, span.start:span.stop, hs.start:hs.stop])
     before = cache.clone()
     patch = torch.randn(2, 20, 2, dim).to(dtype)
-    write(patch, cache, spec, slot_map, Span(40, 60), Span(1, 3))
+    scatter(patch, cache, spec, slot_map, Span(40, 60), Span(1, 3))
     out = torch.empty(2, 20, 2, dim, dtype=dtype)
-    read(cache, spec, slot_map, Span(40, 60), Span(1, 3), out)
+    gather(cache, spec, slot_map, Span(40, 60), Span(1, 3), out)
     assert torch.equal(out, patch)
-    write(kv[:, 40:60, 1:3].contiguous(), cache, spec, slot_map, Span(40, 60), Span(1, 3))
+    scatter(kv[:, 40:60, 1:3].contiguous(), cache, spec, slot_map, Span(40, 60), Span(1, 3))
     assert torch.equal(cache, before)  # nothing else was touched
+    # A block scattered by ncclkv is what vLLM's op writes for the same tokens.
+    again = torch.zeros_like(cache)
+    scatter(kv[:, :64].contiguous(), again, spec, SlotMap([3, 0], bs), Span(0, 64), Span(0, 4))
+    assert torch.equal(again[3], cache[4]) and torch.equal(again[0], cache[1])
+
+
+def test_cpu_layout_choice_checks_a_configured_layout() -> None:
+    cache = torch.zeros(2, 2, 32, 128)
+    found = cpu_cache_layout(CacheLayout.CPU, cache, 32, 64)
+    other = CacheLayout.CPU if found is CacheLayout.CPU_KT else CacheLayout.CPU_KT
+    assert cpu_cache_layout(found, cache, 32, 64, configured=True) is found
+    with pytest.raises(ValueError, match=rf"cache_layout'\]='{other.value}', but vLLM's CPU cache op .* "
+                                         rf"use '{found.value}'"):
+        cpu_cache_layout(other, cache, 32, 64, configured=True)
+    flash = torch.zeros(2, 2, 32, 2, 64)
+    assert cpu_cache_layout(CacheLayout.FLASH_NHD, flash, 32, 64, configured=True) is CacheLayout.FLASH_NHD

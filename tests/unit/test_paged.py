@@ -12,18 +12,22 @@ from hypothesis import strategies as st
 
 from ncclkv.errors import ShapeMismatchError
 from ncclkv.layout import Span
-from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, detect_layout, gather, kv_view, scatter, wire_shape
+from ncclkv.paged import (
+    CacheLayout, PagedCacheSpec, SlotMap, detect_layout, gather, kv_view, part_views, scatter, wire_shape,
+)
 
 # "hnd" is the contiguous physical tensor, "hnd_view" vLLM's permuted view of it.
-VARIANTS = ["nhd", "hnd", "hnd_view", "flashinfer", "cpu"]
+VARIANTS = ["nhd", "hnd", "hnd_view", "flashinfer", "cpu", "cpu_kt"]
 LAYOUTS = {
     "nhd": CacheLayout.FLASH_NHD,
     "hnd": CacheLayout.FLASH_HND,
     "hnd_view": CacheLayout.FLASH_HND,
     "flashinfer": CacheLayout.FLASHINFER,
     "cpu": CacheLayout.CPU,
+    "cpu_kt": CacheLayout.CPU_KT,
     "mla": CacheLayout.MLA,
 }
+CPU_VARIANTS = ("cpu", "cpu_kt")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -43,6 +47,7 @@ def make_cache(variant: str, nb: int, bs: int, heads: int, dim: int, dtype: torc
         "hnd_view": (2, nb, heads, bs, dim),
         "flashinfer": (nb, 2, bs, heads, dim),
         "cpu": (nb, heads, bs, 2 * dim),
+        "cpu_kt": (nb, heads, bs, 2 * dim),
         "mla": (nb, bs, dim),
     }[variant]
     raw = random_bits(shape, dtype, rng)
@@ -61,13 +66,15 @@ def ref_cell(raw: torch.Tensor, variant: str, part: int, block: int, offset: int
         return raw[block, offset]
     _, num_heads, bs, two_dim = raw.shape
     dim = two_dim // 2
-    start = ((block * num_heads + head) * 2 * bs + part * bs + offset) * dim  # K [bs, D] then V [bs, D]
-    return raw.reshape(-1)[start : start + dim]
+    half = ((block * num_heads + head) * 2 + part) * bs * dim  # K [bs, D] (cpu_kt: [D, bs]) then V [bs, D]
+    if variant == "cpu_kt" and part == 0:
+        return raw.reshape(-1)[half + offset : half + dim * bs : bs]
+    return raw.reshape(-1)[half + offset * dim : half + (offset + 1) * dim]
 
 
 def ref_gather(raw, variant, bs, block_ids, tokens: Span, heads: Span) -> torch.Tensor:
     parts = 1 if variant == "mla" else 2
-    dim = raw.shape[-1] // 2 if variant == "cpu" else raw.shape[-1]
+    dim = raw.shape[-1] // 2 if variant in CPU_VARIANTS else raw.shape[-1]
     wire = torch.empty(parts, len(tokens), len(heads), dim, dtype=raw.dtype)
     for part, t, h in itertools.product(range(parts), tokens, heads):
         wire[part, t - tokens.start, h - heads.start] = ref_cell(raw, variant, part, block_ids[t // bs], t % bs, h)
@@ -82,7 +89,10 @@ def ref_scatter(wire, raw, variant, bs, block_ids, tokens: Span, heads: Span) ->
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    # new_empty: truly unit-stride copies (a size-1 strided slice counts as contiguous and keeps its stride).
+    return a.shape == b.shape and torch.equal(
+        a.new_empty(a.shape).copy_(a).view(torch.uint8), b.new_empty(b.shape).copy_(b).view(torch.uint8)
+    )
 
 
 def shuffled_blocks(num_blocks: int, count: int, rng: random.Random) -> list[int]:
@@ -173,6 +183,34 @@ def test_span_shapes(variant: str, tokens: Span, heads: Span) -> None:
 def test_head_sizes_that_cannot_be_widened(dtype: torch.dtype, dim: int) -> None:
     round_trip("nhd", "cpu", 16, 32, dtype, Span(5, 70), Span(0, 3), 0, random.Random(dim), dim=dim)
     round_trip("hnd_view", "flashinfer", 32, 16, dtype, Span(0, 64), Span(1, 4), 0, random.Random(dim), dim=dim)
+    round_trip("cpu_kt", "cpu", 16, 32, dtype, Span(3, 70), Span(1, 4), 0, random.Random(dim), dim=dim)
+    round_trip("cpu", "cpu_kt", 32, 16, dtype, Span(0, 64), Span(1, 3), 1, random.Random(dim), dim=dim)
+
+
+@pytest.mark.parametrize("bounce_blocks", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_kt_keys_move_in_several_bounce_passes(monkeypatch, bounce_blocks: int, dtype: torch.dtype) -> None:
+    """Many whole blocks: the transposed keys go through the bounce buffer a few blocks at a time."""
+    from ncclkv.paged import _copy
+
+    heads, dim, bs = 3, 8, 16
+    monkeypatch.setattr(_copy, "_BOUNCE_BYTES", bounce_blocks * heads * dim * bs * dtype.itemsize)
+    rng = random.Random(bounce_blocks)
+    round_trip("cpu_kt", "cpu_kt", bs, bs, dtype, Span(5, 5 + 10 * bs), Span(1, 4), 0, rng, dim=dim)
+    round_trip("nhd", "cpu_kt", 32, bs, dtype, Span(0, 9 * bs), Span(0, 3), 0, rng, dim=dim)
+
+
+def test_cpu_and_cpu_kt_read_the_same_tensor_differently() -> None:
+    """Same shape, same values half; the keys of a partial block differ, so the caller's choice matters."""
+    cache, raw = make_cache("cpu", 4, 16, 2, 8, torch.float32, random.Random(5))
+    tokens, heads = Span(3, 20), Span(0, 2)
+    outs = []
+    for layout in (CacheLayout.CPU, CacheLayout.CPU_KT):
+        spec = PagedCacheSpec.from_tensor(cache, layout)
+        out = torch.empty(spec.wire_shape(len(tokens), len(heads)))
+        outs.append(gather(cache, spec, [2, 0], tokens, heads, out))
+        assert same_bytes(out, ref_gather(raw, layout.value, 16, [2, 0], tokens, heads))
+    assert same_bytes(outs[0][1], outs[1][1]) and not same_bytes(outs[0][0], outs[1][0])
 
 
 def test_slot_map_reused_across_layers_and_tensor_block_ids() -> None:
@@ -228,12 +266,19 @@ def test_from_tensor_reads_each_layout() -> None:
         CacheLayout.FLASH_HND: torch.empty(2, 5, 4, 16, 8),
         CacheLayout.FLASHINFER: torch.empty(5, 2, 16, 4, 8),
         CacheLayout.CPU: torch.empty(5, 4, 16, 16),
+        CacheLayout.CPU_KT: torch.empty(5, 4, 16, 16),
     }
     for layout, tensor in specs.items():
         spec = PagedCacheSpec.from_tensor(tensor, layout)
         assert (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size) == (5, 16, 4, 8)
         assert spec.shape == tuple(tensor.shape)
-        assert kv_view(tensor, spec).shape == (2, 5, 16, 4, 8)
+        assert [p.shape for p in part_views(tensor, spec)] == [(5, 16, 4, 8)] * 2
+        assert all(p.data_ptr() >= tensor.data_ptr() for p in part_views(tensor, spec))  # views, not copies
+        if layout is CacheLayout.CPU_KT:
+            with pytest.raises(ValueError, match=r"CPU_KT cache has no single .* use part_views"):
+                kv_view(tensor, spec)
+        else:
+            assert kv_view(tensor, spec).shape == (2, 5, 16, 4, 8)
     hnd_view = specs[CacheLayout.FLASH_HND].permute(0, 1, 3, 2, 4)
     assert PagedCacheSpec.from_tensor(hnd_view, CacheLayout.FLASH_HND) == PagedCacheSpec.from_tensor(
         specs[CacheLayout.FLASH_HND], CacheLayout.FLASH_HND
@@ -252,6 +297,7 @@ def test_from_tensor_reads_each_layout() -> None:
         ((3, 5, 16, 4, 8), CacheLayout.FLASH_NHD, r"FLASH_NHD cache must be \[2, num_blocks.*got shape \[3, 5, 16, 4, 8\]"),
         ((5, 16, 4, 8), CacheLayout.FLASHINFER, r"got shape \[5, 16, 4, 8\]"),
         ((5, 4, 16, 15), CacheLayout.CPU, r"2\*head_size\], got shape \[5, 4, 16, 15\]"),
+        ((5, 4, 16), CacheLayout.CPU_KT, r"CPU_KT cache must be .*got shape \[5, 4, 16\]"),
         ((5, 16), CacheLayout.MLA, r"\[num_blocks, block_size, latent\], got shape \[5, 16\]"),
     ],
 )
@@ -265,7 +311,7 @@ def test_detect_layout() -> None:
     assert detect_layout(torch.empty(2, 7, 4, 16, 8), 4, 8) is CacheLayout.FLASH_HND
     assert detect_layout(torch.empty(2, 7, 4, 16, 8).permute(0, 1, 3, 2, 4), 4, 8) is CacheLayout.FLASH_HND
     assert detect_layout(torch.empty(7, 2, 16, 4, 8), 4, 8) is CacheLayout.FLASHINFER
-    assert detect_layout(torch.empty(7, 4, 32, 16), 4, 8) is CacheLayout.CPU
+    assert detect_layout(torch.empty(7, 4, 32, 16), 4, 8) is CacheLayout.CPU  # never CPU_KT: same shape
     assert detect_layout(torch.empty(7, 16, 64), 1, 64) is CacheLayout.MLA
     # Two blocks: NHD and FlashInfer both fit; the block size does not tell them apart.
     with pytest.raises(ValueError, match=r"\[2, 2, 16, 4, 8\] is ambiguous: it reads as FLASH_NHD, FLASHINFER"):
@@ -330,11 +376,14 @@ def test_spec_and_wire_shape_validation() -> None:
     assert wire_shape(8, 1, 576, mla=True) == (1, 8, 576)
 
 
-def test_cpu_cache_with_strided_rows_is_rejected() -> None:
+@pytest.mark.parametrize("layout", [CacheLayout.CPU, CacheLayout.CPU_KT])
+def test_cpu_cache_with_strided_rows_is_rejected(layout: CacheLayout) -> None:
     base = torch.zeros(4, 2, 16, 32)
-    spec = PagedCacheSpec(CacheLayout.CPU, 4, 16, 2, 8, torch.float32)
+    spec = PagedCacheSpec(layout, 4, 16, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match=rf"a {layout.name} cache needs contiguous \[block_size, 2\*head_size\] rows"):
+        part_views(base[..., ::2], spec)
     with pytest.raises(ValueError, match=r"contiguous \[block_size, 2\*head_size\] rows"):
-        kv_view(base[..., ::2], spec)
+        gather(base[..., ::2], spec, [0], Span(0, 16), Span(0, 2), torch.empty(spec.wire_shape(16, 2)))
 
 
 def test_benchmark_quick_mode_writes_json(tmp_path) -> None:
