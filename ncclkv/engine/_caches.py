@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -13,20 +12,7 @@ from ..errors import ShapeMismatchError
 from ..layout import KVGeometry, ParallelLayout, Roi, Span, shard_roi
 from ..paged import CacheLayout, PagedCacheSpec, SlotMap, gather, scatter
 
-__all__ = ["CacheCopier", "RankCaches", "torch_dtype"]
-
-
-class CacheCopier(Protocol):
-    """Gather/scatter between one layer's cache and the wire format; :mod:`ncclkv.paged`'s by default.
-
-    A caller whose cache stores a slot differently than its :class:`CacheLayout`
-    says (same tensor shape, other memory order) passes its own pair."""
-
-    def gather(self, cache: torch.Tensor, spec: PagedCacheSpec, slots: SlotMap, tokens: Span, heads: Span,
-               out: torch.Tensor) -> torch.Tensor: ...
-
-    def scatter(self, wire: torch.Tensor, cache: torch.Tensor, spec: PagedCacheSpec, slots: SlotMap, tokens: Span,
-                heads: Span) -> None: ...
+__all__ = ["RankCaches", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -55,10 +41,8 @@ class RankCaches:
         self.wire_dtype = torch_dtype(geometry.dtype)
         self._layers: dict[int, _Layer] = {}
         self._lock = threading.Lock()
-        self._gather, self._scatter = gather, scatter
 
-    def register(self, kv_caches: Mapping[int, torch.Tensor], cache_layout: CacheLayout,
-                 copier: CacheCopier | None = None) -> None:
+    def register(self, kv_caches: Mapping[int, torch.Tensor], cache_layout: CacheLayout) -> None:
         """Register the caches of this rank's layers (global layer index -> tensor)."""
         want = set(self.shard.layers)
         if set(kv_caches) != want:
@@ -78,8 +62,6 @@ class RankCaches:
             layers[index] = _Layer(cache, spec)
         with self._lock:
             self._layers = layers
-            if copier is not None:
-                self._gather, self._scatter = copier.gather, copier.scatter
 
     @property
     def registered(self) -> bool:
@@ -107,11 +89,11 @@ class RankCaches:
 
     def gather(self, layer: int, slots: SlotMap, tokens: Span, heads: Span, out: torch.Tensor) -> torch.Tensor:
         entry = self._layer(layer)
-        return self._gather(entry.cache, entry.spec, slots, tokens, self._local(heads), out)
+        return gather(entry.cache, entry.spec, slots, tokens, self._local(heads), out)
 
     def scatter(self, layer: int, wire: torch.Tensor, slots: SlotMap, tokens: Span, heads: Span) -> None:
         entry = self._layer(layer)
-        self._scatter(wire, entry.cache, entry.spec, slots, tokens, self._local(heads))
+        scatter(wire, entry.cache, entry.spec, slots, tokens, self._local(heads))
 
     def _local(self, heads: Span) -> Span:
         start = self.shard.heads.start

@@ -14,7 +14,7 @@ from ..layout import SpanSet
 from ..paged import CacheLayout
 from ..protocol import Announce, Done, ErrorMsg, Handshake, Message, PullRequest, PushOffer
 from ..transport import DataPlane, LinkFactory
-from ._caches import CacheCopier, RankCaches
+from ._caches import RankCaches
 from ._config import EngineConfig, EngineRef
 from ._consumer import ConsumerSide
 from ._links import PeerLinks
@@ -73,14 +73,10 @@ class TransferEngine:
         """This rank's control address; gather every rank's into an :class:`EngineRef`."""
         return self._channel.address
 
-    def register(self, kv_caches: Mapping[int, torch.Tensor], cache_layout: CacheLayout,
-                 copier: CacheCopier | None = None) -> None:
-        """Register this rank's paged caches: global layer index -> tensor in ``cache_layout``.
-
-        ``copier`` replaces :mod:`ncclkv.paged`'s gather/scatter for caches whose
-        slots are stored in another memory order than ``cache_layout`` says."""
+    def register(self, kv_caches: Mapping[int, torch.Tensor], cache_layout: CacheLayout) -> None:
+        """Register this rank's paged caches: global layer index -> tensor in ``cache_layout``."""
         self._check_open()
-        self._caches.register(kv_caches, cache_layout, copier)
+        self._caches.register(kv_caches, cache_layout)
 
     # -- producer ---------------------------------------------------------------------
     def start_push(self, request_id: str, consumer: EngineRef, block_ids: Sequence[int], num_tokens: int) -> None:
