@@ -31,6 +31,7 @@ def cache_shape(layout: CacheLayout, num_blocks: int, block_size: int, heads: in
         CacheLayout.FLASH_HND: (2, num_blocks, heads, block_size, head_size),
         CacheLayout.FLASHINFER: (num_blocks, 2, block_size, heads, head_size),
         CacheLayout.CPU: (num_blocks, heads, block_size, 2 * head_size),
+        CacheLayout.CPU_KT: (num_blocks, heads, block_size, 2 * head_size),
         CacheLayout.MLA: (num_blocks, block_size, head_size),
     }[layout]
 
