@@ -34,60 +34,14 @@ from __future__ import annotations
 
 import msgspec
 
+from . import _messages
 from ._env import EnvSettings
-from ._messages import (
-    MAX_ID_CHARS,
-    MAX_MODEL_DIM,
-    MAX_ROUTES,
-    MAX_SHAPE_DIMS,
-    MAX_TEXT_CHARS,
-    PROTOCOL_VERSION,
-    Ack,
-    Announce,
-    Done,
-    Envelope,
-    ErrorCode,
-    ErrorMsg,
-    GeometryMsg,
-    Handshake,
-    HandshakeAck,
-    Heartbeat,
-    LayoutMsg,
-    Message,
-    PullRequest,
-    PushOffer,
-    Ready,
-    RouteMsg,
-)
+from ._messages import *  # noqa: F403 - the message types and limits, re-exported as listed in _messages.__all__
+from ._messages import Envelope, Handshake
 from .errors import HandshakeError, ProtocolError
 
-__all__ = [
-    "MAX_ID_CHARS",
-    "MAX_MODEL_DIM",
-    "MAX_ROUTES",
-    "MAX_SHAPE_DIMS",
-    "MAX_TEXT_CHARS",
-    "PROTOCOL_VERSION",
-    "Ack",
-    "Announce",
-    "Done",
-    "Envelope",
-    "ErrorCode",
-    "ErrorMsg",
-    "GeometryMsg",
-    "Handshake",
-    "HandshakeAck",
-    "Heartbeat",
-    "LayoutMsg",
-    "Message",
-    "PullRequest",
-    "PushOffer",
-    "Ready",
-    "RouteMsg",
-    "check_compatible",
-    "decode",
-    "encode",
-]
+__all__ = ["check_compatible", "decode", "encode"]
+__all__ += _messages.__all__  # one list of the message names: _messages.__all__
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Envelope)

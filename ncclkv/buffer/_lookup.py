@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import ClosedError, TransferTimeout
+from ..errors import TransferTimeout
 from ..hashing import BlockHash
 from ..layout import KVGeometry, Roi
+from ._base import LockedLRU
 from ._entry import LookupEntry, PrefixIndex, entry_matches, to_roi, to_token_ids
-from ._lru import BufferStats, ByteLRU, report_evicted
+from ._lru import report_evicted
 
 __all__ = ["KVLookupBuffer"]
 
@@ -41,7 +41,7 @@ class _Query:
     checked: int  # leading tokens the bucket guarantees equal
 
 
-class KVLookupBuffer:
+class KVLookupBuffer(LockedLRU[int, _Record]):
     """A thread-safe buffer honouring the seed's ``KVLookupBufferBase`` with an roi of tokens x layers x kv-heads.
 
     ``insert(input_tokens, roi, key, value, hidden)`` stages a slice;
@@ -82,36 +82,12 @@ class KVLookupBuffer:
         geometry: KVGeometry | None = None,
         index_block_size: int = 16,
     ) -> None:
-        self._lru: ByteLRU[int, _Record] = ByteLRU("KVLookupBuffer", capacity_bytes, evict)
+        super().__init__("KVLookupBuffer", capacity_bytes, evict)
         self._index = PrefixIndex(index_block_size)
         self._on_evict = on_evict
         self._geometry = geometry
-        self._cond = threading.Condition(threading.Lock())
         self._ids = itertools.count()
         self._ticks = itertools.count()
-        self._closed = False
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._lru.capacity_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        with self._cond:
-            return self._lru.used_bytes
-
-    @property
-    def stats(self) -> BufferStats:
-        with self._cond:
-            return self._lru.stats()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._lru)
 
     def insert(
         self,
@@ -131,18 +107,18 @@ class KVLookupBuffer:
         roi = to_roi(roi, len(token_ids), self._geometry, "insert")
         entry = LookupEntry(token_ids, roi, key, value, hidden)
         nbytes = entry.nbytes
-        with self._cond:  # refuse an oversized entry before hashing anything
+        with self._lock:  # refuse an oversized entry before hashing anything
             self._check_open()
             self._lru.check_fits(nbytes)
         keys = self._index.entry_keys(token_ids, roi)  # hashing outside the lock
-        with self._cond:
+        with self._lock:
             self._check_open()
             entry_id = next(self._ids)
             evicted = self._lru.add(entry_id, _Record(entry, keys, next(self._ticks)), nbytes)
             self._index.add(entry_id, keys)
             for old_id, old in evicted:
                 self._index.remove(old_id, old.keys)
-            self._cond.notify_all()
+            self._lock.notify_all()
         report_evicted(self._on_evict, [old.entry for _, old in evicted])
 
     def drop_select(
@@ -159,7 +135,7 @@ class KVLookupBuffer:
         if input_tokens is None or roi is None:
             if input_tokens is not None or roi is not None:
                 raise ValueError("drop_select: input_tokens and roi must both be None or both be given")
-            with self._cond:
+            with self._lock:
                 self._check_open()
                 item = self._lru.pop_lru()
                 if item is None:
@@ -169,14 +145,14 @@ class KVLookupBuffer:
                 self._lru.hits += 1
                 return item[1].entry
         query = self._query(input_tokens, roi, "drop_select")
-        with self._cond:
+        with self._lock:
             self._check_open()
             return self._take(query, drop=True)
 
     def select(self, input_tokens: torch.Tensor | Sequence[int], roi: RoiArg) -> LookupEntry | None:
         """Return a matching entry without removing it (it becomes the most recently used), or None."""
         query = self._query(input_tokens, roi, "select")
-        with self._cond:
+        with self._lock:
             self._check_open()
             return self._take(query, drop=False)
 
@@ -189,7 +165,7 @@ class KVLookupBuffer:
             raise ValueError(f"wait_select: timeout must be a finite number of seconds > 0, got {timeout!r}")
         query = self._query(input_tokens, roi, "wait_select")
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             self._check_open()
             found = self._take(query, drop=True, count_miss=False)
             while found is None:
@@ -200,18 +176,13 @@ class KVLookupBuffer:
                         f"wait_select: no entry for {len(query.token_ids)} tokens, roi {query.roi!r} "
                         f"arrived within {timeout} s"
                     )
-                self._cond.wait(remaining)
+                self._lock.wait(remaining)
                 self._check_open()
                 found = self._take(query, drop=True, count_miss=False)
             return found
 
-    def close(self) -> None:
-        """Drop every entry (without reporting them as evicted) and wake waiters; idempotent."""
-        with self._cond:
-            self._closed = True
-            self._lru.clear()
-            self._index.clear()
-            self._cond.notify_all()
+    def _on_close(self) -> None:
+        self._index.clear()
 
     def _query(self, input_tokens: torch.Tensor | Sequence[int], roi: RoiArg, what: str) -> _Query:
         token_ids = to_token_ids(input_tokens, what)
@@ -246,11 +217,3 @@ class KVLookupBuffer:
             record.tick = next(self._ticks)
             self._lru.touch(entry_id)
         return record.entry
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("KVLookupBuffer is closed")
-
-    def __repr__(self) -> str:
-        return (f"KVLookupBuffer({len(self._lru)} entries, {self._lru.used_bytes}/"
-                f"{self._lru.capacity_bytes} bytes, evict={self._lru.evict})")

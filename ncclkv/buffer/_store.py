@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 
-from ..errors import ClosedError
-from ._lru import BufferStats, ByteLRU, report_evicted
+from ._base import LockedLRU
+from ._lru import report_evicted
 
 __all__ = ["KVStoreBuffer"]
 
 
-class KVStoreBuffer:
+class KVStoreBuffer(LockedLRU[str, torch.Tensor]):
     """A thread-safe key -> tensor store honouring the seed's ``KVStoreBufferBase``.
 
     ``put(key, tensor)`` stores (replacing any previous tensor of that key),
@@ -37,32 +36,8 @@ class KVStoreBuffer:
         evict: bool = True,
         on_evict: Callable[[str, torch.Tensor], None] | None = None,
     ) -> None:
-        self._lru: ByteLRU[str, torch.Tensor] = ByteLRU("KVStoreBuffer", capacity_bytes, evict)
+        super().__init__("KVStoreBuffer", capacity_bytes, evict)
         self._on_evict = on_evict
-        self._lock = threading.Lock()
-        self._closed = False
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._lru.capacity_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        with self._lock:
-            return self._lru.used_bytes
-
-    @property
-    def stats(self) -> BufferStats:
-        with self._lock:
-            return self._lru.stats()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._lru)
 
     def __contains__(self, key: object) -> bool:
         with self._lock:
@@ -97,17 +72,3 @@ class KVStoreBuffer:
             self._lru.hits += 1
             self._lru.touch(key)
             return value
-
-    def close(self) -> None:
-        """Drop every entry (without reporting them as evicted); idempotent."""
-        with self._lock:
-            self._closed = True
-            self._lru.clear()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("KVStoreBuffer is closed")
-
-    def __repr__(self) -> str:
-        return (f"KVStoreBuffer({len(self._lru)} entries, {self._lru.used_bytes}/"
-                f"{self._lru.capacity_bytes} bytes, evict={self._lru.evict})")

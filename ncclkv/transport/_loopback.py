@@ -18,9 +18,10 @@ from collections import deque
 import torch
 
 from .._env import env_settings
-from ..errors import ClosedError, ShapeMismatchError, TransferError, TransferTimeout
+from ..errors import ShapeMismatchError, TransferError, TransferTimeout
 from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, check_link_args
 from ._link import Link
+from ._opener import LinkOpener
 
 __all__ = ["LoopbackHub", "LoopbackTransport", "loopback_pair"]
 
@@ -140,14 +141,16 @@ class LoopbackHub:
             self._addresses.add(address)
             return address
 
+    def check(self, store_addr: str, link_id: str, link_rank: int) -> None:
+        """Raise what :meth:`meet` would raise at once: an unknown address or a used link id."""
+        with self._cond:
+            self._check(store_addr, link_id, link_rank)
+
     def meet(self, store_addr: str, link_id: str, link_rank: int, deadline: float) -> _Wire:
         key = (store_addr, link_id)
         where = f"link {link_id!r} (link rank {link_rank}, store {store_addr})"
         with self._cond:
-            if store_addr not in self._addresses:
-                raise TransferError(f"{where}: no loopback transport has that address")
-            if key in self._used:
-                raise ValueError(f"{where}: link id already used; every link needs a new link_id")
+            self._check(store_addr, link_id, link_rank)
             if key in self._waiting:
                 rank, wire = self._waiting.pop(key)
                 if rank == link_rank:
@@ -166,59 +169,26 @@ class LoopbackHub:
                 self._cond.wait(left)
             return wire
 
+    def _check(self, store_addr: str, link_id: str, link_rank: int) -> None:
+        where = f"link {link_id!r} (link rank {link_rank}, store {store_addr})"
+        if store_addr not in self._addresses:
+            raise TransferError(f"{where}: no loopback transport has that address")
+        if (store_addr, link_id) in self._used:
+            raise ValueError(f"{where}: link id already used; every link needs a new link_id")
 
-class LoopbackTransport:
+
+class LoopbackTransport(LinkOpener):
     """A :class:`DataPlane` stand-in whose links are loopback links to another transport on the same hub."""
+
+    kind = "loopback transport"
 
     def __init__(self, hub: LoopbackHub | None = None) -> None:
         self.hub = hub if hub is not None else LoopbackHub()
-        self._address = self.hub.new_address()
-        self._lock = threading.Lock()
-        self._links: dict[str, Link] = {}
-        self._closed = False
+        super().__init__(self.hub.new_address())
 
-    @property
-    def address(self) -> str:
-        return self._address
+    def _check_peer(self, link_id: str, link_rank: int, store_addr: str) -> None:
+        self.hub.check(store_addr, link_id, link_rank)
 
-    def links(self) -> list[Link]:
-        with self._lock:
-            return list(self._links.values())
-
-    def open_link(
-        self,
-        link_id: str,
-        link_rank: int,
-        store_addr: str,
-        device: torch.device | str,
-        timeout_s: float,
-        *,
-        op_timeout_s: float | None = None,
-        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
-    ) -> Link:
-        dev = check_link_args(link_id, link_rank, device, timeout_s)
-        with self._lock:
-            if self._closed:
-                raise ClosedError(f"loopback transport {self._address} is closed")
-        wire = self.hub.meet(store_addr, link_id, link_rank, time.monotonic() + timeout_s)
-        link = Link(
-            link_id, link_rank, dev, _WireEnd(wire, link_rank),
-            timeout_s=timeout_s if op_timeout_s is None else op_timeout_s, max_in_flight=max_in_flight,
-            max_in_flight_bytes=max_in_flight_bytes, peer=store_addr, on_close=self._forget,
-        )
-        with self._lock:
-            self._links[link_id] = link
-        return link
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            links = list(self._links.values())
-        for link in links:
-            link.close()
-
-    def _forget(self, link: Link) -> None:
-        with self._lock:
-            if self._links.get(link.link_id) is link:
-                del self._links[link.link_id]
+    def _connect(self, link_id: str, link_rank: int, store_addr: str, device: torch.device, deadline: float,
+                 op_timeout_s: float) -> _WireEnd:
+        return _WireEnd(self.hub.meet(store_addr, link_id, link_rank, deadline), link_rank)

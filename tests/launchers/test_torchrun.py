@@ -18,16 +18,20 @@ def ring_lines(output: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(0) for m in re.finditer(r"ring rank (\d+)/\d+ .*byte-exact.*", output)}
 
 
-def test_torchrun_c10d_free_port_runs_the_ring() -> None:
+def torchrun_scenario(*scenario_args: str) -> list[str]:
+    """torchrun starting 4 ranks of ``python -m ncclkv.scenario SCENARIO_ARGS`` (skips without torchrun)."""
     torchrun = VENV_BIN / "torchrun"
     if not torchrun.exists():
         pytest.skip(f"no torchrun next to {sys.executable}")
     # Port 0: the c10d rendezvous store binds a free port; the workers get it as MASTER_PORT.
-    command = [
+    return [
         str(torchrun), "--nproc-per-node", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-        "--rdzv-id", uuid.uuid4().hex, "--max-restarts", "0",
-        "-m", "ncclkv.scenario", "--kind", "ring", "--count", "8", "--nbytes", "262144",
+        "--rdzv-id", uuid.uuid4().hex, "--max-restarts", "0", "-m", "ncclkv.scenario", *scenario_args,
     ]
+
+
+def test_torchrun_c10d_free_port_runs_the_ring() -> None:
+    command = torchrun_scenario("--kind", "ring", "--count", "8", "--nbytes", "262144")
     done = run(command, env=child_env(), timeout_s=TIMEOUT_S)
     print(f"torchrun ring: {done.elapsed_s:.1f} s")
     assert done.returncode == 0, done.describe()
@@ -61,15 +65,8 @@ def test_torchrun_pd_script_rejects_bad_sizes() -> None:
 
 
 def test_torchrun_runs_the_transfer_scenario() -> None:
-    torchrun = VENV_BIN / "torchrun"
-    if not torchrun.exists():
-        pytest.skip(f"no torchrun next to {sys.executable}")
-    command = [
-        str(torchrun), "--nproc-per-node", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-        "--rdzv-id", uuid.uuid4().hex, "--max-restarts", "0",
-        "-m", "ncclkv.scenario", "--kind", "transfer", "--prefill", "2", "--decode", "1", "--decode-tp", "2",
-        "--small", "--deadline", "60",
-    ]
+    command = torchrun_scenario("--kind", "transfer", "--prefill", "2", "--decode", "1", "--decode-tp", "2",
+                                "--small", "--deadline", "60")
     done = run(command, env=child_env(), timeout_s=TIMEOUT_S)
     print(f"torchrun transfer 2P+1D(tp2): {done.elapsed_s:.1f} s")
     assert done.returncode == 0, done.describe()

@@ -39,6 +39,8 @@ if _TESTS not in sys.path:  # kvsim lives in tests/engine (pytest puts tests/ on
     sys.path.insert(0, _TESTS)
 from engine.kvsim import RankSide  # noqa: E402
 
+from _commands import commands  # noqa: E402
+
 __all__ = ["Outcome", "Req", "serve", "thread_names"]
 
 IDLE_S = 300.0  # a child whose parent vanished exits after this long without a command
@@ -308,11 +310,7 @@ def serve(conn: Connection, notes: Any, gate: Any) -> None:
     logging.getLogger("ncclkv").addHandler(_Capture(state.logs))
     conn.send(("ready", os.getpid()))
     try:
-        while conn.poll(IDLE_S):
-            command = conn.recv()
-            if command is None:
-                break
-            name, kwargs = command
+        for name, kwargs in commands(conn, IDLE_S):
             try:
                 reply: tuple[str, Any] = ("ok", COMMANDS[name](state, **kwargs))
             except BaseException:  # noqa: BLE001 - shown by the test with the child's traceback

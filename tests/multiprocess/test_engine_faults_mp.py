@@ -62,15 +62,53 @@ def _assert_ok(outcomes: dict[str, Outcome], where: str) -> None:
     assert not bad, f"{where}: {bad}"
 
 
-def _fresh_producer_serves(procs: Pool, index: int, engine_id: str, consumer: Proc, consumer_key: str,
-                           req: Req) -> None:
-    """A new process, with the killed producer's engine id, serves ``req`` to the same consumer engine."""
-    fresh = procs.replace(index)
-    ref = _build(fresh, engine_id, "producer")
-    fresh.call("hold", key=engine_id, reqs=[req])
-    consumer.call("expect", key=consumer_key, producer=ref, reqs=[req])
-    _assert_ok(consumer.call("wait", key=consumer_key, reqs=[req]), "after restart")
-    _assert_ok(fresh.call("take_sent", key=engine_id, rids=[req.rid]), "restarted producer")
+def _park_push(producer: Proc, ref_p: EngineRef, consumer: Proc, ref_c: EngineRef, req: Req, layer: int,
+               resume: str = "gate") -> None:
+    """Push ``req`` and park the producer mid-request: layers up to ``layer`` are in the consumer's blocks,
+    the last layer is not. The producer goes on when its gate opens (``resume="gate"``) or it lost the consumer."""
+    producer.submit("push", key=ref_p.engine_id, req=req, consumer=ref_c, gate_after=layer, resume=resume)
+    assert producer.note() == ("parked", req.rid, layer)
+    consumer.call("expect", key=ref_c.engine_id, producer=ref_p, reqs=[req], push=True)  # layers <= layer staged
+    last = GQA.num_layers - 1
+    assert consumer.call("wait_layer", key=ref_c.engine_id, req=req, layer=layer, probe_layer=last) == "empty"
+
+
+def _two_producers_one_consumer(procs: Pool, tag: str,
+                                cache: CacheLayout = CacheLayout.CPU) -> tuple[EngineRef, EngineRef]:
+    """Producers ``{tag}-p`` (the victim, procs[0]) and ``{tag}-h`` (healthy, procs[1]), consumer ``{tag}-d``
+    (procs[2]); returns the producers' refs."""
+    ref_v = _build(procs[0], f"{tag}-p", "producer")
+    ref_h = _build(procs[1], f"{tag}-h", "producer")
+    _build(procs[2], f"{tag}-d", "consumer", cache)
+    return ref_v, ref_h
+
+
+def _only_the_victims_request_fails(procs: Pool, tag: str, ref_h: EngineRef, lost: Req, killed_at: float,
+                                    what: str, fine: Req, again: Req) -> None:
+    """After producer ``{tag}-p`` was killed: ``lost`` fails in time, ``fine`` from ``{tag}-h`` arrives intact,
+    the dead peer is torn down, and a new process with the victim's engine id serves ``again``."""
+    healthy, consumer, consumer_key = procs[1], procs[2], f"{tag}-d"
+    healthy.call("hold", key=f"{tag}-h", reqs=[fine])
+    consumer.call("expect", key=consumer_key, producer=ref_h, reqs=[fine])
+    outcomes = consumer.call("wait", key=consumer_key, reqs=[lost, fine])
+    _failed_in_time(outcomes.pop(lost.rid), killed_at, what)
+    _assert_ok(outcomes, "the other producer's request")
+    consumer.call("peer_gone", key=consumer_key, peer_id=f"{tag}-p.r0")
+    fresh = procs.replace(0)
+    ref_f = _build(fresh, f"{tag}-p", "producer")
+    fresh.call("hold", key=f"{tag}-p", reqs=[again])
+    consumer.call("expect", key=consumer_key, producer=ref_f, reqs=[again])
+    _assert_ok(consumer.call("wait", key=consumer_key, reqs=[again]), "after restart")
+    _assert_ok(fresh.call("take_sent", key=f"{tag}-p", rids=[again.rid]), "restarted producer")
+
+
+def _fresh_consumer_takes(procs: Pool, engine_id: str, producer: Proc, ref_p: EngineRef, req: Req) -> None:
+    """A new process in place of the killed consumer (procs[1]) takes a push of ``req`` from the same producer."""
+    fresh = procs.replace(1)
+    ref_f = _build(fresh, engine_id, "consumer")
+    fresh.call("expect", key=engine_id, producer=ref_p, reqs=[req], push=True)
+    assert producer.call("push", key=ref_p.engine_id, req=req, consumer=ref_f).ok
+    _assert_ok(fresh.call("wait", key=engine_id, reqs=[req]), "fresh consumer")
 
 
 def test_default_deadline_stays_at_most_ten_seconds() -> None:
@@ -87,12 +125,8 @@ def test_killed_producer_fails_its_request_only_and_the_consumer_closes_clean(pr
     ref_c = _build(consumer, "kill-d", "consumer", CacheLayout.FLASHINFER)
     doomed = _req("doomed", 7, 0, 48)
     others = [_req(f"h{i}", 20 + i, 1 + i, 17 + 3 * i) for i in range(8)]
-    victim.submit("push", key="kill-v", req=doomed, consumer=ref_c, gate_after=1)
-    assert victim.note() == ("parked", "doomed", 1)
-    consumer.call("expect", key="kill-d", producer=ref_v, reqs=[doomed], push=True)  # layers 0, 1 were staged
+    _park_push(victim, ref_v, consumer, ref_c, doomed, layer=1)  # mid-request: layers 0, 1 arrived, 3 did not
     consumer.call("expect", key="kill-d", producer=ref_h, reqs=others)
-    # Mid-request: layers 0 and 1 are in the consumer's blocks, layer 3 is not.
-    assert consumer.call("wait_layer", key="kill-d", req=doomed, layer=1, probe_layer=3) == "empty"
     killed_at = victim.kill()
     healthy.call("hold", key="kill-h", reqs=others)  # served after the kill, while the doomed one fails
     outcomes = consumer.call("wait", key="kill-d", reqs=[doomed, *others])
@@ -127,10 +161,7 @@ def test_garbage_on_the_consumer_router_is_rejected_and_the_transfer_completes(p
     ref_p = _build(producer, "junk-p", "producer")
     ref_c = _build(consumer, "junk-d", "consumer", CacheLayout.FLASH_NHD)
     req = _req("j", 11, 0, 48)
-    producer.submit("push", key="junk-p", req=req, consumer=ref_c, gate_after=1)
-    assert producer.note() == ("parked", "j", 1)
-    consumer.call("expect", key="junk-d", producer=ref_p, reqs=[req], push=True)
-    assert consumer.call("wait_layer", key="junk-d", req=req, layer=1, probe_layer=3) == "empty"
+    _park_push(producer, ref_p, consumer, ref_c, req, layer=1)
     address = ref_c.control_addrs[0]
     context = zmq.Context()
     try:
@@ -222,31 +253,23 @@ def test_push_larger_than_staging_is_refused_before_anything_moves(procs: Pool) 
 
 
 def test_producer_killed_during_handshake(procs: Pool) -> None:
-    victim, healthy, consumer = procs[0], procs[1], procs[2]
-    ref_v = _build(victim, "hs-kill-p", "producer")
-    ref_h = _build(healthy, "hs-kill-h", "producer")
-    _build(consumer, "hs-kill-d", "consumer")
-    doomed, fine = _req("doomed", 1, 0), _req("fine", 2, 1)
+    victim, consumer = procs[0], procs[2]
+    ref_v, ref_h = _two_producers_one_consumer(procs, "hs-kill")
+    doomed = _req("doomed", 1, 0)
     victim.call("hold", key="hs-kill-p", reqs=[doomed])
     victim.call("stall", key="hs-kill-p", phase="handshake")
     consumer.call("expect", key="hs-kill-d", producer=ref_v, reqs=[doomed])
     assert victim.note() == ("stalled", "handshake")  # it got the handshake and will never reply
     killed_at = victim.kill()
-    healthy.call("hold", key="hs-kill-h", reqs=[fine])
-    consumer.call("expect", key="hs-kill-d", producer=ref_h, reqs=[fine])
-    outcomes = consumer.call("wait", key="hs-kill-d", reqs=[doomed, fine])
-    _failed_in_time(outcomes.pop("doomed"), killed_at, "producer killed before answering the handshake")
-    _assert_ok(outcomes, "the other producer's request")
-    consumer.call("peer_gone", key="hs-kill-d", peer_id="hs-kill-p.r0")
-    _fresh_producer_serves(procs, 0, "hs-kill-p", consumer, "hs-kill-d", _req("again", 3, 2))
+    _only_the_victims_request_fails(procs, "hs-kill", ref_h, doomed, killed_at,
+                                    "producer killed before answering the handshake",
+                                    fine=_req("fine", 2, 1), again=_req("again", 3, 2))
 
 
 def test_producer_killed_after_announcing_a_tensor_it_never_sends(procs: Pool) -> None:
-    victim, healthy, consumer = procs[0], procs[1], procs[2]
-    ref_v = _build(victim, "ann-kill-p", "producer")
-    ref_h = _build(healthy, "ann-kill-h", "producer")
-    _build(consumer, "ann-kill-d", "consumer", CacheLayout.FLASH_HND)
-    doomed, fine = _req("doomed", 1, 0), _req("fine", 2, 1)
+    victim, consumer = procs[0], procs[2]
+    ref_v, ref_h = _two_producers_one_consumer(procs, "ann-kill", CacheLayout.FLASH_HND)
+    doomed = _req("doomed", 1, 0)
     victim.call("stall", key="ann-kill-p", phase="announce", rid="doomed", layer=1)
     victim.call("hold", key="ann-kill-p", reqs=[doomed])
     consumer.call("expect", key="ann-kill-d", producer=ref_v, reqs=[doomed])
@@ -254,34 +277,24 @@ def test_producer_killed_after_announcing_a_tensor_it_never_sends(procs: Pool) -
     # The consumer accepted the announcement of layer 1 and posted its receive: seq 0 (layer 0) and seq 1.
     assert consumer.call("recv_posted", key="ann-kill-d", peer_id="ann-kill-p.r0", count=2) == 2
     killed_at = victim.kill()
-    healthy.call("hold", key="ann-kill-h", reqs=[fine])
-    consumer.call("expect", key="ann-kill-d", producer=ref_h, reqs=[fine])
-    outcomes = consumer.call("wait", key="ann-kill-d", reqs=[doomed, fine])
-    _failed_in_time(outcomes.pop("doomed"), killed_at, "producer killed between announcement and tensor")
-    _assert_ok(outcomes, "the other producer's request")
-    consumer.call("peer_gone", key="ann-kill-d", peer_id="ann-kill-p.r0")
-    _fresh_producer_serves(procs, 0, "ann-kill-p", consumer, "ann-kill-d", _req("again", 3, 2))
+    _only_the_victims_request_fails(procs, "ann-kill", ref_h, doomed, killed_at,
+                                    "producer killed between announcement and tensor",
+                                    fine=_req("fine", 2, 1), again=_req("again", 3, 2))
 
 
 def test_producer_killed_after_done(procs: Pool) -> None:
-    victim, healthy, consumer = procs[0], procs[1], procs[2]
-    ref_v = _build(victim, "done-kill-p", "producer")
-    ref_h = _build(healthy, "done-kill-h", "producer")
-    _build(consumer, "done-kill-d", "consumer")
-    served, late, fine = _req("served", 1, 0), _req("late", 2, 1), _req("fine", 3, 2)
+    victim, consumer = procs[0], procs[2]
+    ref_v, ref_h = _two_producers_one_consumer(procs, "done-kill")
+    served, late = _req("served", 1, 0), _req("late", 2, 1)
     victim.call("hold", key="done-kill-p", reqs=[served])
     consumer.call("expect", key="done-kill-d", producer=ref_v, reqs=[served])
     _assert_ok(consumer.call("wait", key="done-kill-d", reqs=[served]), "served before the kill")
     _assert_ok(victim.call("take_sent", key="done-kill-p", rids=["served"]), "victim before the kill")
     killed_at = victim.kill()
     consumer.call("expect", key="done-kill-d", producer=ref_v, reqs=[late])  # the dead producer's next request
-    healthy.call("hold", key="done-kill-h", reqs=[fine])
-    consumer.call("expect", key="done-kill-d", producer=ref_h, reqs=[fine])
-    outcomes = consumer.call("wait", key="done-kill-d", reqs=[late, fine])
-    _failed_in_time(outcomes.pop("late"), killed_at, "request to a producer killed after Done")
-    _assert_ok(outcomes, "the other producer's request")
-    consumer.call("peer_gone", key="done-kill-d", peer_id="done-kill-p.r0")
-    _fresh_producer_serves(procs, 0, "done-kill-p", consumer, "done-kill-d", _req("again", 4, 3))
+    _only_the_victims_request_fails(procs, "done-kill", ref_h, late, killed_at,
+                                    "request to a producer killed after Done",
+                                    fine=_req("fine", 3, 2), again=_req("again", 4, 3))
 
 
 def test_consumer_that_stops_reading_fails_the_push_within_the_deadline(procs: Pool) -> None:
@@ -291,10 +304,7 @@ def test_consumer_that_stops_reading_fails_the_push_within_the_deadline(procs: P
     _build(healthy, "stop-h", "consumer")
     doomed, fine = _req("doomed", 1, 0), _req("fine", 2, 1)
     producer.call("hold", key="stop-p", reqs=[fine])
-    producer.submit("push", key="stop-p", req=doomed, consumer=ref_v, gate_after=0)
-    assert producer.note() == ("parked", "doomed", 0)
-    victim.call("expect", key="stop-v", producer=ref_p, reqs=[doomed], push=True)
-    assert victim.call("wait_layer", key="stop-v", req=doomed, layer=0, probe_layer=3) == "empty"
+    _park_push(producer, ref_p, victim, ref_v, doomed, layer=0)
     stopped_at = victim.signal(signal.SIGSTOP)
     producer.gate.set()  # layers 1..3 go to a consumer that reads nothing
     healthy.call("expect", key="stop-h", producer=ref_p, reqs=[fine])
@@ -306,12 +316,7 @@ def test_consumer_that_stops_reading_fails_the_push_within_the_deadline(procs: P
     late = victim.call("wait", key="stop-v", reqs=[doomed])["doomed"]
     assert late.error_type in PEER_FAILURES | {"ProtocolError"}, late
     victim.kill()
-    fresh = procs.replace(1)
-    ref_f = _build(fresh, "stop-v2", "consumer")
-    again = _req("again", 3, 2)
-    fresh.call("expect", key="stop-v2", producer=ref_p, reqs=[again], push=True)
-    assert producer.call("push", key="stop-p", req=again, consumer=ref_f).ok
-    _assert_ok(fresh.call("wait", key="stop-v2", reqs=[again]), "fresh consumer")
+    _fresh_consumer_takes(procs, "stop-v2", producer, ref_p, _req("again", 3, 2))
 
 
 def test_consumer_killed_mid_push_while_the_producer_keeps_saving_layers(procs: Pool) -> None:
@@ -319,18 +324,10 @@ def test_consumer_killed_mid_push_while_the_producer_keeps_saving_layers(procs: 
     ref_p = _build(producer, "ckill-p", "producer")
     ref_v = _build(victim, "ckill-v", "consumer")
     doomed = _req("doomed", 1, 0)
-    producer.submit("push", key="ckill-p", req=doomed, consumer=ref_v, gate_after=0, resume="lost")
-    assert producer.note() == ("parked", "doomed", 0)
-    victim.call("expect", key="ckill-v", producer=ref_p, reqs=[doomed], push=True)
-    assert victim.call("wait_layer", key="ckill-v", req=doomed, layer=0, probe_layer=3) == "empty"
+    _park_push(producer, ref_p, victim, ref_v, doomed, layer=0, resume="lost")
     killed_at = victim.kill()
     # The producer saves layers 1..3 after it lost the consumer: save_layer must not raise; the push fails.
     kind, rid, resumed_at = producer.note()
     assert (kind, rid) == ("resumed", "doomed") and resumed_at > killed_at
     _failed_in_time(producer.result(), killed_at, "push whose consumer died mid-request")
-    fresh = procs.replace(1)
-    ref_f = _build(fresh, "ckill-v2", "consumer")
-    again = _req("again", 2, 1)
-    fresh.call("expect", key="ckill-v2", producer=ref_p, reqs=[again], push=True)
-    assert producer.call("push", key="ckill-p", req=again, consumer=ref_f).ok
-    _assert_ok(fresh.call("wait", key="ckill-v2", reqs=[again]), "fresh consumer")
+    _fresh_consumer_takes(procs, "ckill-v2", producer, ref_p, _req("again", 2, 1))

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from ncclkv.errors import TransferError
 from ncclkv.transport import DataPlane, Link
 
+from _commands import commands
+
 pytestmark = pytest.mark.multiprocess
 
 WAIT_S = 20.0  # generous: 2 busy cores; a hang still ends here, not at pytest's timeout
@@ -127,11 +129,7 @@ def serve(conn: Connection) -> None:
     links: dict[str, Link] = {}
     conn.send(("address", plane.address))
     try:
-        while conn.poll(IDLE_S):
-            command = conn.recv()
-            if command is None:
-                break
-            name, kwargs = command
+        for name, kwargs in commands(conn, IDLE_S):
             try:
                 SCENARIOS[name](conn, plane, links, **kwargs)
             except Exception as exc:  # noqa: BLE001 - reported to the test, which fails

@@ -33,20 +33,14 @@ from ncclkv.protocol import (
     encode,
 )
 
+from _channel_helpers import channel_threads, wait_until
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAST = dict(heartbeat_s=0.05, deadline_s=0.5)
 ROUTE = RouteMsg(0, 0, (0, 1), (0, 1), (0, 16))
+WAIT_S = 5.0  # for wait_until
 
-
-def channel_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
-
-
-@pytest.fixture(autouse=True)
-def no_thread_survives() -> Iterator[None]:
-    assert channel_threads() == []
-    yield
-    assert channel_threads() == [], "a channel thread outlived its test"
+pytestmark = pytest.mark.usefixtures("no_channel_thread_left")
 
 
 @pytest.fixture
@@ -62,13 +56,6 @@ def make_channel() -> Iterator[Callable[..., Channel]]:
         channel.close()
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.005)
-
-
 def ack_ready(sender: str, body: Message) -> Message | None:
     return Ack(body.request_id, None) if isinstance(body, Ready) else None  # type: ignore[union-attr]
 
@@ -82,7 +69,7 @@ def test_request_reply_both_ways_over_one_connection(make_channel: Callable[...,
     # the server never called connect(): it answers, and asks, on the client's connection
     assert server.request("decode-0", Ready("r2"), timeout_s=5) == Ack("r2", None)
     assert server.peer_alive("decode-0") and client.peer_alive("prefill-0")
-    wait_until(lambda: client.last_rtt("prefill-0") is not None and server.last_rtt("decode-0") is not None)
+    wait_until(lambda: client.last_rtt("prefill-0") is not None and server.last_rtt("decode-0") is not None, WAIT_S)
     assert 0 < client.last_rtt("prefill-0") < 1.0  # type: ignore[operator]
     # client sent: its request and its reply; received: the reply and the request (heartbeats not counted)
     assert (client.stats.sent, client.stats.received, client.stats.rejected) == (2, 2, 0)
@@ -166,7 +153,7 @@ def test_request_to_a_silent_peer_times_out_and_a_late_reply_is_dropped(make_cha
         assert request.body == Ready("r")
         late = Envelope("silent", 1, request.msg_id, Ack("r", None))
         silent.send_multipart([routing_id, encode(late)])
-        wait_until(lambda: client.stats.late_replies == 1)
+        wait_until(lambda: client.stats.late_replies == 1, WAIT_S)
         assert client.stats.received == 1
     finally:
         silent.close()
@@ -251,7 +238,7 @@ def test_peer_lost_when_the_other_channel_closes(make_channel: Callable[..., Cha
     outcome: list[BaseException] = []
     waiter = threading.Thread(target=lambda: _capture(outcome, lambda: b.request("quiet", Ready("hang"), timeout_s=10)))
     waiter.start()
-    wait_until(lambda: quiet.stats.received == 1)
+    wait_until(lambda: quiet.stats.received == 1, WAIT_S)
     closed_at = time.monotonic()
     quiet.close()
     waiter.join(5)
@@ -379,7 +366,7 @@ def test_close_joins_threads_fails_waiters_and_refuses_later_calls(make_channel:
         outcome: list[BaseException] = []
         waiter = threading.Thread(target=lambda: _capture(outcome, lambda: client.request("quiet", Ready("r"), timeout_s=10)))
         waiter.start()
-        wait_until(lambda: quiet.stats.received == 1)
+        wait_until(lambda: quiet.stats.received == 1, WAIT_S)
     waiter.join(5)
     assert len(outcome) == 1 and isinstance(outcome[0], errors.ClosedError)
     assert sorted(channel_threads()) == [f"{THREAD_PREFIX}-dispatch[quiet]", f"{THREAD_PREFIX}-io[quiet]"]

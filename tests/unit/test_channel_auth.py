@@ -4,9 +4,8 @@ configuration from files and environment, and where the channel listens by defau
 from __future__ import annotations
 
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -42,28 +41,15 @@ from ncclkv.protocol import (
     encode,
 )
 
+from _channel_helpers import channel_threads, wait_until
+
 SECRET = b"0123456789abcdef0123456789abcdef"
 FAST = dict(heartbeat_s=0.05, deadline_s=2.0)
+WAIT_S = 10.0  # for wait_until
 NO_ANSWER_S = 0.5  # how long an unauthenticated peer waits in vain (an authenticated one is answered in ms)
 HELLO = Handshake.create("decode-0", "consumer", 0, ParallelLayout(1, 1), KVGeometry(2, 2, 64), "tcp://h:1", "h:2")
+pytestmark = pytest.mark.usefixtures("no_channel_thread_left")
 ANNOUNCE = Announce("req", 0, RouteMsg(0, 0, (0, 1), (0, 1), (0, 4)), (2, 4, 1, 64), "bfloat16", 1024, 0)
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
-def channel_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
-
-
-@pytest.fixture(autouse=True)
-def no_thread_survives() -> Iterator[None]:
-    yield
-    assert channel_threads() == [], "a channel thread (I/O, dispatcher or ZAP) outlived its test"
 
 
 class Server:
@@ -163,7 +149,7 @@ def test_curve_refuses_unauthenticated_peers(make: Channels, certs: dict[str, Pa
     }[who]
     assert_refused(make.client("decode-0", auth), server)
     if who == "key not allowed":
-        wait_until(lambda: server.channel.stats.auth_failures >= 1)  # the ZAP allow-list said no
+        wait_until(lambda: server.channel.stats.auth_failures >= 1, WAIT_S)  # the ZAP allow-list said no
     good = make.client("decode-1", curve(certs, "client"))  # meanwhile, an allowed client is served
     good.connect("server", server.channel.address)
     assert good.request("server", Ready("ok"), timeout_s=10) == Ack("ok", None)
@@ -224,7 +210,8 @@ def test_hmac_peers_talk_and_heartbeat(make: Channels) -> None:
     assert client.request("server", HELLO, timeout_s=10) == HandshakeAck("prefill-0", 0, True, "")
     client.send("server", ANNOUNCE)
     assert client.request("server", Ready("r"), timeout_s=10) == Ack("r", None)
-    wait_until(lambda: None not in (client.last_rtt("server"), server.channel.last_rtt("decode-0")))  # sealed too
+    # Heartbeats are sealed too: both sides measure a round trip.
+    wait_until(lambda: None not in (client.last_rtt("server"), server.channel.last_rtt("decode-0")), WAIT_S)
     assert [type(body) for _, body in server.seen] == [Handshake, Announce, Ready]
     assert server.channel.stats.auth_failures == 0 and server.channel.stats.rejected == 0
 
@@ -234,7 +221,7 @@ def test_hmac_refuses_unauthenticated_peers(make: Channels, who: str) -> None:
     server = make.server(ChannelAuth(shared_secret=SECRET))
     auth = ChannelAuth() if who == "no secret" else ChannelAuth(shared_secret=SECRET[::-1])
     assert_refused(make.client("decode-0", auth), server)
-    wait_until(lambda: server.channel.stats.auth_failures >= 2)  # the announce and the handshake, dropped
+    wait_until(lambda: server.channel.stats.auth_failures >= 2, WAIT_S)  # the announce and the handshake, dropped
     assert server.channel.stats.rejected == server.channel.stats.auth_failures and server.seen == []
 
 
@@ -266,7 +253,7 @@ def test_hmac_drops_replays_alterations_and_misattributed_frames(make: Channels)
         socks["mallory"].send(stale)  # an old capture, to a receiver that never heard from mallory
         socks["mallory"].send(encode(Envelope("mallory", 1, None, Ready("plain"))))  # no MAC at all
         socks["legit"].send(sealed("last"))  # FIFO per connection: when it lands, legit's earlier frames did
-        wait_until(lambda: len(server.seen) >= 2 and server.channel.stats.auth_failures >= 6)
+        wait_until(lambda: len(server.seen) >= 2 and server.channel.stats.auth_failures >= 6, WAIT_S)
         assert [body.request_id for _, body in server.seen] == ["first", "last"]  # type: ignore[union-attr]
         assert server.channel.stats.auth_failures == 6 and server.channel.stats.received == 2
         replies: list[Message] = []  # sealed for legit (heartbeats too, now that it is a known peer)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import random
-import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -51,6 +50,8 @@ from ncclkv.protocol import (
     decode,
     encode,
 )
+
+from _channel_helpers import channel_threads, wait_until
 
 TOTAL = env_settings().fuzz_examples
 SHARES = {"mutated": 0.36, "truncated": 0.08, "bitflip": 0.12, "random": 0.08, "junk": 0.08, "oversized": 0.04,
@@ -418,17 +419,6 @@ live_messages = st.one_of(
 ).filter(lambda parts: all(len(part) <= SOCKET_LIMIT for part in parts))  # larger: see the last test
 
 
-def channel_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def ncclkv_bytes() -> int:
     """Bytes allocated by ncclkv's own code and still alive."""
     gc.collect()
@@ -482,7 +472,7 @@ def test_live_channel_rejects_every_frame_and_keeps_serving(mode: str) -> None:
                 requests += 1
                 assert good.request("server", Ready(f"r{index}"), timeout_s=10) == Ack(f"r{index}", None)
             replies += sum(_drain(raw) for raw in raws)
-        wait_until(lambda: server.stats.rejected >= sent)
+        wait_until(lambda: server.stats.rejected >= sent, timeout_s=30.0)
         assert good.request("server", Ready("last"), timeout_s=10) == Ack("last", None)
         elapsed = time.monotonic() - started
         replies += sum(_drain(raw) for raw in raws)

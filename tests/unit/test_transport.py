@@ -6,7 +6,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -217,6 +217,19 @@ def test_loopback_transport_meets_by_store_address_and_id() -> None:
     assert time.monotonic() - start < 2.0
     left.close(), right.close()
     assert l0.closed and l1.closed and link_threads() == []
+
+
+@pytest.mark.parametrize("make", [DataPlane, LoopbackTransport], ids=["data_plane", "loopback"])
+def test_both_transports_check_open_link_the_same_way(make: Callable[[], DataPlane | LoopbackTransport]) -> None:
+    transport = make()
+    try:
+        with pytest.raises(ValueError, match="op_timeout_s must be > 0, got 0"):
+            transport.open_link("t1", 0, transport.address, "cpu", 1.0, op_timeout_s=0)
+        assert transport.links() == []
+    finally:
+        transport.close()
+    with pytest.raises(ClosedError, match=f"{transport.kind} {transport.address} is closed"):
+        transport.open_link("t2", 0, transport.address, "cpu", 1.0)
 
 
 # -- real gloo links between two data planes in this process -----------------
