@@ -411,9 +411,17 @@ class ConsumerSide:
                 self._cond.wait(min(stall_at, limit if limit is not None else stall_at) - now)
 
     def _stall_at(self, req: _Expected) -> float:
-        """When ``req`` counts as stalled: ``deadline_s`` without progress, but a pushed request
-        whose first tensor has not been announced yet may wait ``hold_s`` (its prefill may be queued)."""
-        if req.push and not req.announced:
+        """When ``req`` counts as stalled: ``deadline_s`` without progress.
+
+        A pushed request whose first announcement has not come yet may wait
+        ``hold_s`` instead (its prefill may be queued), but only while one of
+        its producer ranks is known and alive here: a producer never heard
+        from, or lost, gets ``deadline_s`` like any other.
+        """
+        if req.push and not req.announced and any(
+            self._peers.get(peer) is not None and self._channel.peer_alive(peer)
+            for peer in {req.producer.peer_id(src) for src, _, _ in req.pending}
+        ):
             return req.progress + self._hold_s
         return req.progress + self._deadline_s
 

@@ -248,12 +248,27 @@ def test_pushed_request_may_wait_hold_s_for_its_first_tensor_then_deadline_s_app
     prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer", deadline_s=0.4)
     decode = _engines("decode", layout, GQA, CacheLayout.CPU, 16, "consumer", deadline_s=0.4, hold_s=30)
     try:
+        prefill_ref, decode_ref = _ref("prefill", layout, prefill), _ref("decode", layout, decode)
+        # A producer never heard from gets deadline_s: it may be dead.
+        decode[0].engine.expect("orphan", prefill_ref, [6], 8, push=True)
+        with pytest.raises(TransferError):
+            decode[0].engine.wait("orphan", timeout_s=20)
+        # Once the producer is known and alive (an earlier push made contact) ...
+        prefill[0].fill(seed=22, block_ids=[0], num_tokens=8)
+        prefill[0].engine.start_push("first", decode_ref, [0], 8)
+        for layer in range(GQA.num_layers):
+            prefill[0].engine.save_layer("first", layer)
+        prefill[0].engine.finish("first")
+        decode[0].engine.expect("first", prefill_ref, [4], 8, push=True)
+        decode[0].engine.wait("first", timeout_s=20)
         prefill[0].fill(seed=21, block_ids=[0, 1], num_tokens=20)
-        decode[0].engine.expect("late", _ref("prefill", layout, prefill), [2, 3], 20, push=True)
-        # The prefill is queued for longer than deadline_s: no stall yet, the first tensor may take hold_s.
+        decode[0].engine.expect("late", prefill_ref, [2, 3], 20, push=True)
+        # ... its next prefill may be queued for longer than deadline_s: the first tensor may take hold_s.
         assert not threading.Event().wait(1.0)
-        assert decode[0].engine.take_finished_receiving() == {}
-        prefill[0].engine.start_push("late", _ref("decode", layout, decode), [0, 1], 20)
+        finished = decode[0].engine.take_finished_receiving()
+        assert finished.keys() == {"orphan", "first"} and finished["first"] is None
+        assert isinstance(finished["orphan"], TransferError)
+        prefill[0].engine.start_push("late", decode_ref, [0, 1], 20)
         for layer in range(GQA.num_layers):
             prefill[0].engine.save_layer("late", layer)
         prefill[0].engine.finish("late")
