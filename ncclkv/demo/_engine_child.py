@@ -1,0 +1,122 @@
+"""The child side of :class:`ncclkv.demo.EngineProcess`: one ``vllm.LLM`` serving the parent's requests.
+
+Run as ``python -m ncclkv.demo._engine_child FD`` where FD is the child end of
+a socketpair. Messages (tuples, pickled by ``multiprocessing.connection``):
+
+parent -> child: ``("start", llm_kwargs)`` first, then any of
+``("generate", prompts, max_tokens, params)``, ``("drain", max_steps, timeout_s)``,
+``("metrics", prefix)``, ``("close",)``.
+child -> parent: ``("ready", None)``, ``("result", rows)``, ``("drained", n)``,
+``("metrics", {name: value})``, or ``("error", traceback_text)`` (then it exits).
+
+A child whose parent stays silent for ``_IDLE_EXIT_S`` exits by itself.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__ = ["main"]
+
+_IDLE_EXIT_S = 900.0
+
+
+def main(fd: int) -> int:
+    conn = Connection(socket.socket(fileno=fd).detach())
+    try:
+        if not conn.poll(_IDLE_EXIT_S):
+            return 1
+        kind, llm_kwargs = conn.recv()
+        if kind != "start":
+            raise RuntimeError(f"expected 'start', got {kind!r}")
+        from vllm import LLM
+
+        llm = LLM(**llm_kwargs)
+        conn.send(("ready", None))
+        while conn.poll(_IDLE_EXIT_S):
+            msg = conn.recv()
+            if msg[0] == "close":
+                break
+            if msg[0] == "drain":
+                conn.send(("drained", _drain(llm, *msg[1:])))
+            elif msg[0] == "metrics":
+                conn.send(("metrics", _metrics(llm, msg[1])))
+            elif msg[0] == "generate":
+                conn.send(("result", _generate(llm, *msg[1:])))
+            else:
+                raise RuntimeError(f"unknown message {msg[0]!r}")
+    except (EOFError, BrokenPipeError):
+        return 1  # parent gone
+    except BaseException:
+        text = traceback.format_exc()
+        print(text, file=sys.stderr, flush=True)
+        try:
+            conn.send(("error", text))
+        except OSError:
+            pass  # parent gone; the log has it
+        return 1
+    return 0
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int,
+              params: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sampling = [
+        SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True,
+            extra_args={"kv_transfer_params": p} if p is not None else None,
+        )
+        for p in params
+    ]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                           sampling_params=sampling, use_tqdm=False)
+    rows = []
+    for out in outputs:
+        stats = out.metrics  # vLLM's RequestStateStats when stats are on, else None
+        timed = stats is not None and getattr(stats, "first_token_ts", 0.0) > 0
+        rows.append(dict(
+            token_ids=list(out.outputs[0].token_ids),
+            kv_transfer_params=out.kv_transfer_params,
+            finish_reason=out.outputs[0].finish_reason,
+            num_cached_tokens=out.num_cached_tokens or 0,
+            ttft_s=float(stats.first_token_latency) if timed else None,
+            queued_s=float(stats.scheduled_ts - stats.queued_ts) if timed and stats.scheduled_ts > 0 else None,
+        ))
+    return rows
+
+
+def _drain(llm: Any, max_steps: int, timeout_s: float) -> int:
+    # LLM -> LLMEngine -> InprocClient -> EngineCore; only the in-process engine has this.
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + timeout_s
+    for _ in range(max_steps):
+        if not scheduler.has_requests() or time.monotonic() > deadline:
+            break
+        llm.llm_engine.step()
+    return len(scheduler.requests)
+
+
+def _metrics(llm: Any, prefix: str) -> dict[str, float]:
+    from vllm.v1.metrics.reader import Counter, Gauge, Histogram
+
+    values: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if not metric.name.startswith(prefix):
+            continue
+        if isinstance(metric, Counter | Gauge):
+            values[metric.name] = values.get(metric.name, 0.0) + float(metric.value)
+        elif isinstance(metric, Histogram):
+            for key, value in ((f"{metric.name}_sum", metric.sum), (f"{metric.name}_count", metric.count)):
+                values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1])))

@@ -1,0 +1,55 @@
+"""ncclkv.scenario._local.run_local: every rank's exit code and output, a failing rank, the deadline.
+
+A successful run is covered by ``ncclkv bench scale --quick`` (tests/unit/test_bench_quick.py)
+and ``ncclkv demo``; these are the paths that must not hang or hide an error.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ncclkv.layout import KVGeometry, ParallelLayout
+from ncclkv.scenario import PDTopology
+from ncclkv.scenario._local import EXIT_TIMEOUT, LocalRun, run_local
+from ncclkv.scenario._transfer import TransferConfig, summary_json
+
+
+def test_a_rank_that_fails_gives_its_code_and_output() -> None:
+    outcome = run_local(2, ["--prefill", "1", "--decode", "1", "--requests", "0"], timeout_s=120)
+    assert outcome.codes == (1, 1) and outcome.returncode == 1 and not outcome.ok
+    assert "--requests and --max-tokens must be >= 1" in outcome.outputs[0]
+    assert "--- rank 1 (exit 1) ---" in outcome.failure_text()
+
+
+def test_ranks_past_the_deadline_are_killed() -> None:
+    outcome = run_local(2, ["--prefill", "1", "--decode", "1"], timeout_s=0.3)  # torch alone takes longer to import
+    assert outcome.codes == (EXIT_TIMEOUT, EXIT_TIMEOUT) and outcome.seconds < 30
+
+
+def test_bad_arguments_are_refused_before_starting_anything() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        run_local(0, [], timeout_s=10)
+    with pytest.raises(ValueError, match="timeout_s"):
+        run_local(2, [], timeout_s=0)
+
+
+def test_local_run_reports_the_first_failing_rank() -> None:
+    run = LocalRun((0, 3, 4, 0), ("ok", "peer failure detected", "check failed", ""), 1.0)
+    text = run.failure_text(tail_chars=6)
+    assert run.returncode == 3 and "--- rank 1 (exit 3) ---\ntected\n" in text and "rank 2 (exit 4)" in text
+    assert "--- rank 0 (exit 0) ---\nok" in text and "rank 3" not in text  # silent successful ranks left out
+    assert LocalRun((0, 0), ("", ""), 1.0).ok
+
+
+def test_summary_json_totals_the_decode_ranks() -> None:
+    topology = PDTopology(2, ParallelLayout(1, 1), 1, ParallelLayout(2, 1))
+    cfg = TransferConfig(KVGeometry(4, 4, 64, "bfloat16"), (10, 20, 30))
+    results = [{"place": "prefill[0] tp_rank=0 pp_rank=0", "bytes": 999, "seconds": 9.0, "requests": 2, "tensors": 1},
+               {"place": "decode[0] tp_rank=0 pp_rank=0", "bytes": 1000, "seconds": 0.5, "requests": 3, "tensors": 4},
+               {"place": "decode[0] tp_rank=1 pp_rank=0", "bytes": 3000, "seconds": 1.0, "requests": 3, "tensors": 4}]
+    data = json.loads(json.dumps(summary_json(topology, cfg, results)))  # plain JSON all the way down
+    assert (data["world_size"], data["requests"], data["tokens"], data["mode"]) == (4, 3, 60, "pull")
+    assert (data["decode_bytes"], data["decode_seconds"]) == (4000, 1.0)
+    assert data["gbps"] == pytest.approx(4000 / 1e9) and data["requests_per_s"] == pytest.approx(3.0)
