@@ -25,6 +25,9 @@ BENCHMARKS: dict[str, str] = {
     "transfer": "benchmarks.bench_transfer",
     "overlap": "benchmarks.bench_overlap",
     "control": "benchmarks.bench_control",
+    "scale": "benchmarks.bench_scale",
+    "memory": "benchmarks.bench_memory",
+    "blend": "benchmarks.bench_blend",
 }
 
 

@@ -9,17 +9,19 @@ prefill's; ratio 0 is plain reuse of the chunks (nothing recomputed but the
 query), the quality floor that CacheBlend improves on.
 
     python -m benchmarks.bench_blend [--quick] [--out DIR] [--device cuda]
+
+``ncclkv bench blend`` runs it with one torch thread, like the other benchmarks.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,9 +29,12 @@ from ncclkv.blend import BlendConfig, BlendExecutor, BlendRetriever, ChunkStore,
 from ncclkv.blend.reference_model import TinyLlama, TinyLlamaConfig
 from ncclkv.buffer import KVStoreBuffer
 
-__all__ = ["main"]
+from ._common import BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "out"
+__all__ = ["NAME", "TITLE", "main", "plot", "run"]
+
+NAME = "blend"
+TITLE = "CacheBlend prefill against full prefill: recompute fraction, speed-up, error"
 
 
 def _timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
@@ -106,25 +111,59 @@ def _run(args: argparse.Namespace, device: torch.device) -> list[dict[str, objec
     return rows
 
 
-def _table(rows: list[dict[str, object]]) -> str:
-    head = (f"{'ratio':>6}{'tokens':>8}{'computed':>10}{'fraction':>10}{'full ms':>9}{'blend ms':>10}"
-            f"{'speed-up':>10}{'best':>7}{'error':>8}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['ratio']:>6.2f}{r['tokens']:>8}{r['computed']:>10}{r['recompute_fraction']:>10.3f}"
-                     f"{r['full_ms_median']:>9.1f}{r['blend_ms_median']:>10.1f}{r['speedup_median']:>9.2f}x"
-                     f"{r['speedup_best']:>6.2f}x{r['query_rel_error']:>8.3f}")
-    return "\n".join(lines)
+COLUMNS = (
+    Column("ratio", "recompute ratio"),
+    Column("tokens", "tokens", "{:d}"),
+    Column("computed", "computed", "{:d}"),
+    Column("recompute_fraction", "fraction", "{:.3f}"),
+    Column("full_ms_median", "full ms", "{:.1f}"),
+    Column("blend_ms_median", "blend ms", "{:.1f}"),
+    Column("speedup_median", "speed-up median"),
+    Column("speedup_best", "best"),
+    Column("query_rel_error", "query error", "{:.3f}"),
+)
+
+ANALYSIS = """\
+A blend prefill computes every token in the layers before the check layer. At
+the check layer it projects Q/K/V for every token (its K is compared with the
+retrieved K to choose the tokens to recompute: the recompute ratio of the
+cached chunks' tokens, plus every query token), and from there on attention and
+MLP run for the chosen tokens only, attending to the long K/V: the retrieved
+chunks with the fresh rows written over them. With L layers, check layer c and
+recompute fraction f the projections and MLPs cost about c + (L - c) f layers
+of full prefill, plus the check layer's projections, retrieving the chunks and
+re-rotating their K to the new positions; attention shrinks more (f x all keys
+instead of all x all, halved by the causal mask), so on long prompts the
+speed-up can pass L / (c + (L - c) f). It falls towards 1 as the ratio nears 1
+(at 1 it is full prefill plus the retrieval: slightly below 1). The timings
+share two cores with other jobs, so medians move between runs; the fractions
+and errors do not. The error is the query tokens' final hidden
+states against full prefill's (relative L2): ratio 0 reuses the chunks as they
+were prefilled alone, without the cross-chunk attention they missed; picking
+the tokens whose K deviates most and recomputing them restores part of it. The
+model is the random-weight reference model, so the error says how the
+selection behaves, not the quality of a trained model's answers.
+"""
 
 
-def _plot(rows: list[dict[str, object]], path: Path) -> bool:
-    try:
-        import matplotlib
+def _headline(rows: list[dict[str, Any]]) -> list[str]:
+    partial = [r for r in rows if 0 < r["ratio"] < 1] or rows
+    pick = min(partial, key=lambda r: abs(r["ratio"] - 0.15))
+    lines = [f"speed-up over full prefill at recompute ratio {pick['ratio']:g} (median): "
+             f"{pick['speedup_median']:.2f}x, {pick['recompute_fraction']:.1%} of tokens computed, "
+             f"query error {pick['query_rel_error']:.3f}"]
+    reuse = next((r for r in rows if r["ratio"] == 0), None)
+    if reuse is not None:
+        lines.append(f"plain reuse (ratio 0): {reuse['speedup_median']:.2f}x, query error "
+                     f"{reuse['query_rel_error']:.3f}")
+    return lines
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+
+def plot(result: BenchResult, path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
         return False
+    rows = result.rows
     ratios = [r["ratio"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(ratios, [r["speedup_median"] for r in rows], marker="o")
@@ -141,7 +180,7 @@ def _plot(rows: list[dict[str, object]], path: Path) -> bool:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench_blend", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model and prompt, few rounds (a few seconds)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for blend.json / blend.png")
+    parser.add_argument("--out", type=Path, help="folder for blend.json / blend.png (default out/, quick out/quick/)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.05, 0.15, 0.3, 1.0])
     parser.add_argument("--check-layer", type=int, default=1)
     parser.add_argument("--chunks", type=int, default=4)
@@ -173,23 +212,46 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(argv)
+def _measure(args: argparse.Namespace) -> list[dict[str, object]]:
     device = torch.device(args.device)
+    threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = _run(args, device)
-    print(_table(rows))
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(args, device)
+    finally:
+        torch.set_num_threads(threads)  # may run inside another program (tests, ncclkv bench)
+
+
+def _result(args: argparse.Namespace, rows: list[dict[str, object]], command: str) -> BenchResult:
     meta = {
-        "torch": torch.__version__, "device": str(device), "threads": torch.get_num_threads(),
-        "machine": platform.machine(), "hidden": args.hidden, "layers": args.layers, "chunks": args.chunks,
-        "chunk_tokens": args.chunk_tokens, "query_tokens": args.query_tokens, "check_layer": args.check_layer,
-        "repeats": args.repeats, "quick": args.quick, "model": "ncclkv.blend.reference_model (random weights)",
+        "machine": machine_info(), "command": command, "quick": args.quick, "device": args.device,
+        "threads": args.threads or torch.get_num_threads(), "hidden": args.hidden, "layers": args.layers,
+        "chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "query_tokens": args.query_tokens,
+        "check_layer": args.check_layer, "repeats": args.repeats,
+        "model": "ncclkv.blend.reference_model (random weights)",
     }
-    (args.out / "blend.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
-    plotted = not args.no_plot and _plot(rows, args.out / "blend.png")
-    print(f"wrote {args.out / 'blend.json'}" + (f" and {args.out / 'blend.png'}" if plotted else ""))
+    return BenchResult(NAME, TITLE, COLUMNS, rows, meta, _headline(rows), ANALYSIS)  # type: ignore[arg-type]
+
+
+def run(ctx: BenchContext) -> BenchResult:
+    """The benchmark with its defaults (quick when the context is quick), for ``ncclkv bench``."""
+    opts = ctx.options
+    argv = ["--threads", "1"] + (["--quick"] if opts.quick else [])
+    argv += [] if opts.repeats is None else ["--repeats", str(opts.repeats)]
+    args = _parse(argv)
+    ctx.progress(f"{NAME}: {args.chunks} chunks of {args.chunk_tokens} tokens, ratios {args.ratios}")
+    return _result(args, _measure(args), opts.command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    command = " ".join(["python -m benchmarks.bench_blend", *(sys.argv[1:] if argv is None else argv)])
+    result = _result(args, _measure(args), command)
+    print(result.table())
+    print("\n".join(result.headline))
+    json_path, png_path = save(result, args.out or default_out(args.quick), None if args.no_plot else plot)
+    print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
     return 0
 
 

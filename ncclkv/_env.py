@@ -50,6 +50,7 @@ class EnvSettings:
     NCCLKV_STAGING_BYTES     receive staging capacity per engine (default 1 GiB)
     NCCLKV_MAX_FRAME_BYTES   largest control frame accepted (default 1 MiB)
     NCCLKV_FUZZ_EXAMPLES     messages the protocol fuzz tests generate in all (default 10000)
+    NCCLKV_SOAK_REQUESTS     requests the soak test (tests/soak) sends (default 200; the full soak: 1000)
 
     Control-channel authentication (see :mod:`ncclkv.auth`, docs/SECURITY.md; unset: off):
     NCCLKV_CURVE_SECRET_FILE   this rank's zmq.auth ``.key_secret`` certificate
@@ -68,6 +69,7 @@ class EnvSettings:
     staging_bytes: int = 1 << 30
     max_frame_bytes: int = 1 << 20
     fuzz_examples: int = 10_000
+    soak_requests: int = 200
     curve_secret_file: str = ""
     curve_public_file: str = ""
     curve_allowed_dir: str = ""
@@ -89,6 +91,7 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
         staging_bytes=_int(env, "NCCLKV_STAGING_BYTES", default.staging_bytes),
         max_frame_bytes=_int(env, "NCCLKV_MAX_FRAME_BYTES", default.max_frame_bytes),
         fuzz_examples=_int(env, "NCCLKV_FUZZ_EXAMPLES", default.fuzz_examples),
+        soak_requests=_int(env, "NCCLKV_SOAK_REQUESTS", default.soak_requests),
         curve_secret_file=env.get("NCCLKV_CURVE_SECRET_FILE", ""),
         curve_public_file=env.get("NCCLKV_CURVE_PUBLIC_FILE", ""),
         curve_allowed_dir=env.get("NCCLKV_CURVE_ALLOWED_DIR", ""),

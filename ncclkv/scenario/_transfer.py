@@ -32,7 +32,7 @@ from ._registry import ScenarioError
 from ._rendezvous import StoreRendezvous
 from ._topology import PDTopology, RankPlace
 
-__all__ = ["HELP", "TransferConfig", "add_arguments", "run"]
+__all__ = ["HELP", "TransferConfig", "add_arguments", "run", "summary_json"]
 
 HELP = "prefill engines send KV to decode engines (pull or push), checked byte-exact on every decode rank"
 PRODUCER_LAYOUT, PRODUCER_BLOCK = CacheLayout.CPU, 16
@@ -171,6 +171,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=512, help="request lengths vary up to this")
     parser.add_argument("--mode", choices=("pull", "push"), default="pull")
     parser.add_argument("--kill-rank", type=int, default=None, help="this prefill rank dies after its first saved layer (push)")
+    parser.add_argument("--json-out", default=None, metavar="PATH",
+                        help="rank 0 also writes the summary as JSON to PATH (for benchmarks)")
 
 
 def config_from_args(args: argparse.Namespace) -> TransferConfig:
@@ -201,6 +203,9 @@ def run(info: LaunchInfo, args: argparse.Namespace) -> None:
         raise
     if info.rank == 0:
         print(summary_table(topology, cfg, results), flush=True)
+        if getattr(args, "json_out", None):
+            with open(args.json_out, "w", encoding="utf-8") as out:
+                json.dump(summary_json(topology, cfg, results), out, indent=1)
 
 
 def summary_table(topology: PDTopology, cfg: TransferConfig, results: list[dict[str, object]]) -> str:
@@ -221,3 +226,20 @@ def summary_table(topology: PDTopology, cfg: TransferConfig, results: list[dict[
                  f"{longest:>8.3f}{total_bytes / max(longest, 1e-9) / 1e9:>8.2f}")
     lines.append("every landed byte checked against the producer's KV: OK")
     return "\n".join(lines)
+
+
+def summary_json(topology: PDTopology, cfg: TransferConfig, results: list[dict[str, object]]) -> dict[str, object]:
+    """The summary as data: the set, the requests, every rank's numbers, and the decode side's totals."""
+    decode = [row for row in results if str(row["place"]).startswith("decode")]
+    nbytes = sum(int(row["bytes"]) for row in decode)  # type: ignore[call-overload]
+    seconds = max((float(row["seconds"]) for row in decode), default=0.0)  # type: ignore[arg-type]
+    g = cfg.geometry
+    return {
+        "topology": str(topology), "world_size": topology.world_size, "mode": cfg.mode,
+        "num_prefill": topology.num_prefill, "num_decode": topology.num_decode,
+        "requests": len(cfg.tokens), "tokens": sum(cfg.tokens),
+        "geometry": {"num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_size": g.head_size,
+                     "dtype": g.dtype, "use_mla": g.use_mla},
+        "ranks": results, "decode_bytes": nbytes, "decode_seconds": seconds,
+        "gbps": nbytes / max(seconds, 1e-9) / 1e9, "requests_per_s": len(cfg.tokens) / max(seconds, 1e-9),
+    }

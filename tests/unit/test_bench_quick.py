@@ -19,7 +19,7 @@ import pytest
 from benchmarks import _common, _runner
 from ncclkv import cli
 
-NAMES = ("paged", "transfer", "overlap", "control")
+NAMES = ("paged", "transfer", "overlap", "control", "scale", "memory", "blend")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -52,6 +52,9 @@ def test_tables_have_the_expected_columns(quick_run: tuple[Path, str]) -> None:
         "overlap": ["c ms", "x ms", "layer-wise exposed (x)", "after-compute exposed (x)", "compute slowdown"],
         "control": ["what", "p50 us", "p99 us"],
         "paged": ["layout", "op", "GB/s best", "ratio best"],
+        "scale": ["set", "mode", "GB/s best", "requests/s median", "vs 1P1D (median)"],
+        "memory": ["what", "first MiB", "at 20% MiB", "last MiB", "peak MiB", "growth last 80% (%)"],
+        "blend": ["recompute ratio", "fraction", "speed-up median", "query error"],
     }
     for name, headers in expected.items():
         result = _common.BenchResult.from_json(json.loads((out / f"{name}.json").read_text()))
@@ -68,6 +71,47 @@ def test_transfer_rows_cover_the_sizes_with_finite_ratios(quick_run: tuple[Path,
     for row in rows:
         for key in ("ncclkv_raw_median", "ncclkv_memcpy_median", "link_raw_median", "cpu_ceiling"):
             assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
+
+
+def test_scale_runs_every_set_on_the_same_bytes(quick_run: tuple[Path, str]) -> None:
+    out, _ = quick_run
+    rows = json.loads((out / "scale.json").read_text())["results"]
+    assert [(r["set"], r["mode"], r["ranks"]) for r in rows] == [("1P1D", "pull", 2), ("2P2D", "pull", 4)]
+    assert rows[0]["mib"] == rows[1]["mib"] > 0  # the same requests, whatever the set: nothing lost or doubled
+    assert rows[0]["vs_1p1d"] == 1.0
+    for row in rows:
+        assert math.isfinite(row["gbps_median"]) and row["gbps_median"] > 0 and row["rps_median"] > 0
+
+
+def test_memory_samples_rss_and_staging_every_wave(quick_run: tuple[Path, str]) -> None:
+    out, _ = quick_run
+    result = _common.BenchResult.from_json(json.loads((out / "memory.json").read_text()))
+    rss, waiting, after = result.rows
+    assert rss["samples"] == len(rss["series"]) == math.ceil(result.meta["requests"] / result.meta["wave_size"])
+    assert rss["series"][-1][0] == result.meta["requests"]  # [requests done, seconds, MiB], in order
+    assert rss["first_mib"] > 0 and math.isfinite(rss["growth_pct"])
+    assert waiting["peak_mib"] > 0 and after["peak_mib"] == 0  # pushes waited in staging; none was left over
+    assert result.meta["moved_bytes"] > 0 and "RSS growth over the last 80%" in result.headline[0]
+
+
+def test_blend_recomputes_all_at_ratio_one_and_few_at_zero(quick_run: tuple[Path, str]) -> None:
+    out, _ = quick_run
+    rows = {r["ratio"]: r for r in json.loads((out / "blend.json").read_text())["results"]}
+    assert rows[1.0]["computed"] == rows[1.0]["tokens"] and rows[1.0]["query_rel_error"] < 1e-3
+    assert rows[0.0]["computed"] < rows[0.15]["computed"] < rows[1.0]["computed"]
+    assert rows[0.0]["query_rel_error"] > rows[1.0]["query_rel_error"]
+
+
+def test_blend_still_runs_alone(tmp_path: Path) -> None:
+    from benchmarks import bench_blend
+
+    argv = ["--chunks", "2", "--chunk-tokens", "16", "--query-tokens", "8", "--hidden", "64", "--layers", "2",
+            "--repeats", "1", "--warmup", "0", "--ratios", "0", "1", "--out", str(tmp_path)]
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert bench_blend.main(argv) == 0
+    result = _common.BenchResult.from_json(json.loads((tmp_path / "blend.json").read_text()))
+    assert [r["ratio"] for r in result.rows] == [0.0, 1.0] and result.meta["command"].endswith(" ".join(argv))
+    assert (tmp_path / "blend.png").read_bytes()[:8] == PNG_MAGIC and "speed-up" in printed.getvalue()
 
 
 def test_results_md_presents_every_benchmark(quick_run: tuple[Path, str]) -> None:

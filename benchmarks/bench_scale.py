@@ -1,0 +1,211 @@
+"""Aggregate throughput of 1P1D, 2P1D, 1P2D and 2P2D sets on one machine, one process per engine rank.
+
+Each run starts the ranks of one prefill/decode set as local processes
+(``ncclkv.scenario._local.run_local``, as ``ncclkv demo``) running the
+``transfer`` scenario: the same requests in every set (request i from prefill
+i % P to decode (i // P) % D), every landed byte checked. Aggregate GB/s is
+the decode ranks' bytes over the slowest decode rank's time, from the moment
+every producer had its KV until the last request landed. Rounds interleave the
+sets, so 1P1D, the baseline, sees the same machine load as the others.
+
+    python -m benchmarks.bench_scale [--quick] [--sets 1x1 2x2] [--modes pull push] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ncclkv.scenario._local import run_local
+
+from ._common import MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save
+
+__all__ = ["NAME", "TITLE", "main", "plot", "run"]
+
+NAME = "scale"
+TITLE = "Aggregate throughput of prefill/decode sets on one machine, one process per engine rank"
+
+COLUMNS = (
+    Column("set", "set", align="<"),
+    Column("mode", "mode", align="<"),
+    Column("ranks", "ranks", "{:d}"),
+    Column("requests", "requests", "{:d}"),
+    Column("mib", "MiB", "{:.1f}"),
+    Column("gbps_best", "GB/s best"),
+    Column("gbps_median", "median"),
+    Column("rps_median", "requests/s median", "{:.0f}"),
+    Column("vs_1p1d", "vs 1P1D (median)"),
+    Column("launch_s", "run s (with start-up)", "{:.1f}"),
+)
+
+ANALYSIS = """\
+Every engine rank here is a process with its own channel I/O and dispatcher
+threads, gloo threads per link, and the gather (producer) or scatter and byte
+check (consumer) on its main thread. The machine has two cores, shared with
+other engineers' jobs, so a larger set adds processes, not cores. Two effects
+still let a larger set move more than 1P1D: one pair's work is a chain of
+hand-offs (gather, announce, wire, scatter, each on its own thread) that leaves
+the cores partly idle, and a second producer or consumer fills those gaps; and
+on a shared machine the scheduler gives more runnable threads a larger share of
+the cores against the other jobs. Beyond that the sets only divide the same two
+cores, which is why the ratios stay near 1-2 and move a lot between rounds
+(compare best and median). Where each rank has its own cores, or a GPU (gather
+and scatter as device kernels, NCCL moving the bytes), each prefill/decode pair
+streams independently and the aggregate grows with the number of pairs until
+the interconnect saturates. `run s` includes starting the processes (importing
+torch: seconds each here).
+"""
+
+
+def _sets(text: Sequence[str]) -> list[tuple[int, int]]:
+    sets = []
+    for item in text:
+        try:
+            num_prefill, num_decode = (int(part) for part in item.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"a set is PxD, e.g. 2x1, got {item!r}") from None
+        if num_prefill < 1 or num_decode < 1:
+            raise ValueError(f"a set needs >= 1 prefill and decode engine, got {item!r}")
+        sets.append((num_prefill, num_decode))
+    return sets
+
+
+def _label(num_prefill: int, num_decode: int) -> str:
+    return f"{num_prefill}P{num_decode}D"
+
+
+def _one_run(num_prefill: int, num_decode: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Launch one set once; its transfer summary (``--json-out``) plus the launch's wall time."""
+    with tempfile.TemporaryDirectory(prefix="ncclkv-scale-") as tmp:
+        path = Path(tmp) / "summary.json"
+        argv = ["--prefill", str(num_prefill), "--decode", str(num_decode), "--mode", mode,
+                "--requests", str(args.requests), "--max-tokens", str(args.max_tokens), "--layers", str(args.layers),
+                "--device", "cpu", "--json-out", str(path)]
+        outcome = run_local(num_prefill + num_decode, argv, args.timeout)
+        if not outcome.ok:
+            raise RuntimeError(f"{_label(num_prefill, num_decode)} {mode} failed (exit {outcome.returncode}):\n"
+                               f"{outcome.failure_text()}")
+        summary = json.loads(path.read_text())
+    summary["launch_s"] = outcome.seconds
+    return summary
+
+
+def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    runs: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
+    for repeat in range(args.repeats):
+        for mode in args.modes:
+            for num_prefill, num_decode in args.sets:
+                progress(f"{NAME}: round {repeat + 1}/{args.repeats}, {_label(num_prefill, num_decode)} {mode}")
+                runs.setdefault((num_prefill, num_decode, mode), []).append(
+                    _one_run(num_prefill, num_decode, mode, args))
+    rows = []
+    for (num_prefill, num_decode, mode), summaries in runs.items():
+        gbps = [s["gbps"] for s in summaries]
+        rows.append({
+            "set": _label(num_prefill, num_decode), "mode": mode, "ranks": summaries[0]["world_size"],
+            "requests": summaries[0]["requests"], "mib": summaries[0]["decode_bytes"] / MIB,
+            "gbps_best": max(gbps), "gbps_median": statistics.median(gbps), "gbps_all": gbps,
+            "rps_median": statistics.median(s["requests_per_s"] for s in summaries),
+            "launch_s": statistics.median(s["launch_s"] for s in summaries),
+        })
+    for row in rows:
+        base = next((r for r in rows if r["set"] == "1P1D" and r["mode"] == row["mode"]), None)
+        row["vs_1p1d"] = row["gbps_median"] / base["gbps_median"] if base else None
+    return rows
+
+
+def _headline(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        ratios = ", ".join(f"{r['set']} {r['vs_1p1d']:.2f}" for r in mine if r["vs_1p1d"] is not None)
+        best = max(mine, key=lambda r: r["gbps_median"])
+        lines.append(f"{mode}: aggregate GB/s over 1P1D (median): {ratios or 'no 1P1D run'}; "
+                     f"highest {best['gbps_median']:.2f} GB/s ({best['set']})")
+    return lines
+
+
+def plot(result: BenchResult, path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    sets = list(dict.fromkeys(r["set"] for r in result.rows))
+    modes = list(dict.fromkeys(r["mode"] for r in result.rows))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(modes)
+    for index, mode in enumerate(modes):
+        by_set = {r["set"]: r for r in result.rows if r["mode"] == mode}
+        xs = [i + index * width for i, s in enumerate(sets) if s in by_set]
+        left.bar(xs, [by_set[s]["gbps_median"] for s in sets if s in by_set], width, label=mode)
+        right.bar(xs, [by_set[s]["rps_median"] for s in sets if s in by_set], width, label=mode)
+    for ax, title in ((left, "aggregate GB/s (median)"), (right, "requests/s (median)")):
+        ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(sets))], sets)
+        ax.set(title=title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench_scale", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1x1 and 2x2, pull, few small requests, one round")
+    parser.add_argument("--sets", nargs="+", help="PxD sets (default 1x1 2x1 1x2 2x2; quick 1x1 2x2)")
+    parser.add_argument("--modes", nargs="+", choices=("pull", "push"), help="default pull push; quick pull")
+    parser.add_argument("--requests", type=int, help="requests per run, the same for every set (default 96; quick 8)")
+    parser.add_argument("--max-tokens", type=int, help="lengths spread up to this (default 512; quick 64)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, help="rounds (default 3; quick 1)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take, start-up included")
+    parser.add_argument("--out", type=Path, help="folder for scale.json / scale.png")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    args.sets = _sets(args.sets or (["1x1", "2x2"] if args.quick else ["1x1", "2x1", "1x2", "2x2"]))
+    args.modes = args.modes or (["pull"] if args.quick else ["pull", "push"])
+    args.requests = args.requests or (8 if args.quick else 96)
+    args.max_tokens = args.max_tokens or (64 if args.quick else 512)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    if min(args.requests, args.max_tokens, args.layers, args.repeats) < 1:
+        parser.error(f"need requests, max-tokens, layers, repeats >= 1; got {args.requests}, {args.max_tokens}, "
+                     f"{args.layers}, {args.repeats}")
+    return args
+
+
+def _result(args: argparse.Namespace, rows: list[dict[str, Any]], command: str) -> BenchResult:
+    meta = {
+        "machine": machine_info(), "command": command, "quick": args.quick,
+        "sets": [_label(p, d) for p, d in args.sets], "modes": args.modes, "requests": args.requests,
+        "max_tokens": args.max_tokens, "geometry": f"{args.layers}L x 4H x 64 bfloat16", "repeats": args.repeats,
+        "path": "gather (CPU layout, block 16) -> gloo link -> scatter (flash NHD, block 32), 1 OpenMP thread per rank",
+    }
+    return BenchResult(NAME, TITLE, COLUMNS, rows, meta, _headline(rows), ANALYSIS)
+
+
+def run(ctx: BenchContext) -> BenchResult:
+    """The benchmark with its defaults (quick when the context is); ``repeats`` sets the rounds."""
+    opts = ctx.options
+    argv = (["--quick"] if opts.quick else []) + ([] if opts.repeats is None else ["--repeats", str(opts.repeats)])
+    args = _parse(argv)
+    return _result(args, _measure(args, ctx.progress), opts.command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    command = " ".join(["python -m benchmarks.bench_scale", *(sys.argv[1:] if argv is None else argv)])
+    result = _result(args, _measure(args, print), command)
+    print(result.table())
+    print("\n".join(result.headline))
+    json_path, png_path = save(result, args.out or default_out(args.quick), None if args.no_plot else plot)
+    print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
