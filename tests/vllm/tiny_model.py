@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
 from ncclkv._vllm_model import TinyLlamaSpec, build_tiny_llama
+from ncclkv.demo._workload import make_prompts as demo_prompts
 
 __all__ = ["TINY_SPEC", "TinyLlamaSpec", "build_tiny_llama", "make_prompts"]
 
@@ -15,11 +15,5 @@ TINY_SPEC = TinyLlamaSpec()
 
 def make_prompts(lengths: Sequence[int], *, vocab_size: int = TINY_SPEC.vocab_size,
                  seed: int = 0) -> list[list[int]]:
-    """Random token-id prompts of the given lengths, the same for a given seed.
-
-    Ids 0 and 1 (bos/eos of the tiny model) are left out.
-    """
-    if vocab_size <= 2:
-        raise ValueError(f"vocab_size={vocab_size} leaves no ids besides bos/eos")
-    rng = random.Random(seed)
-    return [[rng.randrange(2, vocab_size) for _ in range(n)] for n in lengths]
+    """Random token-id prompts of the given lengths, the same for a given seed (bos/eos ids left out)."""
+    return demo_prompts(tuple(lengths), vocab_size, seed)
