@@ -50,10 +50,6 @@ class SoakConfig:
     seed: int = 0
     deadline_s: float = 30.0
     staging_bytes: int = 64 << 20
-    # One pull per (prefill, decode) pair before the soak, so every link is opened by one side only:
-    # a consumer's pull and a producer's push opening the same pair at once can end on different
-    # links and hang (an engine bug found by the soak; see tests/soak/test_soak.py's docstring).
-    connect_first: bool = True
 
     def __post_init__(self) -> None:
         if min(self.num_requests, self.wave_size, self.max_tokens) < 1 or not self.deadline_s > 0:
@@ -189,14 +185,6 @@ class _SoakSet:
     def received_bytes(self) -> int:
         return sum(rank.engine.stats().bytes_received for group in self.decode for rank in group)
 
-    def connect(self, first_index: int) -> None:
-        """One 1-token pull per (prefill, decode) pair, so each pair's link is opened by its consumer alone."""
-        topo = self.cfg.topology
-        pairs = [(p, d) for p in range(topo.num_prefill) for d in range(topo.num_decode)]
-        requests = [SoakRequest(first_index + k, p, d, "pull", 1) for k, (p, d) in enumerate(pairs)]
-        for first in range(0, len(requests), self.cfg.wave_size):
-            self.run_wave(requests[first:first + self.cfg.wave_size], lambda: None)
-
     # -- one wave ---------------------------------------------------------------------
     def run_wave(self, wave: list[SoakRequest], on_staged: Callable[[], None]) -> None:
         slots = {req.index: slot for slot, req in enumerate(wave)}
@@ -284,8 +272,6 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
     samples: list[SoakSample] = []
     soak = _SoakSet(cfg)
     try:
-        if cfg.connect_first:
-            soak.connect(first_index=len(requests))
         moved_before, started, done = soak.received_bytes(), time.monotonic(), 0
 
         def sample(phase: str) -> None:

@@ -59,7 +59,7 @@ class ControlParams:
 
 def _announce(request_id: str, layer: int) -> Announce:
     shape = (2, TOKENS, HEADS, HEAD_SIZE)
-    return Announce(request_id, layer, ROUTES[0], shape, "bfloat16", 2 * TOKENS * HEADS * HEAD_SIZE * 2, layer)
+    return Announce(request_id, layer, ROUTES[0], shape, "bfloat16", 2 * TOKENS * HEADS * HEAD_SIZE * 2, layer, "kv-bench")
 
 
 def producer_peer(endpoint: Endpoint, store: str) -> dict[str, int]:

@@ -226,6 +226,7 @@ class Announce(_Tagged, frozen=True, forbid_unknown_fields=True, tag="ann"):
     dtype: DType
     nbytes: NonNeg
     seq: NonNeg
+    link: Id  # the data link the tensor rides on (two may be open when both sides started a handshake)
 
 
 class Ack(_Tagged, frozen=True, forbid_unknown_fields=True, tag="ack"):

@@ -204,10 +204,10 @@ class ConsumerSide:
 
     # -- control messages (dispatcher thread) ----------------------------------------------
     def on_announce(self, sender: str, ann: Announce) -> None:
-        peer = self._peers.get(sender)
+        peer = self._peers.known(sender)
         if peer is None:
             raise ProtocolError(f"announcement from {sender!r} before any handshake")
-        link = self._peers.link(sender)
+        link = self._peers.link_by_id(sender, ann.link)
         want_seq = self._recv_seq.get(link.link_id, 0)
         if ann.seq != want_seq:
             self._peers.drop(sender, f"announcement seq {ann.seq}, expected {want_seq}")
@@ -249,7 +249,7 @@ class ConsumerSide:
 
     def on_push_offer(self, sender: str, offer: PushOffer) -> Ack:
         """Accept a producer's push: direct if the request is expected, else reserve staging or refuse."""
-        peer = self._peers.get(sender)
+        peer = self._peers.known(sender)
         if peer is None:
             raise ProtocolError(f"push offer for {offer.request_id!r} from {sender!r} before any handshake")
         src = peer.remote.rank
@@ -282,7 +282,7 @@ class ConsumerSide:
         return Ack(offer.request_id, None)
 
     def on_done(self, sender: str, done: Done) -> None:
-        peer = self._peers.get(sender)
+        peer = self._peers.known(sender)
         if peer is None:  # anyone can reach our ROUTER: only a peer we shook hands with speaks for a request
             raise ProtocolError(f"Done for {done.request_id!r} from {sender!r} before any handshake")
         src = peer.remote.rank

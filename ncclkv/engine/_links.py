@@ -39,6 +39,7 @@ class Peer:
     peer_id: str
     remote: Handshake
     link: Future[LinkBase] | None  # None: control only (no tensors flow between these two ranks yet)
+    link_id: str | None = None
 
 
 def link_id_for(a: str, b: str, session: str) -> str:
@@ -59,13 +60,31 @@ class PeerLinks:
         self._device = device
         self._deadline_s = deadline_s
         self._lock = threading.Lock()
-        self._peers: dict[str, Peer] = {}
+        self._peers: dict[str, Peer] = {}  # the link each side sends on now
+        # Every open link by id: when both sides start a handshake at once, each
+        # may send on a different one, so a receiver finds the link an
+        # announcement names, not just the newest.
+        self._links: dict[str, Peer] = {}
         self._connecting: dict[str, threading.Lock] = {}
         self._closed = False
 
     def get(self, peer_id: str) -> Peer | None:
         with self._lock:
             return self._peers.get(peer_id)
+
+    def known(self, peer_id: str) -> Peer | None:
+        """``get``, but first let a handshake we started with ``peer_id`` finish (up to the deadline).
+
+        When both sides start a handshake at once, the peer may install ours
+        first and send a request before our own ``ensure`` has read its reply.
+        """
+        with self._lock:
+            peer = self._peers.get(peer_id)
+            gate = self._connecting.get(peer_id)
+        if peer is None and gate is not None and gate.acquire(timeout=self._deadline_s):
+            gate.release()
+            peer = self.get(peer_id)
+        return peer
 
     def ensure(self, peer_id: str, control_addr: str, need_link: bool) -> Peer:
         """Shake hands with ``peer_id`` (and open a link if ``need_link``) unless done; blocks up to the deadline."""
@@ -90,14 +109,14 @@ class PeerLinks:
                 raise HandshakeError(f"peer {peer_id!r} answered the handshake with {type(reply).__name__}")
             check_compatible(self._local, reply)
             if not need_link:
-                return self._install(peer_id, reply, None)
+                return self._install(peer_id, reply, None, None)
             link: Future[LinkBase] = Future()
-            peer = self._install(peer_id, reply, link)
+            peer = self._install(peer_id, reply, link, self._link_id(peer_id, session))
             try:
                 link.set_result(self._open_link(peer_id, reply.data_addr, session))
             except BaseException as err:
                 link.set_exception(err)
-                self.drop(peer_id, err)
+                self._discard(peer)  # only ours: a link the peer opened meanwhile stays
                 raise
             return peer
         finally:
@@ -114,10 +133,10 @@ class PeerLinks:
             log.error("refused handshake from %s: %s", sender, err)
             raise
         if not remote.open_link:
-            self._install(sender, remote, None)
+            self._install(sender, remote, None, None)
             return replace(self._local, session=remote.session, open_link=False)
         link: Future[LinkBase] = Future()
-        self._install(sender, remote, link)
+        self._install(sender, remote, link, self._link_id(sender, remote.session))
 
         def open_link() -> None:
             if not link.set_running_or_notify_cancel():
@@ -143,37 +162,79 @@ class PeerLinks:
         except TimeoutError:
             raise TransferTimeout(f"link to {peer_id!r} not open after {self._deadline_s}s") from None
 
-    def drop(self, peer_id: str, reason: BaseException | str) -> None:
-        """Forget ``peer_id`` and close its link; the next ``ensure`` shakes hands anew."""
+    def link_by_id(self, peer_id: str, link_id: str) -> LinkBase:
+        """The open link ``link_id`` to ``peer_id`` (an announcement names the link its tensor rides on)."""
         with self._lock:
-            peer = self._peers.pop(peer_id, None)
-        if peer is not None:
+            peer = self._links.get(link_id)
+        if peer is None or peer.peer_id != peer_id or peer.link is None:
+            raise ProtocolError(f"{peer_id!r} names link {link_id!r}, which is not open between us")
+        try:
+            return peer.link.result(timeout=self._deadline_s)
+        except TimeoutError:
+            raise TransferTimeout(f"link {link_id!r} to {peer_id!r} not open after {self._deadline_s}s") from None
+
+    def drop(self, peer_id: str, reason: BaseException | str) -> None:
+        """Forget ``peer_id`` and close every link to it; the next ``ensure`` shakes hands anew."""
+        with self._lock:
+            self._peers.pop(peer_id, None)
+            gone = [p for p in self._links.values() if p.peer_id == peer_id]
+            for peer in gone:
+                del self._links[peer.link_id]  # type: ignore[arg-type]
+        if gone:
             log.warning("dropping peer %s: %s", peer_id, reason)
+        for peer in gone:
             _close_link(peer)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            peers, self._peers = list(self._peers.values()), {}
+            peers = list(self._links.values())
+            self._peers, self._links = {}, {}
         for peer in peers:
             if peer.link is not None:
                 peer.link.cancel()
             _close_link(peer)
 
-    def _install(self, peer_id: str, remote: Handshake, link: Future[LinkBase]) -> Peer:
-        peer = Peer(peer_id, remote, link)
+    def _install(self, peer_id: str, remote: Handshake, link: Future[LinkBase] | None, link_id: str | None) -> Peer:
+        """Make this handshake the current one with ``peer_id``.
+
+        A control-only handshake never replaces a usable link. A replaced link
+        stays open while it is healthy: the peer may still be sending on it
+        (both sides started a handshake at once); a broken one is closed.
+        """
+        peer = Peer(peer_id, remote, link, link_id)
+        stale: list[Peer] = []
         with self._lock:
             self._check_open()
             old = self._peers.get(peer_id)
+            if link is None and old is not None and old.link is not None and _usable(old, True):
+                return old
             self._peers[peer_id] = peer
-        if old is not None:  # the peer shook hands again: it lost our old link
-            _close_link(old)
+            if link_id is not None:
+                self._links[link_id] = peer
+            for other in [p for p in self._links.values() if p.peer_id == peer_id and p is not peer]:
+                if not _usable(other, True):
+                    del self._links[other.link_id]  # type: ignore[arg-type]
+                    stale.append(other)
+        for other in stale:
+            _close_link(other)
         return peer
+
+    def _discard(self, peer: Peer) -> None:
+        """Forget one handshake whose link failed to open, and nothing else."""
+        with self._lock:
+            if self._peers.get(peer.peer_id) is peer:
+                del self._peers[peer.peer_id]
+            if peer.link_id is not None and self._links.get(peer.link_id) is peer:
+                del self._links[peer.link_id]
+
+    def _link_id(self, peer_id: str, session: str) -> str:
+        return link_id_for(self._channel.peer_id, peer_id, session)
 
     def _open_link(self, peer_id: str, store_addr: str, session: str) -> LinkBase:
         me = self._channel.peer_id
         link_rank = 0 if me < peer_id else 1
-        link_id = link_id_for(me, peer_id, session)
+        link_id = self._link_id(peer_id, session)
         log.debug("opening link %s to %s (rank %d, store %s)", link_id, peer_id, link_rank, store_addr)
         link = self._data_plane.open_link(link_id, link_rank, store_addr, self._device, self._deadline_s)
         log.debug("opened link %s to %s", link_id, peer_id)

@@ -158,7 +158,7 @@ class ProducerSide:
 
     # -- internals --------------------------------------------------------------------
     def _check_pull(self, sender: str, pull: PullRequest) -> list[Route]:
-        peer = self._peers.get(sender)
+        peer = self._peers.known(sender)
         if peer is None:
             raise ProtocolError(f"pull for {pull.request_id!r} from {sender!r} before any handshake")
         if pull.dst_rank != peer.remote.rank or pull.consumer_engine_id != peer.remote.engine_id:
@@ -243,7 +243,7 @@ class ProducerSide:
             self._caches.gather(layer, slots, route.tokens, route.heads, buf)
             self._channel.send(sender, Announce(
                 request_id, layer, RouteMsg.from_route(route), tuple(buf.shape), self._geometry.dtype,
-                buf.numel() * buf.element_size(), next(seq),
+                buf.numel() * buf.element_size(), next(seq), link.link_id,
             ))
         return gather_and_announce
 

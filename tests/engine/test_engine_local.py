@@ -290,3 +290,40 @@ def test_a_failed_engine_start_leaves_no_thread_behind() -> None:
         TransferEngine(EngineConfig("bad", 0, ParallelLayout(1, 1), GQA, bind_host="203.0.113.1"))  # not ours: bind fails
     left = {t.name for t in threading.enumerate()} - before
     assert not [name for name in left if name.startswith("ncclkv")], left
+
+
+@pytest.mark.parametrize("attempt", range(5))
+def test_crossed_handshakes_pull_and_push_on_a_new_pair(attempt: int) -> None:
+    # The consumer starts a pull and the producer a push to the same, so far
+    # unknown, peer at once: both handshakes cross and each side may send on
+    # a different link; every tensor must still land, announced on its own link.
+    layout = ParallelLayout(1, 1)
+    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "both", deadline_s=5)
+    decode = _engines("decode", layout, GQA, CacheLayout.FLASH_NHD, 16, "both", deadline_s=5)
+    try:
+        prefill_ref, decode_ref = _ref("prefill", layout, prefill), _ref("decode", layout, decode)
+        prefill[0].fill(seed=31, block_ids=[0, 1], num_tokens=24)
+        prefill[0].fill(seed=32, block_ids=[2, 3], num_tokens=30)
+        prefill[0].engine.finish("pulled", [0, 1], 24)
+        start = threading.Barrier(2, timeout=10)
+
+        def push() -> None:
+            start.wait()
+            prefill[0].engine.start_push("pushed", decode_ref, [2, 3], 30)
+            for layer in range(GQA.num_layers):
+                prefill[0].engine.save_layer("pushed", layer)
+            prefill[0].engine.finish("pushed")
+
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        start.wait()
+        decode[0].engine.expect("pulled", prefill_ref, [4, 5], 24)
+        decode[0].engine.expect("pushed", prefill_ref, [6, 7], 30, push=True)
+        pusher.join(10)
+        decode[0].engine.wait("pulled", timeout_s=20)
+        decode[0].engine.wait("pushed", timeout_s=20)
+        assert decode[0].mismatches(31, [4, 5], 24, Span(0, 24)) == []
+        assert decode[0].mismatches(32, [6, 7], 30, Span(0, 30)) == []
+        assert set(_wait_sent(prefill, "pulled").values()) == {None}
+    finally:
+        _close(prefill, decode)

@@ -184,7 +184,7 @@ def test_garbage_on_the_consumer_router_is_rejected_and_the_transfer_completes(p
         intruder.connect(address)
         route = RouteMsg.from_route(Route(0, 0, Span(2, 3), Span(0, 4), Span(0, 48)))
         for msg_id, body in enumerate((Done("j", 1, 8), ErrorMsg("j", ErrorCode.TIMEOUT, "fake failure"),
-                                       Announce("j", 2, route, (2, 48, 4, 32), "float32", 49152, 2)), 1):
+                                       Announce("j", 2, route, (2, 48, 4, 32), "float32", 49152, 2, "kv-forged")), 1):
             intruder.send(encode(Envelope("intruder.r0", msg_id, None, body)))
         answers = _replies_until(intruder, 3)  # the announcement's refusal: all three were handled
         assert {e.reply_to: e.body.code for e in answers if isinstance(e.body, ErrorMsg)} == {

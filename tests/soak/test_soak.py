@@ -11,11 +11,10 @@ and staging is back to zero after every wave.
 
 Found by this soak (engine, 2026-11-22): when a consumer's pull and a
 producer's push open the same, not yet connected, pair of ranks at the same
-time, the two handshakes cross and the two sides can end on different links
-or peers: the transfer hangs until the link deadline, or the push offer is
-refused "before any handshake". ``SoakConfig.connect_first`` (default on)
-opens every pair with one pull first; ``connect_first=False`` reproduces it
-(3 runs of 3 with 40 requests failed).
+time, the two handshakes cross. Fixed: announcements name their link, a
+replaced healthy link stays open, and a request arriving while our own
+handshake with its sender is in flight waits for it. The soak opens every
+pair this way (no warm-up), so it keeps exercising the crossing.
 """
 
 from __future__ import annotations

@@ -92,10 +92,10 @@ def test_fifo_order_of_1000_messages_each_way(make_channel: Callable[..., Channe
     b = make_channel("b", on_message=recorder("b"), **FAST)
     b.connect("a", a.address)
     for seq in range(1000):
-        b.send("a", Announce("r", 0, ROUTE, (2, 16, 1, 8), "bfloat16", 512, seq))
+        b.send("a", Announce("r", 0, ROUTE, (2, 16, 1, 8), "bfloat16", 512, seq, "kv-0"))
     assert done["a"].wait(10)
     for seq in range(1000):  # a -> b goes through a's ROUTER: ordered too
-        a.send("b", Announce("r", 0, ROUTE, (2, 16, 1, 8), "bfloat16", 512, seq))
+        a.send("b", Announce("r", 0, ROUTE, (2, 16, 1, 8), "bfloat16", 512, seq, "kv-0"))
     assert done["b"].wait(10)
     assert seen == {"a": list(range(1000)), "b": list(range(1000))}
 

@@ -49,7 +49,7 @@ WAIT_S = 10.0  # for wait_until
 NO_ANSWER_S = 0.5  # how long an unauthenticated peer waits in vain (an authenticated one is answered in ms)
 HELLO = Handshake.create("decode-0", "consumer", 0, ParallelLayout(1, 1), KVGeometry(2, 2, 64), "tcp://h:1", "h:2")
 pytestmark = pytest.mark.usefixtures("no_channel_thread_left")
-ANNOUNCE = Announce("req", 0, RouteMsg(0, 0, (0, 1), (0, 1), (0, 4)), (2, 4, 1, 64), "bfloat16", 1024, 0)
+ANNOUNCE = Announce("req", 0, RouteMsg(0, 0, (0, 1), (0, 1), (0, 4)), (2, 4, 1, 64), "bfloat16", 1024, 0, "kv-0")
 
 
 class Server:

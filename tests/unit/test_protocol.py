@@ -57,7 +57,7 @@ EXAMPLES = [
     HandshakeAck("decode-0", 0, True, ""),
     HandshakeAck("decode-0", 3, False, "num_kv_heads mismatch"),
     PullRequest("req-1", 0, "decode-0", (ROUTE, RouteMsg(1, 0, (16, 32), (0, 2), (5, 5))), 128),
-    Announce("req-1", 3, ROUTE, (2, 128, 2, 128), "bfloat16", 2 * 128 * 2 * 128 * 2, 42),
+    Announce("req-1", 3, ROUTE, (2, 128, 2, 128), "bfloat16", 2 * 128 * 2 * 128 * 2, 42, "kv-0123"),
     Ack("req-1", 42),
     Ack("req-1", None),
     Ready("req-1"),
@@ -88,7 +88,7 @@ bodies = st.one_of(
     st.builds(Handshake, ids, st.sampled_from(["producer", "consumer", "both"]), nonneg, layouts, geometries, ids, nonneg, ids, ids),
     st.builds(HandshakeAck, ids, nonneg, st.booleans(), st.text(max_size=40)),
     st.builds(PullRequest, ids, nonneg, ids, st.lists(routes, max_size=4).map(tuple), nonneg),
-    st.builds(Announce, ids, nonneg, routes, st.lists(nonneg, max_size=MAX_SHAPE_DIMS).map(tuple), ids, nonneg, nonneg),
+    st.builds(Announce, ids, nonneg, routes, st.lists(nonneg, max_size=MAX_SHAPE_DIMS).map(tuple), ids, nonneg, nonneg, ids),
     st.builds(Ack, ids, st.none() | nonneg),
     st.builds(Ready, ids),
     st.builds(Done, ids, nonneg, nonneg),
@@ -104,7 +104,7 @@ def test_generated_messages_round_trip(envelope: Envelope) -> None:
 
 # -- strict decoding: build the frame by hand so the bad value really is on the wire ---------
 
-GOOD = Envelope("peer-a", 5, None, Announce("req-1", 3, ROUTE, (2, 4, 1, 8), "bfloat16", 128, 42))
+GOOD = Envelope("peer-a", 5, None, Announce("req-1", 3, ROUTE, (2, 4, 1, 8), "bfloat16", 128, 42, "kv-0123"))
 
 
 def frame_with(mutate) -> bytes:  # type: ignore[no-untyped-def]
@@ -197,7 +197,7 @@ def test_oversized_frame_is_refused_before_decoding() -> None:
 
 def test_encode_refuses_what_the_peer_would_refuse() -> None:
     with pytest.raises(errors.ProtocolError, match=r"Announce would be refused by the peer.*\$\.body\.layer"):
-        encode(Envelope("a", 1, None, Announce("r", -1, ROUTE, (1,), "bfloat16", 2, 0)))
+        encode(Envelope("a", 1, None, Announce("r", -1, ROUTE, (1,), "bfloat16", 2, 0, "kv-0")))
     with pytest.raises(errors.ProtocolError, match="Ack would be refused.*seq"):
         encode(Envelope("a", 1, None, Ack("r", "7")))  # type: ignore[arg-type]
     with pytest.raises(errors.ProtocolError, match="cannot encode Heartbeat"):
