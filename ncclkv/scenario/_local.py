@@ -46,6 +46,11 @@ class LocalRun:
                          for rank, (code, text) in enumerate(zip(self.codes, self.outputs)) if text.strip() or code)
 
 
+# Variables ncclkv.launch.discover() reads, from any launcher.
+_LAUNCHER_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_",
+                      "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_", "PMI_", "MPI_LOCAL", "SLURM_")
+
+
 def run_local(world_size: int, args: Sequence[str], timeout_s: float, *, kind: str = "transfer",
               env: Mapping[str, str] | None = None) -> LocalRun:
     """Start ``python -m ncclkv.scenario --kind KIND ARGS`` once per rank, wait for all (``timeout_s`` in all).
@@ -55,8 +60,12 @@ def run_local(world_size: int, args: Sequence[str], timeout_s: float, *, kind: s
     """
     if world_size < 1 or not timeout_s > 0:
         raise ValueError(f"need world_size >= 1 and timeout_s > 0, got {world_size}, {timeout_s}")
-    base = {**(os.environ if env is None else env), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-            "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
+    inherited = os.environ if env is None else env
+    # Every launcher variable is ours: one inherited from an enclosing job (or
+    # left behind by a library, as vLLM sets LOCAL_WORLD_SIZE) would be read too.
+    base = {key: value for key, value in inherited.items() if not key.startswith(_LAUNCHER_PREFIXES)}
+    base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
+                 "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"})
     command = [sys.executable, "-m", "ncclkv.scenario", "--kind", kind, *args]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ncclkv-local-") as logs:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,3 +18,12 @@ from ncclkv._vllm_model import TinyLlamaSpec, build_tiny_llama  # noqa: E402
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama's config (vLLM's ModelConfig reads it; no weights are loaded here)."""
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama") / "model", **asdict(TinyLlamaSpec()))
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment() -> Iterator[None]:
+    """vLLM, run in this process here, writes os.environ (LOCAL_WORLD_SIZE, ...): later tests must not see it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

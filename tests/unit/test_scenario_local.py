@@ -7,6 +7,7 @@ and ``ncclkv demo``; these are the paths that must not hang or hide an error.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -53,3 +54,12 @@ def test_summary_json_totals_the_decode_ranks() -> None:
     assert (data["world_size"], data["requests"], data["tokens"], data["mode"]) == (4, 3, 60, "pull")
     assert (data["decode_bytes"], data["decode_seconds"]) == (4000, 1.0)
     assert data["gbps"] == pytest.approx(4000 / 1e9) and data["requests_per_s"] == pytest.approx(3.0)
+
+
+def test_inherited_launcher_variables_do_not_leak_into_the_ranks() -> None:
+    # vLLM, run in-process by other tests, leaves LOCAL_WORLD_SIZE=1 behind; an enclosing
+    # Slurm or MPI job leaves its own. The local ranks must see only what run_local sets.
+    polluted = {**os.environ, "LOCAL_WORLD_SIZE": "1", "SLURM_PROCID": "5", "SLURM_NTASKS": "8",
+                "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3"}
+    outcome = run_local(2, ["--prefill", "1", "--decode", "1", "--small", "--deadline", "60"], 120, env=polluted)
+    assert outcome.ok, outcome.failure_text()
