@@ -26,11 +26,12 @@ __all__ = [
     "DEFAULT_OUT",
     "KIB",
     "MIB",
+    "QUICK_OUT",
     "BenchContext",
     "BenchOptions",
     "BenchResult",
     "Column",
-    "QUICK_OUT",
+    "base_meta",
     "default_out",
     "format_size",
     "format_table",
@@ -41,6 +42,7 @@ __all__ = [
     "save",
     "summary",
     "timed",
+    "write_figure",
 ]
 
 KIB = 1 << 10
@@ -281,6 +283,19 @@ def pyplot() -> ModuleType | None:
     except ImportError:
         return None
     return plt
+
+
+def write_figure(plt: ModuleType, fig: Any, path: Path) -> bool:
+    """Lay out, write ``path`` as a PNG and release ``fig``; True, as a benchmark's ``plot`` returns."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def base_meta(opts: BenchOptions) -> dict[str, Any]:
+    """What every result records first: the machine, the command that reproduces it, quick or full."""
+    return {"machine": machine_info(), "command": opts.command, "quick": opts.quick}
 
 
 def save(

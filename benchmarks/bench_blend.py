@@ -29,7 +29,7 @@ from ncclkv.blend import BlendConfig, BlendExecutor, BlendRetriever, ChunkStore,
 from ncclkv.blend.reference_model import TinyLlama, TinyLlamaConfig
 from ncclkv.buffer import KVStoreBuffer
 
-from ._common import BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save
+from ._common import BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, write_figure
 
 __all__ = ["NAME", "TITLE", "main", "plot", "run"]
 
@@ -171,10 +171,7 @@ def plot(result: BenchResult, path: Path) -> bool:
     left.set(title="speed-up over full prefill (median)", xlabel="recompute ratio")
     right.plot(ratios, [r["query_rel_error"] for r in rows], marker="o", color="tab:red")
     right.set(title="query hidden-state error vs full", xlabel="recompute ratio", ylabel="relative L2")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return write_figure(plt, fig, path)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -32,7 +32,7 @@ from ncclkv.protocol import Ack, Announce, Done, Message, PullRequest, RouteMsg
 from ncclkv.transport import DataPlane
 
 from ._common import (
-    BenchContext, BenchOptions, BenchResult, Column, default_out, machine_info, pyplot, run_standalone, summary,
+    BenchContext, BenchOptions, BenchResult, Column, base_meta, default_out, pyplot, run_standalone, summary, write_figure,
 )
 from ._peer import Endpoint
 
@@ -208,10 +208,7 @@ def plot(result: BenchResult, path: Path) -> bool:
     ax.set(xscale="log", xlabel="microseconds")
     ax.set_title(result.title, fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return write_figure(plt, fig, path)
 
 
 def run(ctx: BenchContext, params: ControlParams | None = None) -> BenchResult:
@@ -239,7 +236,7 @@ def run(ctx: BenchContext, params: ControlParams | None = None) -> BenchResult:
             peer.endpoint.send("end")
             peer.result()
     meta = {
-        "machine": machine_info(), "command": opts.command, "quick": opts.quick, "requests": count,
+        **base_meta(opts), "requests": count,
         "layers": list(params.layers), "links": params.num_links,
         "messages": f"PullRequest with {len(ROUTES)} routes; Announce of a [2, {TOKENS}, {HEADS}, {HEAD_SIZE}] bfloat16 slice",
         "timing": "perf_counter in the consumer; requests one at a time; first 10% dropped as warm-up",

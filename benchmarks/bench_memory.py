@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._common import MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save
+from ._common import MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, write_figure
 from ._resources import growth
 from ._soak import SoakConfig, SoakReport, SoakSample, run_soak
 
@@ -135,10 +135,7 @@ def plot(result: BenchResult, path: Path) -> bool:
     bottom.axhline(0.0, color="tab:green", linewidth=1, label="end of each wave (always 0)")
     bottom.set(title="staging used (all decode ranks)", xlabel="requests done", ylabel="MiB")
     bottom.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return write_figure(plt, fig, path)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

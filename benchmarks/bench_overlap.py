@@ -28,7 +28,7 @@ import torch
 from ncclkv.transport import DataPlane
 
 from ._common import (
-    BenchContext, BenchOptions, BenchResult, Column, default_out, format_size, machine_info, pyplot, run_standalone,
+    BenchContext, BenchOptions, BenchResult, Column, base_meta, default_out, format_size, pyplot, run_standalone, write_figure,
 )
 from ._overlap_runs import MODES, Busy, calibrate_slice, chunked, scenario
 from ._transfer_paths import WAIT_S, Sender, SliceCase, raw_group
@@ -177,10 +177,7 @@ def plot(result: BenchResult, path: Path) -> bool:
     right.set(title="compute slowdown while sending layer-wise", xlabel="c / x", ylabel="x compute alone")
     left.legend(fontsize=7)
     right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return write_figure(plt, fig, path)
 
 
 def run(ctx: BenchContext, params: OverlapParams | None = None) -> BenchResult:
@@ -220,7 +217,7 @@ def run(ctx: BenchContext, params: OverlapParams | None = None) -> BenchResult:
     finally:
         torch.set_num_threads(threads)
     meta = {
-        "machine": machine_info(), "command": opts.command, "quick": opts.quick, "repeats": repeats,
+        **base_meta(opts), "repeats": repeats,
         "num_layers": params.num_layers, "compute_ms": list(params.compute_ms), "transfer_ms": params.transfer_ms,
         "chunk_bytes": list(params.chunk_bytes),
         "matmul": f"{params.matmul_size}x{params.matmul_size} float32, 1 torch thread",

@@ -22,7 +22,7 @@ from ncclkv.layout import Span
 from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather, part_views, scatter
 
 from ._common import (
-    DEFAULT_OUT, MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, timed,
+    DEFAULT_OUT, MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, timed, write_figure,
 )
 
 __all__ = ["NAME", "TITLE", "main", "plot", "run"]
@@ -154,10 +154,7 @@ def plot(result: BenchResult, path: Path) -> bool:
         ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
     axes[0].set_ylabel("ratio")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return write_figure(plt, fig, path)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

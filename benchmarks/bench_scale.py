@@ -24,7 +24,7 @@ from typing import Any
 
 from ncclkv.scenario._local import run_local
 
-from ._common import MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save
+from ._common import MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, write_figure
 
 __all__ = ["NAME", "TITLE", "main", "plot", "run"]
 
@@ -148,10 +148,7 @@ def plot(result: BenchResult, path: Path) -> bool:
         ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(sets))], sets)
         ax.set(title=title)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return write_figure(plt, fig, path)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

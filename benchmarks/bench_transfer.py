@@ -30,7 +30,7 @@ import torch
 from ncclkv.transport import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, DataPlane
 
 from ._common import (
-    KIB, MIB, BenchContext, BenchOptions, BenchResult, Column, default_out, format_size, machine_info, pyplot, run_standalone,
+    KIB, MIB, BenchContext, BenchOptions, BenchResult, Column, base_meta, default_out, format_size, machine_info, pyplot, run_standalone, write_figure,
 )
 from ._transfer_paths import COPIES, PATHS, WAIT_S, Sender, SliceCase, raw_group
 
@@ -240,10 +240,7 @@ def plot(result: BenchResult, path: Path) -> bool:
         ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
         ax.legend(fontsize=8)
     fig.suptitle(result.meta.get("machine", {}).get("cpu", ""), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return write_figure(plt, fig, path)
 
 
 def run(ctx: BenchContext, params: TransferParams | None = None) -> BenchResult:
@@ -271,7 +268,7 @@ def run(ctx: BenchContext, params: TransferParams | None = None) -> BenchResult:
     finally:
         torch.set_num_threads(threads)
     meta = {
-        "machine": machine_info(), "command": opts.command, "quick": opts.quick, "repeats": repeats,
+        **base_meta(opts), "repeats": repeats,
         "threads_per_process": params.threads, "max_in_flight": params.in_flight or DEFAULT_MAX_IN_FLIGHT,
         "max_in_flight_bytes": DEFAULT_MAX_IN_FLIGHT_BYTES, "chunk_bytes": params.chunk_bytes,
         "round_bytes": params.round_bytes, "dtype": "bfloat16", "num_kv_heads": 8, "head_size": 128,
