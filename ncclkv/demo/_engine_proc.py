@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineError", "EngineOptions", "EngineProcess", "RequestResult"]
+__all__ = ["EngineError", "EngineOptions", "EngineProcess", "RequestResult", "vllm_child_env"]
 
 # The directory holding the ncclkv package: on the child's PYTHONPATH, so the connector
 # module (and the child module itself) import in the engine whether or not ncclkv is installed.
@@ -55,6 +55,23 @@ class RequestResult:
     num_cached_tokens: int  # local prefix-cache hits plus tokens a connector loaded
     ttft_s: float | None = None
     queued_s: float | None = None
+
+
+def vllm_child_env(cpu_core: int | str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a vLLM process on the CPU here: ncclkv importable, one core, a small KV cache, offline."""
+    env = dict(os.environ)
+    path = [str(_PACKAGE_PARENT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env.update(
+        PYTHONPATH=os.pathsep.join(path),  # the connector module must import in the engine
+        VLLM_CPU_KVCACHE_SPACE="1",  # GiB
+        VLLM_CPU_OMP_THREADS_BIND=str(cpu_core),
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    env.update(extra or {})
+    return env
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,20 +107,8 @@ class EngineOptions:
         return kwargs
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        path = [str(_PACKAGE_PARENT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        env.update(
-            PYTHONPATH=os.pathsep.join(path),  # the connector module must import in the engine
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",  # scheduler and worker in one process
-            VLLM_CPU_KVCACHE_SPACE="1",  # GiB
-            VLLM_CPU_OMP_THREADS_BIND=str(self.cpu_core),
-            VLLM_NO_USAGE_STATS="1",
-            VLLM_DO_NOT_TRACK="1",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-        )
-        env.update(self.extra_env)
-        return env
+        # Scheduler and worker in one process: an engine starts in half the time.
+        return vllm_child_env(self.cpu_core, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **self.extra_env})
 
 
 class EngineProcess:

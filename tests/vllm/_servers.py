@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ncclkv.demo._engine_proc import vllm_child_env
+from ncclkv.launch import free_port
 
 __all__ = ["Metrics", "ServerError", "ServerOptions", "ServerProcess", "free_port", "parse_metrics"]
 
@@ -79,26 +81,7 @@ class ServerOptions:
         return args + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        path = [str(_REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        env.update(
-            PYTHONPATH=os.pathsep.join(path),  # the connector module must import in every server process
-            VLLM_CPU_KVCACHE_SPACE="1",  # GiB
-            VLLM_CPU_OMP_THREADS_BIND=str(self.cpu_core),
-            VLLM_NO_USAGE_STATS="1",
-            VLLM_DO_NOT_TRACK="1",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-        )
-        env.update(self.extra_env)
-        return env
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now (the server binds it itself; a lost race is retried)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        return vllm_child_env(self.cpu_core, self.extra_env)
 
 
 @dataclass(frozen=True, slots=True)
