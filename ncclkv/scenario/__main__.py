@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from ..errors import ClosedError, PeerLostError, TransferError
 from ..launch import discover
 from ._common import add_common_arguments
-from ._registry import EXIT_CHECK_FAILED, EXIT_OK, EXIT_PEER_FAILURE, SCENARIOS, ScenarioError, load_scenario
+from ._registry import EXIT_CHECK_FAILED, EXIT_OK, EXIT_PEER_FAILURE, SCENARIOS, ScenarioError, load_scenario, report
 
 __all__ = ["build_parser", "main"]
 
@@ -44,10 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         module.run(info, args)
     except PEER_FAILURES as exc:
-        print(f"rank {info.rank}: peer failure detected: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        report(f"rank {info.rank}: peer failure detected: {type(exc).__name__}: {exc}", sys.stderr)
         return EXIT_PEER_FAILURE
     except ScenarioError as exc:
-        print(f"rank {info.rank}: check failed: {exc}", file=sys.stderr, flush=True)
+        report(f"rank {info.rank}: check failed: {exc}", sys.stderr)
         return EXIT_CHECK_FAILED
     return EXIT_OK
 

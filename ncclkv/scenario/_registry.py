@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from typing import Protocol
+import sys
+from typing import Protocol, TextIO
 
 from ..launch import LaunchInfo
 
@@ -16,6 +17,7 @@ __all__ = [
     "ScenarioError",
     "ScenarioModule",
     "load_scenario",
+    "report",
 ]
 
 EXIT_OK = 0
@@ -28,6 +30,14 @@ SCENARIOS: dict[str, str] = {
     "ring": "ncclkv.scenario._ring",
     "transfer": "ncclkv.scenario._transfer",
 }
+
+
+def report(line: str, stream: TextIO | None = None) -> None:
+    """Write one whole line in a single write: ranks share the launcher's pipe, and
+    ``print`` writes text and newline apart, so lines of concurrent ranks would merge."""
+    out = sys.stdout if stream is None else stream
+    out.write(line + "\n")
+    out.flush()
 
 
 class ScenarioError(RuntimeError):

@@ -27,7 +27,7 @@ import torch
 from ..launch import LaunchInfo
 from ..transport import DataPlane, Link
 from ._common import resolve_bind_host, resolve_device, topology_from_args
-from ._registry import ScenarioError
+from ._registry import ScenarioError, report
 from ._rendezvous import StoreRendezvous
 
 __all__ = ["HELP", "RingConfig", "add_arguments", "check_payload", "ring_exchange", "ring_payload", "run"]
@@ -171,11 +171,10 @@ def run(info: LaunchInfo, args: argparse.Namespace) -> None:
             raise
     elapsed = time.monotonic() - started
     mib = config.count * config.nbytes / (1 << 20)
-    print(
+    report(
         f"ring rank {info.rank}/{info.world_size} ({info.launcher}{place}, {device}): "
         f"{config.count} tensors ({mib:.1f} MiB) sent to rank {(info.rank + 1) % info.world_size}, "
-        f"{config.count} received byte-exact from rank {(info.rank - 1) % info.world_size} in {elapsed:.2f} s",
-        flush=True,
+        f"{config.count} received byte-exact from rank {(info.rank - 1) % info.world_size} in {elapsed:.2f} s"
     )
 
 
@@ -185,7 +184,7 @@ def _kill_hook(rank: int, config: RingConfig) -> Callable[[int], None] | None:
 
     def kill(done: int) -> None:
         if done >= config.kill_at:
-            print(f"ring rank {rank}: exiting with {KILL_EXIT_CODE} after {done} tensors (--kill-rank)", flush=True)
+            report(f"ring rank {rank}: exiting with {KILL_EXIT_CODE} after {done} tensors (--kill-rank)")
             sys.stderr.flush()
             os._exit(KILL_EXIT_CODE)
 

@@ -28,7 +28,7 @@ from ..layout import KVGeometry, ParallelLayout, Roi, shard_roi
 from ..paged import CacheLayout
 from ._common import resolve_bind_host, resolve_device, topology_from_args
 from ._kv import check_landed, fill_shard, make_cache
-from ._registry import ScenarioError
+from ._registry import ScenarioError, report
 from ._rendezvous import StoreRendezvous
 from ._topology import PDTopology, RankPlace
 
@@ -202,7 +202,7 @@ def run(info: LaunchInfo, args: argparse.Namespace) -> None:
         rendezvous.report_failure(f"{type(exc).__name__}: {exc}")
         raise
     if info.rank == 0:
-        print(summary_table(topology, cfg, results), flush=True)
+        report(summary_table(topology, cfg, results))
         if getattr(args, "json_out", None):
             with open(args.json_out, "w", encoding="utf-8") as out:
                 json.dump(summary_json(topology, cfg, results), out, indent=1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import os
 import random
 import signal
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["REPO", "VENV_BIN", "Finished", "SlurmCluster", "child_env", "run", "unused_port"]
+__all__ = ["REPO", "VENV_BIN", "Finished", "SlurmCluster", "child_env", "ring_lines", "run", "unused_port"]
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -87,3 +89,8 @@ class SlurmCluster:
     conf: Path
     workdir: Path
     env: dict[str, str]  # child_env() with SLURM_CONF; tests add a MASTER_PORT per job
+
+
+def ring_lines(output: str) -> dict[int, str]:
+    """Each rank's "ring rank R/N ... byte-exact ..." report line, by rank."""
+    return {int(m.group(1)): m.group(0) for m in re.finditer(r"ring rank (\d+)/\d+ .*byte-exact.*", output)}

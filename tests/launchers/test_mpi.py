@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from _launch import REPO, VENV_BIN, Finished, child_env, run, unused_port
+from _launch import REPO, VENV_BIN, Finished, child_env, ring_lines, run, unused_port
 
 pytestmark = pytest.mark.mpi
 
@@ -30,10 +30,6 @@ def mpiexec(ranks: int, *args: str, runtime_options: str | None = None, **env: s
     if runtime_options:
         options[:0] = ["--runtime-options", runtime_options]
     return run([str(exe), *options, *args], env=child, timeout_s=OUTER_TIMEOUT_S)
-
-
-def ring_lines(output: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(0) for m in re.finditer(r"ring rank (\d+)/\d+ .*byte-exact.*", output)}
 
 
 @pytest.mark.parametrize("ranks", [RANKS, 3])

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import REPO, SlurmCluster, run, unused_port
+from _launch import REPO, SlurmCluster, ring_lines, run, unused_port
 
 from ncclkv.layout import ParallelLayout
 from ncclkv.scenario import PDTopology
@@ -17,10 +17,6 @@ pytestmark = pytest.mark.slurm
 TIMEOUT_S = 150
 SLURM_TIME_LIMIT = "3"  # minutes: Slurm ends a job that outlives the test's own timeout
 TEMPLATES = sorted((REPO / "slurm").glob("pd_*.sbatch"))
-
-
-def ring_lines(output: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(0) for m in re.finditer(r"ring rank (\d+)/\d+ .*byte-exact.*", output)}
 
 
 def template_topology(text: str) -> tuple[int, PDTopology]:

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import re
 import sys
 import uuid
 
 import pytest
-from _launch import REPO, VENV_BIN, child_env, run
+from _launch import REPO, VENV_BIN, child_env, ring_lines, run
 
 pytestmark = pytest.mark.multiprocess
 
 TIMEOUT_S = 120
-
-
-def ring_lines(output: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(0) for m in re.finditer(r"ring rank (\d+)/\d+ .*byte-exact.*", output)}
 
 
 def torchrun_scenario(*scenario_args: str) -> list[str]:
