@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import zmq
 
 from ._auth import FrameGate, ZapGuard, configure_curve_client
+from ._clock import ActiveClock
 from ._peers import Counters, PeerTable
 from .auth import ChannelAuth
 from .protocol import Envelope, Heartbeat, encode
@@ -67,6 +68,8 @@ class IoLoop:
         deliver: Callable[[Envelope], None],
         lost: Callable[[str, str], None],
         auth: ChannelAuth,
+        clock: ActiveClock,
+        tick_s: float,
     ) -> None:
         self._peer_id = peer_id
         self._bind_endpoint = bind_endpoint
@@ -78,6 +81,8 @@ class IoLoop:
         self._deliver = deliver
         self._lost = lost
         self._auth = auth
+        self._clock = clock  # liveness runs on time this process could run (see ncclkv._clock)
+        self._tick_s = tick_s
         self._gate = FrameGate(
             peer_id=peer_id, max_frame_bytes=max_frame_bytes, auth=auth, counters=counters, next_msg_id=peers.next_msg_id
         )
@@ -166,6 +171,7 @@ class IoLoop:
             for peer_id in list(self._links):  # fail their requests now rather than at their deadlines
                 self._declare_lost(peer_id, "the channel's I/O thread failed")
         finally:
+            self._clock.stop()
             for peer_id in list(self._links):
                 self._drop_link(peer_id)
             self._router.close(linger=0)
@@ -201,10 +207,13 @@ class IoLoop:
         sock.setsockopt(zmq.RCVHWM, 0)
 
     def _loop(self) -> None:
-        tick_s = min(self._heartbeat_s, self._deadline_s / 4, 0.1)
-        next_beat = time.monotonic()
+        next_beat = self._clock.now()
         while not self._stop.is_set():
-            ready = dict(self._poller.poll(timeout=tick_s * 1000))
+            ready = dict(self._poller.poll(timeout=self._tick_s * 1000))
+            paused_s = self._clock.tick()
+            if paused_s:
+                log.warning("channel %r: this process did not run for %.1fs; not counted against peers' deadlines",
+                            self._peer_id, paused_s)
             # Every turn, not only on a wake-up: a queued command never waits for another submit.
             self._run_commands()
             if self._router in ready:
@@ -213,7 +222,7 @@ class IoLoop:
                 # a link dropped while draining an earlier socket has a closed dealer: skip it
                 if link.dealer is not None and link.dealer in ready and self._links.get(peer_id) is link:
                     self._drain(link.dealer, peer_id)
-            now = time.monotonic()
+            now = self._clock.now()
             if now >= next_beat:
                 self._beat()
                 next_beat = now + self._heartbeat_s
@@ -295,7 +304,7 @@ class IoLoop:
         if envelope is None:  # rejected: counted, logged, answered if authentic
             return
         sender = envelope.sender
-        self._peers.heard(sender, time.monotonic())
+        self._peers.heard(sender, self._clock.now())
         link = self._links.get(sender)
         if routing_id is not None and (link is None or link.dealer is None):
             self._links[sender] = _Link(routing_id=routing_id)  # answer on the connection it came in on

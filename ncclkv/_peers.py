@@ -59,7 +59,7 @@ class Budget:
 
 @dataclass(slots=True)
 class _PeerState:
-    last_heard: float  # time.monotonic() of the last frame from the peer (or of connect())
+    last_heard: float  # the channel clock (ncclkv._clock) at the last frame from the peer, or at connect()
     lost: bool = False
     rtt_s: float | None = None
 

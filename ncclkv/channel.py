@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ._channel_io import IoLoop
+from ._clock import ActiveClock
 from ._dispatch import Dispatcher, MessageHandler, PeerLostHandler
 from ._env import env_settings
 from ._peers import Counters, PeerTable
@@ -127,6 +127,9 @@ class Channel:
         self._expired: OrderedDict[int, None] = OrderedDict()
         self._peers = PeerTable()
         self._counters = Counters()
+        tick_s = min(self.heartbeat_s, self.deadline_s / 4, 0.1)
+        # Deadlines here leave out the time this process could not run (see ncclkv._clock).
+        self.clock = ActiveClock(tick_s)
         # The dispatcher exists before the socket is bound: a frame may arrive at once.
         self._dispatcher = Dispatcher(
             name=f"{THREAD_PREFIX}-dispatch[{peer_id}]",
@@ -147,6 +150,8 @@ class Channel:
             deliver=self._on_envelope,
             lost=self._on_lost,
             auth=self.auth,
+            clock=self.clock,
+            tick_s=tick_s,
         )
         try:
             self._address = self._io.start(timeout_s=_JOIN_S)
@@ -188,7 +193,7 @@ class Channel:
         key = curve_key(server_key, "server_key") if server_key is not None else None
         if key is not None and self.auth.curve is None:
             raise ValueError(f"server_key given for peer {peer_id!r} but this channel has no CURVE auth")
-        if self._peers.add(peer_id, time.monotonic()):
+        if self._peers.add(peer_id, self.clock.now()):
             self._io.submit_connect(peer_id, address, key)
 
     def send(self, peer_id: str, body: Message, reply_to: int | None = None) -> int:
@@ -213,7 +218,7 @@ class Channel:
         wait_s = self.deadline_s if timeout_s is None else timeout_s
         pending = _Pending(peer_id)
         msg_id = self._send(peer_id, body, None, pending)
-        if not pending.done.wait(wait_s):
+        if not self.clock.wait(pending.done.wait, wait_s):
             with self._lock:
                 still_pending = self._pending.pop(msg_id, None) is not None
                 if still_pending:

@@ -87,6 +87,7 @@ class ConsumerSide:
                  staging_bytes: int, hold_s: float) -> None:
         self._engine_id, self._rank, self._layout, self._geometry = engine_id, rank, layout, geometry
         self._caches, self._channel, self._peers, self._executor = caches, channel, peers, executor
+        self._clock = channel.clock  # deadlines leave out pauses of this process (ncclkv._clock)
         self._stats, self._deadline_s, self._staging_bytes = stats, deadline_s, staging_bytes
         self._cond = threading.Condition()
         self._requests: dict[str, _Expected] = {}
@@ -117,7 +118,7 @@ class ConsumerSide:
         for src, layer, _ in pending:
             per_src[src] = per_src.get(src, 0) + 1
             remaining[layer] += 1
-        now = time.monotonic()
+        now = self._clock.now()
         req = _Expected(request_id, producer, slots, pending, per_src, remaining, now, now, push=push)
         staged_tensors: list[tuple[_Key, torch.Tensor]] = []
         with self._cond:
@@ -158,7 +159,12 @@ class ConsumerSide:
 
     def take_finished(self) -> dict[str, BaseException | None]:
         """Requests that completed or failed since the last call (a stalled one fails here too)."""
-        now = time.monotonic()
+        now = self._clock.now()
+        with self._cond:
+            stalled = any(r.error is None and r.pending and now > self._stall_at(r) for r in self._requests.values())
+        if stalled:  # judge it only once a pause of this process, if any, is counted
+            self._clock.settle()
+            now = self._clock.now()
         out: dict[str, BaseException | None] = {}
         with self._cond:
             for request_id, req in list(self._requests.items()):
@@ -236,7 +242,7 @@ class ConsumerSide:
                 problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
             else:
                 req.announced.add(key)
-                req.progress = time.monotonic()  # an announcement is progress: its tensor is on the way
+                req.progress = self._clock.now()  # an announcement is progress: its tensor is on the way
         if problem is None:
             buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
             link.recv(shape, self._caches.wire_dtype, out=buf).add_done_callback(
@@ -275,7 +281,7 @@ class ConsumerSide:
                 raise CapacityError(
                     f"push of {offer.request_id!r} from {sender!r} needs {nbytes} B of staging; capacity "
                     f"{self._store.capacity_bytes} B, {self._reserved} B already reserved")
-            staged = self._staged.setdefault(offer.request_id, _Staged(offer.producer_engine_id, time.monotonic()))
+            staged = self._staged.setdefault(offer.request_id, _Staged(offer.producer_engine_id, self._clock.now()))
             staged.keys |= keys
             staged.reserved += nbytes
             self._reserved += nbytes
@@ -372,7 +378,7 @@ class ConsumerSide:
             req.pending.discard(key)
             layer = key[1]
             req.remaining[layer] -= 1
-            req.progress = time.monotonic()
+            req.progress = self._clock.now()
             req.nbytes += buf.numel() * buf.element_size()
             if req.remaining[layer] == 0:
                 self._stats.record_layer(layer, req.progress - req.started)
@@ -391,7 +397,8 @@ class ConsumerSide:
         link.recv(tuple(ann.shape), torch_dtype(ann.dtype))
 
     def _wait(self, request_id: str, ready: Callable[[_Expected], bool], timeout_s: float | None, what: str) -> None:
-        limit = None if timeout_s is None else time.monotonic() + timeout_s
+        limit = None if timeout_s is None else self._clock.now() + timeout_s
+        settled_for: float | None = None  # the stall time last checked against a settled clock
         with self._cond:
             while True:
                 req = self._requests.get(request_id)
@@ -401,8 +408,16 @@ class ConsumerSide:
                     raise req.error
                 if ready(req):
                     return
-                now = time.monotonic()
+                now = self._clock.now()
                 stall_at = self._stall_at(req)
+                if now >= stall_at and settled_for != stall_at:  # count a pause of this process first
+                    settled_for = stall_at
+                    self._cond.release()
+                    try:
+                        self._clock.settle()
+                    finally:
+                        self._cond.acquire()
+                    continue
                 if now >= stall_at:
                     self._fail_locked(req, self._stall_error(req))
                     continue

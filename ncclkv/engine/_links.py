@@ -18,6 +18,7 @@ import logging
 import threading
 import uuid
 from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 from msgspec.structs import replace
@@ -81,7 +82,7 @@ class PeerLinks:
         with self._lock:
             peer = self._peers.get(peer_id)
             gate = self._connecting.get(peer_id)
-        if peer is None and gate is not None and gate.acquire(timeout=self._deadline_s):
+        if peer is None and gate is not None and self._acquire(gate):
             gate.release()
             peer = self.get(peer_id)
         return peer
@@ -94,7 +95,7 @@ class PeerLinks:
             if peer is not None and _usable(peer, need_link):
                 return peer
             gate = self._connecting.setdefault(peer_id, threading.Lock())
-        if not gate.acquire(timeout=self._deadline_s):
+        if not self._acquire(gate):
             raise TransferTimeout(f"handshake with {peer_id!r} still in progress after {self._deadline_s}s")
         try:
             with self._lock:
@@ -157,10 +158,9 @@ class PeerLinks:
             raise PeerLostError(f"no handshake with {peer_id!r} (lost or never connected)")
         if peer.link is None:
             raise ProtocolError(f"no data link with {peer_id!r}: its handshake asked for control only")
-        try:
-            return peer.link.result(timeout=self._deadline_s)
-        except TimeoutError:
-            raise TransferTimeout(f"link to {peer_id!r} not open after {self._deadline_s}s") from None
+        if not self._settled(peer.link):
+            raise TransferTimeout(f"link to {peer_id!r} not open after {self._deadline_s}s")
+        return peer.link.result()
 
     def link_by_id(self, peer_id: str, link_id: str) -> LinkBase:
         """The open link ``link_id`` to ``peer_id`` (an announcement names the link its tensor rides on)."""
@@ -168,10 +168,9 @@ class PeerLinks:
             peer = self._links.get(link_id)
         if peer is None or peer.peer_id != peer_id or peer.link is None:
             raise ProtocolError(f"{peer_id!r} names link {link_id!r}, which is not open between us")
-        try:
-            return peer.link.result(timeout=self._deadline_s)
-        except TimeoutError:
-            raise TransferTimeout(f"link {link_id!r} to {peer_id!r} not open after {self._deadline_s}s") from None
+        if not self._settled(peer.link):
+            raise TransferTimeout(f"link {link_id!r} to {peer_id!r} not open after {self._deadline_s}s")
+        return peer.link.result()
 
     def drop(self, peer_id: str, reason: BaseException | str) -> None:
         """Forget ``peer_id`` and close every link to it; the next ``ensure`` shakes hands anew."""
@@ -243,6 +242,13 @@ class PeerLinks:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("engine peers are closed")
+
+    # Waits run on the channel's clock: a pause of this whole process does not expire them.
+    def _acquire(self, gate: threading.Lock) -> bool:
+        return self._channel.clock.wait(lambda s: gate.acquire(timeout=s), self._deadline_s)
+
+    def _settled(self, link: Future[LinkBase]) -> bool:
+        return self._channel.clock.wait(lambda s: not wait_futures([link], timeout=s).not_done, self._deadline_s)
 
 
 def _usable(peer: Peer, need_link: bool) -> bool:

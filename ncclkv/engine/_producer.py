@@ -86,7 +86,7 @@ class ProducerSide:
         with self._lock:
             if request_id in self._held:
                 raise ValueError(f"request {request_id!r} is already held for pulling")
-            self._held[request_id] = _Held(request_id, slots, num_tokens, time.monotonic() + self._hold_s)
+            self._held[request_id] = _Held(request_id, slots, num_tokens, self._channel.clock.now() + self._hold_s)
             early = self._early.pop(request_id, [])
         for sender, pull, _ in early:
             self._serve_or_refuse(sender, pull)
@@ -97,7 +97,8 @@ class ProducerSide:
         with self._lock:
             held = self._held.get(pull.request_id)
             if held is None:
-                self._early.setdefault(pull.request_id, []).append((sender, pull, time.monotonic() + self._deadline_s))
+                parked = (sender, pull, self._channel.clock.now() + self._deadline_s)
+                self._early.setdefault(pull.request_id, []).append(parked)
                 return Ack(pull.request_id, None)
         if held.released:
             raise TransferError(f"request {pull.request_id!r} was released by the producer")
@@ -106,7 +107,7 @@ class ProducerSide:
 
     def take_finished(self) -> dict[str, BaseException | None]:
         """Requests whose blocks may be freed now: served to every consumer, failed, or expired."""
-        now = time.monotonic()
+        now = self._channel.clock.now()  # hold times leave out pauses of this process (ncclkv._clock)
         refused: list[tuple[str, PullRequest]] = []
         with self._lock:
             for request_id, held in list(self._held.items()):
