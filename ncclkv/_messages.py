@@ -14,8 +14,10 @@ from . import errors
 from .layout import KVGeometry, ParallelLayout, Span
 
 __all__ = [
+    "MAX_EXTRA_KEYS",
     "MAX_ID_CHARS",
     "MAX_MODEL_DIM",
+    "MAX_PUSH_TOKENS",
     "MAX_ROUTES",
     "MAX_SHAPE_DIMS",
     "MAX_TEXT_CHARS",
@@ -33,12 +35,13 @@ __all__ = [
     "LayoutMsg",
     "Message",
     "PullRequest",
+    "PushBlocks",
     "PushOffer",
     "Ready",
     "RouteMsg",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: PushOffer.blocks (a version-1 consumer refuses such offers)
 MAX_SHAPE_DIMS = 8
 MAX_ID_CHARS = 512
 MAX_TEXT_CHARS = 4096
@@ -46,6 +49,8 @@ MAX_TEXT_CHARS = 4096
 # that nothing built from them (lists, loops, plans) can exhaust memory or time.
 MAX_ROUTES = 4096  # routes in one PullRequest / PushOffer
 MAX_MODEL_DIM = 1 << 16  # tp_size, pp_size, num_layers, num_kv_heads, head_size, partition entries
+MAX_PUSH_TOKENS = 1 << 16  # token ids in one PushBlocks (at most 9 B each in msgpack: under 600 KiB)
+MAX_EXTRA_KEYS = 8  # extra hash keys in one PushBlocks
 
 NonNeg = Annotated[int, Meta(ge=0)]
 ModelDim = Annotated[int, Meta(ge=1, le=MAX_MODEL_DIM)]
@@ -200,12 +205,27 @@ class PullRequest(_Tagged, frozen=True, forbid_unknown_fields=True, tag="pull"):
     num_tokens: NonNeg
 
 
+ExtraKeyMsg = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)] | Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None
+
+
+class PushBlocks(_Body, frozen=True, forbid_unknown_fields=True):
+    """The full blocks of a pushed prompt, as :mod:`ncclkv.hashing` hashes them: their ``token_ids``
+    (a multiple of ``block_size``, the producer's block size) and the ``extra_keys`` hashed with
+    every block. The consumer names staged KV by these in its staging events."""
+
+    token_ids: Annotated[tuple[NonNeg, ...], Meta(max_length=MAX_PUSH_TOKENS)]
+    block_size: ModelDim
+    extra_keys: Annotated[tuple[ExtraKeyMsg, ...], Meta(max_length=MAX_EXTRA_KEYS)]
+
+
 class PushOffer(_Tagged, frozen=True, forbid_unknown_fields=True, tag="push"):
     """A producer rank offers to stream ``routes`` of one request as it computes them.
 
     The consumer rank reserves ``nbytes`` of staging (for tensors that land
     before its blocks exist) or refuses with ``capacity`` before any tensor
-    is on the wire.
+    is on the wire. ``blocks`` names the prompt's full blocks for the
+    consumer's staging events; None when the producer does not know them or
+    they would not fit a frame (the push works the same, unreported).
     """
 
     request_id: Id
@@ -214,6 +234,7 @@ class PushOffer(_Tagged, frozen=True, forbid_unknown_fields=True, tag="push"):
     routes: Routes
     num_tokens: NonNeg
     nbytes: NonNeg
+    blocks: PushBlocks | None
 
 
 class Announce(_Tagged, frozen=True, forbid_unknown_fields=True, tag="ann"):

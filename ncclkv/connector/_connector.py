@@ -7,8 +7,9 @@ scheduler role (engine core)
     get_num_new_matched_tokens   D: tokens to load for a do_remote_prefill request (async by default)
     update_state_after_alloc     D: a load job over the request's blocks; P: push intent
     build_connector_meta         every step: load / hold / push jobs for the workers
-    update_connector_output      finished sends / receives, load errors
+    update_connector_output      finished sends / receives, load errors, the workers' staging events
     request_finished             P: keep the blocks, return the decode side's kv_transfer_params
+    take_events                  D: pushed KV stored in / removed from staging, once all workers agree
 worker role (one per TP x PP rank; owns a TransferEngine)
     register_kv_caches           detect the cache layout, map layer names, start the engine
     start_load_kv                register holds, start loads (engine.expect)
@@ -17,6 +18,7 @@ worker role (one per TP x PP rank; owns a TransferEngine)
     get_finished                 sends done, async loads landed (or failed)
     get_block_ids_with_load_errors  blocks of failed loads: vLLM recomputes them
                                     (use kv_load_failure_policy="recompute")
+    get_kv_connector_kv_cache_events  D: this rank's staging events as BlockStored / BlockRemoved
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ._config import NcclKVConfig, engine_role
+from ._events import NcclKVEvents, to_vllm_events
 from ._metadata import NcclKVMetadata
 from ._scheduler import SchedulerSide
 from ._stats import NcclKVPromMetrics, NcclKVStats
@@ -117,6 +120,13 @@ class NcclKVConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> NcclKVEvents | None:
+        """This worker's staging events since the last step (None when there are none)."""
+        if self._worker is None:
+            return None
+        events = self._worker.engine.take_staging_events()
+        return NcclKVEvents(to_vllm_events(events)) if events else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._worker.get_stats() if self._worker is not None else None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
-from ..engine import EngineRef
+from ..engine import BlockTokens, EngineRef
 from ..layout import ParallelLayout, SpanSet
 
 __all__ = ["HoldJob", "LoadJob", "NcclKVHandshake", "NcclKVMetadata", "PushJob", "engine_ref_from_handshakes"]
@@ -51,13 +51,16 @@ class HoldJob:
 
 @dataclass(frozen=True, slots=True)
 class PushJob:
-    """Producer, push mode: stream the request's layers to ``consumer`` as this step computes them."""
+    """Producer, push mode: stream the request's layers to ``consumer`` as this step computes them.
+
+    ``blocks``: the prompt's full blocks, which the consumer names in its staging events."""
 
     req_id: str
     transfer_id: str
     consumer: EngineRef
     block_ids: tuple[int, ...]
     num_tokens: int
+    blocks: BlockTokens | None = None
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,10 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
-from ..engine import EngineRef
+from ..engine import BlockTokens, EngineRef
 from ..hashing import ExtraKeys
 from ._config import NcclKVConfig
+from ._events import EventGatherer, NcclKVEvents
 from ._metadata import HoldJob, LoadJob, NcclKVMetadata, PushJob, engine_ref_from_handshakes
 from ._params import PrefillIntent, RemotePrefill, parse_params, token_hash
 
@@ -72,6 +73,7 @@ class SchedulerSide:
         self._produce: dict[str, _Produce] = {}
         self._loads: list[LoadJob] = []
         self._releases: list[str] = []
+        self._events = EventGatherer(horizon_s=config.hold_s)
         self.num_invalid_params = 0
         self.num_load_errors = 0
 
@@ -151,8 +153,9 @@ class SchedulerSide:
             if produce.push_to is None:
                 holds.append(HoldJob(req_id, produce.transfer_id, tuple(block_ids), request.num_prompt_tokens))
             else:
-                pushes.append(PushJob(req_id, produce.transfer_id, produce.push_to, tuple(block_ids),
-                                      request.num_prompt_tokens))
+                num = request.num_prompt_tokens
+                blocks = BlockTokens.of_prompt(request.all_token_ids[:num], self._block_size, extra_keys(request))
+                pushes.append(PushJob(req_id, produce.transfer_id, produce.push_to, tuple(block_ids), num, blocks))
         meta = NcclKVMetadata(tuple(self._loads), tuple(holds), tuple(pushes), tuple(self._releases), preempted)
         self._loads, self._releases = [], []
         return meta
@@ -160,6 +163,9 @@ class SchedulerSide:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self._loading.difference_update(output.finished_recving or ())
         self._held.difference_update(output.finished_sending or ())
+        if isinstance(output.kv_cache_events, NcclKVEvents):
+            workers = self._ref.layout.world_size if self._ref is not None else 1
+            self._events.add(output.kv_cache_events.get_all_events(), workers)
         if output.invalid_block_ids:
             self.num_load_errors += 1
             log.warning("ncclkv: %d blocks failed to load; vLLM recomputes them", len(output.invalid_block_ids))
@@ -184,8 +190,9 @@ class SchedulerSide:
         return True, (out.to_dict() if out is not None else None)
 
     def take_events(self) -> Iterable[Any]:
-        """No KV events of our own: loaded blocks enter vLLM's prefix cache, which reports them itself."""
-        return ()
+        """Pushed KV stored in / removed from the workers' staging (``medium="ncclkv_staging"``), once
+        every worker reported it. Loaded blocks enter vLLM's prefix cache, which reports them itself."""
+        return self._events.take()
 
     @property
     def num_tracked_requests(self) -> int:

@@ -263,7 +263,8 @@ class WorkerSide:
         self._push_meta, self._step_pushes = meta, []
         for push in meta.pushes:
             try:
-                self.engine.start_push(push.transfer_id, push.consumer, push.block_ids, push.num_tokens)
+                self.engine.start_push(push.transfer_id, push.consumer, push.block_ids, push.num_tokens,
+                                       push.blocks)
             except Exception as err:  # nothing was sent: release the blocks when vLLM finishes the request
                 log.error("ncclkv: cannot push %s to %s: %s", push.req_id, push.consumer.engine_id, err)
                 self._sent.add(push.req_id)

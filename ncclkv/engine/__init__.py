@@ -2,6 +2,8 @@
 
 from ._config import EngineConfig, EngineRef, Role, peer_id
 from ._engine import TransferEngine
+from ._staging import BlockTokens, StagingEvent
 from ._stats import StatsSnapshot
 
-__all__ = ["EngineConfig", "EngineRef", "Role", "StatsSnapshot", "TransferEngine", "peer_id"]
+__all__ = ["BlockTokens", "EngineConfig", "EngineRef", "Role", "StagingEvent", "StatsSnapshot", "TransferEngine",
+           "peer_id"]

@@ -32,6 +32,7 @@ from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, PushOffer, Ro
 from ._caches import RankCaches, torch_dtype
 from ._config import EngineRef
 from ._links import PeerLinks
+from ._staging import BlockTokens, RemovalReason, StagingEvent, StagingLog, StagingName
 from ._stats import EngineStats
 
 __all__ = ["ConsumerSide"]
@@ -74,6 +75,9 @@ class _Staged:
     landed: list[_Key] = field(default_factory=list)
     reserved: int = 0
     error: BaseException | None = None
+    num_wanted: int = 0  # tensors this rank receives for the push, from every producer rank
+    blocks: BlockTokens | None = None  # what the staging events name (None: not reported)
+    reported: StagingName | None = None  # set while a "stored" event stands for it
 
 
 def _store_key(request_id: str, key: _Key) -> str:
@@ -96,6 +100,7 @@ class ConsumerSide:
         self._staged: dict[str, _Staged] = {}
         self._reserved = 0  # staging bytes promised to accepted push offers
         self._store = KVStoreBuffer(staging_bytes, evict=False)
+        self._staging_log = StagingLog()
 
     def expect(self, request_id: str, producer: EngineRef, block_ids: Sequence[int], tokens: SpanSet | int,
                push: bool = False) -> None:
@@ -133,6 +138,7 @@ class ConsumerSide:
                     req.error = ProtocolError(f"request {request_id!r} was pushed by {staged.producer_engine_id!r}, "
                                               f"expected from {producer.engine_id!r}")
                 req.error = req.error or staged.error
+                self._report_removed(staged, "taken" if req.error is None else "failed")
                 for key in staged.landed:
                     tensor = self._store.get(_store_key(request_id, key))
                     self._store.put(_store_key(request_id, key), None)
@@ -181,6 +187,7 @@ class ConsumerSide:
                     for key in staged.landed:
                         self._store.put(_store_key(request_id, key), None)
                     del self._staged[request_id]
+                    self._report_removed(staged, "expired")
         return out
 
     def abort(self, request_id: str) -> None:
@@ -202,6 +209,10 @@ class ConsumerSide:
             self._reserved = 0
             self._cond.notify_all()
         self._store.close()
+
+    def take_staging_events(self) -> list[StagingEvent]:
+        """Staging events (pushed KV stored in / removed from staging) since the last call, in order."""
+        return self._staging_log.take()
 
     @property
     def num_pending(self) -> int:
@@ -269,6 +280,7 @@ class ConsumerSide:
         if offer.nbytes != nbytes:
             raise ProtocolError(f"push of {offer.request_id!r} from {sender!r} says {offer.nbytes} B, routes hold {nbytes} B")
         keys = {(src, layer, r) for r in routes for layer in r.layers}
+        blocks = _offered_blocks(offer, sender)
         with self._cond:
             req = self._requests.get(offer.request_id)
             if req is not None:
@@ -281,7 +293,13 @@ class ConsumerSide:
                 raise CapacityError(
                     f"push of {offer.request_id!r} from {sender!r} needs {nbytes} B of staging; capacity "
                     f"{self._store.capacity_bytes} B, {self._reserved} B already reserved")
-            staged = self._staged.setdefault(offer.request_id, _Staged(offer.producer_engine_id, self._clock.now()))
+            staged = self._staged.get(offer.request_id)
+            if staged is None:
+                staged = self._staged[offer.request_id] = _Staged(
+                    offer.producer_engine_id, self._clock.now(), num_wanted=sum(len(r.layers) for r in want),
+                    blocks=blocks)
+            elif staged.blocks != blocks:  # producer ranks disagree on what they push: report nothing
+                staged.blocks = None
             staged.keys |= keys
             staged.reserved += nbytes
             self._reserved += nbytes
@@ -349,9 +367,11 @@ class ConsumerSide:
                 if staged is not None:
                     if error is not None:
                         staged.error = staged.error or error
+                        self._report_removed(staged, "failed")
                     else:
                         self._store.put(_store_key(request_id, key), buf)
                         staged.landed.append(key)
+                        self._report_stored(request_id, staged)
                 return
         self._apply(req, key, buf, error)
 
@@ -425,6 +445,18 @@ class ConsumerSide:
                     raise TransferTimeout(f"request {request_id!r}: {what} not landed within {timeout_s}s")
                 self._cond.wait(min(stall_at, limit if limit is not None else stall_at) - now)
 
+    def _report_stored(self, request_id: str, staged: _Staged) -> None:
+        """Under ``self._cond``: one "stored" event once every tensor of the push landed in staging."""
+        if staged.reported is None and staged.blocks is not None and staged.error is None \
+                and len(staged.landed) == staged.num_wanted:
+            staged.reported = self._staging_log.stored(request_id, staged.blocks)
+
+    def _report_removed(self, staged: _Staged, reason: RemovalReason) -> None:
+        """Under ``self._cond``: the staged KV left (or is no longer usable): pair its "stored" event."""
+        if staged.reported is not None:
+            self._staging_log.removed(staged.reported, reason)
+            staged.reported = None
+
     def _stall_at(self, req: _Expected) -> float:
         """When ``req`` counts as stalled: ``deadline_s`` without progress.
 
@@ -455,3 +487,18 @@ class ConsumerSide:
             req.error = error
             log.warning("request %s failed: %s", req.request_id, error)
         self._cond.notify_all()
+
+
+def _offered_blocks(offer: PushOffer, sender: str) -> BlockTokens | None:
+    """The offer's named blocks, checked against its token count (ProtocolError if they disagree)."""
+    if offer.blocks is None:
+        return None
+    msg = offer.blocks
+    full = offer.num_tokens // msg.block_size * msg.block_size
+    if len(msg.token_ids) != full:
+        raise ProtocolError(f"push of {offer.request_id!r} from {sender!r} names {len(msg.token_ids)} tokens of "
+                            f"blocks of {msg.block_size}; its {offer.num_tokens} tokens hold {full} in full blocks")
+    try:
+        return BlockTokens(msg.token_ids, msg.block_size, msg.extra_keys)
+    except (TypeError, ValueError) as err:
+        raise ProtocolError(f"push of {offer.request_id!r} from {sender!r}: bad blocks: {err}") from None

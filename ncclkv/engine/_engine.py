@@ -19,6 +19,7 @@ from ._config import EngineConfig, EngineRef
 from ._consumer import ConsumerSide
 from ._links import PeerLinks
 from ._producer import ProducerSide
+from ._staging import BlockTokens, StagingEvent
 from ._stats import EngineStats, StatsSnapshot
 
 __all__ = ["TransferEngine"]
@@ -79,10 +80,14 @@ class TransferEngine:
         self._caches.register(kv_caches, cache_layout)
 
     # -- producer ---------------------------------------------------------------------
-    def start_push(self, request_id: str, consumer: EngineRef, block_ids: Sequence[int], num_tokens: int) -> None:
-        """Push mode: stream ``request_id`` to ``consumer`` layer by layer as :meth:`save_layer` is called."""
+    def start_push(self, request_id: str, consumer: EngineRef, block_ids: Sequence[int], num_tokens: int,
+                   blocks: BlockTokens | None = None) -> None:
+        """Push mode: stream ``request_id`` to ``consumer`` layer by layer as :meth:`save_layer` is called.
+
+        ``blocks``: the prompt's full blocks (``BlockTokens.of_prompt``), which the consumer names in
+        its staging events (:meth:`take_staging_events`) while the KV waits in its staging store."""
         self._check_open()
-        self._producer.start_push(request_id, consumer, block_ids, num_tokens)
+        self._producer.start_push(request_id, consumer, block_ids, num_tokens, blocks)
 
     def save_layer(self, request_id: str, layer: int) -> None:
         """Push mode: ``layer`` of ``request_id`` is computed; its slices go on the wire. Returns at once."""
@@ -132,6 +137,13 @@ class TransferEngine:
     def take_finished_receiving(self) -> dict[str, BaseException | None]:
         """Expected requests that landed (None) or failed (the error) since the last call."""
         return self._consumer.take_finished()
+
+    def take_staging_events(self) -> list[StagingEvent]:
+        """Pushed KV that waits in this rank's staging store (outside the registered caches): a
+        ``stored`` event once all of a push's tensors for this rank landed there, a ``removed`` one
+        when it leaves (taken by :meth:`expect`, expired after ``hold_s``, checked in
+        :meth:`take_finished_receiving` — or failed). Only pushes whose producer passed ``blocks``."""
+        return self._consumer.take_staging_events()
 
     def stats(self) -> StatsSnapshot:
         return self._stats.snapshot()

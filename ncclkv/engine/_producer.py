@@ -30,6 +30,7 @@ from ._caches import RankCaches
 from ._config import EngineRef, peer_id
 from ._links import PeerLinks
 from ._push import Pusher
+from ._staging import BlockTokens
 from ._stats import EngineStats
 
 __all__ = ["ProducerSide"]
@@ -65,8 +66,9 @@ class ProducerSide:
         self._pusher = Pusher(rank, layout, geometry, caches, channel, peers, executor, self._announcer,
                               self._pushed, deadline_s, stats)
 
-    def start_push(self, request_id: str, consumer: EngineRef, block_ids: Sequence[int], num_tokens: int) -> None:
-        self._pusher.start(request_id, consumer, list(block_ids), num_tokens)
+    def start_push(self, request_id: str, consumer: EngineRef, block_ids: Sequence[int], num_tokens: int,
+                   blocks: BlockTokens | None = None) -> None:
+        self._pusher.start(request_id, consumer, list(block_ids), num_tokens, blocks)
 
     def save_layer(self, request_id: str, layer: int) -> None:
         if layer not in self._caches.shard.layers:

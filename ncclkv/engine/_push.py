@@ -22,11 +22,12 @@ from ..channel import Channel
 from ..errors import ClosedError, NcclKVError, TransferError
 from ..layout import KVGeometry, ParallelLayout, Route, plan
 from ..paged import SlotMap
-from ..protocol import Done, ErrorMsg, PushOffer, RouteMsg
+from ..protocol import MAX_EXTRA_KEYS, MAX_PUSH_TOKENS, MAX_TEXT_CHARS, Done, ErrorMsg, PushBlocks, PushOffer, RouteMsg
 from ..transport import LinkBase
 from ._caches import RankCaches
 from ._config import EngineRef
 from ._links import PeerLinks
+from ._staging import BlockTokens
 from ._stats import EngineStats
 
 __all__ = ["PushState", "Pusher"]
@@ -42,6 +43,7 @@ class PushState:
     request_id: str
     slots: SlotMap
     by_dst: dict[str, list[Route]]
+    blocks: PushBlocks | None = None  # what the consumer's staging events name
     links: dict[str, LinkBase] = field(default_factory=dict)  # accepted consumer ranks
     errors: dict[str, BaseException] = field(default_factory=dict)
     saved: list[int] = field(default_factory=list)
@@ -69,14 +71,19 @@ class Pusher:
         self._lock = threading.Lock()
         self._pushes: dict[str, PushState] = {}
 
-    def start(self, request_id: str, consumer: EngineRef, block_ids: list[int], num_tokens: int) -> None:
+    def start(self, request_id: str, consumer: EngineRef, block_ids: list[int], num_tokens: int,
+              blocks: BlockTokens | None = None) -> None:
         slots = self._caches.slot_map(block_ids)
         if num_tokens > slots.num_tokens:
             raise ValueError(f"request {request_id!r}: {num_tokens} tokens do not fit {len(block_ids)} blocks")
+        if blocks is not None and len(blocks.token_ids) != num_tokens // blocks.block_size * blocks.block_size:
+            raise ValueError(f"request {request_id!r}: blocks name {len(blocks.token_ids)} tokens, the full "
+                             f"blocks of {blocks.block_size} in {num_tokens} tokens hold "
+                             f"{num_tokens // blocks.block_size * blocks.block_size}")
         by_dst: dict[str, list[Route]] = {}
         for route in plan(self._layout, consumer.layout, self._geometry, num_tokens).routes_from(self._rank):
             by_dst.setdefault(consumer.peer_id(route.dst), []).append(route)
-        state = PushState(request_id, slots, by_dst)
+        state = PushState(request_id, slots, by_dst, _blocks_msg(request_id, blocks, self._channel.max_frame_bytes))
         with self._lock:
             if request_id in self._pushes:
                 raise ValueError(f"request {request_id!r} is already being pushed")
@@ -118,7 +125,7 @@ class Pusher:
             nbytes = sum(r.nbytes(self._geometry) for r in routes)
             self._channel.request(dst, PushOffer(
                 state.request_id, self._rank, self._channel.peer_id.rsplit(".r", 1)[0],
-                tuple(RouteMsg.from_route(r) for r in routes), num_tokens, nbytes), self._deadline_s)
+                tuple(RouteMsg.from_route(r) for r in routes), num_tokens, nbytes, state.blocks), self._deadline_s)
             link = self._peers.link(dst)
         except Exception as err:  # this consumer rank fails; the others go on
             log.error("push of %s to %s refused or failed: %s", state.request_id, dst, err)
@@ -189,3 +196,19 @@ class Pusher:
             self._channel.send(dst, body)
         except Exception as err:  # the consumer is gone: its own side reports the request
             log.warning("could not tell %s about %s: %s", dst, body.request_id, err)
+
+
+def _blocks_msg(request_id: str, blocks: BlockTokens | None, max_frame_bytes: int) -> PushBlocks | None:
+    """``blocks`` for the offer, or None (the push goes on, unreported) when they would not fit it:
+    at most half a frame, so the routes always have room."""
+    if blocks is None or not blocks.token_ids:
+        return None
+    keys = blocks.extra_keys
+    size = 9 * (len(blocks.token_ids) + len(keys)) + sum(len(k.encode()) for k in keys if isinstance(k, str))
+    if (len(blocks.token_ids) > MAX_PUSH_TOKENS or len(keys) > MAX_EXTRA_KEYS or size > max_frame_bytes // 2
+            or any(isinstance(k, str) and len(k) > MAX_TEXT_CHARS for k in keys)
+            or any(isinstance(k, int) and not -(2**63) <= k < 2**63 for k in keys)):
+        log.info("push of %s: its %d blocks are too large to name in the offer; no staging events for it",
+                 request_id, blocks.num_blocks)
+        return None
+    return PushBlocks(blocks.token_ids, blocks.block_size, keys)

@@ -180,6 +180,7 @@ class EngineSim:
         stats = worker.get_kv_connector_stats()
         if stats is not None:
             self.stats.append(stats.data)
+        events = worker.get_kv_connector_kv_cache_events()
         worker.clear_connector_metadata()
         req_ids = list(so.num_scheduled_tokens)
         return ModelRunnerOutput(
@@ -187,7 +188,8 @@ class EngineSim:
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
             kv_connector_output=KVConnectorOutput(
                 finished_sending=results.finished_sending or None, finished_recving=results.finished_recving or None,
-                failed_recving=results.failed_recving, invalid_block_ids=invalid, kv_connector_stats=stats),
+                failed_recving=results.failed_recving, invalid_block_ids=invalid, kv_connector_stats=stats,
+                kv_cache_events=events),
         )
 
     def run(self, until: Callable[[], bool], *, timeout_s: float = 30.0, also: tuple[EngineSim, ...] = ()) -> None:
