@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ __all__ = [
     "pyplot",
     "run_standalone",
     "save",
+    "show_and_save",
+    "standalone_command",
     "summary",
     "timed",
     "write_figure",
@@ -317,8 +320,18 @@ def run_standalone(
     """A module's ``main``: run, print the table and findings, save JSON and PNG into ``options.out``."""
     with BenchContext(options, progress=print) as ctx:
         result = run(ctx)
+    return show_and_save(result, options.out, plot)
+
+
+def show_and_save(result: BenchResult, out: Path, plot: Callable[[BenchResult, Path], bool] | None) -> int:
+    """Print the table and findings, write JSON (and PNG when ``plot`` is given) into ``out``; exit code 0."""
     print(result.table())
     print("\n".join(result.headline))
-    json_path, png_path = save(result, options.out, plot)
+    json_path, png_path = save(result, out, plot)
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
     return 0
+
+
+def standalone_command(module: str, argv: Sequence[str] | None) -> str:
+    """The command line that reproduces a ``python -m benchmarks.<module>`` run."""
+    return " ".join([f"python -m benchmarks.{module}", *(sys.argv[1:] if argv is None else argv)])

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,7 +28,10 @@ from ncclkv.blend import BlendConfig, BlendExecutor, BlendRetriever, ChunkStore,
 from ncclkv.blend.reference_model import TinyLlama, TinyLlamaConfig
 from ncclkv.buffer import KVStoreBuffer
 
-from ._common import BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, write_figure
+from ._common import (
+    BenchContext, BenchResult, Column, default_out, machine_info, pyplot, show_and_save, standalone_command,
+    write_figure,
+)
 
 __all__ = ["NAME", "TITLE", "main", "plot", "run"]
 
@@ -243,13 +245,9 @@ def run(ctx: BenchContext) -> BenchResult:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    command = " ".join(["python -m benchmarks.bench_blend", *(sys.argv[1:] if argv is None else argv)])
+    command = standalone_command("bench_blend", argv)
     result = _result(args, _measure(args), command)
-    print(result.table())
-    print("\n".join(result.headline))
-    json_path, png_path = save(result, args.out or default_out(args.quick), None if args.no_plot else plot)
-    print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
-    return 0
+    return show_and_save(result, args.out or default_out(args.quick), None if args.no_plot else plot)
 
 
 if __name__ == "__main__":

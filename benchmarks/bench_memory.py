@@ -14,12 +14,14 @@ the end of the wave.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._common import MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, write_figure
+from ._common import (
+    MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, show_and_save, standalone_command,
+    write_figure,
+)
 from ._resources import growth
 from ._soak import SoakConfig, SoakReport, SoakSample, run_soak
 
@@ -166,13 +168,9 @@ def run(ctx: BenchContext) -> BenchResult:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    command = " ".join(["python -m benchmarks.bench_memory", *(sys.argv[1:] if argv is None else argv)])
+    command = standalone_command("bench_memory", argv)
     result = _result(_measure(args, print), args.quick, command)
-    print(result.table())
-    print("\n".join(result.headline))
-    json_path, png_path = save(result, args.out or default_out(args.quick), None if args.no_plot else plot)
-    print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
-    return 0
+    return show_and_save(result, args.out or default_out(args.quick), None if args.no_plot else plot)
 
 
 if __name__ == "__main__":

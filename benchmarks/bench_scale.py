@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,7 +23,10 @@ from typing import Any
 
 from ncclkv.scenario._local import run_local
 
-from ._common import MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, write_figure
+from ._common import (
+    MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, show_and_save, standalone_command,
+    write_figure,
+)
 
 __all__ = ["NAME", "TITLE", "main", "plot", "run"]
 
@@ -195,13 +197,9 @@ def run(ctx: BenchContext) -> BenchResult:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    command = " ".join(["python -m benchmarks.bench_scale", *(sys.argv[1:] if argv is None else argv)])
+    command = standalone_command("bench_scale", argv)
     result = _result(args, _measure(args, print), command)
-    print(result.table())
-    print("\n".join(result.headline))
-    json_path, png_path = save(result, args.out or default_out(args.quick), None if args.no_plot else plot)
-    print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
-    return 0
+    return show_and_save(result, args.out or default_out(args.quick), None if args.no_plot else plot)
 
 
 if __name__ == "__main__":

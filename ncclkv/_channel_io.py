@@ -215,7 +215,7 @@ class IoLoop:
                 log.warning("channel %r: this process did not run for %.1fs; not counted against peers' deadlines",
                             self._peer_id, paused_s)
             # Every turn, not only on a wake-up: a queued command never waits for another submit.
-            self._run_commands()
+            self._run_commands(self._wake_rx in ready)
             if self._router in ready:
                 self._drain(self._router, None)
             for peer_id, link in list(self._links.items()):
@@ -229,14 +229,15 @@ class IoLoop:
             for peer_id in self._peers.overdue(now, self._deadline_s):
                 self._lose(peer_id, f"nothing heard for more than deadline_s={self._deadline_s}s")
 
-    def _run_commands(self) -> None:
-        # Drain the wake-up bytes BEFORE clearing the flag: a submit that saw the
+    def _run_commands(self, woken: bool) -> None:
+        # Read the wake-up bytes BEFORE clearing the flag: a submit that saw the
         # flag set wrote no byte, but its command is in the queue read below.
-        try:
-            while self._wake_rx.recv(4096):
+        # Only when the poll said so: see _drain on why this loop raises no OSError.
+        if woken:
+            try:
+                self._wake_rx.recv(4096)
+            except BlockingIOError:
                 pass
-        except BlockingIOError:
-            pass
         self._wake_pending = False
         while True:
             try:
@@ -285,7 +286,13 @@ class IoLoop:
             self._declare_lost(peer_id, f"send failed: {exc}")
 
     def _drain(self, sock: zmq.Socket, dealer_peer: str | None) -> None:
+        # Ask the socket whether a frame is there instead of reading until zmq.Again: building
+        # that exception (and any OSError) calls strerror(), which takes a process-wide glibc lock
+        # while this thread holds the GIL. Seen in a vLLM engine: this thread waited there for that
+        # lock, GIL held, for a whole deadline, and every Python thread of the engine stopped with it.
         for _ in range(_BATCH):
+            if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+                return
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
