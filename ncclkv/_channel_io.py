@@ -43,7 +43,8 @@ log = logging.getLogger("ncclkv.channel")
 _BATCH = 256  # frames read from one socket per poll, so no socket starves the others
 _ZAP_JOIN_S = 2.0
 
-_Command = tuple[str, str, str | bytes, bytes | None]  # kind, peer id, address or frame, server key
+# kind, peer id, address / frame / flush event, server key
+_Command = tuple[str, str, str | bytes | threading.Event, bytes | None]
 
 
 @dataclass(slots=True)
@@ -125,6 +126,12 @@ class IoLoop:
 
     def submit_connect(self, peer_id: str, address: str, server_key: bytes | None = None) -> None:
         self._submit(("connect", peer_id, address, server_key))
+
+    def submit_flush(self) -> threading.Event:
+        """An event set once every frame submitted before this call was handed to ZMQ."""
+        done = threading.Event()
+        self._submit(("flush", "", done, None))
+        return done
 
     def stop(self, timeout_s: float) -> bool:
         """Stop the loop and wait for it; True if the thread ended within ``timeout_s``."""
@@ -244,7 +251,9 @@ class IoLoop:
                 kind, peer_id, arg, server_key = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "connect":
+            if isinstance(arg, threading.Event):  # "flush": everything before it is with ZMQ now
+                arg.set()
+            elif kind == "connect":
                 self._connect(peer_id, str(arg), server_key)
             else:
                 self._send(peer_id, bytes(arg), counted=True)

@@ -11,16 +11,27 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 from ._peers import Counters
 from .errors import NcclKVError, ProtocolError
 from .protocol import MAX_TEXT_CHARS, Envelope, ErrorCode, ErrorMsg, Message
 
-__all__ = ["Dispatcher", "MessageHandler", "PeerLostHandler"]
+__all__ = ["Dispatcher", "MessageHandler", "PeerLostHandler", "ReplyThen"]
 
 log = logging.getLogger("ncclkv.channel")
 
-MessageHandler = Callable[[str, Message], Message | None]
+
+
+class ReplyThen(NamedTuple):
+    """A handler's reply plus work to start once the reply is queued: e.g. a rendezvous the peer
+    can join only after it read the reply (started earlier, it could hold this process up first)."""
+
+    reply: Message
+    then: Callable[[], None]
+
+
+MessageHandler = Callable[[str, Message], Message | ReplyThen | None]
 PeerLostHandler = Callable[[str], None]
 SendReply = Callable[[str, Message, int], object]
 
@@ -102,14 +113,23 @@ class Dispatcher:
             text = f"peer {self._peer_id!r} has no message handler"
             self._reply(sender, envelope.msg_id, ErrorMsg(request_id, ErrorCode.UNSUPPORTED, text), request_id)
             return
+        then: Callable[[], None] | None = None
         try:
             reply = self._on_message(sender, body)
+            if isinstance(reply, ReplyThen):
+                reply, then = reply
         except Exception as exc:
             self._counters.handler_errors += 1
             log.exception("channel %r: handler failed on %s from %r", self._peer_id, type(body).__name__, sender)
             reply = None if isinstance(body, ErrorMsg) else ErrorMsg.from_exception(exc, request_id)
         if reply is not None:
             self._reply(sender, envelope.msg_id, reply, request_id)
+        if then is not None:
+            try:
+                then()
+            except Exception:
+                self._counters.handler_errors += 1
+                log.exception("channel %r: follow-up of the reply to %r failed", self._peer_id, sender)
 
     def _reply(self, sender: str, msg_id: int, reply: Message, request_id: str | None) -> None:
         try:

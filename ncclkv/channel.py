@@ -44,14 +44,14 @@ from dataclasses import dataclass, field
 
 from ._channel_io import IoLoop
 from ._clock import ActiveClock
-from ._dispatch import Dispatcher, MessageHandler, PeerLostHandler
+from ._dispatch import Dispatcher, MessageHandler, PeerLostHandler, ReplyThen
 from ._env import env_settings
 from ._peers import Counters, PeerTable
 from .auth import ChannelAuth, curve_key, load_channel_auth
 from .errors import ClosedError, PeerLostError, TransferTimeout
 from .protocol import Envelope, ErrorMsg, Message, encode
 
-__all__ = ["THREAD_PREFIX", "Channel", "ChannelStats", "MessageHandler", "PeerLostHandler"]
+__all__ = ["THREAD_PREFIX", "Channel", "ChannelStats", "MessageHandler", "PeerLostHandler", "ReplyThen"]
 
 log = logging.getLogger("ncclkv.channel")
 
@@ -233,6 +233,13 @@ class Channel:
             raise pending.error
         assert pending.reply is not None
         return pending.reply
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every frame sent before this call is with ZMQ, whose own threads deliver it even
+        while this process's Python threads cannot run; False after ``timeout_s`` (default ``deadline_s``)."""
+        self._check_open()
+        done = self._io.submit_flush()
+        return self.clock.wait(done.wait, self.deadline_s if timeout_s is None else timeout_s)
 
     def peer_alive(self, peer_id: str) -> bool:
         """True if ``peer_id`` is known and was heard from within ``deadline_s``."""

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..channel import Channel
+from ..channel import Channel, ReplyThen
 from ..errors import ClosedError, HandshakeError, PeerLostError, ProtocolError
 from ..layout import SpanSet
 from ..paged import CacheLayout
@@ -170,7 +170,7 @@ class TransferEngine:
         self.close()
 
     # -- channel callbacks (dispatcher thread) ------------------------------------------
-    def _on_message(self, sender: str, body: Message) -> Message | None:
+    def _on_message(self, sender: str, body: Message) -> Message | ReplyThen | None:
         log.debug("%s <- %s: %s", self.config.peer_id, sender, type(body).__name__)
         if isinstance(body, Handshake):
             try:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from msgspec.structs import replace
 
-from ..channel import Channel
+from ..channel import Channel, ReplyThen
 from ..errors import ClosedError, HandshakeError, PeerLostError, ProtocolError, TransferTimeout
 from ..protocol import Handshake, check_compatible
 from ..transport import LinkBase, LinkFactory
@@ -123,8 +123,11 @@ class PeerLinks:
         finally:
             gate.release()
 
-    def on_handshake(self, sender: str, remote: Handshake) -> Handshake:
-        """Responder side (dispatcher thread): check, reply at once, open the link in the background."""
+    def on_handshake(self, sender: str, remote: Handshake) -> Handshake | ReplyThen:
+        """Responder side (dispatcher thread): check, reply at once, then open the link in the background.
+
+        The link opens only once the reply is with ZMQ: the peer joins the rendezvous after reading
+        it, and a stall of this process while we wait there must not hold the reply back too."""
         self._check_open()
         if sender != f"{remote.engine_id}.r{remote.rank}":
             raise HandshakeError(f"handshake from {sender!r} names engine {remote.engine_id!r} rank {remote.rank}")
@@ -143,13 +146,15 @@ class PeerLinks:
             if not link.set_running_or_notify_cancel():
                 return
             try:
+                if not self._channel.flush():
+                    raise TransferTimeout(f"handshake reply to {sender!r} not sent within {self._deadline_s}s")
                 link.set_result(self._open_link(sender, self._data_plane.address, remote.session))
             except BaseException as err:  # recorded in the future, seen by whoever waits for the link
                 log.error("link to %s failed to open: %s", sender, err)
                 link.set_exception(err)
 
-        self._executor.submit(open_link)
-        return replace(self._local, session=remote.session, open_link=True)
+        reply = replace(self._local, session=remote.session, open_link=True)
+        return ReplyThen(reply, lambda: self._executor.submit(open_link))
 
     def link(self, peer_id: str) -> LinkBase:
         """Our link to ``peer_id``, waiting up to the deadline for it to open."""

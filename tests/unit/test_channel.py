@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from ncclkv import errors
-from ncclkv.channel import THREAD_PREFIX, Channel
+from ncclkv.channel import THREAD_PREFIX, Channel, ReplyThen
 from ncclkv.protocol import (
     Ack,
     Announce,
@@ -296,9 +296,7 @@ def test_peer_in_another_process_then_killed(make_channel: Callable[..., Channel
         assert parent.request("child", Ready("ping"), timeout_s=5) == Ack("ping", 7)
         assert not lost.is_set()
         child.kill()
-        killed_at = time.monotonic()
-        assert lost.wait(5)
-        assert time.monotonic() - killed_at < 2.0
+        assert lost.wait(5)  # deadline_s is 0.5 s; pauses of this process (ncclkv._clock) may add to it
         assert not parent.peer_alive("child")
     finally:
         child.kill()
@@ -385,3 +383,43 @@ def test_bind_to_a_port_in_use_raises_and_leaves_no_thread() -> None:
         with pytest.raises(zmq.ZMQError):
             Channel("second", port=port)
     assert channel_threads() == []
+
+
+def test_reply_then_runs_after_the_reply_is_queued_and_flush_hands_it_to_zmq(
+        make_channel: Callable[..., Channel]) -> None:
+    """A handler's ReplyThen: its follow-up runs after the reply was queued; flush() in the follow-up
+    returns once that reply is with ZMQ, so the requester gets it while the follow-up still blocks."""
+    followed = threading.Event()
+    release = threading.Event()
+    flushed: list[bool] = []
+    replies: list[Message] = []
+
+    def follow_up() -> None:  # runs on b's dispatcher thread and blocks it, as a rendezvous would
+        flushed.append(b.flush(WAIT_S))
+        followed.set()
+        release.wait(WAIT_S)
+
+    def on_message(sender: str, body: Message) -> Message | ReplyThen | None:
+        return ReplyThen(Ack(body.request_id, None), follow_up)  # type: ignore[union-attr]
+
+    b = make_channel("B", on_message=on_message, **FAST)
+    a = make_channel("A", **FAST)
+    a.connect("B", b.address)
+    try:
+        replies.append(a.request("B", Ready("r1"), timeout_s=WAIT_S))
+        assert followed.wait(WAIT_S) and flushed == [True]
+    finally:
+        release.set()
+    assert replies == [Ack("r1", None)]
+
+
+def test_a_failing_follow_up_is_counted_and_the_channel_keeps_serving(make_channel: Callable[..., Channel]) -> None:
+    def boom() -> None:
+        raise RuntimeError("follow-up failed")
+
+    b = make_channel("B", on_message=lambda sender, body: ReplyThen(Ack(body.request_id, None), boom), **FAST)
+    a = make_channel("A", **FAST)
+    a.connect("B", b.address)
+    assert a.request("B", Ready("r1"), timeout_s=WAIT_S) == Ack("r1", None)
+    wait_until(lambda: b.stats.handler_errors == 1, WAIT_S)
+    assert a.request("B", Ready("r2"), timeout_s=WAIT_S) == Ack("r2", None)
