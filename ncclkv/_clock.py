@@ -46,6 +46,7 @@ class ActiveClock:
         self._last_turn: float | None = None
         self._paused_s = 0.0
         self._pauses = 0
+        self._latest = float("-inf")  # the latest reading: a pause counted late must not turn time back
 
     @property
     def paused_s(self) -> float:
@@ -60,8 +61,11 @@ class ActiveClock:
             return self._pauses
 
     def now(self) -> float:
+        """Never less than an earlier reading: a pause is counted when the loop turns again, possibly
+        after another thread read the clock during it; time then stands still until it catches up."""
         with self._turned:
-            return self._monotonic() - self._paused_s
+            self._latest = max(self._latest, self._monotonic() - self._paused_s)
+            return self._latest
 
     def tick(self) -> float:
         """One turn of the owning loop; returns the pause it ended (0.0 for an ordinary turn)."""

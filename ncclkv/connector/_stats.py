@@ -122,11 +122,12 @@ class NcclKVPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
         data = NcclKVStats(data=dict(transfer_stats_data)).data
+        # max(0, ...): a counter refuses a negative step by raising, inside vLLM's stat logger
         for name, counter in self._counters.items():
-            if data[name]:
+            if data[name] > 0:
                 counter.labels(*labels).inc(data[name])
         for layer, seconds in data["layer_wait_s"].items():
-            self._layer_wait.labels(*labels, layer).inc(seconds)
+            self._layer_wait.labels(*labels, layer).inc(max(0.0, seconds))
             self._layer_waits.labels(*labels, layer).inc(data["layer_waits"].get(layer, 0))
         histogram = self._transfer.labels(*labels)
         for seconds in data["transfer_s"]:

@@ -90,3 +90,17 @@ def test_bad_ticks_are_refused() -> None:
         ActiveClock(0)
     with pytest.raises(ValueError, match="threshold_s=0.1"):
         ActiveClock(0.5, threshold_s=0.1)
+
+
+def test_now_never_goes_back_when_a_pause_is_counted_late() -> None:
+    now = FakeTime()
+    clock = ActiveClock(0.1, threshold_s=1.0, monotonic=now)
+    clock.tick()
+    now.t += 5.0
+    during = clock.now()  # read by another thread before the loop turned again
+    clock.tick()  # counts the 4.9 s pause, part of it before `during`
+    assert clock.now() >= during
+    now.t += 1.0
+    assert clock.now() == during  # stands still until the clock catches up with that reading
+    now.t += 5.0
+    assert clock.now() == pytest.approx(now.t - 4.9)
