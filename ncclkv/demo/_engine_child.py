@@ -14,6 +14,7 @@ A child whose parent stays silent for ``_IDLE_EXIT_S`` exits by itself.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -50,8 +51,11 @@ def main(fd: int) -> int:
                 conn.send(("result", _generate(llm, *msg[1:])))
             else:
                 raise RuntimeError(f"unknown message {msg[0]!r}")
-    except (EOFError, BrokenPipeError):
-        return 1  # parent gone
+    except (EOFError, BrokenPipeError):  # parent gone (killed): nobody to report to
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # at once: vLLM's orderly shutdown was seen to outlive a killed parent; its workers
+        # follow through their death pipes
     except BaseException:
         text = traceback.format_exc()
         print(text, file=sys.stderr, flush=True)
