@@ -217,10 +217,10 @@ class IoLoop:
         next_beat = self._clock.now()
         while not self._stop.is_set():
             ready = dict(self._poller.poll(timeout=self._tick_s * 1000))
-            paused_s = self._clock.tick()
-            if paused_s:
+            turn = self._clock.tick()
+            if turn.paused_s:
                 log.warning("channel %r: this process did not run for %.1fs; not counted against peers' deadlines",
-                            self._peer_id, paused_s)
+                            self._peer_id, turn.paused_s)
             # Every turn, not only on a wake-up: a queued command never waits for another submit.
             self._run_commands(self._wake_rx in ready)
             if self._router in ready:
@@ -229,11 +229,10 @@ class IoLoop:
                 # a link dropped while draining an earlier socket has a closed dealer: skip it
                 if link.dealer is not None and link.dealer in ready and self._links.get(peer_id) is link:
                     self._drain(link.dealer, peer_id)
-            now = self._clock.now()
-            if now >= next_beat:
+            if turn.now >= next_beat:
                 self._beat()
-                next_beat = now + self._heartbeat_s
-            for peer_id in self._peers.overdue(now, self._deadline_s):
+                next_beat = turn.now + self._heartbeat_s
+            for peer_id in self._peers.overdue(turn.now, self._deadline_s):
                 self._lose(peer_id, f"nothing heard for more than deadline_s={self._deadline_s}s")
 
     def _run_commands(self, woken: bool) -> None:

@@ -21,11 +21,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
-__all__ = ["PAUSE_THRESHOLD_S", "ActiveClock"]
+__all__ = ["PAUSE_THRESHOLD_S", "ActiveClock", "Turn"]
 
 PAUSE_THRESHOLD_S = 1.0  # a loop turn later than this is a pause, not a slow turn
-_SETTLE_S = 0.5  # longest wait for the loop's next turn (it turns at least every tick_s <= 0.1 s)
+# Longest wait for the loop's next turn: it turns every tick_s <= 0.1 s when it gets a core; on a
+# loaded host it may need seconds, and a deadline must not be judged before it did.
+_SETTLE_S = 5.0
+
+
+class Turn(NamedTuple):
+    """What :meth:`ActiveClock.tick` saw: the clock at the turn, and the pause that turn ended."""
+
+    now: float
+    paused_s: float
 
 
 class ActiveClock:
@@ -46,7 +56,6 @@ class ActiveClock:
         self._last_turn: float | None = None
         self._paused_s = 0.0
         self._pauses = 0
-        self._latest = float("-inf")  # the latest reading: a pause counted late must not turn time back
 
     @property
     def paused_s(self) -> float:
@@ -61,14 +70,16 @@ class ActiveClock:
             return self._pauses
 
     def now(self) -> float:
-        """Never less than an earlier reading: a pause is counted when the loop turns again, possibly
-        after another thread read the clock during it; time then stands still until it catches up."""
+        """For deadlines, not durations: a pause is counted when the loop turns again, so a reading
+        taken during one (before it was counted) can exceed a later reading."""
         with self._turned:
-            self._latest = max(self._latest, self._monotonic() - self._paused_s)
-            return self._latest
+            return self._monotonic() - self._paused_s
 
-    def tick(self) -> float:
-        """One turn of the owning loop; returns the pause it ended (0.0 for an ordinary turn)."""
+    def tick(self) -> Turn:
+        """One turn of the owning loop: the clock now, and the pause it ended (0.0 for an ordinary turn).
+
+        The loop judges its peers by ``Turn.now``, not by a later :meth:`now`: this process may stop
+        again before the check, and that pause is counted only at the next turn."""
         at = self._monotonic()
         with self._turned:
             gap = 0.0 if self._last_turn is None else at - self._last_turn
@@ -79,7 +90,7 @@ class ActiveClock:
             self._last_turn = at
             self._turns += 1
             self._turned.notify_all()
-            return pause
+            return Turn(at - self._paused_s, pause)
 
     def stop(self) -> None:
         """The loop stopped: waiters must not wait for its next turn."""

@@ -55,8 +55,8 @@ class _Expected:
     pending: set[_Key]
     per_src: dict[int, int]  # tensors each producer rank will send us
     remaining: dict[int, int]  # layer -> tensors still to land
-    started: float
-    progress: float
+    started: float  # time.monotonic(): latencies are wall time
+    progress: float  # the channel clock: the no-progress deadline leaves out our own pauses
     nbytes: int = 0
     error: BaseException | None = None
     announced: set[_Key] = field(default_factory=set)
@@ -124,7 +124,7 @@ class ConsumerSide:
             per_src[src] = per_src.get(src, 0) + 1
             remaining[layer] += 1
         now = self._clock.now()
-        req = _Expected(request_id, producer, slots, pending, per_src, remaining, now, now, push=push)
+        req = _Expected(request_id, producer, slots, pending, per_src, remaining, time.monotonic(), now, push=push)
         staged_tensors: list[tuple[_Key, torch.Tensor]] = []
         with self._cond:
             if request_id in self._requests:
@@ -401,7 +401,7 @@ class ConsumerSide:
             req.progress = self._clock.now()
             req.nbytes += buf.numel() * buf.element_size()
             if req.remaining[layer] == 0:
-                self._stats.record_layer(layer, req.progress - req.started)
+                self._stats.record_layer(layer, time.monotonic() - req.started)
             self._cond.notify_all()
         self._stats.record_tensor(buf.numel() * buf.element_size())
 

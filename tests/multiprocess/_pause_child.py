@@ -11,7 +11,7 @@ from ncclkv.errors import NcclKVError
 from ncclkv.protocol import Ack, Message, Ready
 
 HEARTBEAT_S = 0.2
-DEADLINE_S = 2.0
+DEADLINE_S = 4.0  # a peer starved of CPU for this long on a loaded host counts as lost
 WAIT_S = 30.0  # every wait on the parent's events
 
 

@@ -23,7 +23,7 @@ from ncclkv._env import EnvSettings
 from ncclkv.engine import EngineRef
 from ncclkv.layout import KVGeometry, ParallelLayout, Route, Span
 from ncclkv.paged import CacheLayout
-from ncclkv.protocol import Announce, Done, Envelope, ErrorCode, ErrorMsg, RouteMsg, decode, encode
+from ncclkv.protocol import PROTOCOL_VERSION, Announce, Done, Envelope, ErrorCode, ErrorMsg, RouteMsg, decode, encode
 
 from _engine_pool import WAIT_S, Pool, Proc, blocks, build_engine
 from _engine_workers import Outcome, Req
@@ -206,7 +206,7 @@ def test_garbage_on_the_consumer_router_is_rejected_and_the_transfer_completes(p
 @pytest.mark.parametrize(("field", "consumer_config", "ours", "theirs"), [
     ("head_size", {"geometry": KVGeometry(4, 4, 64, "float32")}, "32", "64"),
     ("dtype", {"geometry": KVGeometry(4, 4, 32, "bfloat16")}, "'float32'", "'bfloat16'"),
-    ("protocol_version", {"protocol_version": 2}, "1", "2"),
+    ("protocol_version", {"protocol_version": PROTOCOL_VERSION + 1}, str(PROTOCOL_VERSION), str(PROTOCOL_VERSION + 1)),
 ])
 def test_mismatched_handshake_fails_on_both_sides_naming_both_values(
         procs: Pool, field: str, consumer_config: dict[str, object], ours: str, theirs: str) -> None:

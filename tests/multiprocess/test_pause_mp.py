@@ -1,6 +1,6 @@
 """Deadlines leave out the time a process could not run (ncclkv._clock), across real processes.
 
-Two spawned processes, each with a real Channel (deadline 2 s, heartbeats
+Two spawned processes, each with a real Channel (deadline 4 s, heartbeats
 every 0.2 s). A asks B a question that B answers only when the test says so.
 While the question is pending the test stops processes with SIGSTOP for
 twice the deadline:
@@ -8,7 +8,7 @@ twice the deadline:
 - both (what a whole host stalling looks like): when they resume, neither
   declares the other lost and the pending request still gets its answer;
 - only B (a peer that really stopped answering): A declares B lost and the
-  request fails with PeerLostError, as before.
+  request fails, as before.
 """
 
 from __future__ import annotations
@@ -94,4 +94,5 @@ def test_a_peer_that_stops_alone_is_lost() -> None:
         release.set()
     assert a_report["peers_lost"] == 1 and not a_report["b_alive"], a_report
     assert a_report["pauses"] == 0, a_report
-    assert a_report.get("error", "").startswith("PeerLostError"), a_report
+    # the request fails: PeerLostError, or TransferTimeout when its own deadline comes first
+    assert a_report.get("error", "").startswith(("PeerLostError", "TransferTimeout")), a_report
