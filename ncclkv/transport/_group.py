@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import HandshakeError, NcclKVError, TransferError, TransferTimeout
+from ._framing import FRAME_TAG, Framing
 
 __all__ = ["TorchBackend", "open_group"]
 
@@ -52,6 +53,19 @@ class TorchBackend:
 
     def post_recv(self, tensor: torch.Tensor) -> _WorkPending:
         return _WorkPending(self._pg.recv([tensor], self._peer, _TAG))
+
+    def framing(self) -> Framing | None:
+        # gloo ends the process on a send longer than its receive (see _framing);
+        # NCCL checks nothing and has no tags to carry headers on.
+        if self._device.type == "cuda":
+            return None
+        return Framing(self._post_header_send, self._post_header_recv)
+
+    def _post_header_send(self, header: torch.Tensor) -> _WorkPending:
+        return _WorkPending(self._pg.send([header], self._peer, FRAME_TAG))
+
+    def _post_header_recv(self, header: torch.Tensor) -> _WorkPending:
+        return _WorkPending(self._pg.recv([header], self._peer, FRAME_TAG))
 
     def release(self) -> None:
         self._pg = self._store = None  # type: ignore[assignment]

@@ -4,7 +4,9 @@ NCCL point-to-point has no tags: the n-th send matches the n-th receive. A
 link therefore keeps one ordered pipe per direction and uses tag 0 for
 everything. The backend (gloo, NCCL or the in-process loopback) only posts
 single operations; ordering, deadlines, counters and failure handling live
-here, the same for all of them.
+here, the same for all of them. A backend that offers frame headers (gloo)
+gets each receive checked against the peer's header before it is posted
+(``_framing``: gloo would end this process on a longer send).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Protocol
 
 import torch
 
-from ..errors import ClosedError, NcclKVError, TransferError, TransferTimeout
+from ..errors import ClosedError, NcclKVError, ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
 from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, LinkStats
+from ._framing import Framing, RecvFrames, SendFrames
 from ._pipe import Completed, Op, Pending, Pipe, settle
 
 __all__ = ["Backend", "Link"]
@@ -40,6 +43,9 @@ class Backend(Protocol):
     def post_send(self, tensor: torch.Tensor) -> Pending: ...
 
     def post_recv(self, tensor: torch.Tensor) -> Pending: ...
+
+    def framing(self) -> Framing | None:
+        """Where frame headers travel (see _framing); None: receives are posted unchecked (NCCL, plain loopback)."""
 
     def abort(self) -> None:
         """Make every posted operation fail soon, here and at the peer; never raises."""
@@ -92,13 +98,17 @@ class Link:
         self._next_seq = [0, 0]  # send, recv
         self._tensors = [0, 0]
         self._bytes = [0, 0]
+        framing = backend.framing()
+        self._send_frames = SendFrames(framing, max_in_flight + 2) if framing else None
+        # Header receives posted as far ahead as the peer's send window reaches.
+        self._recv_frames = RecvFrames(framing, max_in_flight) if framing else None
         self._stream = None
         if device.type == "cuda":  # the send waits on the producer's event on this stream, not on the host
             self._stream = torch.cuda.Stream(device=device)
         name = f"ncclkv-link-{link_id}"
         self._pipes = tuple(
             Pipe(f"{name}-{kind}", partial(self._post, d), partial(self._finish, d), self._fail, max_in_flight,
-                 max_in_flight_bytes)
+                 max_in_flight_bytes, on_idle=self._send_frames.idle if d == 0 and self._send_frames else None)
             for d, kind in enumerate(("send", "recv"))
         )
 
@@ -214,6 +224,8 @@ class Link:
         self._abort_backend()
         joined = all([pipe.join(self._timeout_s + _JOIN_MARGIN_S) for pipe in self._pipes])
         if joined:
+            if self._recv_frames is not None:
+                self._recv_frames.clear()
             self._backend.release()
         else:
             _log.warning("link %r: a thread did not end within %.3g s", self._link_id, self._timeout_s + _JOIN_MARGIN_S)
@@ -276,11 +288,28 @@ class Link:
             yield
 
     def _post(self, direction: int, op: Op) -> Pending:
-        if op.tensor.numel() == 0:  # nothing to move; both sides know the shape
-            return Completed()
-        post = self._backend.post_send if direction == 0 else self._backend.post_recv
-        with self._on_link_stream(op.ready_event):
-            return post(op.tensor)
+        # Framed links (see _framing): a receive is posted only once the peer's
+        # header says it matches, since gloo would end this process on a longer
+        # send; a send is described in a header, flushed in batches or when the
+        # send thread runs idle. A tensor cannot land before its header, so
+        # waiting for it covers both; an empty send waits for its header.
+        if direction == 1 and self._recv_frames is not None:
+            try:
+                self._recv_frames.check_next(op.tensor, op.deadline, op.timeout_s)
+            except (ShapeMismatchError, ProtocolError):
+                # The receives posted before this one matched their headers: let
+                # them land before the link breaks, so they fail with their own.
+                self._pipes[1].wait_drained(op.deadline)
+                raise
+        data: Pending = Completed()
+        if op.tensor.numel() > 0:  # else nothing to move; both sides know the shape
+            post = self._backend.post_send if direction == 0 else self._backend.post_recv
+            with self._on_link_stream(op.ready_event):
+                data = post(op.tensor)
+        if direction == 0 and self._send_frames is not None:
+            header = self._send_frames.add(op.tensor, urgent=not self._pipes[0].in_flight())
+            return data if header is None else header
+        return data
 
     def _finish(self, direction: int, op: Op) -> None:
         with self._lock:

@@ -14,12 +14,14 @@ import itertools
 import threading
 import time
 from collections import deque
+from functools import partial
 
 import torch
 
 from .._env import env_settings
 from ..errors import ShapeMismatchError, TransferError, TransferTimeout
 from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, check_link_args
+from ._framing import Framing
 from ._link import Link
 from ._opener import LinkOpener
 
@@ -84,13 +86,14 @@ class _Wire:
 
 
 class _WireEnd:
-    """The :class:`~ncclkv.transport._link.Backend` of one loopback end."""
+    """The :class:`~ncclkv.transport._link.Backend` of one loopback end; ``headers``: a wire for frame headers."""
 
     name = "loopback"
 
-    def __init__(self, wire: _Wire, link_rank: int) -> None:
+    def __init__(self, wire: _Wire, link_rank: int, headers: _Wire | None = None) -> None:
         self._wire = wire
         self._rank = link_rank
+        self._headers = headers
 
     def post_send(self, tensor: torch.Tensor) -> _WireOp:
         return self._wire.post(self._rank, tensor, is_send=True)
@@ -98,8 +101,16 @@ class _WireEnd:
     def post_recv(self, tensor: torch.Tensor) -> _WireOp:
         return self._wire.post(1 - self._rank, tensor, is_send=False)
 
+    def framing(self) -> Framing | None:
+        if self._headers is None:
+            return None  # the wire itself checks shape and dtype at matching
+        return Framing(partial(self._headers.post, self._rank, is_send=True),
+                       partial(self._headers.post, 1 - self._rank, is_send=False))
+
     def abort(self) -> None:
         self._wire.close(f"link rank {self._rank}")
+        if self._headers is not None:
+            self._headers.close(f"link rank {self._rank}")
 
     def release(self) -> None:
         return None
@@ -112,13 +123,18 @@ def loopback_pair(
     timeout_s: float | None = None,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
+    framed: bool = False,
 ) -> tuple[Link, Link]:
-    """Both ends (link rank 0, link rank 1) of an in-process link."""
+    """Both ends (link rank 0, link rank 1) of an in-process link.
+
+    ``framed``: send frame headers on a second wire, as gloo links do (see
+    ``_framing``), so a mismatched receive is refused before it is posted.
+    """
     timeout = env_settings().deadline_s if timeout_s is None else timeout_s
     dev = check_link_args(link_id, 0, device, timeout)
-    wire = _Wire()
+    wire, headers = _Wire(), _Wire() if framed else None
     ends = [
-        Link(link_id, rank, dev, _WireEnd(wire, rank), timeout_s=timeout, max_in_flight=max_in_flight,
+        Link(link_id, rank, dev, _WireEnd(wire, rank, headers), timeout_s=timeout, max_in_flight=max_in_flight,
              max_in_flight_bytes=max_in_flight_bytes, peer="loopback")
         for rank in (0, 1)
     ]

@@ -9,7 +9,10 @@ particular writes a send's payload only once the peer's receive is posted, so
 a shallow receive window costs a round trip per tensor. The byte bound keeps
 the last posted op's deadline (counted from its posting) meaningful. The reaper waits for
 the oldest posted op, with that op's deadline, and completes futures in order.
-Both threads end when the pipe is stopped; :meth:`Pipe.join` waits for them.
+``on_idle(full)`` runs on the poster each time it is about to wait (``full``:
+ops are queued but the window is full) and says how long that wait may
+last before it runs again; framed links flush their headers there. Both
+threads end when the pipe is stopped; :meth:`Pipe.join` waits for them.
 """
 
 from __future__ import annotations
@@ -88,10 +91,12 @@ class Pipe:
         fail: Callable[[Op, BaseException], None],
         max_in_flight: int,
         max_in_flight_bytes: int,
+        on_idle: Callable[[bool], float | None] | None = None,
     ) -> None:
         if max_in_flight < 1 or max_in_flight_bytes < 1:
             raise ValueError(f"max_in_flight and max_in_flight_bytes must be >= 1, got {max_in_flight}, {max_in_flight_bytes}")
         self._post = post
+        self._on_idle = on_idle
         self._finish = finish
         self._fail = fail
         self._max_in_flight = max_in_flight
@@ -130,6 +135,16 @@ class Pipe:
             self._cond.notify_all()
         return ops
 
+    def wait_drained(self, deadline: float) -> bool:
+        """Wait until no op is in flight (the pipe stopped, or ``deadline`` passed: False)."""
+        with self._cond:
+            while self._in_flight and not self._stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return not self._in_flight
+
     def join(self, timeout_s: float) -> bool:
         """Wait for both threads to end; return False if one is still running at the deadline."""
         deadline = time.monotonic() + timeout_s
@@ -138,22 +153,32 @@ class Pipe:
                 thread.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() and t is not threading.current_thread() for t in self._threads)
 
+    def _ready(self) -> bool:
+        """Whether the poster has something to do; called with the condition held."""
+        return self._stopping or bool(self._queued and self._has_room(self._queued[0]))
+
     def _post_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not (self._queued and self._has_room(self._queued[0])):
-                    self._cond.wait()
+                ready, full = self._ready(), bool(self._queued)
+            if not ready:
+                pause = self._idle(full)  # outside the lock: it may post to the backend
+                with self._cond:
+                    if not self._ready():
+                        self._cond.wait(pause)
+                continue
+            with self._cond:
                 if self._stopping:
                     return
-                op = self._queued.popleft()
+                op = self._queued.popleft()  # only this thread takes ops: still there
             if op.before_send is not None and not self._run_hook(op):
                 continue
+            op.deadline = time.monotonic() + op.timeout_s  # before posting: a framed receive waits for its header
             try:
                 op.pending = self._post(op)
-            except Exception as exc:  # the backend refused: the link is unusable
+            except Exception as exc:  # the backend refused, or the peer's header did not match: the link is unusable
                 self._fail(op, exc)
                 continue
-            op.deadline = time.monotonic() + op.timeout_s
             with self._cond:
                 if self._stopping:  # stopped while posting: stop() did not see this op
                     settle(op.future, error=ClosedError(f"{op.label}: the link is closed"))
@@ -161,6 +186,24 @@ class Pipe:
                 self._in_flight.append(op)
                 self._bytes_in_flight += op.nbytes
                 self._cond.notify_all()
+
+    def _idle(self, full: bool) -> float | None:
+        """Run ``on_idle`` before the poster waits: it returns how long to wait at most before it runs again.
+
+        Its failure fails the oldest op in flight (and so the link).
+        """
+        if self._on_idle is None:
+            return None
+        try:
+            return self._on_idle(full)
+        except Exception as exc:
+            with self._cond:
+                oldest = self._in_flight[0] if self._in_flight else None
+            if oldest is not None:
+                self._fail(oldest, exc)
+            else:
+                _log.warning("on_idle failed with nothing in flight: %r", exc)
+            return None
 
     def _has_room(self, op: Op) -> bool:
         """Whether ``op`` may be posted now; called with the condition held."""
