@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "scale": "benchmarks.bench_scale",
     "memory": "benchmarks.bench_memory",
     "blend": "benchmarks.bench_blend",
+    "vllm": "benchmarks.bench_vllm",
 }
 
 

@@ -41,7 +41,7 @@ __all__ = [
     "RouteMsg",
 ]
 
-PROTOCOL_VERSION = 2  # 2: PushOffer.blocks (a version-1 consumer refuses such offers)
+PROTOCOL_VERSION = 2  # 2: PushOffer.blocks; gloo links carry frame headers (ncclkv.transport._framing)
 MAX_SHAPE_DIMS = 8
 MAX_ID_CHARS = 512
 MAX_TEXT_CHARS = 4096

@@ -20,6 +20,7 @@ from benchmarks import _common, _runner
 from ncclkv import cli
 
 NAMES = ("paged", "transfer", "overlap", "control", "scale", "memory", "blend")
+ALL_NAMES = (*NAMES, "vllm")  # vllm starts real engines: its quick run is tests/vllm/test_bench_vllm.py
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -28,7 +29,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("bench")
     buffer = io.StringIO()  # capsys is function-scoped; one run serves the module's tests
     with contextlib.redirect_stdout(buffer):
-        assert cli.main(["bench", "--quick", "--out", str(out)]) == 0
+        assert cli.main(["bench", *NAMES, "--quick", "--out", str(out)]) == 0
     return out, buffer.getvalue()
 
 
@@ -146,7 +147,7 @@ def test_unknown_names_and_bad_repeats_are_errors(tmp_path: Path, capsys: pytest
 def test_list_names_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", "--list"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert listed == list(NAMES)
+    assert listed == list(ALL_NAMES)
 
 
 def test_format_table_aligns_and_formats() -> None:
