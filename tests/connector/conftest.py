@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -12,6 +13,8 @@ import pytest
 pytest.importorskip("vllm", reason="the connector lifecycle tests drive vLLM's own scheduler")
 
 from ncclkv._vllm_model import TinyLlamaSpec, build_tiny_llama  # noqa: E402
+
+from .harness import EngineSim  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +30,12 @@ def _restore_environment() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture
+def engines(model_dir: Path) -> Iterator[list[EngineSim]]:
+    made: list[EngineSim] = []
+    yield made
+    for engine in made:
+        engine.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("ncclkv")], "threads left after shutdown"

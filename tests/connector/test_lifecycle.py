@@ -7,8 +7,6 @@ engine. See harness.py for what the stand-in model checks.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,15 +21,6 @@ MAX_TOKENS = 4
 FAST = {"deadline_s": 2.0, "heartbeat_s": 0.25}
 CELL_BYTES = 4 * 64 * 2 * 4  # heads x head_size x (K, V) x float32, per token and layer
 NUM_LAYERS = 2
-
-
-@pytest.fixture
-def engines(model_dir: Path) -> Iterator[list[EngineSim]]:
-    made: list[EngineSim] = []
-    yield made
-    for engine in made:
-        engine.close()
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("ncclkv")], "threads left after shutdown"
 
 
 def _pair(engines: list[EngineSim], model_dir: Path, prefill_extra: dict | None = None,

@@ -10,7 +10,6 @@ tests drive the event container through vLLM's own output aggregator.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,15 +38,6 @@ class _Recorder(EventPublisher):
 
     def shutdown(self) -> None:
         pass
-
-
-@pytest.fixture
-def engines(model_dir: Path) -> Iterator[list[EngineSim]]:
-    made: list[EngineSim] = []
-    yield made
-    for engine in made:
-        engine.close()
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("ncclkv")], "threads left after shutdown"
 
 
 def _staging(recorder: _Recorder) -> list[KVCacheEvent]:

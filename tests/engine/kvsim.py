@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ncclkv.engine import EngineConfig, TransferEngine
+from ncclkv.engine import EngineConfig, EngineRef, TransferEngine
 from ncclkv.layout import KVGeometry, ParallelLayout, Roi, Span, shard_roi
 from ncclkv.paged import CacheLayout
 from ncclkv.scenario._kv import check_landed, fill_shard, global_kv, make_cache
 
-__all__ = ["RankSide", "global_kv", "make_cache"]
+__all__ = ["RankSide", "build_sides", "close_sides", "engine_ref", "global_kv", "make_cache"]
 
 
 @dataclass
@@ -49,3 +49,20 @@ class RankSide:
         bad = check_landed(self.caches, self.cache_layout, self.engine.config.geometry, self.shard, seed, block_ids,
                            num_tokens, tokens)
         return [f"rank {self.engine.config.rank} layer {layer}" for layer in bad]
+
+
+def build_sides(engine_id: str, layout: ParallelLayout, geometry: KVGeometry, cache_layout: CacheLayout,
+                block_size: int, role: str, num_blocks: int = 16, **config: object) -> list[RankSide]:
+    """One in-process engine rank per rank of ``layout``."""
+    return [RankSide.build(engine_id, rank, layout, geometry, cache_layout, block_size, num_blocks, role, **config)
+            for rank in range(layout.world_size)]
+
+
+def engine_ref(engine_id: str, layout: ParallelLayout, sides: list[RankSide]) -> EngineRef:
+    return EngineRef(engine_id, layout, tuple(side.engine.address for side in sides))
+
+
+def close_sides(*groups: list[RankSide]) -> None:
+    for group in groups:
+        for side in group:
+            side.engine.close()

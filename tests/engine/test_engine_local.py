@@ -12,30 +12,13 @@ import time
 
 import pytest
 
-from ncclkv.engine import EngineRef
 from ncclkv.errors import CapacityError, HandshakeError, TransferError
 from ncclkv.layout import KVGeometry, ParallelLayout, Span, SpanSet
 from ncclkv.paged import CacheLayout
 
-from .kvsim import RankSide
+from .kvsim import RankSide, build_sides, close_sides, engine_ref
 
 GQA = KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32")
-
-
-def _engines(engine_id: str, layout: ParallelLayout, geometry: KVGeometry, cache_layout: CacheLayout,
-             block_size: int, role: str, num_blocks: int = 16, **config: object) -> list[RankSide]:
-    return [RankSide.build(engine_id, rank, layout, geometry, cache_layout, block_size, num_blocks, role, **config)
-            for rank in range(layout.world_size)]
-
-
-def _ref(engine_id: str, layout: ParallelLayout, sides: list[RankSide]) -> EngineRef:
-    return EngineRef(engine_id, layout, tuple(side.engine.address for side in sides))
-
-
-def _close(*groups: list[RankSide]) -> None:
-    for group in groups:
-        for side in group:
-            side.engine.close()
 
 
 def _wait_sent(sides: list[RankSide], request_id: str, timeout_s: float = 20) -> dict[str, BaseException | None]:
@@ -70,14 +53,14 @@ LAYOUTS = [
 def test_pull_byte_exact(src: tuple[int, int], dst: tuple[int, int], geometry: KVGeometry) -> None:
     src_layout, dst_layout = ParallelLayout(*src), ParallelLayout(*dst)
     mla = geometry.use_mla
-    prefill = _engines("prefill", src_layout, geometry, CacheLayout.MLA if mla else CacheLayout.CPU, 16, "producer")
-    decode = _engines("decode", dst_layout, geometry, CacheLayout.MLA if mla else CacheLayout.FLASH_NHD, 32, "consumer")
+    prefill = build_sides("prefill", src_layout, geometry, CacheLayout.MLA if mla else CacheLayout.CPU, 16, "producer")
+    decode = build_sides("decode", dst_layout, geometry, CacheLayout.MLA if mla else CacheLayout.FLASH_NHD, 32, "consumer")
     try:
         num_tokens, src_blocks, dst_blocks = 45, [5, 2, 9], [3, 0]  # a partial last block on both sides
         for side in prefill:
             side.fill(seed=1, block_ids=src_blocks, num_tokens=num_tokens)
             side.engine.finish("req-1", src_blocks, num_tokens)
-        ref = _ref("prefill", src_layout, prefill)
+        ref = engine_ref("prefill", src_layout, prefill)
         for side in decode:
             side.engine.expect("req-1", ref, dst_blocks, num_tokens)
         for side in decode:
@@ -87,13 +70,13 @@ def test_pull_byte_exact(src: tuple[int, int], dst: tuple[int, int], geometry: K
             assert side.engine.take_finished_receiving() == {"req-1": None}
         assert set(_wait_sent(prefill, "req-1").values()) == {None}
     finally:
-        _close(prefill, decode)
+        close_sides(prefill, decode)
 
 
 def test_pull_partial_prefix_leaves_cached_tokens_alone() -> None:
     layout = ParallelLayout(2, 1)
-    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
-    decode = _engines("decode", ParallelLayout(1, 1), GQA, CacheLayout.FLASHINFER, 16, "consumer")
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
+    decode = build_sides("decode", ParallelLayout(1, 1), GQA, CacheLayout.FLASHINFER, 16, "consumer")
     try:
         num_tokens, blocks = 60, [1, 2, 3, 4]
         for side in prefill:
@@ -101,7 +84,7 @@ def test_pull_partial_prefix_leaves_cached_tokens_alone() -> None:
             side.engine.finish("r", blocks, num_tokens)
         # The decode side already holds the first two blocks (32 tokens): only 32..60 moves.
         decode[0].fill(seed=99, block_ids=blocks[:2], num_tokens=32)
-        decode[0].engine.expect("r", _ref("prefill", layout, prefill), blocks, SpanSet.range(32, num_tokens))
+        decode[0].engine.expect("r", engine_ref("prefill", layout, prefill), blocks, SpanSet.range(32, num_tokens))
         decode[0].engine.wait("r", timeout_s=20)
         assert decode[0].mismatches(2, blocks, num_tokens, Span(32, num_tokens)) == []
         # The cached prefix is untouched: it still holds seed 99's values, not the producer's.
@@ -110,16 +93,16 @@ def test_pull_partial_prefix_leaves_cached_tokens_alone() -> None:
         assert decode[0].engine.stats().bytes_received == 28 * 4 * 32 * 2 * 4 * 4
         assert set(_wait_sent(prefill, "r").values()) == {None}
     finally:
-        _close(prefill, decode)
+        close_sides(prefill, decode)
 
 
 def test_push_layer_zero_lands_before_the_last_layer_is_saved() -> None:
     src_layout, dst_layout = ParallelLayout(2, 1), ParallelLayout(1, 1)
-    prefill = _engines("prefill", src_layout, GQA, CacheLayout.CPU, 16, "producer")
-    decode = _engines("decode", dst_layout, GQA, CacheLayout.FLASH_NHD, 16, "consumer")
+    prefill = build_sides("prefill", src_layout, GQA, CacheLayout.CPU, 16, "producer")
+    decode = build_sides("decode", dst_layout, GQA, CacheLayout.FLASH_NHD, 16, "consumer")
     try:
         num_tokens, blocks = 40, [7, 1, 4]
-        consumer_ref = _ref("decode", dst_layout, decode)
+        consumer_ref = engine_ref("decode", dst_layout, decode)
         layer0_landed = threading.Event()
         saved_last: list[bool] = []
 
@@ -131,7 +114,7 @@ def test_push_layer_zero_lands_before_the_last_layer_is_saved() -> None:
         for side in prefill:
             side.fill(seed=3, block_ids=blocks, num_tokens=num_tokens)
             side.engine.start_push("p", consumer_ref, blocks, num_tokens)
-        decode[0].engine.expect("p", _ref("prefill", src_layout, prefill), blocks, num_tokens, push=True)
+        decode[0].engine.expect("p", engine_ref("prefill", src_layout, prefill), blocks, num_tokens, push=True)
         waiter = threading.Thread(target=consume)
         waiter.start()
         for layer in range(GQA.num_layers - 1):
@@ -148,34 +131,34 @@ def test_push_layer_zero_lands_before_the_last_layer_is_saved() -> None:
         assert decode[0].mismatches(3, blocks, num_tokens, Span(0, num_tokens)) == []
         assert set(_wait_sent(prefill, "p").values()) == {None}
     finally:
-        _close(prefill, decode)
+        close_sides(prefill, decode)
 
 
 def test_push_before_blocks_exist_is_staged_then_scattered() -> None:
     layout = ParallelLayout(1, 1)
-    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
-    decode = _engines("decode", layout, GQA, CacheLayout.CPU, 32, "consumer")
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
+    decode = build_sides("decode", layout, GQA, CacheLayout.CPU, 32, "consumer")
     try:
         num_tokens, src_blocks, dst_blocks = 33, [0, 5, 6], [2, 8]
         prefill[0].fill(seed=4, block_ids=src_blocks, num_tokens=num_tokens)
-        prefill[0].engine.start_push("s", _ref("decode", layout, decode), src_blocks, num_tokens)
+        prefill[0].engine.start_push("s", engine_ref("decode", layout, decode), src_blocks, num_tokens)
         for layer in range(GQA.num_layers):
             prefill[0].engine.save_layer("s", layer)
         prefill[0].engine.finish("s")
         assert _wait_sent(prefill, "s") == {"0": None}  # everything sent while decode had no blocks
-        decode[0].engine.expect("s", _ref("prefill", layout, prefill), dst_blocks, num_tokens, push=True)
+        decode[0].engine.expect("s", engine_ref("prefill", layout, prefill), dst_blocks, num_tokens, push=True)
         decode[0].engine.wait("s", timeout_s=20)
         assert decode[0].mismatches(4, dst_blocks, num_tokens, Span(0, num_tokens)) == []
     finally:
-        _close(prefill, decode)
+        close_sides(prefill, decode)
 
 
 def test_push_larger_than_staging_is_refused_before_sending() -> None:
     layout = ParallelLayout(1, 1)
-    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
-    decode = _engines("decode", layout, GQA, CacheLayout.CPU, 16, "consumer", staging_bytes=4096)
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
+    decode = build_sides("decode", layout, GQA, CacheLayout.CPU, 16, "consumer", staging_bytes=4096)
     try:
-        prefill[0].engine.start_push("big", _ref("decode", layout, decode), [0, 1], 32)
+        prefill[0].engine.start_push("big", engine_ref("decode", layout, decode), [0, 1], 32)
         prefill[0].engine.save_layer("big", 0)
         prefill[0].engine.finish("big")
         outcome = _wait_sent(prefill, "big")
@@ -184,15 +167,15 @@ def test_push_larger_than_staging_is_refused_before_sending() -> None:
         assert prefill[0].engine.stats().tensors_sent == 0
         assert decode[0].engine.stats().tensors_received == 0
     finally:
-        _close(prefill, decode)
+        close_sides(prefill, decode)
 
 
 def test_many_concurrent_requests_share_one_link_in_order() -> None:
     layout = ParallelLayout(1, 1)
-    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer", num_blocks=64)
-    decode = _engines("decode", layout, GQA, CacheLayout.FLASH_NHD, 16, "consumer", num_blocks=64)
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer", num_blocks=64)
+    decode = build_sides("decode", layout, GQA, CacheLayout.FLASH_NHD, 16, "consumer", num_blocks=64)
     try:
-        ref = _ref("prefill", layout, prefill)
+        ref = engine_ref("prefill", layout, prefill)
         requests = [(f"c{i}", [2 * i, 2 * i + 1], 17 + i % 16) for i in range(24)]
         for i, (rid, blocks, n) in enumerate(requests):
             prefill[0].fill(seed=100 + i, block_ids=blocks, num_tokens=n)
@@ -204,31 +187,31 @@ def test_many_concurrent_requests_share_one_link_in_order() -> None:
             assert decode[0].mismatches(100 + i, blocks, n, Span(0, n)) == [], rid
         assert len(prefill[0].engine._peers._peers) == 1  # one peer, one link, all requests
     finally:
-        _close(prefill, decode)
+        close_sides(prefill, decode)
 
 
 def test_mismatched_geometry_fails_on_both_sides_naming_both_values(caplog: pytest.LogCaptureFixture) -> None:
     layout = ParallelLayout(1, 1)
-    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
     other = KVGeometry(num_layers=4, num_kv_heads=4, head_size=64, dtype="float32")
-    decode = _engines("decode", layout, other, CacheLayout.CPU, 16, "consumer")
+    decode = build_sides("decode", layout, other, CacheLayout.CPU, 16, "consumer")
     try:
         prefill[0].engine.finish("m", [0], 8)
-        decode[0].engine.expect("m", _ref("prefill", layout, prefill), [0], 8)
+        decode[0].engine.expect("m", engine_ref("prefill", layout, prefill), [0], 8)
         with pytest.raises(HandshakeError) as err:
             decode[0].engine.wait("m", timeout_s=20)
         assert "head_size" in str(err.value) and "32" in str(err.value) and "64" in str(err.value)
         assert any("refused handshake" in r.message and "head_size" in r.message for r in caplog.records)
     finally:
-        _close(prefill, decode)
+        close_sides(prefill, decode)
 
 
 def test_abort_drops_late_tensors_and_keeps_the_link_in_step() -> None:
     layout = ParallelLayout(1, 1)
-    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
-    decode = _engines("decode", layout, GQA, CacheLayout.CPU, 16, "consumer")
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
+    decode = build_sides("decode", layout, GQA, CacheLayout.CPU, 16, "consumer")
     try:
-        ref = _ref("prefill", layout, prefill)
+        ref = engine_ref("prefill", layout, prefill)
         for i, rid in enumerate(("a", "b")):
             prefill[0].fill(seed=10 + i, block_ids=[i], num_tokens=16)
             prefill[0].engine.finish(rid, [i], 16)
@@ -240,15 +223,15 @@ def test_abort_drops_late_tensors_and_keeps_the_link_in_step() -> None:
         with pytest.raises((ValueError, TransferError)):
             decode[0].engine.wait("a", timeout_s=1)
     finally:
-        _close(prefill, decode)
+        close_sides(prefill, decode)
 
 
 def test_pushed_request_may_wait_hold_s_for_its_first_tensor_then_deadline_s_applies() -> None:
     layout = ParallelLayout(1, 1)
-    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "producer", deadline_s=0.4)
-    decode = _engines("decode", layout, GQA, CacheLayout.CPU, 16, "consumer", deadline_s=0.4, hold_s=30)
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer", deadline_s=0.4)
+    decode = build_sides("decode", layout, GQA, CacheLayout.CPU, 16, "consumer", deadline_s=0.4, hold_s=30)
     try:
-        prefill_ref, decode_ref = _ref("prefill", layout, prefill), _ref("decode", layout, decode)
+        prefill_ref, decode_ref = engine_ref("prefill", layout, prefill), engine_ref("decode", layout, decode)
         # A producer never heard from gets deadline_s: it may be dead.
         decode[0].engine.expect("orphan", prefill_ref, [6], 8, push=True)
         with pytest.raises(TransferError):
@@ -275,11 +258,11 @@ def test_pushed_request_may_wait_hold_s_for_its_first_tensor_then_deadline_s_app
         decode[0].engine.wait("late", timeout_s=20)
         assert decode[0].mismatches(21, [2, 3], 20, Span(0, 20)) == []
         # A pull, on the other hand, stalls after deadline_s when its producer holds nothing.
-        decode[0].engine.expect("never", _ref("prefill", layout, prefill), [4], 8)
+        decode[0].engine.expect("never", engine_ref("prefill", layout, prefill), [4], 8)
         with pytest.raises(TransferError):
             decode[0].engine.wait("never", timeout_s=20)
     finally:
-        _close(prefill, decode)
+        close_sides(prefill, decode)
 
 
 def test_a_failed_engine_start_leaves_no_thread_behind() -> None:
@@ -298,10 +281,10 @@ def test_crossed_handshakes_pull_and_push_on_a_new_pair(attempt: int) -> None:
     # unknown, peer at once: both handshakes cross and each side may send on
     # a different link; every tensor must still land, announced on its own link.
     layout = ParallelLayout(1, 1)
-    prefill = _engines("prefill", layout, GQA, CacheLayout.CPU, 16, "both", deadline_s=5)
-    decode = _engines("decode", layout, GQA, CacheLayout.FLASH_NHD, 16, "both", deadline_s=5)
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "both", deadline_s=5)
+    decode = build_sides("decode", layout, GQA, CacheLayout.FLASH_NHD, 16, "both", deadline_s=5)
     try:
-        prefill_ref, decode_ref = _ref("prefill", layout, prefill), _ref("decode", layout, decode)
+        prefill_ref, decode_ref = engine_ref("prefill", layout, prefill), engine_ref("decode", layout, decode)
         prefill[0].fill(seed=31, block_ids=[0, 1], num_tokens=24)
         prefill[0].fill(seed=32, block_ids=[2, 3], num_tokens=30)
         prefill[0].engine.finish("pulled", [0, 1], 24)
@@ -326,4 +309,4 @@ def test_crossed_handshakes_pull_and_push_on_a_new_pair(attempt: int) -> None:
         assert decode[0].mismatches(32, [6, 7], 30, Span(0, 30)) == []
         assert set(_wait_sent(prefill, "pulled").values()) == {None}
     finally:
-        _close(prefill, decode)
+        close_sides(prefill, decode)

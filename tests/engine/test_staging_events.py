@@ -19,7 +19,7 @@ from ncclkv.hashing import hash_request_tokens
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.paged import CacheLayout
 
-from .kvsim import RankSide
+from .kvsim import RankSide, build_sides, close_sides, engine_ref
 
 GQA = KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32")
 BLOCK = 16
@@ -27,18 +27,7 @@ KEYS = ("adapter-a", None)  # (LoRA name, cache salt), as the connector hashes t
 
 
 def _engines(engine_id: str, layout: ParallelLayout, role: str, **config: object) -> list[RankSide]:
-    return [RankSide.build(engine_id, rank, layout, GQA, CacheLayout.CPU, BLOCK, 16, role, **config)
-            for rank in range(layout.world_size)]
-
-
-def _ref(engine_id: str, layout: ParallelLayout, sides: list[RankSide]) -> EngineRef:
-    return EngineRef(engine_id, layout, tuple(side.engine.address for side in sides))
-
-
-def _close(*groups: list[RankSide]) -> None:
-    for group in groups:
-        for side in group:
-            side.engine.close()
+    return build_sides(engine_id, layout, GQA, CacheLayout.CPU, BLOCK, role, **config)
 
 
 def _prompt(num_tokens: int, seed: int) -> list[int]:
@@ -96,21 +85,21 @@ def test_staged_push_is_stored_then_removed_when_taken(src: tuple[int, int], dst
     prefill, decode = _engines("prefill", src_layout, "producer"), _engines("decode", dst_layout, "consumer")
     try:
         prompt, blocks, dst_blocks = _prompt(45, seed=1), [3, 1, 4], [0, 5, 9]  # two full blocks and a partial one
-        _push(prefill, _ref("decode", dst_layout, decode), "x1", blocks, len(prompt), 5,
+        _push(prefill, engine_ref("decode", dst_layout, decode), "x1", blocks, len(prompt), 5,
               BlockTokens.of_prompt(prompt, BLOCK, KEYS))
         assert _wait_sent(prefill, "x1") == [None] * len(prefill)  # all of it in staging: no blocks expected yet
         for side in decode:  # every consumer rank reports its own staging
             (stored,) = _events(side, 1)
             _check_stored(stored, "x1", prompt)
         for side in decode:
-            side.engine.expect("x1", _ref("prefill", src_layout, prefill), dst_blocks, len(prompt), push=True)
+            side.engine.expect("x1", engine_ref("prefill", src_layout, prefill), dst_blocks, len(prompt), push=True)
             side.engine.wait("x1", timeout_s=20)
             assert side.mismatches(5, dst_blocks, len(prompt), Span(0, len(prompt))) == []
             (removed,) = _events(side, 1)
             assert (removed.kind, removed.reason) == ("removed", "taken")
             assert removed.block_hashes == stored.block_hashes and removed.transfer_id == "x1"
     finally:
-        _close(prefill, decode)
+        close_sides(prefill, decode)
 
 
 def test_unexpected_push_expires_after_hold_s() -> None:
@@ -118,17 +107,17 @@ def test_unexpected_push_expires_after_hold_s() -> None:
     prefill, decode = _engines("prefill", layout, "producer"), _engines("decode", layout, "consumer", hold_s=0.5)
     try:
         prompt = _prompt(64, seed=2)
-        _push(prefill, _ref("decode", layout, decode), "x2", [0, 1, 2, 3], 64, 6,
+        _push(prefill, engine_ref("decode", layout, decode), "x2", [0, 1, 2, 3], 64, 6,
               BlockTokens.of_prompt(prompt, BLOCK, KEYS))
         stored, removed = _events(decode[0], 2)
         _check_stored(stored, "x2", prompt)
         assert (removed.kind, removed.reason, removed.block_hashes) == ("removed", "expired", stored.block_hashes)
         # Gone from staging for real: a late decode request finds nothing to take.
-        decode[0].engine.expect("x2", _ref("prefill", layout, prefill), [0, 1, 2, 3], 64, push=True)
+        decode[0].engine.expect("x2", engine_ref("prefill", layout, prefill), [0, 1, 2, 3], 64, push=True)
         with pytest.raises(TransferError):  # no tensor comes: it fails after hold_s
             decode[0].engine.wait("x2", timeout_s=5)
     finally:
-        _close(prefill, decode)
+        close_sides(prefill, decode)
 
 
 def test_incomplete_or_refused_push_is_never_reported() -> None:
@@ -137,7 +126,7 @@ def test_incomplete_or_refused_push_is_never_reported() -> None:
     # 4 KiB of KV per token (4 layers): a 32-token push reserves 128 KiB, a 16-token one 64 KiB.
     decode = _engines("decode", layout, "consumer", hold_s=0.5, staging_bytes=200 * 1024)
     try:
-        ref = _ref("decode", layout, decode)
+        ref = engine_ref("decode", layout, decode)
         prompt = _prompt(64, seed=3)
         # Two of four layers, then finish: half the KV lands in staging, which never holds the whole push.
         _push(prefill, ref, "half", [0, 1], 32, 7, BlockTokens.of_prompt(prompt[:32], BLOCK), layers=2)
@@ -152,14 +141,14 @@ def test_incomplete_or_refused_push_is_never_reported() -> None:
         assert [(e.kind, e.transfer_id, e.reason) for e in events] == [("stored", "whole", None),
                                                                         ("removed", "whole", "expired")]
     finally:
-        _close(prefill, decode)
+        close_sides(prefill, decode)
 
 
 def test_push_without_blocks_or_straight_into_expected_blocks_is_not_reported() -> None:
     layout = ParallelLayout(1, 1)
     prefill, decode = _engines("prefill", layout, "producer"), _engines("decode", layout, "consumer")
     try:
-        ref, prefill_ref = _ref("decode", layout, decode), _ref("prefill", layout, prefill)
+        ref, prefill_ref = engine_ref("decode", layout, decode), engine_ref("prefill", layout, prefill)
         prompt = _prompt(40, seed=4)
         _push(prefill, ref, "anon", [0, 1, 2], 40, 10, None)  # staged, but its blocks are not named
         decode[0].engine.expect("direct", prefill_ref, [3, 4, 5], 40, push=True)  # expected before the push
@@ -171,7 +160,7 @@ def test_push_without_blocks_or_straight_into_expected_blocks_is_not_reported() 
         assert decode[0].mismatches(10, [6, 7, 8], 40, Span(0, 40)) == []
         assert decode[0].engine.take_staging_events() == []
     finally:
-        _close(prefill, decode)
+        close_sides(prefill, decode)
 
 
 def test_block_tokens_checks_its_values() -> None:
