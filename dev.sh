@@ -68,12 +68,19 @@ setup_vllm() {
     done
 }
 
+# The P/D peers `ncclkv bench vllm` compares with (only for `bench`): NIXL's
+# wheels bring a UCX that runs on a CPU-only host (about 240 MB). Mooncake's
+# non-CUDA transfer engine does not run here (benchmarks/RESULTS.md says why).
+setup_bench_peers() {
+    "$PY" -m pip show -q nixl >/dev/null 2>&1 || { log "installing nixl (NixlConnector, for bench vllm)"; "$PY" -m pip install -q "nixl==1.5.1"; }
+}
+
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
     setup) setup; setup_vllm ;;
     demo) setup; setup_vllm; exec "$VENV/bin/ncclkv" demo "$@" ;;
-    bench) setup; exec "$VENV/bin/ncclkv" bench "$@" ;;
+    bench) setup; setup_vllm; setup_bench_peers; exec "$VENV/bin/ncclkv" bench "$@" ;;
     test)
         setup
         setup_vllm
