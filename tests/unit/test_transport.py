@@ -305,7 +305,7 @@ def test_closing_a_gloo_link_fails_pending_ops_on_both_ends_at_once() -> None:
         l0.close()
         with pytest.raises(ClosedError):
             mine.result(1.0)
-        with pytest.raises(TransferError, match="'c1' recv seq 0.*closed by peer"):
+        with pytest.raises(TransferError, match="'c1' recv seq 0.*(closed|reset) by peer"):  # gloo: FIN or RST
             theirs.result(WAIT_S)
         assert time.monotonic() - start < 2.0  # not the 10 s operation deadline
         # The other link is unaffected, and the same two planes can link again under a new id.
