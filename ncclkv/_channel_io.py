@@ -222,7 +222,7 @@ class IoLoop:
                 log.warning("channel %r: this process did not run for %.1fs; not counted against peers' deadlines",
                             self._peer_id, turn.paused_s)
             # Every turn, not only on a wake-up: a queued command never waits for another submit.
-            self._run_commands(self._wake_rx in ready)
+            self._run_commands(self._wake_rx.fileno() in ready)  # zmq.Poller reports a plain socket by its fd
             if self._router in ready:
                 self._drain(self._router, None)
             for peer_id, link in list(self._links.items()):
