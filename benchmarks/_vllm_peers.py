@@ -72,9 +72,6 @@ class PairSetup:
     package: str | None = None  # the distribution that provides it, named in "not runnable" reasons
     ref_path: Path | None = None  # where ncclkv's decode connector writes its reference (push)
     known_blocker: str | None = None  # why it cannot run here even once installed, when known
-    # Its engines keep threads busy while idle, slowing any engine beside them: no recompute samples are
-    # taken in its rounds (the recompute engine would measure those threads, not recompute).
-    busy_threads: bool = False
     scratch: Path | None = None  # files the set-up writes for each request, removed after it
 
 
@@ -119,8 +116,7 @@ def pair_setup(key: str, workdir: Path, modes: tuple[str, ...] = ("pull", "push"
         return PairSetup(key, "NixlConnector", {**config, "kv_role": "kv_producer"},
                          {**config, "kv_role": "kv_consumer"}, (Mode("NixlConnector (UCX, cpu)", {"do_remote_decode": True}),),
                          {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
-                         {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}, requires="nixl._api", package="nixl",
-                         busy_threads=True)
+                         {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}, requires="nixl._api", package="nixl")
     if key == "mooncake":
         extra = {"mooncake_protocol": "tcp"}
         env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())}

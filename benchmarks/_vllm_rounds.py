@@ -1,17 +1,22 @@
-"""Running the vLLM benchmark's engines: one set-up (a prefill/decode pair) at a time beside one recompute engine.
+"""Running the vLLM benchmark's engines: one set-up (a prefill/decode pair) at a time, and one recompute engine.
 
 The recompute engine (no connector) stays up for the whole run, pinned to the
-decode core like every decode engine. Each set-up's pair starts, runs one
-untimed round over every prompt length, then ``repeats`` timed rounds; within
-a round each length goes through the recompute engine first and then through
-the pair once per mode, with the same prompt (round r's prompts are the same
-in every set-up). So recompute is sampled all through the run, beside each
-set-up, and only three engines are up at once. Set-ups whose engines keep
-threads busy while idle (NIXL's progress thread) take no recompute samples:
-beside them the recompute engine would measure those threads; their outputs
-are checked against recompute's outputs for the same prompts from the other
-set-ups' rounds. A set-up that cannot run is recorded with the reason, not
-left out.
+decode core like every decode engine. For each set-up in turn:
+
+1. with no other engine up, the recompute engine runs ``repeats`` rounds over
+   every prompt length: the baseline, taken alone so that no set-up's
+   background threads are in it, and spread over the run so that it sees the
+   machine's load as the set-ups do;
+2. the set-up's pair starts, runs one untimed round over every length, then
+   ``repeats`` rounds; within a round each length goes through the pair once
+   per mode (round r's prompts are the same everywhere, so every output is
+   checked against recompute's for the same prompt);
+3. once per round, the recompute engine runs the shortest prompt while the
+   pair is up but idle ("beside"): how much the set-up's engines slow another
+   engine on the machine when they have nothing to do;
+4. the pair stops; only three engines are ever up at once.
+
+A set-up that cannot run is recorded with the reason, not left out.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import json
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +54,6 @@ class Plan:
     decode_core: int
     workdir: Path  # engine logs and the set-ups' files
     timeout_s: float = 300.0
-    clean_baseline: bool = True  # some set-up without busy threads runs: none is sampled beside one with them
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +61,7 @@ class Sample:
     """One request's timings on the decode engine (or the recompute engine) and what came with it."""
 
     method: str
-    setup: str  # the set-up whose rounds it was taken in
+    setup: str  # the set-up whose turn it was taken in
     tokens: int
     round: int
     ttft_s: float
@@ -65,6 +69,7 @@ class Sample:
     prefill_ttft_s: float | None = None  # the pair's prefill engine, for the same prompt
     loaded_tokens: int | None = None
     output: tuple[int, ...] = ()
+    beside: bool = False  # a recompute sample taken while the set-up's (idle) pair was up
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,34 +89,29 @@ class Outcome:
 
 def run_plan(plan: Plan, progress: Callable[[str], None]) -> Outcome:
     outcome = Outcome()
-    setups = [pair_setup(key, plan.workdir, plan.modes) for key in plan.setups]
-    plan = replace(plan, clean_baseline=any(not s.busy_threads for s in setups))
-    with ExitStack() as stack:
-        recompute = stack.enter_context(_engine(plan, "recompute", plan.decode_core, None))
-        recompute.launch()
-        ran_any = False
-        for setup in setups:
-            key = setup.key
+    with _engine(plan, "recompute", plan.decode_core, None) as recompute:
+        recompute.start(plan.timeout_s)
+        _warm_up(plan, recompute, None, progress)
+        for key in plan.setups:
+            setup = pair_setup(key, plan.workdir, plan.modes)
             methods = tuple(m.label for m in setup.modes)
             reason = unavailable_reason(setup, plan.prefill_core)
             if reason is not None:
                 outcome.skipped.append(Skipped(key, setup.title, methods, f"not runnable here: {reason}", False))
                 continue
+            _alone(plan, key, recompute, outcome.samples, progress)
             try:
                 _run_setup(plan, setup, recompute, outcome.samples, progress)
-                ran_any = True
             except EngineError as err:
                 text = str(err)
                 if text.startswith(recompute.name):
                     raise  # the baseline itself: nothing can be measured
                 started = "waiting for 'ready'" not in text and "while building" not in text
-                why = error_line(text)
                 outcome.skipped.append(Skipped(key, setup.title, methods,
-                                               ("failed: " if started else "not runnable here: ") + why, started))
-        if not ran_any:  # nothing to compare with, but the baseline itself is still measured
-            if recompute.start_s is None:
-                recompute.wait_ready(plan.timeout_s)
-            _rounds(plan, "recompute", recompute, None, outcome.samples, progress)
+                                               ("failed: " if started else "not runnable here: ") + error_line(text),
+                                               started))
+        if not any(s.method == RECOMPUTE for s in outcome.samples):  # no set-up ran: the baseline still does
+            _alone(plan, "recompute", recompute, outcome.samples, progress)
     return outcome
 
 
@@ -135,6 +135,31 @@ class _Pair:
     decode_ref: dict[str, Any] | None
 
 
+def _prompt(plan: Plan, length: int, index: int) -> list[int]:
+    """Round ``index``'s prompt of ``length`` tokens, the same in every set-up's turn (-1: the warm-up's)."""
+    return make_prompts((length,), plan.vocab_size, seed=1000 * (index + 2) + length)[0]
+
+
+def _alone(plan: Plan, key: str, recompute: EngineProcess, samples: list[Sample],
+           progress: Callable[[str], None]) -> None:
+    for index in range(plan.repeats):
+        progress(f"vllm: recompute alone before {key}, round {index + 1}/{plan.repeats}")
+        for length in plan.lengths:
+            samples.append(_recompute_sample(plan, key, recompute, _prompt(plan, length, index), index, False))
+
+
+def _warm_up(plan: Plan, recompute: EngineProcess, pair: _Pair | None, progress: Callable[[str], None]) -> None:
+    """Every length and path once, untimed (first forwards, first links, NIXL's handshake)."""
+    progress(f"vllm: warm-up{'' if pair is None else ' of ' + pair.setup.title}")
+    for length in plan.lengths:
+        prompt = _prompt(plan, length, -1)
+        if pair is None:
+            _recompute_sample(plan, "", recompute, prompt, -1, False)
+        else:
+            for mode in pair.setup.modes:
+                _pair_sample(plan, pair, mode, prompt, -1)
+
+
 def _run_setup(plan: Plan, setup: PairSetup, recompute: EngineProcess, samples: list[Sample],
                progress: Callable[[str], None]) -> None:
     with ExitStack() as stack:
@@ -145,32 +170,25 @@ def _run_setup(plan: Plan, setup: PairSetup, recompute: EngineProcess, samples: 
         progress(f"vllm: starting the {setup.title} engines")
         prefill.launch()
         decode.launch()
-        for engine in (recompute, prefill, decode):
-            if engine.start_s is None:  # the recompute engine is waited for once, with the first pair
-                engine.wait_ready(plan.timeout_s)
+        prefill.wait_ready(plan.timeout_s)
+        decode.wait_ready(plan.timeout_s)
         ref = json.loads(setup.ref_path.read_text()) if setup.ref_path is not None else None
-        _rounds(plan, setup.key, recompute, _Pair(setup, prefill, decode, ref), samples, progress)
+        pair = _Pair(setup, prefill, decode, ref)
+        _warm_up(plan, recompute, pair, progress)
+        for index in range(plan.repeats):
+            progress(f"vllm: {setup.key}, round {index + 1}/{plan.repeats}")
+            for length in plan.lengths:
+                prompt = _prompt(plan, length, index)
+                samples.extend(_pair_sample(plan, pair, mode, prompt, index) for mode in setup.modes)
+            shortest = min(plan.lengths)
+            samples.append(_recompute_sample(plan, setup.key, recompute, _prompt(plan, shortest, index), index, True))
 
 
-def _rounds(plan: Plan, key: str, recompute: EngineProcess, pair: _Pair | None, samples: list[Sample],
-            progress: Callable[[str], None]) -> None:
-    for index in range(-1, plan.repeats):  # round -1: untimed, every length and path once
-        label = "warm-up" if index < 0 else f"round {index + 1}/{plan.repeats}"
-        for length in plan.lengths:
-            progress(f"vllm: {key}, {label}, {length} tokens")
-            prompt = make_prompts((length,), plan.vocab_size, seed=1000 * (index + 2) + length)[0]
-            baseline = pair is None or not pair.setup.busy_threads or not plan.clean_baseline
-            taken = [_recompute_sample(plan, key, recompute, prompt, index)] if baseline else []
-            if pair is not None:
-                taken += [_pair_sample(plan, pair, mode, prompt, index) for mode in pair.setup.modes]
-            if index >= 0:
-                samples.extend(taken)
-
-
-def _recompute_sample(plan: Plan, key: str, engine: EngineProcess, prompt: list[int], index: int) -> Sample:
+def _recompute_sample(plan: Plan, key: str, engine: EngineProcess, prompt: list[int], index: int,
+                      beside: bool) -> Sample:
     result = engine.generate([prompt], max_tokens=plan.gen_tokens, timeout_s=plan.timeout_s)[0]
     return Sample(RECOMPUTE, key, len(prompt), index, _timed(result.ttft_s, RECOMPUTE), result.queued_s,
-                  output=result.token_ids)
+                  output=result.token_ids, beside=beside)
 
 
 def _pair_sample(plan: Plan, pair: _Pair, mode: Mode, prompt: list[int], index: int) -> Sample:

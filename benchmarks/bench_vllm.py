@@ -53,11 +53,12 @@ COLUMNS = (
     Column("ttft_min_ms", "TTFT min ms", "{:.0f}"),
     Column("ttft_median_ms", "median ms", "{:.0f}"),
     Column("speedup", "speed-up vs recompute (median)", "{:.2f}"),
-    Column("recompute_ms", "recompute median ms, same rounds", "{:.0f}"),
+    Column("recompute_ms", "recompute median ms, just before", "{:.0f}"),
     Column("kv_wait_ms", "KV wait median ms", "{:.0f}"),
     Column("prefill_ms", "prefill engine TTFT median ms", "{:.0f}"),
     Column("loaded", "tokens loaded", "{:.0f}"),
     Column("equal", "output = recompute"),
+    Column("beside", "recompute slowed beside it (x)", "{:.1f}"),
     Column("note", "note", align="<"),
 )
 
@@ -68,9 +69,13 @@ decode engine to its first token. For a P/D set-up that is the decode half of
 a disaggregated request (the prefill engine's TTFT, its own column, comes
 before it); for recompute it is the whole prefill of the prompt on the same
 core. The speed-up is the recompute row's median over the method's median at
-the same length; recompute is sampled in the rounds of every set-up (same
-prompts), and `recompute median ms, same rounds` shows it for the rounds the
-row was taken in, i.e. the machine's load at the time. `KV wait` is vLLM's
+the same length. Recompute is measured with no other engine up, just before
+each set-up's engines start (the same prompts as that set-up's rounds), so
+its samples are spread over the run like the load of the shared machine;
+`recompute median ms, just before` gives the ones taken before that row's
+set-up. `recompute slowed beside it` is how much slower the recompute engine
+ran the shortest prompt while the set-up's engines were up but idle than
+alone just before: background threads that spin. `KV wait` is vLLM's
 queue time of the decode request (arrival to first scheduling): with an
 asynchronous load, the wait for the KV. `tokens loaded`
 is the decode engine's `prompt_tokens_cached` count for the request (prefix
@@ -111,11 +116,8 @@ thread per engine even when idle; and vLLM's NIXL worker moves the thread
 that builds it (the engine's main thread, which runs the model) onto the last
 core of each NUMA node to reserve it for transfers, so the prefill engine
 computes on the decode engine's core. On 2 cores the two busy threads take
-both cores: every engine beside them slows by one to two orders of magnitude
-(a 256-token recompute on the small model went from about 10 ms to hundreds
-of ms, and to seconds when the machine was busy), the NIXL pair's own
-prefill included. So no recompute samples are taken while the NIXL engines
-are up (they would measure NIXL's threads), and NIXL's numbers here say more
+both cores: every engine beside them slows a lot (`recompute slowed beside
+it`), the NIXL pair's own prefill included, and NIXL's numbers here say more
 about a 2-core host than about NIXL; with spare cores for those threads
 neither effect would matter much.
 
@@ -152,29 +154,30 @@ def _median_ms(values: Sequence[float | None]) -> float | None:
 def _rows(outcome: Outcome, spec: TinyLlamaSpec, lengths: Sequence[int]) -> list[dict[str, Any]]:
     per_token = _kv_bytes_per_token(spec)
     reference = recompute_outputs(outcome.samples)
+    alone = [s for s in outcome.samples if s.method == RECOMPUTE and not s.beside]
     groups: dict[tuple[str, int], list[Sample]] = {}
     for sample in outcome.samples:
-        groups.setdefault((sample.method, sample.tokens), []).append(sample)
-    baseline = {tokens: statistics.median(s.ttft_s for s in samples) * 1e3
-                for (method, tokens), samples in groups.items() if method == RECOMPUTE}
+        if not sample.beside:
+            groups.setdefault((sample.method, sample.tokens), []).append(sample)
+    baseline = {tokens: _median_ms([s.ttft_s for s in alone if s.tokens == tokens]) for tokens in lengths}
     rows = []
     for (method, tokens), samples in groups.items():
         ttft = [s.ttft_s for s in samples]
         setups = {s.setup for s in samples}
-        same_rounds = [s.ttft_s for s in outcome.samples
-                       if s.method == RECOMPUTE and s.tokens == tokens and s.setup in setups]
         median_ms = statistics.median(ttft) * 1e3
         checked = [reference[(s.tokens, s.round)] == s.output for s in samples if (s.tokens, s.round) in reference]
+        before = [s.ttft_s for s in alone if s.tokens == tokens and s.setup in setups]
         rows.append({
             "method": method, "tokens": tokens, "kv_mib": tokens * per_token / MIB,
             "ttft_min_ms": min(ttft) * 1e3, "ttft_median_ms": median_ms,
-            "recompute_ms": statistics.median(same_rounds) * 1e3 if same_rounds else None,
-            "speedup": baseline[tokens] / median_ms if tokens in baseline else None,
+            "speedup": baseline[tokens] / median_ms if baseline.get(tokens) else None,
+            "recompute_ms": _median_ms(before) if method != RECOMPUTE else None,
             "kv_wait_ms": _median_ms([s.kv_wait_s for s in samples]),
             "prefill_ms": _median_ms([s.prefill_ttft_s for s in samples]),
             "loaded": statistics.median(s.loaded_tokens or 0 for s in samples),
-            "equal": f"{sum(checked)}/{len(checked)}" if checked else None, "note": "",
-            "ttft_all_ms": [t * 1e3 for t in ttft], "repeats": len(samples),
+            "equal": f"{sum(checked)}/{len(checked)}" if checked else None,
+            "beside": None if method == RECOMPUTE else _slowdown(outcome.samples, samples[0].setup),
+            "note": "", "ttft_all_ms": [t * 1e3 for t in ttft], "repeats": len(samples),
         })
     for skipped in outcome.skipped:
         note = "failed (see findings)" if skipped.failed else "not runnable here (see findings)"
@@ -191,6 +194,16 @@ def _rows(outcome: Outcome, spec: TinyLlamaSpec, lengths: Sequence[int]) -> list
     return rows
 
 
+def _slowdown(samples: Sequence[Sample], setup: str) -> float | None:
+    """How much slower recompute ran beside ``setup``'s idle engines than alone just before (shortest prompt)."""
+    beside = [s for s in samples if s.beside and s.setup == setup]
+    if not beside:
+        return None
+    alone = [s.ttft_s for s in samples if s.method == RECOMPUTE and not s.beside and s.setup == setup
+             and s.tokens == beside[0].tokens]
+    return statistics.median(s.ttft_s for s in beside) / statistics.median(alone) if alone else None
+
+
 def _headline(rows: list[dict[str, Any]], outcome: Outcome) -> list[str]:
     timed = [r for r in rows if r["tokens"] is not None and r["method"] != RECOMPUTE]
     lines = []
@@ -203,6 +216,10 @@ def _headline(rows: list[dict[str, Any]], outcome: Outcome) -> list[str]:
                      + ", ".join(f"{r['method']} {r['speedup']:.2f}x ({r['ttft_median_ms']:.0f} ms)" for r in at
                                  if r["speedup"] is not None))
         lines += _gil_lines(at)
+        beside = {r["method"]: r["beside"] for r in timed if r["beside"] is not None}
+        if beside:
+            lines.append("recompute of the shortest prompt beside each set-up's idle engines, against alone "
+                         "(spinning background threads): " + ", ".join(f"{m} {x:.1f}x" for m, x in beside.items()))
     for skipped in outcome.skipped:
         lines.append(f"{skipped.title}: {skipped.reason}")
     differing = [f"{r['method']} at {r['tokens']} ({r['equal']})" for r in timed

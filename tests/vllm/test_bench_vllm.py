@@ -43,7 +43,7 @@ def test_quick_run_measures_ncclkv_and_example_and_explains_mooncake(tmp_path: P
     assert example["loaded"] == (256 - 1) // BLOCK * BLOCK  # ExampleConnector: whole blocks of all but the last
     for row in (ncclkv, example):
         assert row["equal"] == "1/1" and row["note"] == ""
-        assert math.isfinite(row["speedup"]) and row["speedup"] > 0 and row["prefill_ms"] > 0
+        assert math.isfinite(row["speedup"]) and row["speedup"] > 0 and row["prefill_ms"] > 0 and row["beside"] > 0
     mooncake = rows["MooncakeConnector (TCP)"]
     assert mooncake["tokens"] is None and mooncake["note"].startswith("not runnable here")
     reason = next(line for line in result.headline if line.startswith("MooncakeConnector: "))
@@ -55,17 +55,20 @@ def test_quick_run_measures_ncclkv_and_example_and_explains_mooncake(tmp_path: P
 
 
 def _sample(method: str, tokens: int, round_: int, ttft_s: float, output: tuple[int, ...] = (7,),
-            setup: str = "ncclkv") -> Sample:
-    return Sample(method, setup, tokens, round_, ttft_s, 0.001, None if method == RECOMPUTE else 0.5,
-                  None if method == RECOMPUTE else tokens, output)
+            setup: str = "ncclkv", beside: bool = False) -> Sample:
+    pair = method != RECOMPUTE
+    return Sample(method, setup, tokens, round_, ttft_s, 0.001, 0.5 if pair else None, tokens if pair else None,
+                  output, beside)
 
 
-def test_rows_compare_each_method_with_recompute_and_keep_what_did_not_run() -> None:
+def test_rows_compare_each_method_with_recompute_alone_and_keep_what_did_not_run() -> None:
     samples = [
         _sample(RECOMPUTE, 512, 0, 1.0), _sample(RECOMPUTE, 512, 1, 3.0), _sample(RECOMPUTE, 512, 2, 2.0),
         _sample("ncclkv pull", 512, 0, 0.1), _sample("ncclkv pull", 512, 1, 0.5, output=(8,)),
-        _sample("ncclkv pull", 512, 2, 0.2),
-        _sample("NixlConnector (UCX, cpu)", 512, 0, 4.0, setup="nixl"),  # no recompute in NIXL's rounds
+        _sample("ncclkv pull", 512, 2, 0.2), _sample(RECOMPUTE, 512, 0, 4.0, beside=True),
+        _sample(RECOMPUTE, 512, 0, 6.0, setup="nixl"),
+        _sample("NixlConnector (UCX, cpu)", 512, 0, 4.0, setup="nixl"),
+        _sample(RECOMPUTE, 512, 0, 60.0, setup="nixl", beside=True),
     ]
     skipped = [Skipped("mooncake", "MooncakeConnector", ("MooncakeConnector (TCP)",), "not runnable here: x", False)]
     outcome = Outcome(samples, skipped)
@@ -73,14 +76,19 @@ def test_rows_compare_each_method_with_recompute_and_keep_what_did_not_run() -> 
     by_method = {r["method"]: r for r in rows}
     assert [r["method"] for r in rows] == [RECOMPUTE, "ncclkv pull", "NixlConnector (UCX, cpu)",
                                            "MooncakeConnector (TCP)"]
+    recompute = by_method[RECOMPUTE]  # alone samples only: the ones taken beside a pair are left out
+    assert recompute["ttft_median_ms"] == pytest.approx(2500.0) and recompute["repeats"] == 4
     ncclkv = by_method["ncclkv pull"]
     assert (ncclkv["ttft_min_ms"], ncclkv["ttft_median_ms"]) == pytest.approx((100.0, 200.0))
-    assert ncclkv["speedup"] == pytest.approx(2000.0 / 200.0) and ncclkv["recompute_ms"] == pytest.approx(2000.0)
+    assert ncclkv["speedup"] == pytest.approx(2500.0 / 200.0) and ncclkv["recompute_ms"] == pytest.approx(2000.0)
+    assert ncclkv["beside"] == pytest.approx(4.0 / 2.0)
     assert ncclkv["equal"] == "2/3" and ncclkv["kv_mib"] == pytest.approx(512 * 32 / 1024)  # 32 KiB per token
     nixl = by_method["NixlConnector (UCX, cpu)"]
-    assert nixl["recompute_ms"] is None and nixl["speedup"] == pytest.approx(0.5) and nixl["equal"] == "1/1"
+    assert nixl["recompute_ms"] == pytest.approx(6000.0) and nixl["beside"] == pytest.approx(10.0)
+    assert nixl["speedup"] == pytest.approx(2500.0 / 4000.0) and nixl["equal"] == "1/1"
     assert by_method["MooncakeConnector (TCP)"]["note"].startswith("not runnable")
     headline = bench_vllm._headline(rows, outcome)
-    assert headline[0].startswith("decode-engine TTFT at 512 tokens") and "ncclkv pull 10.00x" in headline[0]
+    assert headline[0].startswith("decode-engine TTFT at 512 tokens") and "ncclkv pull 12.50x" in headline[0]
+    assert "ncclkv pull 2.0x, NixlConnector (UCX, cpu) 10.0x" in headline[1]
     assert "MooncakeConnector: not runnable here: x" in headline
     assert headline[-1] == "outputs differing from recompute: ncclkv pull at 512 (2/3)"
