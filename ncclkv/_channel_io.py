@@ -70,7 +70,6 @@ class IoLoop:
         lost: Callable[[str, str], None],
         auth: ChannelAuth,
         clock: ActiveClock,
-        tick_s: float,
     ) -> None:
         self._peer_id = peer_id
         self._bind_endpoint = bind_endpoint
@@ -82,8 +81,7 @@ class IoLoop:
         self._deliver = deliver
         self._lost = lost
         self._auth = auth
-        self._clock = clock  # liveness runs on time this process could run (see ncclkv._clock)
-        self._tick_s = tick_s
+        self._clock = clock  # liveness runs on time this process could run; it sets the loop's tick
         self._gate = FrameGate(
             peer_id=peer_id, max_frame_bytes=max_frame_bytes, auth=auth, counters=counters, next_msg_id=peers.next_msg_id
         )
@@ -216,7 +214,7 @@ class IoLoop:
     def _loop(self) -> None:
         next_beat = self._clock.now()
         while not self._stop.is_set():
-            ready = dict(self._poller.poll(timeout=self._tick_s * 1000))
+            ready = dict(self._poller.poll(timeout=self._clock.tick_s * 1000))
             turn = self._clock.tick()
             if turn.paused_s:
                 log.warning("channel %r: this process did not run for %.1fs; not counted against peers' deadlines",

@@ -58,6 +58,11 @@ class ActiveClock:
         self._pauses = 0
 
     @property
+    def tick_s(self) -> float:
+        """The longest the owning loop waits between turns."""
+        return self._tick_s
+
+    @property
     def paused_s(self) -> float:
         """Seconds of pauses observed so far."""
         with self._turned:

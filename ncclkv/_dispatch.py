@@ -22,7 +22,6 @@ __all__ = ["Dispatcher", "MessageHandler", "PeerLostHandler", "ReplyThen"]
 log = logging.getLogger("ncclkv.channel")
 
 
-
 class ReplyThen(NamedTuple):
     """A handler's reply plus work to start once the reply is queued: e.g. a rendezvous the peer
     can join only after it read the reply (started earlier, it could hold this process up first)."""

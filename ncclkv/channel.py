@@ -127,9 +127,8 @@ class Channel:
         self._expired: OrderedDict[int, None] = OrderedDict()
         self._peers = PeerTable()
         self._counters = Counters()
-        tick_s = min(self.heartbeat_s, self.deadline_s / 4, 0.1)
         # Deadlines here leave out the time this process could not run (see ncclkv._clock).
-        self.clock = ActiveClock(tick_s)
+        self.clock = ActiveClock(min(self.heartbeat_s, self.deadline_s / 4, 0.1))
         # The dispatcher exists before the socket is bound: a frame may arrive at once.
         self._dispatcher = Dispatcher(
             name=f"{THREAD_PREFIX}-dispatch[{peer_id}]",
@@ -151,7 +150,6 @@ class Channel:
             lost=self._on_lost,
             auth=self.auth,
             clock=self.clock,
-            tick_s=tick_s,
         )
         try:
             self._address = self._io.start(timeout_s=_JOIN_S)
