@@ -89,6 +89,10 @@ class EngineOptions:
     seed: int = 0
     log_stats: bool = False  # vLLM's stats: per-request timings and Prometheus metrics (EngineProcess.metrics)
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    # Run the engine and the workers it spawns under SCHED_IDLE. vLLM's multiprocess
+    # workers spin on sched_yield while it steps; on a machine with fewer cores than
+    # spinning processes they can starve everything else (docs/VLLM_NOTES.md).
+    sched_idle: bool = False
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(
@@ -144,7 +148,14 @@ class EngineProcess:
             )
         child_sock.close()
         self._conn = Connection(parent_sock.detach())
+        if self.options.sched_idle:  # before "start": the workers it spawns inherit the policy
+            os.sched_setscheduler(self._proc.pid, os.SCHED_IDLE, os.sched_param(0))
         self._send(("start", self.options.llm_kwargs()))
+
+    @property
+    def pid(self) -> int | None:
+        """The child's pid (it leads a session holding every worker it spawns); None unless running."""
+        return None if self._proc is None else self._proc.pid
 
     def wait_ready(self, timeout_s: float = 240.0) -> float:
         """Wait for the engine launched by :meth:`launch`; returns seconds since launch."""

@@ -57,6 +57,8 @@ class _Parallel(EngineOptions):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enforce_eager: bool = True
+    # Its workers spin on sched_yield; on 2 cores that starved the other engine for a whole deadline.
+    sched_idle: bool = True
 
     def llm_kwargs(self) -> dict[str, Any]:
         return {**EngineOptions.llm_kwargs(self), "tensor_parallel_size": self.tensor_parallel_size,
@@ -143,6 +145,19 @@ def _single_engine(reference: dict[str, list[tuple[int, ...]]], engine: EnginePr
     return outputs
 
 
+def _session_policies(engine: EngineProcess) -> list[int]:
+    """The scheduling policy of every process in ``engine``'s session: its child and the workers it spawned."""
+    policies = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == engine.pid:  # field 6 of proc(5): the session id
+                policies.append(os.sched_getscheduler(int(stat.parent.name)))
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    return policies
+
+
 def _launch(options: EngineOptions, tmp_path: Path, name: str) -> EngineProcess:
     engine = EngineProcess(options, tmp_path / f"{name}.log", name=name)
     engine.launch()
@@ -167,6 +182,8 @@ def test_prefill_tp1_to_decode_tp2(tiny_model_dir: Path, cpu_cores: list[int], t
         print(f"\nlaunched together: prefill (TP=1) ready after {prefill.start_s:.1f} s, "
               f"decode (TP=2) by {decode.start_s:.1f} s")
         expected = _single_engine(reference, prefill)
+        # The engine and both TP workers (at least) run under SCHED_IDLE; see _Parallel.sched_idle.
+        assert len(policies := _session_policies(decode)) >= 3 and set(policies) == {os.SCHED_IDLE}, policies
         decode_ref = json.loads(ref_path.read_text())
         assert decode_ref["tp_size"] == 2 and len(decode_ref["control_addrs"]) == 2, decode_ref
         pull_s = _decode_and_check(prefill, decode, (1, 1), expected)
