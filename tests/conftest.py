@@ -5,3 +5,6 @@ from hypothesis import settings
 
 settings.register_profile("ncclkv", deadline=None, print_blob=True)
 settings.load_profile("ncclkv")
+
+
+pytest_plugins = ["strict_skips"]  # a skipped test fails the run (tests/strict_skips.py)
