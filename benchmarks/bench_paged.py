@@ -120,6 +120,10 @@ Whole blocks move with one index_select / index_copy_ over the block dim
 a strided copy each. Layouts whose block holds one head's tokens contiguously
 copy long runs; the vLLM CPU layout interleaves K and V per (block, head), so
 its copies are strided rows of head_size elements and run below memcpy speed.
+CPU_KT (what vLLM 0.32's CPU backend writes: keys transposed per block) is the
+slowest: its keys need a real transpose ([head_size, block_size] per block and
+head against the wire's token-major rows), done through an L2-sized bounce
+buffer; that transpose, not the indexing, bounds it at 0.1-0.35x memcpy.
 """
 
 

@@ -15,6 +15,7 @@ the current stream.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -118,6 +119,27 @@ def _steps(num_full: int, part: torch.Tensor) -> list[tuple[int, int]]:
     return [(start, min(num_full, start + step)) for start in range(0, num_full, step)]
 
 
+_scratch = threading.local()  # per thread: gather and scatter run on several threads at once
+
+
+def _bounce(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A scratch tensor of ``shape`` with ``like``'s dtype and device, reused across calls on this thread.
+
+    The bounce buffer is L2-sized and needed on every layer of a CPU_KT transfer: keeping it
+    keeps the allocator off the hot path."""
+    # CUDA work is queued per stream: a buffer shared by two streams could be overwritten early.
+    stream = torch.cuda.current_stream(like.device).cuda_stream if like.device.type == "cuda" else 0
+    key = (like.dtype, like.device, stream)
+    buffers: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
+    numel = 1
+    for size in shape:
+        numel *= size
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buffer[:numel].view(shape)
+
+
 def _gather_blocks(part: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
     """``dst[i] = part[index[i]]`` for whole blocks; ``dst`` is ``[n, bs, h, D']``, contiguous."""
     if not _token_minor(part):
@@ -128,8 +150,9 @@ def _gather_blocks(part: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -
     num, bs, heads, dim = dst.shape
     (natural,) = _widen(part.permute(0, 2, 3, 1))  # [nb, h, D, bs]
     for start, stop in _steps(num, part):
-        bounce = torch.index_select(natural, 0, index[start:stop]).view(part.dtype)
-        rows = bounce.view(stop - start, heads * dim, bs).transpose(1, 2)
+        bounce = _bounce((stop - start, *natural.shape[1:]), natural)
+        torch.index_select(natural, 0, index[start:stop], out=bounce)
+        rows = bounce.view(part.dtype).view(stop - start, heads * dim, bs).transpose(1, 2)
         dst[start:stop].view(stop - start, bs, heads * dim).copy_(rows)
 
 
@@ -141,7 +164,7 @@ def _scatter_blocks(src: torch.Tensor, part: torch.Tensor, index: torch.Tensor) 
     num, bs, heads, dim = src.shape
     natural = part.permute(0, 2, 3, 1)  # [nb, h, D, bs]
     steps = _steps(num, part)
-    bounce = torch.empty((steps[0][1], heads, dim, bs), dtype=part.dtype, device=part.device)
+    bounce = _bounce((steps[0][1], heads, dim, bs), part)
     for start, stop in steps:
         chunk = bounce[: stop - start]
         rows = src[start:stop].view(stop - start, bs, heads * dim).transpose(1, 2)

@@ -397,3 +397,27 @@ def test_benchmark_quick_mode_writes_json(tmp_path) -> None:
     expected = {(layout.name, op) for layout in CacheLayout for op in ("gather", "scatter")}
     assert {(r["layout"], r["op"]) for r in rows} == expected
     assert all(r["gbps_best"] > 0 and r["ratio_median"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("variant", VARIANTS + ["mla"])
+def test_hot_path_allocates_nothing(variant: str) -> None:
+    """Once a request's SlotMap exists and a first layer ran, gather and scatter allocate no memory."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = random.Random(11)
+    heads = 1 if variant == "mla" else 4
+    cache, _ = make_cache(variant, 24, 16, heads, 64, torch.bfloat16, rng)
+    spec = PagedCacheSpec.from_tensor(cache, LAYOUTS[variant])
+    slots = SlotMap(shuffled_blocks(24, 20, rng), 16)
+    tokens, head_span = Span(5, 300), Span(0, heads)  # partial first and last blocks, 17 whole ones
+    wire = torch.empty(wire_shape(len(tokens), heads, 64, variant == "mla"), dtype=torch.bfloat16)
+
+    def layer() -> None:
+        gather(cache, spec, slots, tokens, head_span, wire)
+        scatter(wire, cache, spec, slots, tokens, head_span)
+
+    layer()  # the first layer builds the SlotMap's index tensors and the scratch buffers
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        layer()
+    allocations = [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0]
+    assert allocations == []
