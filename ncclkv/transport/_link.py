@@ -154,16 +154,27 @@ class Link:
         """Queue ``tensor`` for sending; return at once.
 
         The send thread runs ``before_send()`` right before posting (so what it
-        emits is ordered like the data), then posts the send. On CUDA the send
-        first waits for ``ready_event`` (default: an event recorded now on the
-        caller's current stream). ``tensor`` must stay unmodified until the
+        emits is ordered like the data), then posts the send. On CUDA the hook
+        and the send run on the link's stream, after ``ready_event`` (default:
+        an event recorded now on the caller's current stream). ``tensor`` must stay unmodified until the
         future completes. The deadline ``timeout_s`` (default: the link's)
         counts from the moment the send is posted.
         """
         self._check_tensor(tensor, "send")
-        if self._device.type == "cuda" and ready_event is None:
-            ready_event = torch.cuda.current_stream(self._device).record_event()
+        if self._device.type == "cuda":
+            if ready_event is None:
+                ready_event = torch.cuda.current_stream(self._device).record_event()
+            if before_send is not None:
+                before_send = self._hook_on_link_stream(before_send, ready_event)
         return self._submit(0, tensor, timeout_s, ready_event, before_send)
+
+    def _hook_on_link_stream(self, hook: Callable[[], None], ready_event: object) -> Callable[[], None]:
+        # What the hook queues (a gather into the tensor) must run after ``ready_event``
+        # and before the send reads the tensor: both hold on the link's own stream.
+        def on_link_stream() -> None:
+            with self._on_link_stream(ready_event):
+                hook()
+        return on_link_stream
 
     def recv(
         self,

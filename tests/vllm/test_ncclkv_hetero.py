@@ -26,13 +26,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine_proc import EngineOptions, EngineProcess, RequestResult
+from engine_proc import EngineOptions, EngineProcess, ParallelEngineOptions, RequestResult, session_policies
 from tiny_model import TINY_SPEC, make_prompts
 
 pytestmark = pytest.mark.vllm
@@ -48,29 +48,6 @@ METRIC = "vllm:ncclkv_"
 # on this 2-core machine while a TP=2 engine's workers spin in vLLM's shm message queue (sched_yield).
 DEADLINE = {"deadline_s": 30.0}
 START_TIMEOUT_S = 360.0  # two engines build at once on two busy cores; PP=2 also compiles
-
-
-@dataclass(frozen=True)
-class _Parallel(EngineOptions):
-    """An engine with tp x pp workers in their own processes (vLLM's "mp" executor), one core each."""
-
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    enforce_eager: bool = True
-    # Its workers spin on sched_yield; on 2 cores that starved the other engine for a whole deadline.
-    sched_idle: bool = True
-
-    def llm_kwargs(self) -> dict[str, Any]:
-        return {**EngineOptions.llm_kwargs(self), "tensor_parallel_size": self.tensor_parallel_size,
-                "pipeline_parallel_size": self.pipeline_parallel_size, "distributed_executor_backend": "mp",
-                "enforce_eager": self.enforce_eager}
-
-    def env(self) -> dict[str, str]:
-        # One core per worker ("0|1"); the default binding wants more NUMA nodes than this machine has.
-        cores = sorted(os.sched_getaffinity(0))
-        world = self.tensor_parallel_size * self.pipeline_parallel_size
-        return {**EngineOptions.env(self),
-                "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cores[i % len(cores)]) for i in range(world))}
 
 
 def _connector(role: str, **extra: Any) -> dict[str, Any]:
@@ -145,19 +122,6 @@ def _single_engine(reference: dict[str, list[tuple[int, ...]]], engine: EnginePr
     return outputs
 
 
-def _session_policies(engine: EngineProcess) -> list[int]:
-    """The scheduling policy of every process in ``engine``'s session: its child and the workers it spawned."""
-    policies = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == engine.pid:  # field 6 of proc(5): the session id
-                policies.append(os.sched_getscheduler(int(stat.parent.name)))
-        except (OSError, IndexError, ValueError):  # gone meanwhile
-            continue
-    return policies
-
-
 def _launch(options: EngineOptions, tmp_path: Path, name: str) -> EngineProcess:
     engine = EngineProcess(options, tmp_path / f"{name}.log", name=name)
     engine.launch()
@@ -173,7 +137,7 @@ def test_prefill_tp1_to_decode_tp2(tiny_model_dir: Path, cpu_cores: list[int], t
     base = EngineOptions(model_dir=tiny_model_dir)
     with _launch(replace(base, cpu_core=cpu_cores[0], kv_transfer_config=_connector("kv_producer")),
                  tmp_path, "prefill_tp1") as prefill, \
-            _launch(_Parallel(model_dir=tiny_model_dir, tensor_parallel_size=2, log_stats=True,
+            _launch(ParallelEngineOptions(model_dir=tiny_model_dir, tensor_parallel_size=2, log_stats=True,
                               enable_prefix_caching=False,  # every round moves every prompt token
                               kv_transfer_config=_connector("kv_consumer", ref_path=str(ref_path))),
                     tmp_path, "decode_tp2") as decode:
@@ -182,8 +146,8 @@ def test_prefill_tp1_to_decode_tp2(tiny_model_dir: Path, cpu_cores: list[int], t
         print(f"\nlaunched together: prefill (TP=1) ready after {prefill.start_s:.1f} s, "
               f"decode (TP=2) by {decode.start_s:.1f} s")
         expected = _single_engine(reference, prefill)
-        # The engine and both TP workers (at least) run under SCHED_IDLE; see _Parallel.sched_idle.
-        assert len(policies := _session_policies(decode)) >= 3 and set(policies) == {os.SCHED_IDLE}, policies
+        # The engine and both TP workers (at least) run under SCHED_IDLE; see ParallelEngineOptions.sched_idle.
+        assert len(policies := session_policies(decode)) >= 3 and set(policies) == {os.SCHED_IDLE}, policies
         decode_ref = json.loads(ref_path.read_text())
         assert decode_ref["tp_size"] == 2 and len(decode_ref["control_addrs"]) == 2, decode_ref
         pull_s = _decode_and_check(prefill, decode, (1, 1), expected)
@@ -198,7 +162,7 @@ def test_prefill_pp2_to_decode_tp1(tiny_model_dir: Path, cpu_cores: list[int], t
     """The decode rank takes layer 0 from the first pipeline stage and layer 1 from the second."""
     t0 = time.monotonic()
     ref_path = tmp_path / "decode_ref.json"
-    with _launch(_Parallel(model_dir=tiny_model_dir, pipeline_parallel_size=2, enforce_eager=False,
+    with _launch(ParallelEngineOptions(model_dir=tiny_model_dir, pipeline_parallel_size=2, enforce_eager=False,
                            kv_transfer_config=_connector("kv_producer")), tmp_path, "prefill_pp2") as prefill, \
             _launch(EngineOptions(model_dir=tiny_model_dir, cpu_core=cpu_cores[-1], log_stats=True,
                                   enable_prefix_caching=False,  # its reference run must leave nothing cached

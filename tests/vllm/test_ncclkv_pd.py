@@ -21,14 +21,14 @@ output's ``kv_transfer_params`` go unchanged to the decode request.
 from __future__ import annotations
 
 import json
+import os
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine_proc import EngineOptions, EngineProcess, RequestResult
+from engine_proc import EngineProcess, ParallelEngineOptions, RequestResult, session_policies
 from tiny_model import make_prompts
 
 pytestmark = pytest.mark.vllm
@@ -119,28 +119,6 @@ def test_pd_through_ncclkv_matches_single_engine(launch_engine, cpu_cores: list[
           f"test body {time.monotonic() - t0:.1f} s")
 
 
-@dataclass(frozen=True)
-class _TensorParallel(EngineOptions):
-    """An engine with tensor_parallel_size workers in their own processes (vLLM's "mp" executor)."""
-
-    tensor_parallel_size: int = 2
-
-    def llm_kwargs(self) -> dict[str, Any]:
-        return {**EngineOptions.llm_kwargs(self), "tensor_parallel_size": self.tensor_parallel_size,
-                "distributed_executor_backend": "mp"}
-
-    def env(self) -> dict[str, str]:
-        # One core per worker ("0|1"); the default binding wants more NUMA nodes than this machine has.
-        return {**EngineOptions.env(self), "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, self.cores))}
-
-    @property
-    def cores(self) -> list[int]:
-        import os
-
-        cores = sorted(os.sched_getaffinity(0))
-        return [cores[i % len(cores)] for i in range(self.tensor_parallel_size)]
-
-
 def _load_failures(engine: Any) -> list[str]:
     """The connector's own warnings about failed loads (vLLM then recomputes: outputs alone cannot tell)."""
     return [line for line in engine.log_path.read_text(errors="replace").splitlines()
@@ -157,7 +135,8 @@ def test_prefill_tp2_to_decode_tp1(tiny_model_dir: Path, launch_engine, cpu_core
     """
     t0 = time.monotonic()
     ref_path = tmp_path / "decode_ref.json"
-    options = replace(_TensorParallel(model_dir=tiny_model_dir), kv_transfer_config=_connector("kv_producer"))
+    options = ParallelEngineOptions(model_dir=tiny_model_dir, tensor_parallel_size=2,
+                                    kv_transfer_config=_connector("kv_producer"))
     prefill = EngineProcess(options, tmp_path / "prefill_tp2.log", name="prefill_tp2")
     try:
         prefill.launch()
@@ -167,6 +146,8 @@ def test_prefill_tp2_to_decode_tp1(tiny_model_dir: Path, launch_engine, cpu_core
                                                              async_load=False))
         prefill.wait_ready(timeout_s=300)
         decode.wait_ready()
+        # The engine and both TP workers run under SCHED_IDLE (ParallelEngineOptions.sched_idle).
+        assert len(policies := session_policies(prefill)) >= 3 and set(policies) == {os.SCHED_IDLE}, policies
         print(f"\nprefill (TP=2) start {prefill.start_s:.1f} s, decode start {decode.start_s:.1f} s")
         expected = _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS))  # a single TP=1 engine
         params = _prefill(prefill, PULL_PROMPTS)
