@@ -17,6 +17,12 @@ log() { printf '[dev.sh] %s\n' "$*" >&2; }
 
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
+TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
+
+reachable() {  # an index answers within 5 s (offline machines skip it at once)
+    python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$1" >/dev/null 2>&1
+}
+
 setup() {
     if [ ! -x "$PY" ]; then
         log "creating $VENV"
@@ -29,12 +35,17 @@ setup() {
         if [ -z "$spec" ]; then
             if has_gpu; then spec="torch"; else spec="torch==2.13.0"; fi
         fi
-        log "installing $spec"
+        local index_args=()
         if [ -n "${NCCLKV_TORCH_INDEX:-}" ]; then
-            "$PY" -m pip install -q --index-url "$NCCLKV_TORCH_INDEX" "$spec"
-        else
-            "$PY" -m pip install -q "$spec"
+            index_args=(--index-url "$NCCLKV_TORCH_INDEX")
+        elif [ "$spec" = "torch==2.13.0" ] && reachable "$TORCH_CPU_INDEX"; then
+            # PyPI's Linux torch is the CUDA build; the CPU one lives on PyTorch's own index.
+            # Offline sites (a local mirror configured for pip) get whatever build it holds.
+            spec="torch==2.13.0+cpu"
+            index_args=(--extra-index-url "$TORCH_CPU_INDEX")
         fi
+        log "installing $spec"
+        "$PY" -m pip install -q ${index_args[@]+"${index_args[@]}"} "$spec"
     fi
     local stamp="$VENV/.ncclkv-installed"
     local want
