@@ -1,6 +1,6 @@
 """The transfer engine across real processes: one spawned process per engine rank, real ZMQ and gloo.
 
-Delivery (issue 4): heterogeneous TP/PP pulls byte-exact, with different
+Delivery (issue 4): heterogeneous TP/PP pulls byte-exact (GQA with fewer heads than ranks and MLA too), with different
 block sizes and cache layouts on the two sides; a push whose layer 0 lands
 while the producer processes are parked before saving their last layer;
 2 producer engines feeding 1 consumer and 1 producer feeding 2 consumers,
@@ -35,20 +35,30 @@ def report(what: str, started: float) -> None:
     print(f"\n[engine mp] {what}: {time.monotonic() - started:.2f}s")
 
 
-@pytest.mark.parametrize(("src", "dst", "src_cache", "dst_cache"), [
-    ((2, 1), (1, 2), (CacheLayout.CPU, 16), (CacheLayout.FLASH_NHD, 32)),
-    ((4, 1), (2, 2), (CacheLayout.FLASH_HND, 8), (CacheLayout.FLASHINFER, 16)),
-], ids=["2x1-to-1x2", "4x1-to-2x2"])
+GQA_FEW_HEADS = KVGeometry(num_layers=3, num_kv_heads=2, head_size=32, dtype="float32")  # heads < tp: replicated
+MLA = KVGeometry(num_layers=4, num_kv_heads=1, head_size=64, dtype="bfloat16", use_mla=True)
+
+
+@pytest.mark.parametrize(("src", "dst", "src_cache", "dst_cache", "geometry"), [
+    ((2, 1), (1, 2), (CacheLayout.CPU, 16), (CacheLayout.FLASH_NHD, 32), GQA),
+    ((4, 1), (2, 2), (CacheLayout.FLASH_HND, 8), (CacheLayout.FLASHINFER, 16), GQA),
+    ((2, 1), (1, 1), (CacheLayout.CPU_KT, 32), (CacheLayout.CPU_KT, 16), GQA),
+    ((1, 2), (2, 1), (CacheLayout.FLASH_NHD, 16), (CacheLayout.CPU, 32), GQA),
+    ((4, 1), (1, 1), (CacheLayout.CPU, 16), (CacheLayout.FLASH_NHD, 16), GQA_FEW_HEADS),
+    ((1, 1), (4, 1), (CacheLayout.FLASH_NHD, 16), (CacheLayout.CPU_KT, 32), GQA_FEW_HEADS),
+    ((2, 1), (1, 2), (CacheLayout.MLA, 16), (CacheLayout.MLA, 32), MLA),
+], ids=["2x1-to-1x2", "4x1-to-2x2", "2x1-to-1x1", "1x2-to-2x1", "4x1-to-1x1-few-heads", "1x1-to-4x1-few-heads",
+        "2x1-to-1x2-mla"])
 def test_pull_byte_exact_one_process_per_rank(procs: Pool, src: tuple[int, int], dst: tuple[int, int],
                                               src_cache: tuple[CacheLayout, int],
-                                              dst_cache: tuple[CacheLayout, int]) -> None:
+                                              dst_cache: tuple[CacheLayout, int], geometry: KVGeometry) -> None:
     started = time.monotonic()
     src_layout, dst_layout = ParallelLayout(*src), ParallelLayout(*dst)
     producers = procs.procs[:src_layout.world_size]
     consumers = procs.procs[src_layout.world_size:src_layout.world_size + dst_layout.world_size]
-    tag = f"{src[0]}x{src[1]}-{dst[0]}x{dst[1]}"
-    prefill = build_engine(producers, f"prefill-{tag}", src_layout, GQA, *src_cache, "producer")
-    build_engine(consumers, f"decode-{tag}", dst_layout, GQA, *dst_cache, "consumer")
+    tag = f"{src[0]}x{src[1]}-{dst[0]}x{dst[1]}-{src_cache[0].name}-{geometry.num_kv_heads}"
+    prefill = build_engine(producers, f"prefill-{tag}", src_layout, geometry, *src_cache, "producer")
+    build_engine(consumers, f"decode-{tag}", dst_layout, geometry, *dst_cache, "consumer")
     (src_kind, src_block), (_, dst_block) = src_cache, dst_cache
     reqs = [
         Req("full", 1, 45, blocks(45, src_block, 3), blocks(45, dst_block, 1)),  # partial last block
