@@ -89,9 +89,11 @@ class EngineOptions:
     seed: int = 0
     log_stats: bool = False  # vLLM's stats: per-request timings and Prometheus metrics (EngineProcess.metrics)
     extra_env: Mapping[str, str] = field(default_factory=dict)
-    # Run the engine and the workers it spawns under SCHED_IDLE. vLLM's multiprocess
-    # workers spin on sched_yield while it steps; on a machine with fewer cores than
-    # spinning processes they can starve everything else (docs/VLLM_NOTES.md).
+    # The engine and the workers it spawns run only on these cores (None: the parent's), and
+    # under SCHED_IDLE if ``sched_idle``. vLLM's multiprocess workers spin on sched_yield while
+    # it steps; on a machine with few cores they can starve every other process on the cores
+    # they share (docs/VLLM_NOTES.md).
+    cpu_affinity: tuple[int, ...] | None = None
     sched_idle: bool = False
 
     def llm_kwargs(self) -> dict[str, Any]:
@@ -148,7 +150,10 @@ class EngineProcess:
             )
         child_sock.close()
         self._conn = Connection(parent_sock.detach())
-        if self.options.sched_idle:  # before "start": the workers it spawns inherit the policy
+        # Before "start": the workers it spawns inherit the affinity and the policy.
+        if self.options.cpu_affinity is not None:
+            os.sched_setaffinity(self._proc.pid, self.options.cpu_affinity)
+        if self.options.sched_idle:
             os.sched_setscheduler(self._proc.pid, os.SCHED_IDLE, os.sched_param(0))
         self._send(("start", self.options.llm_kwargs()))
 

@@ -411,8 +411,9 @@ class ConsumerSide:
         numel = math.prod(ann.shape)
         if itemsize is None or numel * itemsize != ann.nbytes or ann.nbytes > self._staging_bytes:
             reason = f"implausible announcement {tuple(ann.shape)} {ann.dtype} {ann.nbytes} B"
-            self._peers.drop(sender, reason)
+            # Fail its requests first: once the link is closed (what the peer sees), they have failed.
             self.fail_peer(sender, ProtocolError(f"{sender!r} sent an {reason}; link closed"))
+            self._peers.drop(sender, reason)
             return
         link.recv(tuple(ann.shape), torch_dtype(ann.dtype))
 

@@ -136,7 +136,10 @@ def _bounce(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         numel *= size
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < numel:
-        buffer = buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        # A normal tensor even when made under inference mode (vLLM's forward): an inference
+        # tensor could not be written outside it, and the same thread may gather in both.
+        with torch.inference_mode(False):
+            buffer = buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buffer[:numel].view(shape)
 
 

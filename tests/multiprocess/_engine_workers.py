@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 import ncclkv._messages as messages
@@ -247,6 +248,31 @@ def stall(st: _State, key: str, phase: str, rid: str = "", layer: int = 0) -> No
         raise ValueError(f"unknown phase {phase!r}")
 
 
+def tamper(st: _State, key: str, tag: str, rid: str, layer: int | None = None, **changes: Any) -> None:
+    """Fault hook: a peer that lies. The next message with tag ``tag`` (e.g. "ann", "pull", "push") for
+    request ``rid`` (and ``layer``) goes out with ``changes`` applied to its fields; everything else,
+    the data on the links included, stays as the engine made it."""
+    engine = st.sides[key].engine
+    send, request = engine._channel.send, engine._channel.request
+    done = threading.Event()
+
+    def forged(body: Message) -> Message:
+        if (done.is_set() or type(body).__struct_config__.tag != tag or getattr(body, "request_id", None) != rid
+                or (layer is not None and getattr(body, "layer", None) != layer)):
+            return body
+        done.set()
+        return msgspec.structs.replace(body, **changes)
+
+    def tampered_send(peer_id: str, body: Message, reply_to: int | None = None) -> int:
+        return send(peer_id, forged(body), reply_to)
+
+    def tampered_request(peer_id: str, body: Message, timeout_s: float | None = None) -> Message:
+        return request(peer_id, forged(body), timeout_s)
+
+    engine._channel.send = tampered_send  # type: ignore[method-assign]
+    engine._channel.request = tampered_request  # type: ignore[method-assign]
+
+
 def recv_posted(st: _State, key: str, peer_id: str, count: int, timeout_s: float = 30.0) -> int:
     """Consumer: wait until ``count`` receives were posted on the link to ``peer_id`` (announcements accepted)."""
     peers = st.sides[key].engine._peers
@@ -290,7 +316,7 @@ def close_all(st: _State) -> list[str]:
 
 
 COMMANDS: dict[str, Callable[..., Any]] = {f.__name__: f for f in (
-    build, hold, expect, wait, wait_layer, take_sent, push, stall, recv_posted, peer_gone, stats, logs, close_all,
+    build, hold, expect, wait, wait_layer, take_sent, push, stall, tamper, recv_posted, peer_gone, stats, logs, close_all,
 )}
 
 

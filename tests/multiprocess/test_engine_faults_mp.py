@@ -249,6 +249,69 @@ def test_push_larger_than_staging_is_refused_before_anything_moves(procs: Pool) 
     _assert_ok(consumer.call("wait", key="cap-d", reqs=[fits]), "consumer")
 
 
+# -- issue 9 part 5: a peer that lies after a valid handshake --------------------------------------
+# Sizes are checked against the plan and the staging before anything is allocated; the liar's
+# request fails typed, naming both values, and the same pair works afterwards.
+
+
+def test_announcement_beyond_the_plan_fails_its_request_and_allocates_nothing(procs: Pool) -> None:
+    producer, consumer = procs[0], procs[1]
+    ref_p = _build(producer, "lie-ann-p", "producer")
+    _build(consumer, "lie-ann-d", "consumer", staging_bytes=1 << 20)
+    huge = (2, 10**9, 4, 32)  # a billion tokens: 1 TB of float32, were it allocated
+    lie = _req("lie", 1, 0)
+    producer.call("tamper", key="lie-ann-p", tag="ann", rid="lie", layer=1, shape=huge, nbytes=2 * 10**9 * 4 * 32 * 4)
+    producer.call("hold", key="lie-ann-p", reqs=[lie])
+    consumer.call("expect", key="lie-ann-d", producer=ref_p, reqs=[lie])
+    outcome = consumer.call("wait", key="lie-ann-d", reqs=[lie])["lie"]
+    assert outcome.error_type == "ShapeMismatchError", outcome
+    assert "announced (2, 1000000000, 4, 32) float32, the plan says (2, 40, 4, 32) float32" in outcome.message, outcome
+    # Beyond the staging bound: not even drained into scratch; the link is closed instead.
+    assert consumer.call("logs", contains="implausible announcement (2, 1000000000, 4, 32)"), consumer.call("logs")
+    # The producer sees its link closed, after the consumer failed every request of the liar.
+    assert producer.call("take_sent", key="lie-ann-p", rids=["lie"])["lie"].error_type in PEER_FAILURES
+    again = _req("again", 2, 1)
+    producer.call("hold", key="lie-ann-p", reqs=[again])
+    consumer.call("expect", key="lie-ann-d", producer=ref_p, reqs=[again])
+    _assert_ok(consumer.call("wait", key="lie-ann-d", reqs=[again]), "consumer after the lie")
+
+
+def test_pull_outside_the_plan_is_refused_before_anything_is_sent(procs: Pool) -> None:
+    producer, consumer = procs[0], procs[1]
+    ref_p = _build(producer, "lie-pull-p", "producer")
+    _build(consumer, "lie-pull-d", "consumer")
+    lie = _req("lie", 3, 0)
+    beyond = RouteMsg.from_route(Route(0, 0, Span(0, 9), Span(0, 4), Span(0, 40)))  # layers 4..8 do not exist
+    consumer.call("tamper", key="lie-pull-d", tag="pull", rid="lie", routes=(beyond,))
+    producer.call("hold", key="lie-pull-p", reqs=[lie])
+    consumer.call("expect", key="lie-pull-d", producer=ref_p, reqs=[lie])
+    outcome = consumer.call("wait", key="lie-pull-d", reqs=[lie])["lie"]
+    assert outcome.error_type is not None and "our plan gives" in outcome.message, outcome
+    assert "[0,9) heads [0,4) tokens [0,40))] but our plan gives" in outcome.message, outcome
+    assert producer.call("stats", key="lie-pull-p")["tensors_sent"] == 0
+    again = _req("again", 4, 1)
+    producer.call("hold", key="lie-pull-p", reqs=[again])
+    consumer.call("expect", key="lie-pull-d", producer=ref_p, reqs=[again])
+    _assert_ok(consumer.call("wait", key="lie-pull-d", reqs=[again]), "consumer after the lie")
+
+
+def test_push_offer_whose_bytes_disagree_with_its_routes_is_refused(procs: Pool) -> None:
+    producer, consumer = procs[0], procs[1]
+    ref_p = _build(producer, "lie-push-p", "producer")
+    ref_c = _build(consumer, "lie-push-d", "consumer")
+    lie = _req("lie", 5, 0, 32)
+    producer.call("tamper", key="lie-push-p", tag="push", rid="lie", nbytes=1)
+    outcome = producer.call("push", key="lie-push-p", req=lie, consumer=ref_c)
+    assert outcome.error_type is not None and "says 1 B, routes hold 131072 B" in outcome.message, outcome
+    assert producer.call("stats", key="lie-push-p")["tensors_sent"] == 0
+    stats = consumer.call("stats", key="lie-push-d")
+    assert (stats["tensors_received"], stats["staging_used"], stats["staging_reserved"]) == (0, 0, 0), stats
+    fits = _req("fits", 6, 1, 32)
+    consumer.call("expect", key="lie-push-d", producer=ref_p, reqs=[fits], push=True)
+    assert producer.call("push", key="lie-push-p", req=fits, consumer=ref_c).ok
+    _assert_ok(consumer.call("wait", key="lie-push-d", reqs=[fits]), "consumer after the lie")
+
+
 # -- 3e (issue 9): a peer killed at each phase ---------------------------------------------------
 
 

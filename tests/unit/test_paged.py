@@ -421,3 +421,19 @@ def test_hot_path_allocates_nothing(variant: str) -> None:
         layer()
     allocations = [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0]
     assert allocations == []
+
+
+def test_scratch_made_under_inference_mode_serves_outside_it() -> None:
+    """vLLM gathers under torch.inference_mode; the same thread may gather outside it later."""
+    from ncclkv.paged import _copy
+
+    _copy._scratch.__dict__.clear()  # so the first gather below makes this thread's scratch, in inference mode
+    rng = random.Random(5)
+    cache, raw = make_cache("cpu_kt", 8, 16, 2, 32, torch.float32, rng)
+    spec = PagedCacheSpec.from_tensor(cache, CacheLayout.CPU_KT)
+    first, second = (torch.empty(wire_shape(48, 2, 32, False)) for _ in range(2))
+    with torch.inference_mode():
+        gather(cache, spec, [3, 1, 6], Span(0, 48), Span(0, 2), first)
+    gather(cache, spec, [3, 1, 6], Span(0, 48), Span(0, 2), second)
+    assert same_bytes(first, second)
+    assert same_bytes(second, ref_gather(raw, "cpu_kt", 16, [3, 1, 6], Span(0, 48), Span(0, 2)))

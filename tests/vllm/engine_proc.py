@@ -15,7 +15,7 @@ from typing import Any
 from ncclkv.demo import EngineError, EngineOptions, EngineProcess, RequestResult
 
 __all__ = ["EngineError", "EngineOptions", "EngineProcess", "ParallelEngineOptions", "RequestResult",
-           "session_policies"]
+           "session_scheduling"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,8 @@ class ParallelEngineOptions(EngineOptions):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enforce_eager: bool = True
-    # Its workers spin on sched_yield; on 2 cores that starved the other engine for a whole deadline.
+    # Its workers spin on sched_yield: on 2 cores that starved the other engine for a whole deadline
+    # (docs/VLLM_NOTES.md). The tests also give each engine a core of its own (cpu_affinity).
     sched_idle: bool = True
 
     def llm_kwargs(self) -> dict[str, Any]:
@@ -34,21 +35,23 @@ class ParallelEngineOptions(EngineOptions):
                 "enforce_eager": self.enforce_eager}
 
     def env(self) -> dict[str, str]:
-        # One core per worker ("0|1"); the default binding wants more NUMA nodes than this machine has.
-        cores = sorted(os.sched_getaffinity(0))
+        # One core per worker ("0|1"), from the engine's own cores; the default binding wants more
+        # NUMA nodes than this machine has.
+        cores = sorted(self.cpu_affinity or os.sched_getaffinity(0))
         world = self.tensor_parallel_size * self.pipeline_parallel_size
         return {**EngineOptions.env(self),
                 "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cores[i % len(cores)]) for i in range(world))}
 
 
-def session_policies(engine: EngineProcess) -> list[int]:
-    """The scheduling policy of every process in ``engine``'s session: its child and the workers it spawned."""
-    policies = []
+def session_scheduling(engine: EngineProcess) -> list[tuple[int, frozenset[int]]]:
+    """(policy, cores) of every process in ``engine``'s session: its child and the workers it spawned."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
             if int(fields[3]) == engine.pid:  # field 6 of proc(5): the session id
-                policies.append(os.sched_getscheduler(int(stat.parent.name)))
+                pid = int(stat.parent.name)
+                found.append((os.sched_getscheduler(pid), frozenset(os.sched_getaffinity(pid))))
         except (OSError, IndexError, ValueError):  # gone meanwhile
             continue
-    return policies
+    return found

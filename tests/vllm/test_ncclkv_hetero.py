@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from engine_proc import EngineOptions, EngineProcess, ParallelEngineOptions, RequestResult, session_policies
+from engine_proc import EngineOptions, EngineProcess, ParallelEngineOptions, RequestResult, session_scheduling
 from tiny_model import TINY_SPEC, make_prompts
 
 pytestmark = pytest.mark.vllm
@@ -135,19 +135,22 @@ def test_prefill_tp1_to_decode_tp2(tiny_model_dir: Path, cpu_cores: list[int], t
     t0 = time.monotonic()
     ref_path = tmp_path / "decode_ref.json"
     base = EngineOptions(model_dir=tiny_model_dir)
-    with _launch(replace(base, cpu_core=cpu_cores[0], kv_transfer_config=_connector("kv_producer")),
-                 tmp_path, "prefill_tp1") as prefill, \
+    prefill_cores, decode_cores = (cpu_cores[0],), (cpu_cores[-1],)  # the spinning engine keeps to its own core
+    with _launch(replace(base, cpu_core=cpu_cores[0], cpu_affinity=prefill_cores,
+                         kv_transfer_config=_connector("kv_producer")), tmp_path, "prefill_tp1") as prefill, \
             _launch(ParallelEngineOptions(model_dir=tiny_model_dir, tensor_parallel_size=2, log_stats=True,
-                              enable_prefix_caching=False,  # every round moves every prompt token
-                              kv_transfer_config=_connector("kv_consumer", ref_path=str(ref_path))),
+                                          cpu_affinity=decode_cores,
+                                          enable_prefix_caching=False,  # every round moves every prompt token
+                                          kv_transfer_config=_connector("kv_consumer", ref_path=str(ref_path))),
                     tmp_path, "decode_tp2") as decode:
         prefill.wait_ready(START_TIMEOUT_S)
         decode.wait_ready(START_TIMEOUT_S)
         print(f"\nlaunched together: prefill (TP=1) ready after {prefill.start_s:.1f} s, "
               f"decode (TP=2) by {decode.start_s:.1f} s")
         expected = _single_engine(reference, prefill)
-        # The engine and both TP workers (at least) run under SCHED_IDLE; see ParallelEngineOptions.sched_idle.
-        assert len(policies := session_policies(decode)) >= 3 and set(policies) == {os.SCHED_IDLE}, policies
+        # The engine and both TP workers (at least) run on their own core, under SCHED_IDLE (docs/VLLM_NOTES.md).
+        assert len(found := session_scheduling(decode)) >= 3, found
+        assert set(found) == {(os.SCHED_IDLE, frozenset(decode_cores))}, found
         decode_ref = json.loads(ref_path.read_text())
         assert decode_ref["tp_size"] == 2 and len(decode_ref["control_addrs"]) == 2, decode_ref
         pull_s = _decode_and_check(prefill, decode, (1, 1), expected)
@@ -162,9 +165,12 @@ def test_prefill_pp2_to_decode_tp1(tiny_model_dir: Path, cpu_cores: list[int], t
     """The decode rank takes layer 0 from the first pipeline stage and layer 1 from the second."""
     t0 = time.monotonic()
     ref_path = tmp_path / "decode_ref.json"
+    prefill_cores, decode_cores = (cpu_cores[0],), (cpu_cores[-1],)  # the spinning engine keeps to its own core
     with _launch(ParallelEngineOptions(model_dir=tiny_model_dir, pipeline_parallel_size=2, enforce_eager=False,
-                           kv_transfer_config=_connector("kv_producer")), tmp_path, "prefill_pp2") as prefill, \
-            _launch(EngineOptions(model_dir=tiny_model_dir, cpu_core=cpu_cores[-1], log_stats=True,
+                                       cpu_affinity=prefill_cores, kv_transfer_config=_connector("kv_producer")),
+                 tmp_path, "prefill_pp2") as prefill, \
+            _launch(EngineOptions(model_dir=tiny_model_dir, cpu_core=cpu_cores[-1], cpu_affinity=decode_cores,
+                                  log_stats=True,
                                   enable_prefix_caching=False,  # its reference run must leave nothing cached
                                   kv_transfer_config=_connector("kv_consumer", ref_path=str(ref_path))),
                     tmp_path, "decode_tp1") as decode:
@@ -172,6 +178,8 @@ def test_prefill_pp2_to_decode_tp1(tiny_model_dir: Path, cpu_cores: list[int], t
         decode.wait_ready(START_TIMEOUT_S)
         print(f"\nlaunched together: prefill (PP=2, compiled) ready after {prefill.start_s:.1f} s, "
               f"decode (TP=1) by {decode.start_s:.1f} s")
+        assert len(found := session_scheduling(prefill)) >= 3, found
+        assert set(found) == {(os.SCHED_IDLE, frozenset(prefill_cores))}, found
         expected = _single_engine(reference, decode)
         pull_s = _decode_and_check(prefill, decode, (1, 2), expected)
         push_s = _decode_and_check(prefill, decode, (1, 2), expected, remote_decode=json.loads(ref_path.read_text()))
