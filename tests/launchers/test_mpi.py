@@ -89,6 +89,8 @@ def test_failure_on_one_rank_fails_the_run_with_its_traceback(tmp_path: Path) ->
     assert done.returncode not in (0, 241) and not done.timed_out, done.describe()  # 241: mpiexec --timeout
     log = (tmp_path / "rank2.log").read_text()
     assert "rank 2/4" in log and "AssertionError: deliberate failure on rank 2" in log, log
+    # ... and on the job's console, though rank 2's output goes to its log
+    assert "rank 2/4" in done.output and "AssertionError: deliberate failure on rank 2" in done.output, done.describe()
     assert "aborting every rank" in log and "passed" not in done.output, done.describe()
     assert done.elapsed_s < MPI_TIMEOUT_S / 2, done.describe()  # the barrier on ranks 0, 1, 3 did not hang
 

@@ -5,7 +5,8 @@
 Under mpiexec every rank prints its own pytest report and rank 0's summary may
 say "passed" while another rank failed; only rank 0 should talk. The
 redirection must happen here, before pytest starts (its terminal writer holds
-on to the original stdout). Rank r writes to ``DIR/rank<r>.log``; DIR defaults
+on to the original stdout). Rank r writes to ``DIR/rank<r>.log`` (and a failing
+test's report also to the job's console, through NCCLKV_MPI_CONSOLE_FD); DIR defaults
 to a folder named after the MPI job in the temp directory. The exit code is
 the module's.
 """
@@ -20,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+CONSOLE_FD_VAR = "NCCLKV_MPI_CONSOLE_FD"  # the job's stderr, kept open on ranks that log to a file
 
 
 def rank_from_env() -> int:
@@ -64,6 +66,8 @@ def main() -> None:
         print(f"[rank wrapper] ranks other than 0 write to {log_dir}/rank<r>.log", flush=True)
     else:
         log_dir.mkdir(parents=True, exist_ok=True)
+        # A failing rank still shows its traceback on the job's console (tests/mpi/conftest.py).
+        os.environ[CONSOLE_FD_VAR] = str(os.dup(2))
         redirect_to(log_dir / f"rank{rank}.log")
     sys.argv = [module, *args]
     sys.path[0] = os.getcwd()  # what `python -m` puts first, instead of this script's folder

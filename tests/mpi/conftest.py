@@ -33,11 +33,13 @@ else:
         report = outcome.get_result()
         if report.failed:
             world = MPI.COMM_WORLD
-            sys.__stderr__.write(
-                f"\n===== rank {world.rank}/{world.size}: {report.nodeid} failed ({report.when}); "
-                f"aborting every rank =====\n{report.longreprtext}\n"
-            )
+            text = (f"\n===== rank {world.rank}/{world.size}: {report.nodeid} failed ({report.when}); "
+                    f"aborting every rank =====\n{report.longreprtext}\n")
+            sys.__stderr__.write(text)
             sys.__stderr__.flush()
+            console = os.environ.get("NCCLKV_MPI_CONSOLE_FD")  # set by _rank_wrapper on ranks that log to a file
+            if console:
+                os.write(int(console), text.encode(errors="replace"))
             sys.stdout.flush()
             if world.size > 1:
                 world.Abort(1)
