@@ -103,6 +103,9 @@ def test_decode_engine_publishes_staged_push_events(tiny_model_dir: Path, launch
         # Pushed: it all lands in staging before the decode requests exist, which then take it.
         params = _prefill(prefill, PUSH_PROMPTS, remote_decode=json.loads(ref_path.read_text()))
         assert all(p["pushed"] for p in params)
+        # The prefill holds each request until its push is done: then it all sits in the decode's staging
+        # (a decode request that came first would take the tensors directly, and nothing is staged).
+        assert prefill.drain(max_steps=10**7, timeout_s=30) == 0
         decoded = decode.generate(PUSH_PROMPTS, max_tokens=4, kv_transfer_params=params)
         assert all(len(r.token_ids) == 4 for r in decoded)
         log = decode.log_path.read_text(errors="replace")
