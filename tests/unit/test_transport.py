@@ -60,11 +60,11 @@ def test_loopback_delivers_in_order_and_counts(pair: tuple[Link, Link]) -> None:
     a, b = pair
     sent = [sample(seq) for seq in range(30)]
     done_order: list[int] = []
-    recvs = []
+    recvs, sends = [], []
     for seq, tensor in enumerate(sent):  # receives posted before, between and after the sends
         if seq % 3 == 0:
             recvs.append(b.recv(tensor.shape, tensor.dtype))
-        a.send(tensor)
+        sends.append(a.send(tensor))
         if seq % 3:
             recvs.append(b.recv(tensor.shape, tensor.dtype))
     for seq, fut in enumerate(recvs):
@@ -73,6 +73,8 @@ def test_loopback_delivers_in_order_and_counts(pair: tuple[Link, Link]) -> None:
     assert all(same_bytes(x, y) for x, y in zip(got, sent, strict=True))
     assert done_order == sorted(done_order)
     nbytes = sum(t.numel() * t.element_size() for t in sent)
+    for fut in sends:  # a send is counted when its own future settles, which may trail the receive
+        fut.result(WAIT_S)
     sa, sb = a.stats(), b.stats()
     assert (sa.tensors_sent, sa.bytes_sent, sa.next_send_seq) == (30, nbytes, 30)
     assert (sb.tensors_received, sb.bytes_received, sb.next_recv_seq) == (30, nbytes, 30)
