@@ -62,6 +62,27 @@ def _assert_ok(outcomes: dict[str, Outcome], where: str) -> None:
     assert not bad, f"{where}: {bad}"
 
 
+def _pull(producer: Proc, key_p: str, consumer: Proc, key_d: str, ref_p: EngineRef,
+          reqs: list[Req]) -> dict[str, Outcome]:
+    """The producer holds ``reqs``, the consumer expects them from ``ref_p`` and waits: their outcomes by rid."""
+    producer.call("hold", key=key_p, reqs=reqs)
+    consumer.call("expect", key=key_d, producer=ref_p, reqs=reqs)
+    return consumer.call("wait", key=key_d, reqs=reqs)
+
+
+def _push_lands(producer: Proc, ref_p: EngineRef, consumer: Proc, ref_c: EngineRef, req: Req, where: str) -> None:
+    """The consumer expects a push of ``req``; the producer pushes it; it lands byte-exact."""
+    consumer.call("expect", key=ref_c.engine_id, producer=ref_p, reqs=[req], push=True)
+    assert producer.call("push", key=ref_p.engine_id, req=req, consumer=ref_c).ok
+    _assert_ok(consumer.call("wait", key=ref_c.engine_id, reqs=[req]), where)
+
+
+def _nothing_landed(consumer: Proc, key: str) -> None:
+    """The consumer received no tensor and holds no staging, used or reserved."""
+    stats = consumer.call("stats", key=key)
+    assert (stats["tensors_received"], stats["staging_used"], stats["staging_reserved"]) == (0, 0, 0), stats
+
+
 def _park_push(producer: Proc, ref_p: EngineRef, consumer: Proc, ref_c: EngineRef, req: Req, layer: int,
                resume: str = "gate") -> None:
     """Push ``req`` and park the producer mid-request: layers up to ``layer`` are in the consumer's blocks,
@@ -96,9 +117,7 @@ def _only_the_victims_request_fails(procs: Pool, tag: str, ref_h: EngineRef, los
     consumer.call("peer_gone", key=consumer_key, peer_id=f"{tag}-p.r0")
     fresh = procs.replace(0)
     ref_f = _build(fresh, f"{tag}-p", "producer")
-    fresh.call("hold", key=f"{tag}-p", reqs=[again])
-    consumer.call("expect", key=consumer_key, producer=ref_f, reqs=[again])
-    _assert_ok(consumer.call("wait", key=consumer_key, reqs=[again]), "after restart")
+    _assert_ok(_pull(fresh, f"{tag}-p", consumer, consumer_key, ref_f, [again]), "after restart")
     _assert_ok(fresh.call("take_sent", key=f"{tag}-p", rids=[again.rid]), "restarted producer")
 
 
@@ -106,9 +125,7 @@ def _fresh_consumer_takes(procs: Pool, engine_id: str, producer: Proc, ref_p: En
     """A new process in place of the killed consumer (procs[1]) takes a push of ``req`` from the same producer."""
     fresh = procs.replace(1)
     ref_f = _build(fresh, engine_id, "consumer")
-    fresh.call("expect", key=engine_id, producer=ref_p, reqs=[req], push=True)
-    assert producer.call("push", key=ref_p.engine_id, req=req, consumer=ref_f).ok
-    _assert_ok(fresh.call("wait", key=engine_id, reqs=[req]), "fresh consumer")
+    _push_lands(producer, ref_p, fresh, ref_f, req, "fresh consumer")
 
 
 def test_default_deadline_stays_at_most_ten_seconds() -> None:
@@ -217,9 +234,7 @@ def test_mismatched_handshake_fails_on_both_sides_naming_both_values(
     build_engine([consumer], f"hs-d-{field}", ONE, geometry, CacheLayout.CPU, 16, "consumer", deadline_s=DEADLINE_S,
                  **config)
     req = _req("m", 1, 0, 16)
-    producer.call("hold", key=f"hs-p-{field}", reqs=[req])
-    consumer.call("expect", key=f"hs-d-{field}", producer=ref_p, reqs=[req])
-    outcome = consumer.call("wait", key=f"hs-d-{field}", reqs=[req])["m"]
+    outcome = _pull(producer, f"hs-p-{field}", consumer, f"hs-d-{field}", ref_p, [req])["m"]
     both = f"{field} mismatch: local {ours}, remote {theirs}"  # as the responder saw it
     assert outcome.error_type == "HandshakeError" and both in outcome.message, outcome
     assert outcome.reported == "HandshakeError"
@@ -240,13 +255,10 @@ def test_push_larger_than_staging_is_refused_before_anything_moves(procs: Pool) 
     assert outcome.error_type == "CapacityError", outcome
     assert "4096" in outcome.message and "131072" in outcome.message, outcome
     assert producer.call("stats", key="cap-p")["tensors_sent"] == 0
-    stats = consumer.call("stats", key="cap-d")
-    assert (stats["tensors_received"], stats["staging_used"], stats["staging_reserved"]) == (0, 0, 0), stats
+    _nothing_landed(consumer, "cap-d")
     # The same pair goes on: a push the consumer expects lands in its blocks directly, no staging needed.
     fits = _req("fits", 6, 1, 32)
-    consumer.call("expect", key="cap-d", producer=ref_p, reqs=[fits], push=True)
-    assert producer.call("push", key="cap-p", req=fits, consumer=ref_c).ok
-    _assert_ok(consumer.call("wait", key="cap-d", reqs=[fits]), "consumer")
+    _push_lands(producer, ref_p, consumer, ref_c, fits, "consumer")
 
 
 # -- issue 9 part 5: a peer that lies after a valid handshake --------------------------------------
@@ -261,9 +273,7 @@ def test_announcement_beyond_the_plan_fails_its_request_and_allocates_nothing(pr
     huge = (2, 10**9, 4, 32)  # a billion tokens: 1 TB of float32, were it allocated
     lie = _req("lie", 1, 0)
     producer.call("tamper", key="lie-ann-p", tag="ann", rid="lie", layer=1, shape=huge, nbytes=2 * 10**9 * 4 * 32 * 4)
-    producer.call("hold", key="lie-ann-p", reqs=[lie])
-    consumer.call("expect", key="lie-ann-d", producer=ref_p, reqs=[lie])
-    outcome = consumer.call("wait", key="lie-ann-d", reqs=[lie])["lie"]
+    outcome = _pull(producer, "lie-ann-p", consumer, "lie-ann-d", ref_p, [lie])["lie"]
     assert outcome.error_type == "ShapeMismatchError", outcome
     assert "announced (2, 1000000000, 4, 32) float32, the plan says (2, 40, 4, 32) float32" in outcome.message, outcome
     # Beyond the staging bound: not even drained into scratch; the link is closed instead.
@@ -271,9 +281,7 @@ def test_announcement_beyond_the_plan_fails_its_request_and_allocates_nothing(pr
     # The producer sees its link closed, after the consumer failed every request of the liar.
     assert producer.call("take_sent", key="lie-ann-p", rids=["lie"])["lie"].error_type in PEER_FAILURES
     again = _req("again", 2, 1)
-    producer.call("hold", key="lie-ann-p", reqs=[again])
-    consumer.call("expect", key="lie-ann-d", producer=ref_p, reqs=[again])
-    _assert_ok(consumer.call("wait", key="lie-ann-d", reqs=[again]), "consumer after the lie")
+    _assert_ok(_pull(producer, "lie-ann-p", consumer, "lie-ann-d", ref_p, [again]), "consumer after the lie")
 
 
 def test_pull_outside_the_plan_is_refused_before_anything_is_sent(procs: Pool) -> None:
@@ -283,16 +291,12 @@ def test_pull_outside_the_plan_is_refused_before_anything_is_sent(procs: Pool) -
     lie = _req("lie", 3, 0)
     beyond = RouteMsg.from_route(Route(0, 0, Span(0, 9), Span(0, 4), Span(0, 40)))  # layers 4..8 do not exist
     consumer.call("tamper", key="lie-pull-d", tag="pull", rid="lie", routes=(beyond,))
-    producer.call("hold", key="lie-pull-p", reqs=[lie])
-    consumer.call("expect", key="lie-pull-d", producer=ref_p, reqs=[lie])
-    outcome = consumer.call("wait", key="lie-pull-d", reqs=[lie])["lie"]
+    outcome = _pull(producer, "lie-pull-p", consumer, "lie-pull-d", ref_p, [lie])["lie"]
     assert outcome.error_type is not None and "our plan gives" in outcome.message, outcome
     assert "[0,9) heads [0,4) tokens [0,40))] but our plan gives" in outcome.message, outcome
     assert producer.call("stats", key="lie-pull-p")["tensors_sent"] == 0
     again = _req("again", 4, 1)
-    producer.call("hold", key="lie-pull-p", reqs=[again])
-    consumer.call("expect", key="lie-pull-d", producer=ref_p, reqs=[again])
-    _assert_ok(consumer.call("wait", key="lie-pull-d", reqs=[again]), "consumer after the lie")
+    _assert_ok(_pull(producer, "lie-pull-p", consumer, "lie-pull-d", ref_p, [again]), "consumer after the lie")
 
 
 def test_push_offer_whose_bytes_disagree_with_its_routes_is_refused(procs: Pool) -> None:
@@ -304,12 +308,9 @@ def test_push_offer_whose_bytes_disagree_with_its_routes_is_refused(procs: Pool)
     outcome = producer.call("push", key="lie-push-p", req=lie, consumer=ref_c)
     assert outcome.error_type is not None and "says 1 B, routes hold 131072 B" in outcome.message, outcome
     assert producer.call("stats", key="lie-push-p")["tensors_sent"] == 0
-    stats = consumer.call("stats", key="lie-push-d")
-    assert (stats["tensors_received"], stats["staging_used"], stats["staging_reserved"]) == (0, 0, 0), stats
+    _nothing_landed(consumer, "lie-push-d")
     fits = _req("fits", 6, 1, 32)
-    consumer.call("expect", key="lie-push-d", producer=ref_p, reqs=[fits], push=True)
-    assert producer.call("push", key="lie-push-p", req=fits, consumer=ref_c).ok
-    _assert_ok(consumer.call("wait", key="lie-push-d", reqs=[fits]), "consumer after the lie")
+    _push_lands(producer, ref_p, consumer, ref_c, fits, "consumer after the lie")
 
 
 # -- 3e (issue 9): a peer killed at each phase ---------------------------------------------------
@@ -349,9 +350,7 @@ def test_producer_killed_after_done(procs: Pool) -> None:
     victim, consumer = procs[0], procs[2]
     ref_v, ref_h = _two_producers_one_consumer(procs, "done-kill")
     served, late = _req("served", 1, 0), _req("late", 2, 1)
-    victim.call("hold", key="done-kill-p", reqs=[served])
-    consumer.call("expect", key="done-kill-d", producer=ref_v, reqs=[served])
-    _assert_ok(consumer.call("wait", key="done-kill-d", reqs=[served]), "served before the kill")
+    _assert_ok(_pull(victim, "done-kill-p", consumer, "done-kill-d", ref_v, [served]), "served before the kill")
     _assert_ok(victim.call("take_sent", key="done-kill-p", rids=["served"]), "victim before the kill")
     killed_at = victim.kill()
     consumer.call("expect", key="done-kill-d", producer=ref_v, reqs=[late])  # the dead producer's next request
