@@ -23,6 +23,7 @@ __all__ = ["StoreRendezvous"]
 
 _OK = "ok"
 _FAILURE_GRACE_S = 5.0  # how long the hosting rank keeps the store up for ranks reading a failure
+_POLL_MIN_S, _POLL_MAX_S = 0.001, 0.05  # store polling: quick for the common case, at most 20 round trips/s
 
 
 class StoreRendezvous:
@@ -97,22 +98,40 @@ class StoreRendezvous:
         if strict:
             self._wait(["all_left"], time.monotonic() + self._deadline_s, "read the outcome")
             return
-        try:
-            self._store.wait(["all_left"], timedelta(seconds=min(_FAILURE_GRACE_S, self._deadline_s)))
-        except dist.DistError:
-            pass  # a rank that died never leaves; the failure is raised by the caller either way
+        # A rank that died never leaves; the failure is raised by the caller either way.
+        self._poll(["all_left"], time.monotonic() + min(_FAILURE_GRACE_S, self._deadline_s))
 
     def _wait(self, keys: list[str], deadline: float, what: str) -> None:
-        left = deadline - time.monotonic()
-        try:
-            self._store.wait(keys, timedelta(seconds=max(0.001, left)))
-        except dist.DistStoreError as exc:
-            if "timeout" not in str(exc).lower():
-                raise
-            missing = [key for key in keys if not self._store.check([key])]
-            raise TransferTimeout(
-                f"{self._where}: not every rank did {what} within {self._deadline_s:g} s (missing {missing})"
-            ) from exc
+        """Return once every key is set; raise PeerLostError as soon as a rank reports a failure."""
+        if self._poll(keys, deadline, watch_failure=True):
+            return
+        if failure := self._failure():
+            raise PeerLostError(f"{self._where}: waiting for every rank to {what}: {failure}")
+        missing = [key for key in keys if not self._store.check([key])]
+        raise TransferTimeout(
+            f"{self._where}: not every rank did {what} within {self._deadline_s:g} s (missing {missing})")
+
+    def _failure(self) -> str | None:
+        """The failure a rank reported, if any."""
+        if not self._store.check(["outcome"]):
+            return None
+        outcome = self._store.get("outcome").decode()
+        return None if outcome == _OK else outcome
+
+    def _poll(self, keys: list[str], deadline: float, *, watch_failure: bool = False) -> bool:
+        """True once every key is set; False at the deadline, or (``watch_failure``) once a rank reported a failure.
+
+        Polls, one round trip per ``check``: ``TCPStore.wait`` waits for all of its keys, so it
+        could not also watch ``outcome``, and a rank's failure would go unseen until the deadline.
+        """
+        pause = _POLL_MIN_S
+        while not self._store.check(keys):
+            left = deadline - time.monotonic()
+            if left <= 0 or (watch_failure and self._failure()):
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _POLL_MAX_S)
+        return True
 
     @contextmanager
     def _typed(self, step: str, deadline: float) -> Iterator[None]:

@@ -138,3 +138,7 @@ def test_transfer_with_a_prefill_rank_killed_mid_request_ends_typed_without_hang
     assert exits == {0: 3, 1: 9, 2: 3, 3: 3}, done.describe()
     for rank in (0, 2, 3):
         assert re.search(rf"rank {rank}: peer failure detected: {TYPED}: ", done.output), done.describe()
+    # Rank 0 (a live producer) learns of the decode ranks' failure through the rendezvous at once,
+    # instead of waiting out its result exchange (3 x the deadline).
+    assert re.search(r"rank 0: peer failure detected: PeerLostError: .*waiting for every rank to publish their "
+                     rf"value: rank [23] failed: {TYPED}", done.output), done.describe()

@@ -173,6 +173,27 @@ def test_rendezvous_failure_on_one_rank_reaches_the_others() -> None:
         assert f"rank {rank}: " in str(outcomes[rank]) and "rank 2 failed: TransferError: link broke" in str(outcomes[rank])
 
 
+def test_rendezvous_failure_ends_the_others_exchange_not_their_deadline() -> None:
+    """Rank 2 fails before it publishes; ranks 0 and 1, waiting for its value, learn of it at once.
+
+    Their deadline is far beyond on_ranks' join, so only the reported failure can end their wait.
+    """
+    port = free_port()
+
+    def body(rank: int) -> list[str]:
+        rendezvous = StoreRendezvous(info(rank, 3, port), prefix="t", deadline_s=100 * WAIT_S)
+        if rank == 2:
+            rendezvous.report_failure("TransferTimeout: no progress")
+            raise ScenarioError("rank 2 gave up")
+        return rendezvous.exchange(str(rank), name="result")
+
+    outcomes = on_ranks(3, body)
+    for rank in (0, 1):
+        assert isinstance(outcomes[rank], PeerLostError), outcomes
+        assert f"rank {rank}: " in str(outcomes[rank]) and "waiting for every rank to publish their value: " \
+            "rank 2 failed: TransferTimeout: no progress" in str(outcomes[rank]), outcomes
+
+
 def test_rendezvous_missing_rank_is_a_timeout_naming_it() -> None:
     port = free_port()
 
