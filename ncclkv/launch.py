@@ -14,7 +14,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchInfo", "discover", "free_port", "first_slurm_host"]
+__all__ = ["LaunchInfo", "derived_master_port", "discover", "first_slurm_host", "free_port"]
 
 # Ports derived from a Slurm job id land here: above the well-known and
 # registered-service ranges and below Linux's default ephemeral range.
@@ -113,6 +113,11 @@ def _slurm_local_size(env: Mapping[str, str]) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def derived_master_port(job_id: int) -> int:
+    """The MASTER_PORT every rank of Slurm job ``job_id`` derives when none is set (the same on every node)."""
+    return _DERIVED_PORT_BASE + job_id % _DERIVED_PORT_SPAN
+
+
 def _master(env: Mapping[str, str], launcher: str, world_size: int, all_local: bool) -> tuple[str, int]:
     addr = env.get("MASTER_ADDR")
     if not addr:
@@ -131,8 +136,7 @@ def _master(env: Mapping[str, str], launcher: str, world_size: int, all_local: b
         return addr, free_port(addr if addr != "localhost" else "127.0.0.1")
     if env.get("SLURM_JOB_ID"):
         # Every rank of the job must agree without talking: derive from the job id.
-        job_id = _int_var(env, "SLURM_JOB_ID")
-        return addr, _DERIVED_PORT_BASE + job_id % _DERIVED_PORT_SPAN
+        return addr, derived_master_port(_int_var(env, "SLURM_JOB_ID"))
     raise ValueError(f"{launcher} job of world_size={world_size} needs MASTER_PORT (ranks cannot agree on a free port)")
 
 

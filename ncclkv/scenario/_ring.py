@@ -174,7 +174,8 @@ def run(info: LaunchInfo, args: argparse.Namespace) -> None:
     report(
         f"ring rank {info.rank}/{info.world_size} ({info.launcher}{place}, {device}): "
         f"{config.count} tensors ({mib:.1f} MiB) sent to rank {(info.rank + 1) % info.world_size}, "
-        f"{config.count} received byte-exact from rank {(info.rank - 1) % info.world_size} in {elapsed:.2f} s"
+        f"{config.count} received byte-exact from rank {(info.rank - 1) % info.world_size} in {elapsed:.2f} s "
+        f"(rendezvous {info.master_addr}:{info.master_port})"
     )
 
 

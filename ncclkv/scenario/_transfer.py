@@ -32,7 +32,7 @@ from ._registry import ScenarioError, report
 from ._rendezvous import StoreRendezvous
 from ._topology import PDTopology, RankPlace
 
-__all__ = ["HELP", "TransferConfig", "add_arguments", "run", "summary_json"]
+__all__ = ["HELP", "TransferConfig", "add_arguments", "run", "summary_json", "transfer_on_rank"]
 
 HELP = "prefill engines send KV to decode engines (pull or push), checked byte-exact on every decode rank"
 PRODUCER_LAYOUT, PRODUCER_BLOCK = CacheLayout.CPU, 16
@@ -161,6 +161,20 @@ def run_rank(info: LaunchInfo, place: RankPlace, topology: PDTopology, cfg: Tran
         engine.close()
 
 
+def transfer_on_rank(info: LaunchInfo, topology: PDTopology, cfg: TransferConfig, device: torch.device,
+                     bind_host: str | None) -> list[dict[str, object]]:
+    """This rank's part of the whole set, with the job's rendezvous; returns every rank's numbers.
+
+    A failure here is reported to every other rank (their waits end at once) and raised.
+    """
+    rendezvous = StoreRendezvous(info, prefix="ncclkv/transfer", deadline_s=cfg.deadline_s * 3)
+    try:
+        return run_rank(info, topology.place(info.rank), topology, cfg, device, bind_host, rendezvous)
+    except BaseException as exc:
+        rendezvous.report_failure(f"{type(exc).__name__}: {exc}")
+        raise
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=16, help="requests in all (default 16; --small: 4)")
     parser.add_argument("--layers", type=int, default=8)
@@ -193,14 +207,8 @@ def run(info: LaunchInfo, args: argparse.Namespace) -> None:
     cfg = config_from_args(args)
     topology.prefill.check(cfg.geometry)
     topology.decode.check(cfg.geometry)
-    place = topology.place(info.rank)
-    rendezvous = StoreRendezvous(info, prefix="ncclkv/transfer", deadline_s=cfg.deadline_s * 3)
-    try:
-        results = run_rank(info, place, topology, cfg, resolve_device(args.device, info),
-                           resolve_bind_host(args.bind_host, info), rendezvous)
-    except BaseException as exc:
-        rendezvous.report_failure(f"{type(exc).__name__}: {exc}")
-        raise
+    results = transfer_on_rank(info, topology, cfg, resolve_device(args.device, info),
+                               resolve_bind_host(args.bind_host, info))
     if info.rank == 0:
         report(summary_table(topology, cfg, results))
         if getattr(args, "json_out", None):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from _launch import REPO, SlurmCluster, ring_lines, run, unused_port
 
+from ncclkv.launch import derived_master_port
 from ncclkv.layout import ParallelLayout
 from ncclkv.scenario import PDTopology
 
@@ -42,6 +43,25 @@ def test_srun_pmix_runs_the_ring(slurm: SlurmCluster) -> None:
     lines = ring_lines(done.output)
     assert sorted(lines) == [0, 1, 2, 3], done.describe()
     assert all("(slurm, cpu)" in line and "8 received byte-exact" in line for line in lines.values()), lines
+
+
+def test_srun_without_master_port_derives_it_from_the_job_id(slurm: SlurmCluster) -> None:
+    """The set-up users get from launch/srun_pd.sh: no MASTER_PORT, so every rank derives the same one."""
+    env = {name: value for name, value in slurm.env.items() if name not in ("MASTER_ADDR", "MASTER_PORT")}
+    report_job = 'echo "rank $SLURM_PROCID job $SLURM_JOB_ID"; exec "$0" -m ncclkv.scenario "$@"'
+    command = ["srun", "-n", "4", "--mpi=pmix", f"--time={SLURM_TIME_LIMIT}", "bash", "-c", report_job,
+               sys.executable, "--kind", "ring", "--count", "4", "--nbytes", "65536"]
+    done = run(command, env=env, timeout_s=TIMEOUT_S)
+    print(f"srun -n 4 ring, port from the job id: {done.elapsed_s:.1f} s")
+    assert done.returncode == 0, done.describe()
+    job_ids = set(re.findall(r"rank \d job (\d+)", done.output))
+    assert len(job_ids) == 1, done.describe()
+    port = derived_master_port(int(job_ids.pop()))
+    lines = ring_lines(done.output)
+    assert sorted(lines) == [0, 1, 2, 3], done.describe()
+    # MASTER_ADDR is unset too: every rank takes the step's first node, and the job's port.
+    rendezvous = {re.search(r"\(rendezvous (\S+):(\d+)\)$", line).groups() for line in lines.values()}
+    assert len(rendezvous) == 1 and rendezvous.pop()[1] == str(port), lines
 
 
 def test_srun_pmix_runs_the_transfer_scenario(slurm: SlurmCluster) -> None:

@@ -23,9 +23,21 @@ if not UNDER_MPI:
 else:
     from mpi4py import MPI
 
+    from ncclkv.launch import LaunchInfo, discover, free_port
+
     @pytest.fixture(scope="session")
     def comm() -> Any:
         return MPI.COMM_WORLD
+
+    @pytest.fixture
+    def launch_info(comm: Any) -> LaunchInfo:
+        """discover() as this rank sees it, with a master port rank 0 picked for this test alone.
+
+        Each test's rendezvous store then starts afresh: a rank still leaving the
+        previous test's store can never meet the next test there.
+        """
+        port = comm.bcast(free_port() if comm.rank == 0 else None, root=0)
+        return discover({**os.environ, "MASTER_PORT": str(port)})
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from ncclkv.launch import LaunchInfo, discover, free_port
+from ncclkv.launch import LaunchInfo
 from ncclkv.scenario._rendezvous import StoreRendezvous
 from ncclkv.scenario._ring import RingConfig, ring_exchange, ring_payload
 from ncclkv.transport import DataPlane
@@ -23,16 +23,8 @@ pytestmark = pytest.mark.mpi
 DEADLINE_S = 30.0  # busy shared cores; a hang still ends here, well before mpiexec's --timeout
 
 
-def launch_info(comm: Any) -> LaunchInfo:
-    """discover(), with a master port chosen by rank 0 when the caller set none."""
-    if os.environ.get("MASTER_PORT"):
-        return discover()
-    port = comm.bcast(free_port() if comm.rank == 0 else None, root=0)
-    return discover({**os.environ, "MASTER_PORT": str(port)})
-
-
-def test_discover_agrees_with_mpi(comm: Any) -> None:
-    info = launch_info(comm)
+def test_discover_agrees_with_mpi(comm: Any, launch_info: LaunchInfo) -> None:
+    info = launch_info
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks of this node
     try:
         local_ranks = node.allgather(info.local_rank)
@@ -45,8 +37,8 @@ def test_discover_agrees_with_mpi(comm: Any) -> None:
         node.Free()
 
 
-def test_store_rendezvous_matches_allgather(comm: Any) -> None:
-    rendezvous = StoreRendezvous(launch_info(comm), prefix="mpi-test", deadline_s=DEADLINE_S)
+def test_store_rendezvous_matches_allgather(comm: Any, launch_info: LaunchInfo) -> None:
+    rendezvous = StoreRendezvous(launch_info, prefix="mpi-test", deadline_s=DEADLINE_S)
     value = f"rank{comm.rank}:{os.getpid()}"
     assert rendezvous.exchange(value) == comm.allgather(value)
     rendezvous.finish()
