@@ -22,6 +22,8 @@ Two mechanisms, each optional, usable together:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import re
@@ -135,6 +137,23 @@ class ChannelAuth:
     @property
     def enabled(self) -> bool:
         return self.curve is not None or self.shared_secret is not None
+
+    def link_id(self, a: str, b: str, session: str) -> str:
+        """The data-plane link id of peers ``a`` and ``b`` for handshake ``session`` (either order).
+
+        Both ends rendezvous in the TCPStore under this id, and the first to join
+        as a link rank holds that rank. With a shared secret the id is an HMAC, so
+        a process that saw the session in clear (it travels in the handshake)
+        still cannot name the link, let alone join it first. With CURVE alone the
+        session is encrypted on the wire; without auth the id is public.
+        """
+        low, high = sorted((a, b))
+        text = f"{low}|{high}|{session}".encode()
+        if self.shared_secret is not None:
+            digest = hmac.new(self.shared_secret, b"ncclkv link id|" + text, hashlib.sha256).hexdigest()
+        else:
+            digest = hashlib.sha256(text).hexdigest()
+        return f"kv-{digest[:32]}"
 
     def describe(self) -> str:
         """A log-safe summary (no key material)."""

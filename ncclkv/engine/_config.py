@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from .._env import env_settings
+from ..auth import ChannelAuth, load_channel_auth
 from ..layout import KVGeometry, ParallelLayout
 
 __all__ = ["EngineConfig", "EngineRef", "Role", "peer_id"]
@@ -26,7 +27,8 @@ class EngineConfig:
 
     ``hold_s`` is how long a producer keeps a finished request's blocks for
     consumers that have not pulled them yet; after it they are released and
-    the request is reported as expired.
+    the request is reported as expired. ``auth`` authenticates the control
+    channel and keys the data-plane link ids (:class:`~ncclkv.auth.ChannelAuth`).
     """
 
     engine_id: str
@@ -40,6 +42,8 @@ class EngineConfig:
     heartbeat_s: float | None = None
     staging_bytes: int | None = None
     hold_s: float = 120.0
+    # None: from the environment (NCCLKV_SHARED_SECRET*, NCCLKV_CURVE_*; docs/SECURITY.md).
+    auth: ChannelAuth | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine_id, str) or not _ENGINE_ID.fullmatch(self.engine_id):
@@ -62,6 +66,10 @@ class EngineConfig:
             object.__setattr__(self, "staging_bytes", settings.staging_bytes)
         if self.bind_host is None:
             object.__setattr__(self, "bind_host", settings.bind_host)
+        if self.auth is None:
+            object.__setattr__(self, "auth", load_channel_auth(settings))
+        elif not isinstance(self.auth, ChannelAuth):
+            raise TypeError(f"auth must be a ChannelAuth or None, got {type(self.auth).__name__}")
 
     @property
     def peer_id(self) -> str:

@@ -53,6 +53,7 @@ class TransferEngine:
             self._channel = Channel(
                 cfg.peer_id, bind_host=cfg.bind_host, on_message=self._on_message,
                 on_peer_lost=self._on_peer_lost, heartbeat_s=cfg.heartbeat_s, deadline_s=cfg.deadline_s,
+                auth=cfg.auth,
             )
         except BaseException:
             if data_plane is not None and transport is None:

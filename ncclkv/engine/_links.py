@@ -13,7 +13,6 @@ the n-th receive on the other side.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import uuid
@@ -41,12 +40,6 @@ class Peer:
     remote: Handshake
     link: Future[LinkBase] | None  # None: control only (no tensors flow between these two ranks yet)
     link_id: str | None = None
-
-
-def link_id_for(a: str, b: str, session: str) -> str:
-    low, high = sorted((a, b))
-    digest = hashlib.sha256(f"{low}|{high}|{session}".encode()).hexdigest()[:20]
-    return f"kv-{digest}"
 
 
 class PeerLinks:
@@ -233,7 +226,7 @@ class PeerLinks:
                 del self._links[peer.link_id]
 
     def _link_id(self, peer_id: str, session: str) -> str:
-        return link_id_for(self._channel.peer_id, peer_id, session)
+        return self._channel.auth.link_id(self._channel.peer_id, peer_id, session)
 
     def _open_link(self, peer_id: str, store_addr: str, session: str) -> LinkBase:
         me = self._channel.peer_id

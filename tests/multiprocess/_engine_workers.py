@@ -297,6 +297,7 @@ def stats(st: _State, key: str) -> dict[str, Any]:
     out["links"] = {p.peer_id: p.link.result(0).stats().next_recv_seq
                     for p in engine._peers._peers.values() if p.link is not None and p.link.done()
                     and p.link.exception() is None}
+    out["peers"] = sorted(engine._peers._peers)  # every peer this rank completed a handshake with
     return out
 
 

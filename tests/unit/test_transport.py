@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from ncclkv.auth import ChannelAuth
 from ncclkv.errors import ClosedError, ShapeMismatchError, TransferError, TransferTimeout
 from ncclkv.transport import (
     DataPlane,
@@ -22,6 +28,7 @@ from ncclkv.transport import (
     LoopbackTransport,
     loopback_pair,
 )
+from ncclkv.transport._base import check_link_args, split_address
 
 WAIT_S = 10.0
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8)
@@ -237,8 +244,8 @@ def test_both_transports_check_open_link_the_same_way(make: Callable[[], DataPla
 # -- real gloo links between two data planes in this process -----------------
 
 
-def listening_sockets() -> dict[str, str]:
-    """Socket inode -> IPv4 address, for this process's listening TCP sockets (from /proc; Linux only)."""
+def listening_sockets() -> dict[str, tuple[str, int]]:
+    """Socket inode -> (IPv4 address, port), for this process's listening TCP sockets (from /proc; Linux only)."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
@@ -251,8 +258,9 @@ def listening_sockets() -> dict[str, str]:
             for line in fh.readlines()[1:]:
                 cols = line.split()
                 if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
-                    raw = cols[1].split(":")[0]
-                    found[cols[9]] = ".".join(str(int(raw[i : i + 2], 16)) for i in (6, 4, 2, 0)) if len(raw) == 8 else raw
+                    raw, port = cols[1].split(":")
+                    host = ".".join(str(int(raw[i : i + 2], 16)) for i in (6, 4, 2, 0)) if len(raw) == 8 else raw
+                    found[cols[9]] = (host, int(port, 16))
     return found
 
 
@@ -271,7 +279,7 @@ def test_gloo_links_between_two_data_planes() -> None:
         m0, m1 = open_both(p0, p1, "g2", p1.address)  # hosted by the other plane's store
         assert l0.backend_name == "gloo" and len(p0.links()) == 2
         # Two store servers and the planes' gloo listeners, all bound to the bind host only.
-        ours = [host for inode, host in listening_sockets().items() if inode not in before]
+        ours = [host for inode, (host, _) in listening_sockets().items() if inode not in before]
         assert len(ours) >= 3 and set(ours) == {"127.0.0.1"}
         sent = [sample(seq) for seq in range(12)]
         sends = [l0.send(t) for t in sent] + [m1.send(t) for t in sent]
@@ -337,3 +345,81 @@ def test_posted_bytes_are_bounded_but_one_large_tensor_always_goes() -> None:
         b.recv((n,), torch.uint8).result(WAIT_S)
     assert [f.result(WAIT_S) for f in sends] == [None] * 4 and hooks == [0, 1, 2, 3]
     a.close(), b.close()
+
+
+# -- data-plane links and authentication (issue 9) ----------------------------------------------
+# The engine names each link ChannelAuth.link_id(a, b, session); the two ends meet under that
+# id in a TCPStore any process can reach.
+
+SECRET = b"k" * 32
+A, B, SESSION = "prefill.r0", "decode.r0", "0123456789abcdef0123456789abcdef"
+
+
+def test_link_ids_are_keyed_by_the_shared_secret() -> None:
+    keyed, public = ChannelAuth(shared_secret=SECRET), ChannelAuth()
+    assert keyed.link_id(A, B, SESSION) == keyed.link_id(B, A, SESSION)  # both ends agree
+    assert keyed.link_id(A, B, SESSION) != public.link_id(A, B, SESSION)  # the session alone does not name it
+    assert keyed.link_id(A, B, SESSION) != ChannelAuth(shared_secret=b"j" * 32).link_id(A, B, SESSION)
+    assert keyed.link_id(A, B, SESSION) != keyed.link_id(A, B, SESSION[::-1])
+    check_link_args(keyed.link_id(A, B, SESSION), 0, "cpu", 1.0)  # a valid link id
+
+
+def _squat(store_addr: str, link_id: str, link_rank: int) -> Any:
+    """What a process that saw the session does: take ``link_rank`` of ``link_id`` before its owner."""
+    host, port = split_address(store_addr)
+    client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=WAIT_S))
+    prefixed = dist.PrefixStore(f"ncclkv/{link_id}", client)
+    assert prefixed.add(f"joined/{link_rank}", 1) == 1
+    prefixed.set(f"backend/{link_rank}", "gloo")
+    return client
+
+
+def test_a_process_that_saw_the_session_cannot_take_a_keyed_link() -> None:
+    """The squatter computes the id from the session (all it can) and joins link rank 0 first.
+
+    Without a secret that is the real id: the owner of rank 0 is refused and its peer waits
+    for a gloo end that never comes. With the secret the real link opens and carries data.
+    """
+    with DataPlane() as p0, DataPlane() as p1:
+        sniffed = ChannelAuth().link_id(A, B, SESSION)
+        squatter = _squat(p0.address, sniffed, 0)
+        with ThreadPoolExecutor(2) as pool:
+            f0 = pool.submit(p0.open_link, sniffed, 0, p0.address, "cpu", 2.0)
+            f1 = pool.submit(p1.open_link, sniffed, 1, p0.address, "cpu", 2.0)
+            with pytest.raises(ValueError, match="link rank 0 already joined"):
+                f0.result(WAIT_S)
+            with pytest.raises((TransferTimeout, TransferError), match=rf"link '{sniffed}' \(link rank 1"):
+                f1.result(WAIT_S)
+
+        keyed = ChannelAuth(shared_secret=SECRET).link_id(A, B, SESSION)
+        _squat(p0.address, ChannelAuth().link_id(B, A, SESSION[::-1]), 0)  # and any other guess
+        l0, l1 = open_both(p0, p1, keyed, p0.address)
+        sent = sample(7)
+        got = l1.recv(sent.shape, sent.dtype)
+        assert l0.send(sent).result(WAIT_S) is None and same_bytes(got.result(WAIT_S), sent)
+        del squatter
+    assert link_threads() == []
+
+
+def test_garbage_on_the_data_plane_ports_breaks_nothing() -> None:
+    """Random bytes to every port the planes listen on (their TCPStores, gloo's listeners):
+    the process lives, an open link still carries data, and a new link still opens."""
+    before = set(listening_sockets())
+    with DataPlane() as p0, DataPlane() as p1:
+        l0, l1 = open_both(p0, p1, "g-before", p0.address)
+        ports = [port for inode, (_, port) in listening_sockets().items() if inode not in before]
+        assert len(ports) >= 3, ports  # two stores, at least one gloo listener
+        rng = random.Random(9)
+        for port in ports:
+            for size in (1, 7, 64, 4096, 65536) * 4:
+                with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+                    sock.sendall(rng.randbytes(size))
+        sent = sample(11)
+        got = l1.recv(sent.shape, sent.dtype)
+        assert l0.send(sent).result(WAIT_S) is None and same_bytes(got.result(WAIT_S), sent)
+        m0, m1 = open_both(p0, p1, "g-after", p1.address)
+        back = m0.recv((3,), torch.int64)
+        m1.send(torch.tensor([1, 2, 3]))
+        assert back.result(WAIT_S).tolist() == [1, 2, 3]
+    assert link_threads() == []
+

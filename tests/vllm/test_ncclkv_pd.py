@@ -16,6 +16,10 @@ output's ``kv_transfer_params`` go unchanged to the decode request.
   pushed. That proves the transferred KV is what the decode engine attends
   to, and that the matching outputs above did not come from vLLM quietly
   recomputing after a failed load (which the connector allows by design).
+
+The engines of the first test run with authentication on (a CURVE key pair and
+a shared secret through the NCCLKV_* variables, docs/SECURITY.md); a plain
+ZMQ client then fails the decode engine's handshake.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from engine_proc import EngineProcess, ParallelEngineOptions, RequestResult, session_scheduling
 from tiny_model import make_prompts
@@ -62,12 +68,44 @@ def _prefill(engine: Any, prompts: list[list[int]], **params: Any) -> list[dict[
     return out  # type: ignore[return-value]
 
 
+def _auth_env(tmp_path: Path) -> dict[str, str]:
+    """Authentication on, as a deployment sets it (docs/SECURITY.md): a shared CURVE key pair and an HMAC key."""
+    secret_file = tmp_path / "ncclkv.secret"
+    secret_file.write_bytes(os.urandom(32).hex().encode())
+    secret_file.chmod(0o600)
+    _public, curve_secret = zmq.curve_keypair()
+    return {"NCCLKV_SHARED_SECRET_FILE": str(secret_file), "NCCLKV_CURVE_SECRET_KEY": curve_secret.decode()}
+
+
+def _greeting(address: str, timeout_s: float = 30.0) -> int:
+    """Connect a plain ZMQ client (no CURVE) to ``address``; return how its ZMQ handshake ended (a monitor event)."""
+    ends = (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    monitor = sock.get_monitor_socket()
+    try:
+        sock.connect(address)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if monitor.poll(100) and (event := recv_monitor_message(monitor)["event"]) in ends:
+                return int(event)
+        raise TimeoutError(f"no ZMQ handshake with {address} within {timeout_s} s")
+    finally:
+        sock.disable_monitor()
+        monitor.close()
+        sock.close()
+
+
 @pytest.mark.timeout(500)
 def test_pd_through_ncclkv_matches_single_engine(launch_engine, cpu_cores: list[int], tmp_path: Path) -> None:
+    """Every engine here runs with authentication on (CURVE and the shared secret)."""
     t0 = time.monotonic()
     ref_path = tmp_path / "decode_ref.json"
-    prefill = launch_engine("prefill", cpu_core=cpu_cores[0], kv_transfer_config=_connector("kv_producer"))
-    decode = launch_engine("decode", cpu_core=cpu_cores[-1],
+    auth = _auth_env(tmp_path)
+    prefill = launch_engine("prefill", cpu_core=cpu_cores[0], kv_transfer_config=_connector("kv_producer"),
+                            extra_env=auth)
+    decode = launch_engine("decode", cpu_core=cpu_cores[-1], extra_env=auth,
                            kv_transfer_config=_connector("kv_consumer", ref_path=str(ref_path)))
     prefill.wait_ready()
     decode.wait_ready()
@@ -92,6 +130,8 @@ def test_pd_through_ncclkv_matches_single_engine(launch_engine, cpu_cores: list[
     # Push: the prefill request names the decode engine; the KV is streamed during the prefill.
     decode_ref = json.loads(ref_path.read_text())
     assert decode_ref["engine_id"] and len(decode_ref["control_addrs"]) == 1
+    # Authentication is really on in the engine: a client without CURVE fails the ZMQ handshake.
+    assert _greeting(decode_ref["control_addrs"][0]) == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     t1 = time.monotonic()
     params = _prefill(prefill, PUSH_PROMPTS, remote_decode=decode_ref)
     assert all(p["pushed"] for p in params)
@@ -104,7 +144,7 @@ def test_pd_through_ncclkv_matches_single_engine(launch_engine, cpu_cores: list[
 
     # Control: the same transfers into a decode engine that corrupts what it loads (test-only switch).
     corrupt_ref = tmp_path / "corrupt_ref.json"
-    corrupt = launch_engine("decode_corrupt", cpu_core=cpu_cores[-1], enable_prefix_caching=False,
+    corrupt = launch_engine("decode_corrupt", cpu_core=cpu_cores[-1], enable_prefix_caching=False, extra_env=auth,
                             kv_transfer_config=_connector("kv_consumer", corrupt_for_test=True,
                                                           ref_path=str(corrupt_ref)))
     corrupt.wait_ready()
