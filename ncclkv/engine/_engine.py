@@ -26,6 +26,8 @@ __all__ = ["TransferEngine"]
 
 log = logging.getLogger("ncclkv.engine")
 
+_LINK_OPENERS = 8  # links this rank opens at once as the responder; each waits only on its peer and the I/O thread
+
 
 class TransferEngine:
     """Moves KV slices of requests between this rank and the ranks of other engines.
@@ -47,6 +49,11 @@ class TransferEngine:
         self._stats = EngineStats()
         self._caches = RankCaches(cfg.layout, cfg.geometry, cfg.rank)
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"ncclkv-engine[{cfg.peer_id}]")
+        # Responder-side link opens get threads of their own: tasks on the executor above wait for
+        # links (a push waits for its link to open), so opening them there could starve: with every
+        # worker waiting, the open that would release them never ran (seen in the quick soak).
+        self._link_opener = ThreadPoolExecutor(max_workers=_LINK_OPENERS,
+                                               thread_name_prefix=f"ncclkv-link-open[{cfg.peer_id}]")
         data_plane: LinkFactory | None = None
         try:  # a failure half-way leaves no thread or socket behind
             data_plane = transport if transport is not None else DataPlane(cfg.bind_host)
@@ -59,11 +66,13 @@ class TransferEngine:
             if data_plane is not None and transport is None:
                 data_plane.close()
             self._executor.shutdown(wait=True)
+            self._link_opener.shutdown(wait=True)
             raise
         self._data_plane: LinkFactory = data_plane
         local = Handshake.create(cfg.engine_id, cfg.role, cfg.rank, cfg.layout, cfg.geometry,
                                  self._channel.address, self._data_plane.address)
-        self._peers = PeerLinks(local, self._channel, self._data_plane, self._executor, cfg.device, cfg.deadline_s)
+        self._peers = PeerLinks(local, self._channel, self._data_plane, self._link_opener, cfg.device,
+                                cfg.deadline_s)
         self._producer = ProducerSide(cfg.rank, cfg.layout, cfg.geometry, self._caches, self._channel, self._peers,
                                       self._executor, self._stats, cfg.hold_s, cfg.deadline_s)
         self._consumer = ConsumerSide(cfg.engine_id, cfg.rank, cfg.layout, cfg.geometry, self._caches, self._channel,
@@ -161,6 +170,7 @@ class TransferEngine:
         self._channel.close()
         self._peers.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._link_opener.shutdown(wait=True, cancel_futures=True)
         self._data_plane.close()
         self._consumer.close()
 

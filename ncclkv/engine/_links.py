@@ -43,14 +43,17 @@ class Peer:
 
 
 class PeerLinks:
-    """Peers by peer id; thread-safe. ``local`` is our handshake (its session is replaced per pair)."""
+    """Peers by peer id; thread-safe. ``local`` is our handshake (its session is replaced per pair).
 
-    def __init__(self, local: Handshake, channel: Channel, data_plane: LinkFactory, executor: Executor,
+    ``link_opener`` runs the links we open as the responder; no task on it may wait for a link.
+    """
+
+    def __init__(self, local: Handshake, channel: Channel, data_plane: LinkFactory, link_opener: Executor,
                  device: str, deadline_s: float) -> None:
         self._local = local
         self._channel = channel
         self._data_plane = data_plane
-        self._executor = executor
+        self._link_opener = link_opener
         self._device = device
         self._deadline_s = deadline_s
         self._lock = threading.Lock()
@@ -147,7 +150,7 @@ class PeerLinks:
                 link.set_exception(err)
 
         reply = replace(self._local, session=remote.session, open_link=True)
-        return ReplyThen(reply, lambda: self._executor.submit(open_link))
+        return ReplyThen(reply, lambda: self._link_opener.submit(open_link))
 
     def link(self, peer_id: str) -> LinkBase:
         """Our link to ``peer_id``, waiting up to the deadline for it to open."""
