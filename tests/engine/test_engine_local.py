@@ -310,3 +310,31 @@ def test_crossed_handshakes_pull_and_push_on_a_new_pair(attempt: int) -> None:
         assert set(_wait_sent(prefill, "pulled").values()) == {None}
     finally:
         close_sides(prefill, decode)
+
+
+def test_responder_opens_its_link_while_every_executor_worker_waits() -> None:
+    """Every worker of the producer's executor waits (as push offers waiting for a link do); a
+    consumer's handshake still gets its link opened. Regression: the open used to queue behind
+    those workers and never run (the quick soak hung 2 in 20 runs)."""
+    layout = ParallelLayout(1, 1)
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer", deadline_s=5.0)
+    decode = build_sides("decode", layout, GQA, CacheLayout.FLASH_NHD, 32, "consumer", deadline_s=5.0)
+    producer, release = prefill[0].engine, threading.Event()
+    try:
+        busy = [producer._executor.submit(release.wait, 30.0) for _ in range(producer._executor._max_workers)]
+        num_tokens, src_blocks, dst_blocks = 40, [4, 1, 7], [2, 0]
+        prefill[0].fill(seed=3, block_ids=src_blocks, num_tokens=num_tokens)
+        producer.finish("r", src_blocks, num_tokens)
+        decode[0].engine.expect("r", engine_ref("prefill", layout, prefill), dst_blocks, num_tokens)
+        deadline = time.monotonic() + 20
+        while producer._peers.get("decode.r0") is None:  # the consumer's handshake is on its way
+            assert time.monotonic() < deadline, "no handshake from the consumer"
+            threading.Event().wait(0.005)
+        assert not any(task.done() for task in busy)
+        assert producer._peers.link("decode.r0").link_id  # open, within the deadline, no worker free
+        release.set()
+        decode[0].engine.wait("r", timeout_s=20)
+        assert decode[0].mismatches(3, dst_blocks, num_tokens, Span(0, num_tokens)) == []
+    finally:
+        release.set()
+        close_sides(prefill, decode)
