@@ -49,9 +49,11 @@ setup() {
     fi
     local stamp="$VENV/.ncclkv-installed"
     local want
-    want="$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16) $EXTRAS"
-    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-        log "installing ncclkv[$EXTRAS] (editable)"
+    # The native kernel is compiled by the install: its source and setup.py count as packaging.
+    want="$(cat setup.cfg pyproject.toml setup.py ncclkv/paged/_kernel.c | sha256sum | cut -c1-16) $EXTRAS"
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] \
+        || ! "$PY" -c "import ncclkv.paged._kernel" >/dev/null 2>&1; then
+        log "installing ncclkv[$EXTRAS] (editable; compiles the native paged kernel)"
         "$PY" -m pip install -q -e ".[$EXTRAS]"
         echo "$want" > "$stamp"
     fi

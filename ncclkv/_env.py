@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["EnvSettings", "env_settings"]
+__all__ = ["PAGED_KERNELS", "EnvSettings", "env_settings"]
 
 
 def _float(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -40,6 +40,18 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
+def _choice(environ: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    text = environ.get(name)
+    if text is None or text == "":
+        return default
+    if text not in choices:
+        raise ValueError(f"{name}={text!r} must be one of {', '.join(choices)}")
+    return text
+
+
+PAGED_KERNELS = ("native", "torch")
+
+
 @dataclass(frozen=True, slots=True)
 class EnvSettings:
     """Defaults that a deployment may override by environment.
@@ -51,6 +63,8 @@ class EnvSettings:
     NCCLKV_MAX_FRAME_BYTES   largest control frame accepted (default 1 MiB)
     NCCLKV_FUZZ_EXAMPLES     messages the protocol fuzz tests generate in all (default 10000)
     NCCLKV_SOAK_REQUESTS     requests the soak test (tests/soak) sends (default 200; the full soak: 1000)
+    NCCLKV_PAGED_KERNEL      how gather/scatter move CPU caches: ``native`` (the C kernel, default) or
+                             ``torch`` (torch ops, as on CUDA; for comparison and diagnosis)
 
     Control-channel authentication (see :mod:`ncclkv.auth`, docs/SECURITY.md; unset: off):
     NCCLKV_CURVE_SECRET_FILE   this rank's zmq.auth ``.key_secret`` certificate
@@ -70,6 +84,7 @@ class EnvSettings:
     max_frame_bytes: int = 1 << 20
     fuzz_examples: int = 10_000
     soak_requests: int = 200
+    paged_kernel: str = "native"
     curve_secret_file: str = ""
     curve_public_file: str = ""
     curve_allowed_dir: str = ""
@@ -92,6 +107,7 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
         max_frame_bytes=_int(env, "NCCLKV_MAX_FRAME_BYTES", default.max_frame_bytes),
         fuzz_examples=_int(env, "NCCLKV_FUZZ_EXAMPLES", default.fuzz_examples),
         soak_requests=_int(env, "NCCLKV_SOAK_REQUESTS", default.soak_requests),
+        paged_kernel=_choice(env, "NCCLKV_PAGED_KERNEL", default.paged_kernel, PAGED_KERNELS),
         curve_secret_file=env.get("NCCLKV_CURVE_SECRET_FILE", ""),
         curve_public_file=env.get("NCCLKV_CURVE_PUBLIC_FILE", ""),
         curve_allowed_dir=env.get("NCCLKV_CURVE_ALLOWED_DIR", ""),

@@ -1,6 +1,12 @@
 """Gather a request's slice of one layer's paged cache into the wire format, and scatter it back.
 
-Strategy (measured on CPU, see benchmarks/bench_paged.py): whole blocks move with
+CPU caches go through the native kernel (``_kernel.c``): one memcpy per contiguous
+run, a tiled transpose for CPU_KT keys. It is the default because torch's copy
+kernels pay per indexed row and the vLLM CPU layouts cut slices into rows of one
+head (see benchmarks/bench_paged.py). ``NCCLKV_PAGED_KERNEL=torch`` or
+``kernel="torch"`` selects the torch-op path below for CPU caches too.
+
+Torch-op path (CUDA caches, or asked for): whole blocks move with
 one ``index_select`` / ``index_copy_`` over the block dim of each part (K, V) as a
 4-D view; dim 0 is the fast path of both ops, indexing another dim is about 10x
 slower. Both views are reinterpreted with the widest integer dtype their strides
@@ -15,13 +21,16 @@ the current stream.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 
 import torch
 
+from .._env import PAGED_KERNELS, env_settings
 from ..errors import ShapeMismatchError
 from ..layout import Span
+from ._native import copy_part
 from ._slots import SlicePlan, SlotMap
 from ._spec import PagedCacheSpec, part_views
 
@@ -56,6 +65,20 @@ def _can_view(t: torch.Tensor, ratio: int, align: int) -> bool:
     return all(stride % ratio == 0 for stride in t.stride()[:-1])
 
 
+@functools.cache
+def _default_kernel() -> str:
+    return env_settings().paged_kernel  # read once: gather runs per layer
+
+
+def _use_native(kernel: str | None, cache: torch.Tensor) -> bool:
+    """Whether this call takes the native kernel; ValueError names a bad ``kernel``."""
+    if kernel is None:
+        kernel = _default_kernel()
+    elif kernel not in PAGED_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(PAGED_KERNELS)} or None, got {kernel!r}")
+    return kernel == "native" and cache.device.type == "cpu"
+
+
 def _as_slot_map(blocks: SlotMap | Sequence[int] | torch.Tensor, spec: PagedCacheSpec) -> SlotMap:
     if isinstance(blocks, SlotMap):
         if blocks.block_size != spec.block_size:
@@ -75,8 +98,8 @@ def _prepare(
     heads: Span,
     wire: torch.Tensor,
     wire_name: str,
-) -> tuple[list[_Part], SlicePlan]:
-    """Check every argument; return per part (K, V) the cache view and the wire view, and the plan.
+) -> tuple[list[_Part], SlicePlan, SlotMap]:
+    """Check every argument; return per part (K, V) the cache view and the wire view, the plan and the slot map.
 
     Each pair is widened alike, so ``D'`` is the head size in wide words (a CPU_KT
     key part, whose head dim is strided, stays narrow).
@@ -96,7 +119,8 @@ def _prepare(
         raise ValueError(f"{wire_name} is on {wire.device}, the cache on {cache.device}")
     if not wire.is_contiguous():
         raise ValueError(f"{wire_name} must be contiguous, got strides {wire.stride()}")
-    plan = _as_slot_map(blocks, spec).plan(tokens, cache.device)
+    slot_map = _as_slot_map(blocks, spec)
+    plan = slot_map.plan(tokens, cache.device)
     if plan.max_block_id >= spec.num_blocks:
         raise ValueError(f"block id {plan.max_block_id} is out of range for a cache of {spec.num_blocks} blocks")
     wire4 = wire.view(spec.kv_parts, len(tokens), len(heads), spec.head_size)
@@ -104,7 +128,7 @@ def _prepare(
     for view, wire_part in zip(views, wire4.unbind(0)):
         cache_part, wire_part = _widen(view[:, :, heads.start : heads.stop], wire_part)
         parts.append((cache_part, wire_part))
-    return parts, plan
+    return parts, plan, slot_map
 
 
 def _token_minor(part: torch.Tensor) -> bool:
@@ -183,15 +207,22 @@ def gather(
     tokens: Span,
     heads: Span,
     out: torch.Tensor,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Copy tokens ``tokens`` (request-relative) x kv heads ``heads`` of one layer into ``out``; return ``out``.
 
     ``out`` is the contiguous wire tensor, ``spec.wire_shape(len(tokens), len(heads))``,
     of the cache dtype and on the cache's device. Pass a :class:`SlotMap` built
     once per request to avoid rebuilding index tensors on every layer.
+    ``kernel`` is ``"native"`` or ``"torch"`` for CPU caches (None: NCCLKV_PAGED_KERNEL);
+    CUDA caches always take torch ops.
     """
-    parts, plan = _prepare(cache, spec, block_ids, tokens, heads, out, "out")
+    parts, plan, slot_map = _prepare(cache, spec, block_ids, tokens, heads, out, "out")
     if len(tokens) == 0 or len(heads) == 0:
+        return out
+    if _use_native(kernel, cache):
+        for view, wire in parts:
+            copy_part(True, view, wire, slot_map.ids_cpu, spec.block_size, tokens.start)
         return out
     for view, wire in parts:
         for run in plan.edges:
@@ -211,20 +242,25 @@ def scatter(
     block_ids: SlotMap | Sequence[int] | torch.Tensor,
     tokens: Span,
     heads: Span,
+    kernel: str | None = None,
 ) -> None:
     """Write the wire tensor ``wire`` into tokens ``tokens`` x local kv heads ``heads`` of one layer's cache.
 
     The inverse of :func:`gather`; the cache may have another layout and block
     size than the one the slice was gathered from. The blocks the span touches
-    must be distinct.
+    must be distinct. ``kernel`` as for :func:`gather`.
     """
-    parts, plan = _prepare(cache, spec, block_ids, tokens, heads, wire, "wire")
+    parts, plan, slot_map = _prepare(cache, spec, block_ids, tokens, heads, wire, "wire")
     if len(tokens) == 0 or len(heads) == 0:
         return
     if not plan.distinct:
         used = list(plan.full_block_ids) + [run.block_id for run in plan.edges]
         repeated = sorted({b for b in used if used.count(b) > 1})
         raise ValueError(f"token span {tokens!r} maps to repeated block ids {repeated[:8]}; scatter needs distinct blocks")
+    if _use_native(kernel, cache):
+        for view, src in parts:
+            copy_part(False, view, src, slot_map.ids_cpu, spec.block_size, tokens.start)
+        return
     for view, src in parts:
         for run in plan.edges:
             at = slice(run.wire_start, run.wire_start + run.length)

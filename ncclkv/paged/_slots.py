@@ -51,7 +51,7 @@ class SlotMap:
     use and kept, so later calls allocate nothing.
     """
 
-    __slots__ = ("_block_ids", "_block_size", "_plans")
+    __slots__ = ("_block_ids", "_block_size", "_ids_cpu", "_plans")
 
     def __init__(self, block_ids: Sequence[int] | torch.Tensor, block_size: int) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -70,6 +70,7 @@ class SlotMap:
             raise ValueError(f"block ids must be >= 0, got {negative[:8]}")
         self._block_ids = ids
         self._block_size = block_size
+        self._ids_cpu: torch.Tensor | None = None
         self._plans: dict[tuple[int, int, torch.device], SlicePlan] = {}
 
     @property
@@ -79,6 +80,13 @@ class SlotMap:
     @property
     def block_size(self) -> int:
         return self._block_size
+
+    @property
+    def ids_cpu(self) -> torch.Tensor:
+        """The block ids as a contiguous int64 CPU tensor (made on first use, then kept): what the native kernel reads."""
+        if self._ids_cpu is None:
+            self._ids_cpu = torch.tensor(self._block_ids, dtype=torch.int64)
+        return self._ids_cpu
 
     @property
     def num_tokens(self) -> int:

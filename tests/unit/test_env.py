@@ -12,6 +12,8 @@ def test_defaults_are_values_not_descriptors() -> None:
     assert settings == EnvSettings()
     assert (settings.deadline_s, settings.heartbeat_s, settings.bind_host) == (10.0, 1.0, "127.0.0.1")
     assert settings.staging_bytes == 1 << 30 and settings.max_frame_bytes == 1 << 20
+    assert settings.paged_kernel == "native"
+    assert env_settings({"NCCLKV_PAGED_KERNEL": "torch"}).paged_kernel == "torch"
 
 
 def test_variables_override() -> None:
@@ -24,7 +26,7 @@ def test_variables_override() -> None:
 @pytest.mark.parametrize(
     ("name", "value"),
     [("NCCLKV_DEADLINE_S", "soon"), ("NCCLKV_DEADLINE_S", "0"), ("NCCLKV_STAGING_BYTES", "1.5"),
-     ("NCCLKV_STAGING_BYTES", "-1"), ("NCCLKV_MAX_FRAME_BYTES", "big")],
+     ("NCCLKV_STAGING_BYTES", "-1"), ("NCCLKV_MAX_FRAME_BYTES", "big"), ("NCCLKV_PAGED_KERNEL", "fast")],
 )
 def test_bad_values_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(ValueError) as err:

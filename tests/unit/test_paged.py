@@ -16,91 +16,20 @@ from ncclkv.paged import (
     CacheLayout, PagedCacheSpec, SlotMap, detect_layout, gather, kv_view, part_views, scatter, wire_shape,
 )
 
-# "hnd" is the contiguous physical tensor, "hnd_view" vLLM's permuted view of it.
-VARIANTS = ["nhd", "hnd", "hnd_view", "flashinfer", "cpu", "cpu_kt"]
-LAYOUTS = {
-    "nhd": CacheLayout.FLASH_NHD,
-    "hnd": CacheLayout.FLASH_HND,
-    "hnd_view": CacheLayout.FLASH_HND,
-    "flashinfer": CacheLayout.FLASHINFER,
-    "cpu": CacheLayout.CPU,
-    "cpu_kt": CacheLayout.CPU_KT,
-    "mla": CacheLayout.MLA,
-}
-CPU_VARIANTS = ("cpu", "cpu_kt")
-DTYPES = [torch.float32, torch.bfloat16]
-
-
-def random_bits(shape: tuple[int, ...], dtype: torch.dtype, rng: random.Random) -> torch.Tensor:
-    """Random bit patterns (NaN payloads and -0.0 included), so only a byte-exact copy compares equal."""
-    gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    int_dtype = {4: torch.int32, 2: torch.int16}[dtype.itemsize]
-    info = torch.iinfo(int_dtype)
-    return torch.randint(info.min, info.max, shape, dtype=int_dtype, generator=gen).view(dtype)
-
-
-def make_cache(variant: str, nb: int, bs: int, heads: int, dim: int, dtype: torch.dtype, rng: random.Random):
-    """(tensor handed to ncclkv, the raw contiguous tensor the reference reads)."""
-    shape = {
-        "nhd": (2, nb, bs, heads, dim),
-        "hnd": (2, nb, heads, bs, dim),
-        "hnd_view": (2, nb, heads, bs, dim),
-        "flashinfer": (nb, 2, bs, heads, dim),
-        "cpu": (nb, heads, bs, 2 * dim),
-        "cpu_kt": (nb, heads, bs, 2 * dim),
-        "mla": (nb, bs, dim),
-    }[variant]
-    raw = random_bits(shape, dtype, rng)
-    return (raw.permute(0, 1, 3, 2, 4) if variant == "hnd_view" else raw), raw
-
-
-def ref_cell(raw: torch.Tensor, variant: str, part: int, block: int, offset: int, head: int) -> torch.Tensor:
-    """The ``[head_size]`` vector of one (part, block, offset, head), read straight from the layout's definition."""
-    if variant == "nhd":
-        return raw[part, block, offset, head]
-    if variant in ("hnd", "hnd_view"):
-        return raw[part, block, head, offset]
-    if variant == "flashinfer":
-        return raw[block, part, offset, head]
-    if variant == "mla":
-        return raw[block, offset]
-    _, num_heads, bs, two_dim = raw.shape
-    dim = two_dim // 2
-    half = ((block * num_heads + head) * 2 + part) * bs * dim  # K [bs, D] (cpu_kt: [D, bs]) then V [bs, D]
-    if variant == "cpu_kt" and part == 0:
-        return raw.reshape(-1)[half + offset : half + dim * bs : bs]
-    return raw.reshape(-1)[half + offset * dim : half + (offset + 1) * dim]
-
-
-def ref_gather(raw, variant, bs, block_ids, tokens: Span, heads: Span) -> torch.Tensor:
-    parts = 1 if variant == "mla" else 2
-    dim = raw.shape[-1] // 2 if variant in CPU_VARIANTS else raw.shape[-1]
-    wire = torch.empty(parts, len(tokens), len(heads), dim, dtype=raw.dtype)
-    for part, t, h in itertools.product(range(parts), tokens, heads):
-        wire[part, t - tokens.start, h - heads.start] = ref_cell(raw, variant, part, block_ids[t // bs], t % bs, h)
-    return wire.view(1, len(tokens) * len(heads), dim) if variant == "mla" else wire
-
-
-def ref_scatter(wire, raw, variant, bs, block_ids, tokens: Span, heads: Span) -> None:
-    parts = 1 if variant == "mla" else 2
-    wire = wire.view(parts, len(tokens), len(heads), wire.shape[-1])
-    for part, t, h in itertools.product(range(parts), tokens, heads):
-        ref_cell(raw, variant, part, block_ids[t // bs], t % bs, h).copy_(wire[part, t - tokens.start, h - heads.start])
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # new_empty: truly unit-stride copies (a size-1 strided slice counts as contiguous and keeps its stride).
-    return a.shape == b.shape and torch.equal(
-        a.new_empty(a.shape).copy_(a).view(torch.uint8), b.new_empty(b.shape).copy_(b).view(torch.uint8)
-    )
+from _paged_helpers import (
+    ALL_SIZES, CPU_VARIANTS, DTYPES, KERNELS, LAYOUTS, VARIANTS, make_cache, random_bits, ref_cell, ref_gather,
+    ref_scatter, same_bytes,
+)
 
 
 def shuffled_blocks(num_blocks: int, count: int, rng: random.Random) -> list[int]:
     return rng.sample(range(num_blocks), count)
 
 
-def round_trip(src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, heads_src, heads_dst_start, rng, dim=8):
-    """Gather from one cache, scatter into another; check both against the reference."""
+def round_trip(
+    src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, heads_src, heads_dst_start, rng, dim=8, kernel=None
+):
+    """Gather from one cache, scatter into another (with ``kernel``); check both against the reference."""
     num_heads_src, num_heads_dst = (1, 1) if src_variant == "mla" else (4, 3)
     need_src, need_dst = -(-tokens.stop // bs_src), -(-tokens.stop // bs_dst)
     src, src_raw = make_cache(src_variant, need_src + 3, bs_src, num_heads_src, dim, dtype, rng)
@@ -111,7 +40,7 @@ def round_trip(src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, heads_sr
     src_before = src_raw.clone()
 
     wire = torch.full(wire_shape(len(tokens), len(heads_src), dim, src_variant == "mla"), 7.0, dtype=dtype)
-    assert gather(src, src_spec, src_ids, tokens, heads_src, wire) is wire
+    assert gather(src, src_spec, src_ids, tokens, heads_src, wire, kernel=kernel) is wire
     assert same_bytes(wire, ref_gather(src_raw, src_variant, bs_src, src_ids, tokens, heads_src))
     assert same_bytes(src_raw, src_before)
 
@@ -119,7 +48,7 @@ def round_trip(src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, heads_sr
     expected = dst_raw.clone()
     ref_scatter(wire, expected, dst_variant, bs_dst, dst_ids, tokens, heads_dst)
     wire_before = wire.clone()
-    scatter(wire, dst, dst_spec, dst_ids, tokens, heads_dst)
+    scatter(wire, dst, dst_spec, dst_ids, tokens, heads_dst, kernel=kernel)
     assert same_bytes(dst_raw, expected)  # the slice landed and nothing else moved
     assert same_bytes(wire, wire_before)
     parts = 1 if src_variant == "mla" else 2
@@ -132,23 +61,25 @@ def round_trip(src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, heads_sr
 BLOCK_PAIRS = list(itertools.product([16, 32, 64], repeat=2))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("src_variant,dst_variant", list(itertools.product(VARIANTS, repeat=2)))
-def test_round_trip_every_layout_pair(src_variant: str, dst_variant: str, dtype: torch.dtype) -> None:
+def test_round_trip_every_layout_pair(src_variant: str, dst_variant: str, dtype: torch.dtype, kernel: str) -> None:
     case = VARIANTS.index(src_variant) * len(VARIANTS) + VARIANTS.index(dst_variant)
     bs_src, bs_dst = BLOCK_PAIRS[case % len(BLOCK_PAIRS)]
     rng = random.Random(case)
     # Starts mid-block, ends in a partial block, takes a head subrange, lands on other local heads.
     tokens = Span(bs_src // 2 + 3, bs_src // 2 + 3 + 2 * max(bs_src, bs_dst) + 5)
-    round_trip(src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, Span(1, 3), 0, rng)
+    round_trip(src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, Span(1, 3), 0, rng, kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bs_src,bs_dst", BLOCK_PAIRS)
-def test_round_trip_mla(bs_src: int, bs_dst: int, dtype: torch.dtype) -> None:
+def test_round_trip_mla(bs_src: int, bs_dst: int, dtype: torch.dtype, kernel: str) -> None:
     rng = random.Random(bs_src * 100 + bs_dst)
     tokens = Span(5, 5 + 2 * bs_dst + bs_src // 2)
-    round_trip("mla", "mla", bs_src, bs_dst, dtype, tokens, Span(0, 1), 0, rng, dim=24)
+    round_trip("mla", "mla", bs_src, bs_dst, dtype, tokens, Span(0, 1), 0, rng, dim=24, kernel=kernel)
 
 
 @pytest.mark.parametrize(
@@ -163,28 +94,43 @@ def test_round_trip_mla(bs_src: int, bs_dst: int, dtype: torch.dtype) -> None:
         (Span(0, 32), Span(2, 2)),  # empty head span
     ],
 )
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_span_shapes(variant: str, tokens: Span, heads: Span) -> None:
+def test_span_shapes(variant: str, tokens: Span, heads: Span, kernel: str) -> None:
     rng = random.Random(hash((variant, tokens.start, tokens.stop, heads.start)))
     src, src_raw = make_cache(variant, 9, 16, 4, 8, torch.bfloat16, rng)
     spec = PagedCacheSpec.from_tensor(src, LAYOUTS[variant])
     ids = [8, 2, 5, 0]
     out = torch.zeros(spec.wire_shape(len(tokens), len(heads)), dtype=torch.bfloat16)
-    gather(src, spec, ids, tokens, heads, out)
+    gather(src, spec, ids, tokens, heads, out, kernel=kernel)
     assert same_bytes(out, ref_gather(src_raw, variant, 16, ids, tokens, heads))
     dst, dst_raw = make_cache(variant, 9, 16, 4, 8, torch.bfloat16, rng)
     expected = dst_raw.clone()
     ref_scatter(out, expected, variant, 16, ids, tokens, heads)
-    scatter(out, dst, spec, ids, tokens, heads)
+    scatter(out, dst, spec, ids, tokens, heads, kernel=kernel)
     assert same_bytes(dst_raw, expected)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 3), (torch.bfloat16, 6), (torch.bfloat16, 1), (torch.float32, 2)])
-def test_head_sizes_that_cannot_be_widened(dtype: torch.dtype, dim: int) -> None:
-    round_trip("nhd", "cpu", 16, 32, dtype, Span(5, 70), Span(0, 3), 0, random.Random(dim), dim=dim)
-    round_trip("hnd_view", "flashinfer", 32, 16, dtype, Span(0, 64), Span(1, 4), 0, random.Random(dim), dim=dim)
-    round_trip("cpu_kt", "cpu", 16, 32, dtype, Span(3, 70), Span(1, 4), 0, random.Random(dim), dim=dim)
-    round_trip("cpu", "cpu_kt", 32, 16, dtype, Span(0, 64), Span(1, 3), 1, random.Random(dim), dim=dim)
+def test_head_sizes_that_cannot_be_widened(dtype: torch.dtype, dim: int, kernel: str) -> None:
+    rng = random.Random(dim)
+    round_trip("nhd", "cpu", 16, 32, dtype, Span(5, 70), Span(0, 3), 0, rng, dim=dim, kernel=kernel)
+    round_trip("hnd_view", "flashinfer", 32, 16, dtype, Span(0, 64), Span(1, 4), 0, rng, dim=dim, kernel=kernel)
+    round_trip("cpu_kt", "cpu", 16, 32, dtype, Span(3, 70), Span(1, 4), 0, rng, dim=dim, kernel=kernel)
+    round_trip("cpu", "cpu_kt", 32, 16, dtype, Span(0, 64), Span(1, 3), 1, rng, dim=dim, kernel=kernel)
+
+
+@pytest.mark.parametrize("dtype", ALL_SIZES, ids=str)
+@pytest.mark.parametrize("dim", [8, 16, 13, 64])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_native_kernel_every_element_size(variant: str, dim: int, dtype: torch.dtype) -> None:
+    """Element sizes 1-8 and head sizes off the SIMD block (13), with blocks of 8, 16 and 24 tokens."""
+    rng = random.Random(dim * 10 + dtype.itemsize)
+    for bs in (8, 16, 24):
+        tokens = Span(bs // 2 + 1, bs // 2 + 1 + 3 * bs + 5)
+        round_trip(variant, "cpu_kt", bs, 16, dtype, tokens, Span(1, 4), 0, rng, dim=dim, kernel="native")
+        round_trip("cpu_kt", variant, 16, bs, dtype, tokens, Span(0, 3), 0, rng, dim=dim, kernel="native")
 
 
 @pytest.mark.parametrize("bounce_blocks", [1, 3])
@@ -196,8 +142,8 @@ def test_cpu_kt_keys_move_in_several_bounce_passes(monkeypatch, bounce_blocks: i
     heads, dim, bs = 3, 8, 16
     monkeypatch.setattr(_copy, "_BOUNCE_BYTES", bounce_blocks * heads * dim * bs * dtype.itemsize)
     rng = random.Random(bounce_blocks)
-    round_trip("cpu_kt", "cpu_kt", bs, bs, dtype, Span(5, 5 + 10 * bs), Span(1, 4), 0, rng, dim=dim)
-    round_trip("nhd", "cpu_kt", 32, bs, dtype, Span(0, 9 * bs), Span(0, 3), 0, rng, dim=dim)
+    round_trip("cpu_kt", "cpu_kt", bs, bs, dtype, Span(5, 5 + 10 * bs), Span(1, 4), 0, rng, dim=dim, kernel="torch")
+    round_trip("nhd", "cpu_kt", 32, bs, dtype, Span(0, 9 * bs), Span(0, 3), 0, rng, dim=dim, kernel="torch")
 
 
 def test_cpu_and_cpu_kt_read_the_same_tensor_differently() -> None:
@@ -252,9 +198,10 @@ def test_round_trip_property(data: st.DataObject) -> None:
     heads = Span(h0, data.draw(st.integers(h0, 1 if mla else min(4, h0 + 3)), "h1"))  # dst has 3 heads
     dst_start = data.draw(st.integers(0, 1 - len(heads) if mla else 3 - len(heads)), "dst_h0")
     dtype = data.draw(st.sampled_from(DTYPES), "dtype")
-    dim = data.draw(st.sampled_from([2, 4, 8]), "dim")
+    dim = data.draw(st.sampled_from([2, 4, 8, 11, 16]), "dim")
+    kernel = data.draw(st.sampled_from(KERNELS), "kernel")
     rng = random.Random(data.draw(st.integers(0, 2**16), "seed"))
-    round_trip(src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, heads, dst_start, rng, dim=dim)
+    round_trip(src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, heads, dst_start, rng, dim=dim, kernel=kernel)
 
 
 # --- layout reading -------------------------------------------------------------------------
@@ -399,8 +346,9 @@ def test_benchmark_quick_mode_writes_json(tmp_path) -> None:
     assert all(r["gbps_best"] > 0 and r["ratio_median"] > 0 for r in rows)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("variant", VARIANTS + ["mla"])
-def test_hot_path_allocates_nothing(variant: str) -> None:
+def test_hot_path_allocates_nothing(variant: str, kernel: str) -> None:
     """Once a request's SlotMap exists and a first layer ran, gather and scatter allocate no memory."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -413,8 +361,8 @@ def test_hot_path_allocates_nothing(variant: str) -> None:
     wire = torch.empty(wire_shape(len(tokens), heads, 64, variant == "mla"), dtype=torch.bfloat16)
 
     def layer() -> None:
-        gather(cache, spec, slots, tokens, head_span, wire)
-        scatter(wire, cache, spec, slots, tokens, head_span)
+        gather(cache, spec, slots, tokens, head_span, wire, kernel=kernel)
+        scatter(wire, cache, spec, slots, tokens, head_span, kernel=kernel)
 
     layer()  # the first layer builds the SlotMap's index tensors and the scratch buffers
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -433,7 +381,7 @@ def test_scratch_made_under_inference_mode_serves_outside_it() -> None:
     spec = PagedCacheSpec.from_tensor(cache, CacheLayout.CPU_KT)
     first, second = (torch.empty(wire_shape(48, 2, 32, False)) for _ in range(2))
     with torch.inference_mode():
-        gather(cache, spec, [3, 1, 6], Span(0, 48), Span(0, 2), first)
-    gather(cache, spec, [3, 1, 6], Span(0, 48), Span(0, 2), second)
+        gather(cache, spec, [3, 1, 6], Span(0, 48), Span(0, 2), first, kernel="torch")
+    gather(cache, spec, [3, 1, 6], Span(0, 48), Span(0, 2), second, kernel="torch")
     assert same_bytes(first, second)
     assert same_bytes(second, ref_gather(raw, "cpu_kt", 16, [3, 1, 6], Span(0, 48), Span(0, 2)))

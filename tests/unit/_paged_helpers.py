@@ -1,0 +1,93 @@
+"""Shared by the paged tests: random caches of each layout and a reference read straight from each layout's definition."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import torch
+
+from ncclkv.layout import Span
+from ncclkv.paged import CacheLayout
+
+# "hnd" is the contiguous physical tensor, "hnd_view" vLLM's permuted view of it.
+VARIANTS = ["nhd", "hnd", "hnd_view", "flashinfer", "cpu", "cpu_kt"]
+LAYOUTS = {
+    "nhd": CacheLayout.FLASH_NHD,
+    "hnd": CacheLayout.FLASH_HND,
+    "hnd_view": CacheLayout.FLASH_HND,
+    "flashinfer": CacheLayout.FLASHINFER,
+    "cpu": CacheLayout.CPU,
+    "cpu_kt": CacheLayout.CPU_KT,
+    "mla": CacheLayout.MLA,
+}
+CPU_VARIANTS = ("cpu", "cpu_kt")
+DTYPES = [torch.float32, torch.bfloat16]
+# Every element size the native kernel has a branch for (1, 2, 4, 8 bytes; 2 and 4 take SIMD transposes).
+ALL_SIZES = [torch.uint8, torch.bfloat16, torch.float32, torch.float64]
+# CPU caches take the native kernel by default; the torch-op path is what CUDA caches run, so both are tested.
+KERNELS = ["native", "torch"]
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, rng: random.Random) -> torch.Tensor:
+    """Random bit patterns (NaN payloads and -0.0 included), so only a byte-exact copy compares equal."""
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    int_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[dtype.itemsize]
+    info = torch.iinfo(int_dtype)
+    return torch.randint(info.min, info.max, shape, dtype=int_dtype, generator=gen).view(dtype)
+
+
+def make_cache(variant: str, nb: int, bs: int, heads: int, dim: int, dtype: torch.dtype, rng: random.Random):
+    """(tensor handed to ncclkv, the raw contiguous tensor the reference reads)."""
+    shape = {
+        "nhd": (2, nb, bs, heads, dim),
+        "hnd": (2, nb, heads, bs, dim),
+        "hnd_view": (2, nb, heads, bs, dim),
+        "flashinfer": (nb, 2, bs, heads, dim),
+        "cpu": (nb, heads, bs, 2 * dim),
+        "cpu_kt": (nb, heads, bs, 2 * dim),
+        "mla": (nb, bs, dim),
+    }[variant]
+    raw = random_bits(shape, dtype, rng)
+    return (raw.permute(0, 1, 3, 2, 4) if variant == "hnd_view" else raw), raw
+
+
+def ref_cell(raw: torch.Tensor, variant: str, part: int, block: int, offset: int, head: int) -> torch.Tensor:
+    """The ``[head_size]`` vector of one (part, block, offset, head), read straight from the layout's definition."""
+    if variant == "nhd":
+        return raw[part, block, offset, head]
+    if variant in ("hnd", "hnd_view"):
+        return raw[part, block, head, offset]
+    if variant == "flashinfer":
+        return raw[block, part, offset, head]
+    if variant == "mla":
+        return raw[block, offset]
+    _, num_heads, bs, two_dim = raw.shape
+    dim = two_dim // 2
+    half = ((block * num_heads + head) * 2 + part) * bs * dim  # K [bs, D] (cpu_kt: [D, bs]) then V [bs, D]
+    if variant == "cpu_kt" and part == 0:
+        return raw.reshape(-1)[half + offset : half + dim * bs : bs]
+    return raw.reshape(-1)[half + offset * dim : half + (offset + 1) * dim]
+
+
+def ref_gather(raw, variant, bs, block_ids, tokens: Span, heads: Span) -> torch.Tensor:
+    parts = 1 if variant == "mla" else 2
+    dim = raw.shape[-1] // 2 if variant in CPU_VARIANTS else raw.shape[-1]
+    wire = torch.empty(parts, len(tokens), len(heads), dim, dtype=raw.dtype)
+    for part, t, h in itertools.product(range(parts), tokens, heads):
+        wire[part, t - tokens.start, h - heads.start] = ref_cell(raw, variant, part, block_ids[t // bs], t % bs, h)
+    return wire.view(1, len(tokens) * len(heads), dim) if variant == "mla" else wire
+
+
+def ref_scatter(wire, raw, variant, bs, block_ids, tokens: Span, heads: Span) -> None:
+    parts = 1 if variant == "mla" else 2
+    wire = wire.view(parts, len(tokens), len(heads), wire.shape[-1])
+    for part, t, h in itertools.product(range(parts), tokens, heads):
+        ref_cell(raw, variant, part, block_ids[t // bs], t % bs, h).copy_(wire[part, t - tokens.start, h - heads.start])
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # new_empty: truly unit-stride copies (a size-1 strided slice counts as contiguous and keeps its stride).
+    return a.shape == b.shape and torch.equal(
+        a.new_empty(a.shape).copy_(a).view(torch.uint8), b.new_empty(b.shape).copy_(b).view(torch.uint8)
+    )

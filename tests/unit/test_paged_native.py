@@ -1,0 +1,108 @@
+"""ncclkv.paged's native CPU kernel: the paths no cache layout takes, argument checks, and dispatch.
+
+The layouts themselves (every pair, element size, partial block and head range)
+are covered through gather/scatter in test_paged.py, under both kernels.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ncclkv.layout import Span
+from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather, part_views, scatter
+from ncclkv.paged import _copy, _kernel
+from ncclkv.paged._native import copy_part
+
+from _paged_helpers import random_bits, ref_gather, same_bytes
+
+
+def strided_nhd(rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    """A FLASH_NHD cache whose head dim has stride 2 (every other element of a wider tensor)."""
+    wide = random_bits((2, 6, 16, 3, 16), torch.bfloat16, rng)
+    return wide[..., ::2], wide
+
+
+def test_cache_with_a_strided_head_dim_takes_the_element_path() -> None:
+    """Neither the head dim nor the token dim is unit-stride: the kernel's element-by-element loop."""
+    rng = random.Random(1)
+    cache, wide = strided_nhd(rng)
+    assert cache.stride(-1) == 2
+    spec = PagedCacheSpec.from_tensor(cache, CacheLayout.FLASH_NHD)
+    ids, tokens, heads = [4, 1, 5], Span(3, 40), Span(1, 3)
+    native = torch.empty(spec.wire_shape(len(tokens), len(heads)), dtype=torch.bfloat16)
+    gather(cache, spec, ids, tokens, heads, native, kernel="native")
+    assert same_bytes(native, ref_gather(cache.contiguous(), "nhd", 16, ids, tokens, heads))
+
+    wide_before = wide.clone()
+    scatter(native, cache, spec, ids, tokens, heads, kernel="native")
+    assert same_bytes(wide, wide_before)  # written back where it came from, nothing else touched
+    zeros = torch.zeros_like(native)
+    scatter(zeros, cache, spec, ids, tokens, heads, kernel="native")
+    assert not same_bytes(wide, wide_before)
+    assert same_bytes(wide[..., 1::2], wide_before[..., 1::2])  # the elements between were left alone
+    check = torch.empty_like(native)
+    gather(cache, spec, ids, tokens, heads, check, kernel="torch")
+    assert same_bytes(check, zeros)
+
+
+@pytest.fixture
+def cpu_kt() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec = PagedCacheSpec(CacheLayout.CPU_KT, 4, 16, 2, 8, torch.float32)
+    keys, _ = part_views(torch.zeros(spec.shape), spec)
+    return keys, torch.zeros(32, 2, 8), torch.tensor([3, 0], dtype=torch.int64)
+
+
+def test_copy_part_refuses_mismatched_arguments(cpu_kt) -> None:
+    keys, wire, ids = cpu_kt
+    with pytest.raises(ValueError, match=r"part is torch.float32, wire is torch.float64"):
+        copy_part(True, keys, wire.double(), ids, 16, 0)
+    with pytest.raises(ValueError, match=r"contiguous \[tokens, 2, 8\], got \[32, 8, 2\]"):
+        copy_part(True, keys, wire.transpose(1, 2), ids, 16, 0)
+    with pytest.raises(ValueError, match=r"int64 CPU tensor, got torch.int32"):
+        copy_part(True, keys, wire, ids.int(), 16, 0)
+    with pytest.raises(ValueError, match=r"tokens \[1, 33\) run past 2 blocks of 16"):
+        copy_part(True, keys, wire, ids, 16, 1)
+
+
+def test_the_c_entry_point_checks_its_arguments() -> None:
+    with pytest.raises(TypeError, match="takes 14 arguments, got 2"):
+        _kernel.copy_part(1, 2)
+    with pytest.raises(TypeError, match="s_head must be an int"):
+        _kernel.copy_part(1, 0, 0, 0, "x", 0, 2, 8, 1, 0, 16, 0, 0, 0)
+    with pytest.raises(ValueError, match="block_size=0"):
+        _kernel.copy_part(1, 0, 0, 0, 0, 0, 2, 8, 1, 0, 0, 0, 0, 0)
+
+
+def test_kernel_choice_and_default() -> None:
+    cache = torch.zeros(PagedCacheSpec(CacheLayout.CPU, 2, 16, 1, 8, torch.float32).shape)
+    assert _copy._use_native(None, cache) == (_copy._default_kernel() == "native")
+    assert _copy._use_native("native", cache) and not _copy._use_native("torch", cache)
+    spec = PagedCacheSpec.from_tensor(cache, CacheLayout.CPU)
+    with pytest.raises(ValueError, match=r"kernel must be one of native, torch or None, got 'fast'"):
+        gather(cache, spec, SlotMap([1], 16), Span(0, 4), Span(0, 1), torch.empty(2, 4, 1, 8), kernel="fast")
+
+
+def test_native_is_the_default_for_cpu_caches(monkeypatch) -> None:
+    """Unless NCCLKV_PAGED_KERNEL says torch: prove which path ran by making the other one fail."""
+    spec = PagedCacheSpec(CacheLayout.CPU, 2, 16, 1, 8, torch.float32)
+    cache, out = torch.ones(spec.shape), torch.empty(2, 4, 1, 8)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the native kernel ran")
+
+    monkeypatch.delenv("NCCLKV_PAGED_KERNEL", raising=False)
+    _copy._default_kernel.cache_clear()
+    monkeypatch.setattr(_copy, "copy_part", boom)
+    with pytest.raises(AssertionError, match="native kernel ran"):
+        gather(cache, spec, [1], Span(0, 4), Span(0, 1), out)
+    monkeypatch.setenv("NCCLKV_PAGED_KERNEL", "torch")
+    _copy._default_kernel.cache_clear()
+    try:
+        gather(cache, spec, [1], Span(0, 4), Span(0, 1), out)  # torch ops: copy_part is not called
+    finally:
+        monkeypatch.delenv("NCCLKV_PAGED_KERNEL")
+        _copy._default_kernel.cache_clear()
+    assert torch.equal(out, torch.ones_like(out))
