@@ -2,7 +2,9 @@
 
 Each round runs ``memcpy`` (``wire2.copy_(wire)``), ``gather`` and ``scatter`` once, so
 the baseline sees the same machine load as the code it is compared with. The
-headline is the ratio ncclkv / memcpy (best and median over the rounds).
+headline is the ratio ncclkv / memcpy (best and median over the rounds). On the
+CPU both kernels run in the same rounds: ``native`` (the default) and ``torch``
+(the torch-op path CUDA caches take), and ``vs torch`` is their speed ratio.
 
     python -m benchmarks.bench_paged [--quick] [--out DIR] [--device cuda]
 """
@@ -51,11 +53,11 @@ def _case(
     slot_map = SlotMap(block_ids, bs)
     wire = torch.empty(spec.wire_shape(len(tokens), len(take)), dtype=dtype, device=device)
     wire2 = torch.empty_like(wire)
-    ops: dict[str, Callable[[], object]] = {
-        "memcpy": lambda: wire2.copy_(wire),
-        "gather": lambda: gather(cache, spec, slot_map, tokens, take, wire),
-        "scatter": lambda: scatter(wire, cache, spec, slot_map, tokens, take),
-    }
+    kernels = ("native", "torch") if device.type == "cpu" else ("torch",)
+    ops: dict[str, Callable[[], object]] = {"memcpy": lambda: wire2.copy_(wire)}
+    for kernel in kernels:
+        ops[f"gather/{kernel}"] = lambda k=kernel: gather(cache, spec, slot_map, tokens, take, wire, kernel=k)
+        ops[f"scatter/{kernel}"] = lambda k=kernel: scatter(wire, cache, spec, slot_map, tokens, take, kernel=k)
     times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(args.warmup):
         for fn in ops.values():
@@ -63,17 +65,24 @@ def _case(
     for _ in range(args.repeats):
         for name, fn in ops.items():
             times[name].append(timed(fn, device))
-    _check(cache, spec, block_ids, tokens, take, wire)
+    for kernel in kernels:
+        _check(cache, spec, block_ids, tokens, take, wire, kernel)
     nbytes = wire.numel() * wire.element_size()
     rows = []
-    for name in ("gather", "scatter"):
+    for name in ops:
+        if name == "memcpy":
+            continue
+        op, kernel = name.split("/")
         best, median = min(times[name]), statistics.median(times[name])
         base_best, base_median = min(times["memcpy"]), statistics.median(times["memcpy"])
+        torch_median = statistics.median(times[f"{op}/torch"])
         rows.append(
             {
                 "layout": layout.name,
                 "slice": "partial" if partial else "full",
-                "op": name,
+                "op": op,
+                "kernel": kernel,
+                "vs_torch": torch_median / median,
                 "size_mib": slice_bytes / MIB,
                 "bytes": nbytes,
                 "tokens": len(tokens),
@@ -90,16 +99,22 @@ def _case(
 
 
 def _check(
-    cache: torch.Tensor, spec: PagedCacheSpec, block_ids: list[int], tokens: Span, take: Span, wire: torch.Tensor
+    cache: torch.Tensor,
+    spec: PagedCacheSpec,
+    block_ids: list[int],
+    tokens: Span,
+    take: Span,
+    wire: torch.Tensor,
+    kernel: str,
 ) -> None:
     """The measured code must be right: compare with advanced indexing (allocating, outside the timing)."""
     cache.uniform_()  # distinct values, in place (no temporary the size of the cache)
-    gather(cache, spec, block_ids, tokens, take, wire)
+    gather(cache, spec, block_ids, tokens, take, wire, kernel=kernel)
     slots = torch.tensor([block_ids[t // spec.block_size] for t in tokens], device=cache.device)
     offsets = torch.tensor([t % spec.block_size for t in tokens], device=cache.device)
     expected = torch.stack([part[slots, offsets][:, take.start : take.stop] for part in part_views(cache, spec)])
     if not torch.equal(wire.view(expected.shape), expected):
-        raise AssertionError(f"gather of {spec.layout.name} tokens {tokens!r} heads {take!r} is wrong")
+        raise AssertionError(f"{kernel} gather of {spec.layout.name} tokens {tokens!r} heads {take!r} is wrong")
 
 
 COLUMNS = (
@@ -107,36 +122,53 @@ COLUMNS = (
     Column("slice", "slice", align="<"),
     Column("size_mib", "MiB", "{:.2f}"),
     Column("op", "op", align="<"),
+    Column("kernel", "kernel", align="<"),
     Column("gbps_best", "GB/s best"),
     Column("gbps_median", "median"),
     Column("memcpy_gbps_median", "memcpy"),
     Column("ratio_best", "ratio best"),
     Column("ratio_median", "median"),
+    Column("vs_torch", "vs torch"),
 )
 
 ANALYSIS = """\
-Whole blocks move with one index_select / index_copy_ over the block dim
-(views widened to 8- or 16-byte words), the partial first and last blocks with
-a strided copy each. Layouts whose block holds one head's tokens contiguously
-copy long runs; the vLLM CPU layout interleaves K and V per (block, head), so
-its copies are strided rows of head_size elements and run below memcpy speed.
-CPU_KT (what vLLM 0.32's CPU backend writes: keys transposed per block) is the
-slowest: its keys need a real transpose ([head_size, block_size] per block and
-head against the wire's token-major rows), done through an L2-sized bounce
-buffer; that transpose, not the indexing, bounds it at 0.1-0.35x memcpy.
+On the CPU the native kernel (ncclkv/paged/_kernel.c) does one memcpy per
+contiguous run: a token's heads in the NHD layouts, one head of one token in
+the head-major ones (the vLLM CPU layout interleaves K and V per block and
+head, so its runs are head_size elements). CPU_KT (what vLLM 0.32's CPU backend
+writes: keys transposed per block) needs a real transpose of each
+[head_size, block_size] key tile; it is done in 8x8 SSE2 blocks while the next
+head's tile is prefetched, and stays the slowest layout. The torch-op path
+(`torch` rows; what CUDA caches run) moves whole blocks with one index_select
+/ index_copy_ and the partial blocks with strided copies; it pays per indexed
+row, which is why it trails on the head-major layouts. At 1 MiB the memcpy
+baseline copies a wire buffer that stays in cache while the cache blocks come
+from memory, so ratios there understate the kernels.
 """
+
+
+def _default_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the kernel each device uses by default: native on the CPU, torch ops on CUDA."""
+    native = [r for r in rows if r["kernel"] == "native"]
+    return native or rows
 
 
 def _headline(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
+    default = _default_rows(rows)
     for op in ("gather", "scatter"):
-        full = [r for r in rows if r["op"] == op and r["slice"] == "full"]
+        full = [r for r in default if r["op"] == op and r["slice"] == "full"]
         if full:
             worst, best = min(full, key=lambda r: r["ratio_median"]), max(full, key=lambda r: r["ratio_median"])
             lines.append(
                 f"{op} / memcpy (median, full slices): {worst['ratio_median']:.2f} ({worst['layout']}, "
                 f"{worst['size_mib']:g} MiB) to {best['ratio_median']:.2f} ({best['layout']}, {best['size_mib']:g} MiB)"
             )
+    for layout in ("CPU", "CPU_KT"):
+        native = [r for r in rows if r["kernel"] == "native" and r["layout"] == layout and r["slice"] == "full"]
+        if native:
+            low, high = min(r["vs_torch"] for r in native), max(r["vs_torch"] for r in native)
+            lines.append(f"native kernel over torch ops, {layout} (median, full slices): {low:.1f}x to {high:.1f}x")
     return lines
 
 
@@ -144,7 +176,7 @@ def plot(result: BenchResult, path: Path) -> bool:
     plt = pyplot()
     if plt is None:
         return False
-    full = [r for r in result.rows if r["slice"] == "full"]
+    full = [r for r in _default_rows(result.rows) if r["slice"] == "full"]
     sizes = sorted({float(r["size_mib"]) for r in full})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, op in zip(axes, ("gather", "scatter")):
@@ -153,7 +185,7 @@ def plot(result: BenchResult, path: Path) -> bool:
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=layout.name)
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-        ax.set(title=f"{op} / memcpy (median)", xlabel="slice MiB", xscale="log")
+        ax.set(title=f"{op} / memcpy (median, {full[0]['kernel']} kernel)", xlabel="slice MiB", xscale="log")
         ax.minorticks_off()
         ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
     axes[0].set_ylabel("ratio")

@@ -30,7 +30,7 @@ import torch
 from .._env import PAGED_KERNELS, env_settings
 from ..errors import ShapeMismatchError
 from ..layout import Span
-from ._native import copy_part
+from ._native import move_parts, part_geometry
 from ._slots import SlicePlan, SlotMap
 from ._spec import PagedCacheSpec, part_views
 
@@ -90,7 +90,7 @@ def _as_slot_map(blocks: SlotMap | Sequence[int] | torch.Tensor, spec: PagedCach
 _Part = tuple[torch.Tensor, torch.Tensor]  # (cache part [nb, bs, h, D'], wire part [T, h, D'])
 
 
-def _prepare(
+def _check(
     cache: torch.Tensor,
     spec: PagedCacheSpec,
     blocks: SlotMap | Sequence[int] | torch.Tensor,
@@ -98,15 +98,10 @@ def _prepare(
     heads: Span,
     wire: torch.Tensor,
     wire_name: str,
-) -> tuple[list[_Part], SlicePlan, SlotMap]:
-    """Check every argument; return per part (K, V) the cache view and the wire view, the plan and the slot map.
-
-    Each pair is widened alike, so ``D'`` is the head size in wide words (a CPU_KT
-    key part, whose head dim is strided, stays narrow).
-    """
+) -> tuple[SlicePlan, SlotMap]:
+    """Check every argument but the cache itself (the views check it); return the plan and the slot map."""
     if not isinstance(tokens, Span) or not isinstance(heads, Span):
         raise TypeError(f"tokens and heads must be Span, got {type(tokens).__name__}, {type(heads).__name__}")
-    views = part_views(cache, spec)
     if heads.stop > spec.num_kv_heads:
         raise ValueError(f"head span {heads!r} is outside the cache's {spec.num_kv_heads} kv heads")
     expected = spec.wire_shape(len(tokens), len(heads))
@@ -123,12 +118,22 @@ def _prepare(
     plan = slot_map.plan(tokens, cache.device)
     if plan.max_block_id >= spec.num_blocks:
         raise ValueError(f"block id {plan.max_block_id} is out of range for a cache of {spec.num_blocks} blocks")
+    return plan, slot_map
+
+
+def _torch_parts(cache: torch.Tensor, spec: PagedCacheSpec, tokens: Span, heads: Span, wire: torch.Tensor) -> list[_Part]:
+    """Per part (K, V) the cache view and the wire view, widened alike.
+
+    ``D'`` is the head size in wide words (a CPU_KT key part, whose head dim is
+    strided, stays narrow).
+    """
+    views = part_views(cache, spec)
     wire4 = wire.view(spec.kv_parts, len(tokens), len(heads), spec.head_size)
     parts: list[_Part] = []
     for view, wire_part in zip(views, wire4.unbind(0)):
         cache_part, wire_part = _widen(view[:, :, heads.start : heads.stop], wire_part)
         parts.append((cache_part, wire_part))
-    return parts, plan, slot_map
+    return parts
 
 
 def _token_minor(part: torch.Tensor) -> bool:
@@ -217,12 +222,16 @@ def gather(
     ``kernel`` is ``"native"`` or ``"torch"`` for CPU caches (None: NCCLKV_PAGED_KERNEL);
     CUDA caches always take torch ops.
     """
-    parts, plan, slot_map = _prepare(cache, spec, block_ids, tokens, heads, out, "out")
+    plan, slot_map = _check(cache, spec, block_ids, tokens, heads, out, "out")
+    native = _use_native(kernel, cache)
+    if native:
+        part_geometry(cache, spec, heads)  # checks the cache, even for an empty span
+    else:
+        parts = _torch_parts(cache, spec, tokens, heads, out)
     if len(tokens) == 0 or len(heads) == 0:
         return out
-    if _use_native(kernel, cache):
-        for view, wire in parts:
-            copy_part(True, view, wire, slot_map.ids_cpu, spec.block_size, tokens.start)
+    if native:
+        move_parts(True, cache, spec, slot_map.ids_cpu, tokens, heads, out)
         return out
     for view, wire in parts:
         for run in plan.edges:
@@ -250,16 +259,20 @@ def scatter(
     size than the one the slice was gathered from. The blocks the span touches
     must be distinct. ``kernel`` as for :func:`gather`.
     """
-    parts, plan, slot_map = _prepare(cache, spec, block_ids, tokens, heads, wire, "wire")
+    plan, slot_map = _check(cache, spec, block_ids, tokens, heads, wire, "wire")
+    native = _use_native(kernel, cache)
+    if native:
+        part_geometry(cache, spec, heads)
+    else:
+        parts = _torch_parts(cache, spec, tokens, heads, wire)
     if len(tokens) == 0 or len(heads) == 0:
         return
     if not plan.distinct:
         used = list(plan.full_block_ids) + [run.block_id for run in plan.edges]
         repeated = sorted({b for b in used if used.count(b) > 1})
         raise ValueError(f"token span {tokens!r} maps to repeated block ids {repeated[:8]}; scatter needs distinct blocks")
-    if _use_native(kernel, cache):
-        for view, src in parts:
-            copy_part(False, view, src, slot_map.ids_cpu, spec.block_size, tokens.start)
+    if native:
+        move_parts(False, cache, spec, slot_map.ids_cpu, tokens, heads, wire)
         return
     for view, src in parts:
         for run in plan.edges:

@@ -9,9 +9,62 @@ from __future__ import annotations
 
 import torch
 
+from ..layout import Span
 from . import _kernel  # type: ignore[attr-defined]  # built by setup.py
+from ._spec import PagedCacheSpec, part_views
 
-__all__ = ["copy_part"]
+__all__ = ["copy_part", "move_parts", "part_geometry"]
+
+# (byte offset from the cache's data_ptr to the part's first element, byte strides [block, token, head, dim])
+_Geometry = tuple[tuple[int, tuple[int, ...]], ...]
+_GEOMETRIES: dict[tuple[object, ...], _Geometry] = {}
+_MAX_GEOMETRIES = 1024  # a model has one or two cache geometries per layer kind; this only bounds misuse
+
+
+def part_geometry(cache: torch.Tensor, spec: PagedCacheSpec, heads: Span) -> _Geometry:
+    """Where each part (K, V; MLA: the latent) of ``cache``'s heads ``heads`` lies, in bytes (cached).
+
+    Every layer of a model has the same geometry, so the views (and the checks in
+    :func:`part_views`, which raise for a cache that does not match ``spec``) run
+    once; a layer's gather is then pointer arithmetic.
+    """
+    key = (spec, cache.dtype, tuple(cache.shape), cache.stride(), heads.start, heads.stop)
+    found = _GEOMETRIES.get(key)
+    if found is not None:
+        return found
+    elem = cache.element_size()
+    geometry = tuple(
+        (view.data_ptr() - cache.data_ptr() + heads.start * view.stride(2) * elem, tuple(x * elem for x in view.stride()))
+        for view in part_views(cache, spec)
+    )
+    if len(_GEOMETRIES) >= _MAX_GEOMETRIES:
+        _GEOMETRIES.clear()
+    _GEOMETRIES[key] = geometry
+    return geometry
+
+
+def move_parts(
+    gather: bool,
+    cache: torch.Tensor,
+    spec: PagedCacheSpec,
+    block_ids: torch.Tensor,
+    tokens: Span,
+    heads: Span,
+    wire: torch.Tensor,
+) -> None:
+    """Every part of one layer's slice, cache -> wire (``gather``) or back.
+
+    The caller has checked the wire (shape, dtype, CPU, contiguous) and that the
+    span's blocks exist; ``block_ids`` is the request's contiguous int64 CPU table.
+    """
+    elem = cache.element_size()
+    base, wire_ptr, ids_ptr = cache.data_ptr(), wire.data_ptr(), block_ids.data_ptr()
+    part_bytes = len(tokens) * len(heads) * spec.head_size * elem
+    for index, (offset, (s_block, s_token, s_head, s_dim)) in enumerate(part_geometry(cache, spec, heads)):
+        _kernel.copy_part(
+            int(gather), base + offset, s_block, s_token, s_head, s_dim, elem, spec.head_size, len(heads),
+            ids_ptr, spec.block_size, tokens.start, len(tokens), wire_ptr + index * part_bytes,
+        )
 
 
 def copy_part(

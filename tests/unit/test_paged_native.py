@@ -95,13 +95,13 @@ def test_native_is_the_default_for_cpu_caches(monkeypatch) -> None:
 
     monkeypatch.delenv("NCCLKV_PAGED_KERNEL", raising=False)
     _copy._default_kernel.cache_clear()
-    monkeypatch.setattr(_copy, "copy_part", boom)
+    monkeypatch.setattr(_copy, "move_parts", boom)
     with pytest.raises(AssertionError, match="native kernel ran"):
         gather(cache, spec, [1], Span(0, 4), Span(0, 1), out)
     monkeypatch.setenv("NCCLKV_PAGED_KERNEL", "torch")
     _copy._default_kernel.cache_clear()
     try:
-        gather(cache, spec, [1], Span(0, 4), Span(0, 1), out)  # torch ops: copy_part is not called
+        gather(cache, spec, [1], Span(0, 4), Span(0, 1), out)  # torch ops: move_parts is not called
     finally:
         monkeypatch.delenv("NCCLKV_PAGED_KERNEL")
         _copy._default_kernel.cache_clear()
