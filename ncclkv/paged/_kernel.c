@@ -1,10 +1,12 @@
-/* Paged KV gather/scatter on the CPU: one call moves a token span of one part (K, V or
- * an MLA latent) of one layer between a paged cache and the contiguous wire tensor.
+/* Paged KV gather/scatter on the CPU: one call moves a token span of one layer's parts (K
+ * and V, or an MLA latent) between a paged cache and the contiguous wire tensor.
  *
  * Why native: torch's copy kernels pay per indexed row, and the vLLM CPU layouts cut a
  * slice into rows of head_size elements (256 B in bf16); they ran at 0.1-0.45x memcpy.
  * Here each row is one memcpy, and CPU_KT keys ([head_size, block_size] per block and
- * head) are transposed tile by tile while the tile sits in L1.
+ * head) are transposed tile by tile while the tile sits in L1. Head-major layouts move K
+ * and V of one (block, head) one after the other: in the vLLM CPU layouts they are adjacent,
+ * so the cache is read (or written) front to back.
  *
  * The Python side (_native.py) checks every argument; this file trusts them. Sizes and
  * strides are in bytes except head_size (elements); block ids are int64. The GIL is
@@ -16,10 +18,16 @@
 #include <string.h>
 
 
+enum { MAX_PARTS = 2 };
+
+typedef struct {
+    char *cache;            /* the part's element (block 0, token 0, first head, dim 0) */
+    Py_ssize_t s_block, s_token, s_head, s_dim;  /* the part's strides, bytes */
+    char *wire;             /* the part's contiguous [num_tokens, num_heads, head_size] wire */
+} Part;
+
 typedef struct {
     int gather;             /* 1: cache -> wire, 0: wire -> cache */
-    char *cache;            /* the part's element (block 0, token 0, head 0, dim 0) */
-    Py_ssize_t s_block, s_token, s_head, s_dim;  /* the part's strides, bytes */
     Py_ssize_t elem;        /* element size, bytes */
     Py_ssize_t head_size;   /* elements per head */
     Py_ssize_t num_heads;   /* heads in the slice (the wire's dim 1) */
@@ -27,7 +35,8 @@ typedef struct {
     Py_ssize_t block_size;
     Py_ssize_t token_start; /* request-relative position of the wire's first token */
     Py_ssize_t num_tokens;
-    char *wire;             /* contiguous [num_tokens, num_heads, head_size] */
+    int num_parts;
+    Part parts[MAX_PARTS];
 } Job;
 
 static inline void move(int gather, char *cache, char *wire, size_t bytes) {
@@ -138,48 +147,62 @@ static inline void prefetch_range(const char *start, Py_ssize_t bytes, int for_r
     }
 }
 
-/* The tokens [w, w + tokens) of the wire, which sit in one block from `cache` on. */
-static void move_segment(const Job *job, char *cache, char *wire, Py_ssize_t tokens) {
-    const Py_ssize_t elem = job->elem, dim = job->head_size, heads = job->num_heads;
-    const Py_ssize_t row = dim * elem;           /* one head of one token */
-    const Py_ssize_t token_row = heads * row;    /* one token of the wire */
-    if (job->s_dim == elem) {
-        if (job->s_head == row) {                /* the slice's heads are adjacent per token */
-            if (job->s_token == token_row) {     /* ... and its tokens too: one run */
-                move(job->gather, cache, wire, (size_t)(tokens * token_row));
-                return;
-            }
-            for (Py_ssize_t t = 0; t < tokens; t++)
-                move(job->gather, cache + t * job->s_token, wire + t * token_row, (size_t)token_row);
-            return;
-        }
-        /* Head-major caches (CPU, FLASH_HND): walk each head's tokens, the cache side in order. */
-        for (Py_ssize_t h = 0; h < heads; h++)
-            for (Py_ssize_t t = 0; t < tokens; t++)
-                move(job->gather, cache + h * job->s_head + t * job->s_token, wire + t * token_row + h * row,
-                     (size_t)row);
-        return;
-    }
-    if (job->s_token == elem) {                  /* token-minor keys (CPU_KT): a transpose per head */
-        const Py_ssize_t tile_bytes = (dim - 1) * job->s_dim + tokens * elem;
-        for (Py_ssize_t h = 0; h < heads; h++) {
-            /* The transpose's loads queue behind its shuffles, so misses come one tile at a time;
-             * asking for the next head's tile now overlaps it (gather 7 -> 10-11 GB/s on a cold cache). */
-            if (h + 1 < heads)
-                prefetch_range(cache + (h + 1) * job->s_head, tile_bytes, job->gather);
-            move_tile(job->gather, cache + h * job->s_head, wire + h * row, tokens, dim, job->s_dim, token_row, elem);
-        }
-        return;
-    }
-    for (Py_ssize_t t = 0; t < tokens; t++)      /* any other strides: element by element */
-        for (Py_ssize_t h = 0; h < heads; h++)
+/* One head of `tokens` tokens of one part: rows, a transposed tile, or elements. */
+static void move_head(const Job *job, const Part *part, char *cache, char *wire, Py_ssize_t tokens) {
+    const Py_ssize_t elem = job->elem, dim = job->head_size;
+    const Py_ssize_t row = dim * elem, token_row = job->num_heads * row;
+    if (part->s_dim == elem) {                   /* head-major (CPU, FLASH_HND): a row per token */
+        for (Py_ssize_t t = 0; t < tokens; t++)
+            move(job->gather, cache + t * part->s_token, wire + t * token_row, (size_t)row);
+    } else if (part->s_token == elem) {          /* token-minor keys (CPU_KT) */
+        move_tile(job->gather, cache, wire, tokens, dim, part->s_dim, token_row, elem);
+    } else {                                     /* any other strides: element by element */
+        for (Py_ssize_t t = 0; t < tokens; t++)
             for (Py_ssize_t d = 0; d < dim; d++)
-                move(job->gather, cache + t * job->s_token + h * job->s_head + d * job->s_dim,
-                     wire + t * token_row + h * row + d * elem, (size_t)elem);
+                move(job->gather, cache + t * part->s_token + d * part->s_dim, wire + t * token_row + d * elem,
+                     (size_t)elem);
+    }
+}
+
+/* Wire tokens [done, done + tokens), which sit in block `block_id` from `offset` on. */
+static void move_segment(const Job *job, int64_t block_id, Py_ssize_t offset, Py_ssize_t done, Py_ssize_t tokens) {
+    const Py_ssize_t elem = job->elem, heads = job->num_heads;
+    const Py_ssize_t row = job->head_size * elem, token_row = heads * row;
+    char *cache[MAX_PARTS], *wire[MAX_PARTS];
+    int head_wise[MAX_PARTS], any_head_wise = 0;
+    for (int p = 0; p < job->num_parts; p++) {
+        const Part *part = &job->parts[p];
+        cache[p] = part->cache + block_id * part->s_block + offset * part->s_token;
+        wire[p] = part->wire + done * token_row;
+        head_wise[p] = !(part->s_dim == elem && part->s_head == row);
+        any_head_wise |= head_wise[p];
+        if (head_wise[p])
+            continue;
+        /* The slice's heads are adjacent per token (NHD layouts, MLA): a run per token, or one run. */
+        if (part->s_token == token_row)
+            move(job->gather, cache[p], wire[p], (size_t)(tokens * token_row));
+        else
+            for (Py_ssize_t t = 0; t < tokens; t++)
+                move(job->gather, cache[p] + t * part->s_token, wire[p] + t * token_row, (size_t)token_row);
+    }
+    if (!any_head_wise)
+        return;
+    for (Py_ssize_t h = 0; h < heads; h++) {
+        for (int p = 0; p < job->num_parts; p++) {
+            const Part *part = &job->parts[p];
+            if (!head_wise[p])
+                continue;
+            if (part->s_token == elem && part->s_dim != elem && h + 1 < heads)
+                /* A transpose's loads queue behind its shuffles, so misses would come one tile at a
+                 * time; asking for the next head's tile now overlaps them (7 -> 10-11 GB/s here). */
+                prefetch_range(cache[p] + (h + 1) * part->s_head, (job->head_size - 1) * part->s_dim + tokens * elem,
+                               job->gather);
+            move_head(job, part, cache[p] + h * part->s_head, wire[p] + h * row, tokens);
+        }
+    }
 }
 
 static void run_job(const Job *job) {
-    const Py_ssize_t token_row = job->num_heads * job->head_size * job->elem;
     Py_ssize_t done = 0;
     while (done < job->num_tokens) {
         const Py_ssize_t pos = job->token_start + done;
@@ -187,51 +210,53 @@ static void run_job(const Job *job) {
         Py_ssize_t tokens = job->block_size - offset;
         if (tokens > job->num_tokens - done)
             tokens = job->num_tokens - done;
-        char *cache = job->cache + job->block_ids[pos / job->block_size] * job->s_block + offset * job->s_token;
-        move_segment(job, cache, job->wire + done * token_row, tokens);
+        move_segment(job, job->block_ids[pos / job->block_size], offset, done, tokens);
         done += tokens;
     }
 }
 
-static int as_ssize(PyObject *arg, Py_ssize_t *out, const char *name) {
+static int as_ssize(PyObject *arg, Py_ssize_t *out, Py_ssize_t index) {
     *out = PyLong_AsSsize_t(arg);
     if (*out == -1 && PyErr_Occurred()) {
-        PyErr_Format(PyExc_TypeError, "copy_part: %s must be an int", name);
+        PyErr_Format(PyExc_TypeError, "copy_parts: argument %zd must be an int", index);
         return 0;
     }
     return 1;
 }
 
-static PyObject *copy_part(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    static const char *names[] = {"gather",    "cache_ptr",  "s_block",     "s_token",    "s_head",
-                                  "s_dim",     "elem",       "head_size",   "num_heads",  "block_ids_ptr",
-                                  "block_size", "token_start", "num_tokens", "wire_ptr"};
-    enum { NARGS = sizeof(names) / sizeof(names[0]) };
-    Py_ssize_t v[NARGS];
+enum { FIXED_ARGS = 8, PART_ARGS = 6 };
+
+static PyObject *copy_parts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t v[FIXED_ARGS + MAX_PARTS * PART_ARGS];
     (void)self;
-    if (nargs != NARGS) {
-        PyErr_Format(PyExc_TypeError, "copy_part takes %d arguments, got %zd", (int)NARGS, nargs);
+    const Py_ssize_t num_parts = (nargs - FIXED_ARGS) / PART_ARGS;
+    if (nargs < FIXED_ARGS + PART_ARGS || (nargs - FIXED_ARGS) % PART_ARGS || num_parts > MAX_PARTS) {
+        PyErr_Format(PyExc_TypeError, "copy_parts takes %d arguments and %d per part (1 or %d parts), got %zd",
+                     (int)FIXED_ARGS, (int)PART_ARGS, (int)MAX_PARTS, nargs);
         return NULL;
     }
-    for (int i = 0; i < NARGS; i++)
-        if (!as_ssize(args[i], &v[i], names[i]))
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        if (!as_ssize(args[i], &v[i], i))
             return NULL;
     Job job = {
-        .gather = v[0] != 0,
-        .cache = (char *)(uintptr_t)v[1],
-        .s_block = v[2], .s_token = v[3], .s_head = v[4], .s_dim = v[5],
-        .elem = v[6], .head_size = v[7], .num_heads = v[8],
-        .block_ids = (const int64_t *)(uintptr_t)v[9],
-        .block_size = v[10], .token_start = v[11], .num_tokens = v[12],
-        .wire = (char *)(uintptr_t)v[13],
+        .gather = v[0] != 0, .elem = v[1], .head_size = v[2], .num_heads = v[3],
+        .block_ids = (const int64_t *)(uintptr_t)v[4], .block_size = v[5], .token_start = v[6], .num_tokens = v[7],
+        .num_parts = (int)num_parts,
     };
     if (job.elem < 1 || job.head_size < 1 || job.num_heads < 0 || job.block_size < 1 || job.token_start < 0 ||
         job.num_tokens < 0) {
         PyErr_Format(PyExc_ValueError,
-                     "copy_part: bad geometry elem=%zd head_size=%zd num_heads=%zd block_size=%zd "
+                     "copy_parts: bad geometry elem=%zd head_size=%zd num_heads=%zd block_size=%zd "
                      "token_start=%zd num_tokens=%zd",
                      job.elem, job.head_size, job.num_heads, job.block_size, job.token_start, job.num_tokens);
         return NULL;
+    }
+    for (Py_ssize_t p = 0; p < num_parts; p++) {
+        const Py_ssize_t *a = v + FIXED_ARGS + p * PART_ARGS;
+        job.parts[p] = (Part){
+            .cache = (char *)(uintptr_t)a[0], .s_block = a[1], .s_token = a[2], .s_head = a[3], .s_dim = a[4],
+            .wire = (char *)(uintptr_t)a[5],
+        };
     }
     Py_BEGIN_ALLOW_THREADS
     run_job(&job);
@@ -240,9 +265,9 @@ static PyObject *copy_part(PyObject *self, PyObject *const *args, Py_ssize_t nar
 }
 
 static PyMethodDef methods[] = {
-    {"copy_part", (PyCFunction)(void (*)(void))copy_part, METH_FASTCALL,
-     "copy_part(gather, cache_ptr, s_block, s_token, s_head, s_dim, elem, head_size, num_heads, "
-     "block_ids_ptr, block_size, token_start, num_tokens, wire_ptr): move a token span of one part."},
+    {"copy_parts", (PyCFunction)(void (*)(void))copy_parts, METH_FASTCALL,
+     "copy_parts(gather, elem, head_size, num_heads, block_ids_ptr, block_size, token_start, num_tokens, "
+     "*[cache_ptr, s_block, s_token, s_head, s_dim, wire_ptr] per part): move a token span of one layer."},
     {NULL, NULL, 0, NULL},
 };
 

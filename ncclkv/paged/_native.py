@@ -58,13 +58,12 @@ def move_parts(
     span's blocks exist; ``block_ids`` is the request's contiguous int64 CPU table.
     """
     elem = cache.element_size()
-    base, wire_ptr, ids_ptr = cache.data_ptr(), wire.data_ptr(), block_ids.data_ptr()
+    base, wire_ptr = cache.data_ptr(), wire.data_ptr()
     part_bytes = len(tokens) * len(heads) * spec.head_size * elem
-    for index, (offset, (s_block, s_token, s_head, s_dim)) in enumerate(part_geometry(cache, spec, heads)):
-        _kernel.copy_part(
-            int(gather), base + offset, s_block, s_token, s_head, s_dim, elem, spec.head_size, len(heads),
-            ids_ptr, spec.block_size, tokens.start, len(tokens), wire_ptr + index * part_bytes,
-        )
+    args = [int(gather), elem, spec.head_size, len(heads), block_ids.data_ptr(), spec.block_size, tokens.start, len(tokens)]
+    for index, (offset, strides) in enumerate(part_geometry(cache, spec, heads)):
+        args += [base + offset, *strides, wire_ptr + index * part_bytes]
+    _kernel.copy_parts(*args)
 
 
 def copy_part(
@@ -96,20 +95,7 @@ def copy_part(
             f"tokens [{token_start}, {token_start + num_tokens}) run past {block_ids.numel()} blocks of {block_size}"
         )
     elem = part.element_size()
-    s_block, s_token, s_head, s_dim = (stride * elem for stride in part.stride())
-    _kernel.copy_part(
-        int(gather),
-        part.data_ptr(),
-        s_block,
-        s_token,
-        s_head,
-        s_dim,
-        elem,
-        part.size(3),
-        part.size(2),
-        block_ids.data_ptr(),
-        block_size,
-        token_start,
-        num_tokens,
-        wire.data_ptr(),
+    _kernel.copy_parts(
+        int(gather), elem, part.size(3), part.size(2), block_ids.data_ptr(), block_size, token_start, num_tokens,
+        part.data_ptr(), *(stride * elem for stride in part.stride()), wire.data_ptr(),
     )

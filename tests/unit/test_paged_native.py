@@ -68,12 +68,15 @@ def test_copy_part_refuses_mismatched_arguments(cpu_kt) -> None:
 
 
 def test_the_c_entry_point_checks_its_arguments() -> None:
-    with pytest.raises(TypeError, match="takes 14 arguments, got 2"):
-        _kernel.copy_part(1, 2)
-    with pytest.raises(TypeError, match="s_head must be an int"):
-        _kernel.copy_part(1, 0, 0, 0, "x", 0, 2, 8, 1, 0, 16, 0, 0, 0)
+    fixed = [1, 2, 8, 1, 0, 16, 0, 0]  # gather, elem, head_size, num_heads, ids, block_size, start, tokens
+    part = [0, 0, 0, 0, 2, 0]  # cache, 4 strides, wire
+    for count in (2, len(fixed), len(fixed) + 5, len(fixed) + 3 * len(part)):
+        with pytest.raises(TypeError, match=f"copy_parts takes 8 arguments and 6 per part .*, got {count}"):
+            _kernel.copy_parts(*(fixed + part * 3)[:count])
+    with pytest.raises(TypeError, match="argument 10 must be an int"):
+        _kernel.copy_parts(*fixed, 0, 0, "x", 0, 2, 0)
     with pytest.raises(ValueError, match="block_size=0"):
-        _kernel.copy_part(1, 0, 0, 0, 0, 0, 2, 8, 1, 0, 0, 0, 0, 0)
+        _kernel.copy_parts(*fixed[:5], 0, 0, 0, *part)
 
 
 def test_kernel_choice_and_default() -> None:
