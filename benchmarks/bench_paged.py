@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ncclkv.layout import Span
-from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather, part_views, scatter
+from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, _kernel, gather, part_views, scatter
 
 from ._common import (
     DEFAULT_OUT, MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, timed, write_figure,
@@ -134,16 +134,19 @@ COLUMNS = (
 ANALYSIS = """\
 On the CPU the native kernel (ncclkv/paged/_kernel.c) does one memcpy per
 contiguous run: a token's heads in the NHD layouts, one head of one token in
-the head-major ones (the vLLM CPU layout interleaves K and V per block and
-head, so its runs are head_size elements). CPU_KT (what vLLM 0.32's CPU backend
-writes: keys transposed per block) needs a real transpose of each
-[head_size, block_size] key tile; it is done in 8x8 SSE2 blocks while the next
-head's tile is prefetched, and stays the slowest layout. The torch-op path
-(`torch` rows; what CUDA caches run) moves whole blocks with one index_select
-/ index_copy_ and the partial blocks with strided copies; it pays per indexed
-row, which is why it trails on the head-major layouts. At 1 MiB the memcpy
-baseline copies a wire buffer that stays in cache while the cache blocks come
-from memory, so ratios there understate the kernels.
+the head-major ones, with K and V of each (block, head) back to back (adjacent
+in the vLLM CPU layouts, so the cache is read front to back). CPU_KT (what
+vLLM 0.32's CPU backend writes: keys transposed per block) needs a real
+transpose of each [head_size, block_size] key tile: 16x16 AVX2 blocks (8x8
+SSE2 on ragged tiles or without AVX2; `native_isa` above says which ran), with
+the next head's tile prefetched, because the transpose's loads otherwise wait
+behind its shuffles. It stays the slowest layout. The torch-op path (`torch`
+rows; what CUDA caches run) moves whole blocks with one index_select /
+index_copy_ and the partial blocks with strided copies; it pays per indexed
+row and about 25 us of Python per call, which is why it trails most on the
+head-major layouts and on small slices. Slices of 16 MiB and up measure the
+copies against memory; at 1 MiB the memcpy baseline copies a wire buffer that
+stays in cache while the cache blocks partly come from memory.
 """
 
 
@@ -243,6 +246,7 @@ def _result(args: argparse.Namespace, rows: list[dict[str, object]], command: st
         "command": command,
         "torch": torch.__version__,
         "device": args.device,
+        "native_isa": _kernel.isa(),
         "threads": args.threads or torch.get_num_threads(),
         "dtype": args.dtype,
         "block_size": args.block_size,

@@ -109,3 +109,12 @@ def test_native_is_the_default_for_cpu_caches(monkeypatch) -> None:
         monkeypatch.delenv("NCCLKV_PAGED_KERNEL")
         _copy._default_kernel.cache_clear()
     assert torch.equal(out, torch.ones_like(out))
+
+
+def test_kernel_reports_the_transposes_it_runs() -> None:
+    """On an x86 CPU with AVX2, whole 16x16 key tiles take the AVX2 transpose (the others SSE2)."""
+    import platform
+
+    flags = open("/proc/cpuinfo").read().split() if platform.machine() == "x86_64" else []
+    expected = "avx2" if "avx2" in flags else "sse2" if platform.machine() == "x86_64" else "scalar"
+    assert _kernel.isa() == expected
