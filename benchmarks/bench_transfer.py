@@ -183,21 +183,27 @@ Where the time goes. gloo over loopback TCP is copy-bound: the sender's
 `write` copies into the kernel and the receiver's `read` copies out of it. The
 ncclkv path adds two more passes over the same bytes: the gather on the sender
 (cache blocks -> wire tensor) and the scatter on the receiver (wire tensor ->
-blocks of another size; in the vLLM CPU layout a strided write, the slowest of
-the copies). They run on the caller's thread while earlier layers are on the
+blocks of another size). Both run in ncclkv's native kernel (see paged), at
+12-15 GB/s here against 13-18 GB/s for memcpy; before it (torch ops) they ran
+at 6-11 GB/s. They run on the caller's thread while earlier layers are on the
 wire, so they overlap with the transfer, but they need CPU: `CPU ncclkv/raw`
-(CPU seconds of both processes, ncclkv over raw, same bytes) was 2.6-3.6 from
-1 MiB up in our runs, about what raw plus the `gather` and `scatter` columns
-predict; the link's own cost is small there (`link/raw` 0.8-1.07). So
-ncclkv/raw is about (ncclkv cores / raw cores) / (CPU ncclkv/raw): it is set by
-the cores a run gets. With both cores to itself ncclkv would reach the
-`core-bound ceiling` (0.4-0.8); on this shared machine, where other engineers'
-jobs held about a core (`cores` columns: cores our two processes kept busy),
-it measured 0.30-0.59. The 0.85 goal needs about three free cores at this wire
-speed, or a GPU, where gather and scatter are device kernels off the host CPU.
+(CPU seconds of both processes, ncclkv over raw, same bytes) is about 1.9-2.7
+from 1 MiB up (2.6-3.6 with torch ops), about what raw plus the `gather` and
+`scatter` columns predict. So ncclkv/raw is about (ncclkv cores / raw cores)
+/ (CPU ncclkv/raw): with both cores to itself ncclkv would reach the
+`core-bound ceiling` (0.5-0.9 now); it measured 0.4-0.66, because the
+pipeline does not keep both cores busy (`cores` columns: 1.1-1.75) and, at
+1-4 MiB, the link's own per-tensor cost (`link/raw` 0.66-0.9: two Python
+threads per direction, a frame header per few tensors, a future per tensor)
+adds latency that the overlap cannot hide. The 0.85 goal needs a third core at
+this wire speed, fewer passes over the bytes (a receive straight into the
+cache, which gloo allows only for contiguous runs of blocks), or a GPU, where
+gather and scatter are device kernels off the host CPU.
 
-What was tried (same machine, same day; flags of `python -m benchmarks.bench_transfer`):
+What was tried (same machine; flags of `python -m benchmarks.bench_transfer`):
 
+- The native gather/scatter kernel (this run against the torch-op one of the
+  day before): ncclkv/raw 0.30-0.40 -> 0.40-0.66 from 1 MiB up.
 - In-flight depth (`--in-flight N`). gloo writes a send's payload only after the
   peer's receive is posted (it sends a recv-ready notice), so a link that posts
   few receives ahead pays a round trip per tensor. With the transport's old
@@ -206,17 +212,14 @@ What was tried (same machine, same day; flags of `python -m benchmarks.bench_tra
   64 operations and 256 MiB per direction (`DEFAULT_MAX_IN_FLIGHT[_BYTES]`),
   which lifted link/raw to 0.8-1.07 from 1 MiB up. Receivers should post their
   receives ahead of the data, as the raw and link paths here do.
-- Chunking large slices (`--chunk-kib 4096` or `1024` on 16 and 64 MiB slices,
-  to shorten the pipeline's fill and drain): no throughput gain (0.47-0.61
-  against 0.43-0.48 unchunked, within the noise); 1 MiB chunks were worse
-  (0.34-0.38): more calls, same CPU. Chunks do cut latency (see overlap).
-- Two torch threads per process (`--threads 2`): worse (0.25-0.46); the OpenMP
-  threads compete with the gloo threads for the same two cores.
-- Below 1 MiB the link's per-tensor cost dominates: two Python threads per
-  direction and a future per tensor, roughly 50 us per tensor here.
-
-What would help most on CPU: a faster scatter into the CPU layout (the largest
-CPU term, about 6 GB/s against 16 GB/s for memcpy here).
+- Chunking large slices (`--chunk-kib 2048` on 16 and 64 MiB slices, to
+  shorten the pipeline's fill and drain): 0.63-0.64 against 0.64-0.75
+  unchunked with the native kernel, within the noise; with torch ops, 1 MiB
+  chunks were worse. Chunks do cut latency (see overlap).
+- Two torch threads per process (`--threads 2`): worse (0.25-0.46, torch ops);
+  the OpenMP threads compete with the gloo threads for the same two cores.
+- Below 1 MiB the link's per-tensor cost dominates: roughly 50-90 us per
+  tensor here.
 """
 
 
