@@ -42,6 +42,14 @@ class NcclKVConfig:
         False loads inside the forward pass of the step that computes the
         rest of the prompt, layer by layer (``wait_for_layer_load`` waits for
         that layer only); the last prompt token is always computed locally.
+    idle_wait_ms
+        On a step where vLLM scheduled no tokens (it steps again at once, only
+        to poll the connector) while transfers are in flight, a worker waits up
+        to this long for a load to land, or sleeps this long for sends, instead
+        of returning at once. The engine's step loop otherwise holds the GIL
+        that ncclkv's receive and send threads need, and CPython hands it over
+        only every switch interval (5 ms). 0 turns it off. It delays a new
+        request arriving during such a step by at most this much.
     cache_layout
         Name of a :class:`ncclkv.paged.CacheLayout` (``"cpu"``, ``"flash_nhd"``,
         ...) when the shape of vLLM's KV cache is ambiguous; default: detected.
@@ -61,6 +69,7 @@ class NcclKVConfig:
     bind_host: str | None = None
     hold_s: float = 120.0
     async_load: bool = True
+    idle_wait_ms: float = 2.0
     cache_layout: str | None = None
     ref_path: str | None = None
     corrupt_for_test: bool = False
@@ -73,6 +82,8 @@ class NcclKVConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be > 0, got {value!r}")
+        if not 0 <= self.idle_wait_ms <= 1000:
+            raise ValueError(f"kv_connector_extra_config['idle_wait_ms'] must be in [0, 1000], got {self.idle_wait_ms!r}")
         if self.staging_bytes is not None and self.staging_bytes < 1:
             raise ValueError(f"kv_connector_extra_config['staging_bytes'] must be >= 1, got {self.staging_bytes!r}")
         if self.cache_layout is not None:

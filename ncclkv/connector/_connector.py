@@ -114,8 +114,10 @@ class NcclKVConnector(KVConnectorBase_V1):
                 self._worker.handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, NcclKVMetadata) and meta.idle
         with torch.inference_mode(False):
-            sending, receiving = self._work().get_finished(finished_req_ids)
+            sending, receiving = self._work().get_finished(finished_req_ids, idle=idle)
         return sending or None, receiving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

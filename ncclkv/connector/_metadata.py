@@ -72,6 +72,7 @@ class NcclKVMetadata(KVConnectorMetadata):
     pushes: tuple[PushJob, ...] = ()
     releases: tuple[str, ...] = ()  # transfer ids of holds whose request ended without a remote decode
     preempted: frozenset[str] = frozenset()
+    idle: bool = False  # vLLM scheduled no tokens this step: it steps only to poll the connector
 
     @property
     def empty(self) -> bool:

@@ -156,7 +156,8 @@ class SchedulerSide:
                 num = request.num_prompt_tokens
                 blocks = BlockTokens.of_prompt(request.all_token_ids[:num], self._block_size, extra_keys(request))
                 pushes.append(PushJob(req_id, produce.transfer_id, produce.push_to, tuple(block_ids), num, blocks))
-        meta = NcclKVMetadata(tuple(self._loads), tuple(holds), tuple(pushes), tuple(self._releases), preempted)
+        meta = NcclKVMetadata(tuple(self._loads), tuple(holds), tuple(pushes), tuple(self._releases), preempted,
+                              idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._loads, self._releases = [], []
         return meta
 

@@ -204,8 +204,10 @@ class WorkerSide:
         if busy:
             log.error("ncclkv: preempted requests still sending after the deadline: %s", sorted(busy))
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+    def get_finished(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str], set[str]]:
         engine = self.engine
+        if idle:
+            self._idle_wait()
         ours = set(self._sends.values()) | self._sent
         self._finished |= finished_req_ids & ours
         for tid, load in list(self._loads.items()):
@@ -257,6 +259,17 @@ class WorkerSide:
         return len(self._loads) + len(self._sends) + len(self._sent) + len(self._done_recv)
 
     # -- internals ------------------------------------------------------------------------------
+    def _idle_wait(self) -> None:
+        """An idle step (see NcclKVConfig.idle_wait_ms): give the GIL to the transfer threads for a while."""
+        wait_s = self._config.idle_wait_ms / 1000
+        if wait_s <= 0:
+            return
+        if any(not load.job.sync for load in self._loads.values()):
+            self.engine.wait_finished_receiving(wait_s)  # returns as soon as one lands
+        elif self._sends:
+            time.sleep(wait_s)  # held or pushed blocks: their completion can wait this long
+
+
     def _start_pushes(self, meta: NcclKVMetadata) -> list[PushJob]:
         if self._push_meta is meta:
             return self._step_pushes

@@ -163,6 +163,15 @@ class ConsumerSide:
     def wait_all(self, request_id: str, timeout_s: float | None = None) -> None:
         self._wait(request_id, lambda req: not req.pending, timeout_s, "all layers")
 
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Block until some expected request completed or failed (what :meth:`take_finished` would report,
+        stalls aside) or ``timeout_s`` passed; return whether one did. Waits on the condition every landed
+        tensor notifies, so the caller holds no GIL meanwhile."""
+        with self._cond:
+            return self._cond.wait_for(lambda: any(
+                (r.error is not None or not r.pending) and r.applying == 0 for r in self._requests.values()
+            ), timeout_s)
+
     def take_finished(self) -> dict[str, BaseException | None]:
         """Requests that completed or failed since the last call (a stalled one fails here too)."""
         now = self._clock.now()

@@ -144,6 +144,15 @@ class TransferEngine:
     def abort(self, request_id: str) -> None:
         self._consumer.abort(request_id)
 
+    def wait_finished_receiving(self, timeout_s: float) -> bool:
+        """Block until an expected request landed or failed, or ``timeout_s`` passed; True if one did.
+
+        For a caller with nothing else to do (an idle vLLM step): it sleeps on a
+        condition instead of polling :meth:`take_finished_receiving`."""
+        if not timeout_s >= 0:
+            raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")
+        return self._consumer.wait_finished(timeout_s)
+
     def take_finished_receiving(self) -> dict[str, BaseException | None]:
         """Expected requests that landed (None) or failed (the error) since the last call."""
         return self._consumer.take_finished()

@@ -239,3 +239,19 @@ def test_prefill_preempted_or_aborted_after_its_prompt_was_held(engines: list[En
     assert decode.outputs([req]) == expected and decode.mismatches == []
     assert _bytes(decode, "transfers_received") == 1
     _settle(prefill, decode)
+
+
+def test_idle_step_waits_for_the_load_instead_of_spinning(engines: list[EngineSim], model_dir: Path) -> None:
+    """A decode request waiting for its KV leaves vLLM nothing to schedule, and vLLM steps again at once.
+    With ``idle_wait_ms`` the worker's get_finished sleeps until the load lands (a condition, no GIL held),
+    so the very step that issued the pull reports it received, instead of many spinning steps."""
+    expected = _reference(engines, model_dir, PROMPTS[:1])
+    prefill, decode = _pair(engines, model_dir, decode_extra={"idle_wait_ms": 1000.0})
+    params = _prefill(prefill, PROMPTS[:1])
+    decode.add("d-0", PROMPTS[0], MAX_TOKENS, params[0])
+    decode.step()  # schedules no token: issues the pull, then waits in get_finished until it landed
+    assert "d-0" in decode.scheduler.finished_recving_kv_req_ids
+    assert decode.computed.get("d-0", 0) == 0
+    decode.run(lambda: "d-0" in decode.finished)
+    assert decode.outputs(["d-0"]) == expected and decode.mismatches == []
+    _settle(prefill, decode)

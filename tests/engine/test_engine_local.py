@@ -338,3 +338,37 @@ def test_responder_opens_its_link_while_every_executor_worker_waits() -> None:
     finally:
         release.set()
         close_sides(prefill, decode)
+
+
+def test_wait_finished_receiving_sleeps_until_a_request_lands() -> None:
+    """The idle-step wait of the vLLM worker: nothing to report -> it times out; a landing ends it."""
+    layout = ParallelLayout(1, 1)
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")
+    decode = build_sides("decode", layout, GQA, CacheLayout.CPU, 16, "consumer")
+    try:
+        (producer,), (consumer,) = prefill, decode
+        blocks, num_tokens = [1, 4], 30
+        producer.fill(seed=3, block_ids=blocks, num_tokens=num_tokens)
+        consumer.engine.expect("req-w", engine_ref("prefill", layout, prefill), blocks, num_tokens)
+        # The producer holds nothing yet: the pull is parked, nothing can land.
+        assert consumer.engine.wait_finished_receiving(0.2) is False
+        outcome: list[bool] = []
+        returned = threading.Event()
+
+        def waiter() -> None:
+            outcome.append(consumer.engine.wait_finished_receiving(30.0))
+            returned.set()
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        assert not returned.wait(0.2)  # still waiting: the request has not landed
+        producer.engine.finish("req-w", blocks, num_tokens)  # now the parked pull is served
+        assert returned.wait(20), "the wait did not end when the request landed"
+        thread.join()
+        assert outcome == [True]
+        assert consumer.engine.take_finished_receiving() == {"req-w": None}
+        assert consumer.mismatches(3, blocks, num_tokens, Span(0, num_tokens)) == []
+        with pytest.raises(ValueError, match="timeout_s must be >= 0, got -1"):
+            consumer.engine.wait_finished_receiving(-1)
+    finally:
+        close_sides(prefill, decode)

@@ -22,6 +22,7 @@ def test_extra_config_defaults_and_values() -> None:
                                    "staging_bytes": 1 << 20, "corrupt_for_test": True})
     assert (cfg.deadline_s, cfg.async_load, cfg.layout()) == (3, False, CacheLayout.FLASH_NHD)
     assert cfg.corrupt_for_test is True
+    assert NcclKVConfig().idle_wait_ms == 2.0 and NcclKVConfig.from_extra({"idle_wait_ms": 0}).idle_wait_ms == 0
     with pytest.raises(AttributeError):
         cfg.hold_s = 1.0  # type: ignore[misc]
 
@@ -38,6 +39,9 @@ def test_unknown_keys_are_named() -> None:
     ({"staging_bytes": 2.5}, "'staging_bytes'.* must be int or None"),
     ({"staging_bytes": 0}, "'staging_bytes'.* must be >= 1"),
     ({"cache_layout": "nhd"}, "'cache_layout'.*'nhd' is not one of"),
+    ({"idle_wait_ms": -1.0}, r"'idle_wait_ms'.* must be in \[0, 1000\], got -1.0"),
+    ({"idle_wait_ms": 5000}, r"'idle_wait_ms'.* must be in \[0, 1000\], got 5000"),
+    ({"idle_wait_ms": True}, "'idle_wait_ms'.* must be float, got bool"),
     ({"ref_path": 3}, "'ref_path'.* must be str or None"),
 ])
 def test_bad_values_are_rejected(extra: dict, message: str) -> None:
