@@ -109,15 +109,23 @@ Two effects set the exposed time.
 The last layer's latency. After the last compute, that layer's slice is still
 gathered, sent and scattered, one step after the other. `1 layer alone` is that
 latency in units of x (x: the per-layer time of a pipelined stream of layers).
-Sent as one tensor it was 1.1-1.9 x in our runs, and that is the floor of what
-whole-layer sending leaves exposed: we saw 1.0-1.9 layers (about 1.4 typical).
-Sent as token chunks of about 4 MiB, gather, wire and scatter pipeline within
-the layer: one layer alone took 1.0-1.25 x and layer-wise sending exposed
-1.1-1.4 layers (about 1.15 typical). So the goal (at most 1.2 layers when
-c >= x) is within reach with chunks and mostly missed with whole layers; the
-engine should send large layer slices in chunks (at least the last layer).
-Exposure moves by about 0.3 layer between runs on this shared machine; the
-findings above count the rows of this run that met it.
+With the torch-op gather and scatter, whole layers took 1.1-1.9 x alone and
+exposed 1.0-1.9 layers; 4 MiB token chunks pipelined gather, wire and scatter
+within the layer (1.0-1.25 x alone, 1.1-1.4 layers exposed, the goal met in
+most rows). With the native kernel the copies got 2-3x faster, so x shrank
+(the same 10 ms target now moves 30-36 MiB per layer at 6-9 ms), while the
+link's fixed cost per message did not: a ping-pong of one tensor and an 8-byte
+reply over a Link took 251 us at 64 KiB, 376 us at 1 MiB and 718 us at 4 MiB,
+against 41, 98 and 321 us over raw gloo (the receiver posts a payload only
+after its frame header arrived and was checked, and each message wakes a
+poster and a reaper thread on both sides). In units of the smaller x that
+fixed cost weighs more: one layer alone now takes 1.25-1.85 x with or without
+chunks, and 1.35-1.9 layers were exposed (the goal met in no row of two runs,
+1, 2 and 4 MiB chunks tried). Exposure moves by about 0.3 layer between runs
+on this shared machine; the findings above count the rows of this run that
+met it. What would lower it: fewer thread hand-offs per message in the link
+(post from the caller's thread, complete from gloo's callback), and sending
+the last layer in chunks.
 
 Two cores. Compute (one torch thread), the sender's gather and gloo thread, and
 the receiver's gloo thread and scatter share two cores, with other engineers'
