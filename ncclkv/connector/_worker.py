@@ -269,7 +269,6 @@ class WorkerSide:
         elif self._sends:
             time.sleep(wait_s)  # held or pushed blocks: their completion can wait this long
 
-
     def _start_pushes(self, meta: NcclKVMetadata) -> list[PushJob]:
         if self._push_meta is meta:
             return self._step_pushes

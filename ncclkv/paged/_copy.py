@@ -225,13 +225,13 @@ def gather(
     plan, slot_map = _check(cache, spec, block_ids, tokens, heads, out, "out")
     native = _use_native(kernel, cache)
     if native:
-        part_geometry(cache, spec, heads)  # checks the cache, even for an empty span
+        geometry = part_geometry(cache, spec, heads)  # checks the cache, even for an empty span
     else:
         parts = _torch_parts(cache, spec, tokens, heads, out)
     if len(tokens) == 0 or len(heads) == 0:
         return out
     if native:
-        move_parts(True, cache, spec, slot_map.ids_cpu, tokens, heads, out)
+        move_parts(True, cache, geometry, spec, slot_map.ids_cpu, tokens, heads, out)
         return out
     for view, wire in parts:
         for run in plan.edges:
@@ -262,7 +262,7 @@ def scatter(
     plan, slot_map = _check(cache, spec, block_ids, tokens, heads, wire, "wire")
     native = _use_native(kernel, cache)
     if native:
-        part_geometry(cache, spec, heads)
+        geometry = part_geometry(cache, spec, heads)
     else:
         parts = _torch_parts(cache, spec, tokens, heads, wire)
     if len(tokens) == 0 or len(heads) == 0:
@@ -272,7 +272,7 @@ def scatter(
         repeated = sorted({b for b in used if used.count(b) > 1})
         raise ValueError(f"token span {tokens!r} maps to repeated block ids {repeated[:8]}; scatter needs distinct blocks")
     if native:
-        move_parts(False, cache, spec, slot_map.ids_cpu, tokens, heads, wire)
+        move_parts(False, cache, geometry, spec, slot_map.ids_cpu, tokens, heads, wire)
         return
     for view, src in parts:
         for run in plan.edges:

@@ -1,8 +1,8 @@
-"""The native CPU kernel (``_kernel.c``): one call moves a token span of one cache part.
+"""The native CPU kernel (``_kernel.c``): one call moves a token span of every part of one layer.
 
-Every argument is checked here or by the caller (``_copy._prepare``) before a raw
-pointer reaches C: the views are CPU tensors, the wire part is contiguous, and
-the plan has proved every block id in range.
+Every argument is checked here or by the caller (``_copy._check`` and
+:func:`part_geometry`) before a raw pointer reaches C: the cache matches its
+spec, the wire is contiguous, and the plan has proved every block id in range.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def part_geometry(cache: torch.Tensor, spec: PagedCacheSpec, heads: Span) -> _Ge
 def move_parts(
     gather: bool,
     cache: torch.Tensor,
+    geometry: _Geometry,
     spec: PagedCacheSpec,
     block_ids: torch.Tensor,
     tokens: Span,
@@ -55,13 +56,14 @@ def move_parts(
     """Every part of one layer's slice, cache -> wire (``gather``) or back.
 
     The caller has checked the wire (shape, dtype, CPU, contiguous) and that the
-    span's blocks exist; ``block_ids`` is the request's contiguous int64 CPU table.
+    span's blocks exist; ``geometry`` is :func:`part_geometry` of ``cache`` and
+    ``heads``; ``block_ids`` is the request's contiguous int64 CPU table.
     """
     elem = cache.element_size()
     base, wire_ptr = cache.data_ptr(), wire.data_ptr()
     part_bytes = len(tokens) * len(heads) * spec.head_size * elem
     args = [int(gather), elem, spec.head_size, len(heads), block_ids.data_ptr(), spec.block_size, tokens.start, len(tokens)]
-    for index, (offset, strides) in enumerate(part_geometry(cache, spec, heads)):
+    for index, (offset, strides) in enumerate(geometry):
         args += [base + offset, *strides, wire_ptr + index * part_bytes]
     _kernel.copy_parts(*args)
 
