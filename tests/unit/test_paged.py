@@ -17,8 +17,7 @@ from ncclkv.paged import (
 )
 
 from _paged_helpers import (
-    ALL_SIZES, CPU_VARIANTS, DTYPES, KERNELS, LAYOUTS, VARIANTS, make_cache, random_bits, ref_cell, ref_gather,
-    ref_scatter, same_bytes,
+    ALL_SIZES, DTYPES, KERNELS, LAYOUTS, VARIANTS, make_cache, ref_cell, ref_gather, ref_scatter, same_bytes,
 )
 
 
