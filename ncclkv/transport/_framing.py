@@ -13,7 +13,7 @@ keeps those bytes off the wire: the link breaks with ShapeMismatchError.
 The sender describes the tensors it posts (empty ones included) in headers
 on :data:`FRAME_TAG`, up to :data:`BATCH` tensors or :data:`FLUSH_BYTES` per
 header, at once when nothing else of the sender's is on the wire, and once
-its send thread found nothing more to post for :data:`GRACE_S` (raw gloo
+its send side found nothing more to post for :data:`GRACE_S` (raw gloo
 here: one header per 64 KiB-1 MiB tensor cost 20-35% of the throughput,
 one per 8 tensors about 5%); the receiver keeps header receives posted
 ahead and checks each receive against its entry before posting it. This holds against every sender that goes through
@@ -46,7 +46,7 @@ __all__ = [
 FRAME_TAG = 2  # data uses tag 0, TorchBackend.abort tag 1
 BATCH = 8  # entries per header: one small message per 8 tensors instead of one per tensor
 FLUSH_BYTES = 4 << 20  # past this much undescribed data a header goes out at once: the wire waits for it
-GRACE_S = 0.00005  # an idle send thread waits this long for more sends before it flushes a part-full header
+GRACE_S = 0.00005  # an idle send side waits this long for more sends before it flushes a part-full header
 _MAGIC = 0x6E636B76_66726D32  # "nckvfrm2"
 _HEAD_WORDS = 4  # magic, first frame index, count, reserved
 _ENTRY_WORDS = 8  # nbytes, dtype code, ndim, up to 5 dims
@@ -141,7 +141,7 @@ def check(frame: Frame, index: int, tensor: torch.Tensor) -> None:
 
 
 class SendFrames:
-    """The sending half, used by the link's send thread only: :meth:`add` each posted tensor, :meth:`flush`.
+    """The sending half, used by one thread at a time (the send pipe's gate holder): :meth:`add`, :meth:`flush`.
 
     A tensor may be posted before its header: gloo writes it only once the
     receive is posted, which waits for the header. Headers live in a ring of
@@ -182,7 +182,7 @@ class SendFrames:
         return None
 
     def idle(self, full: bool) -> float | None:
-        """The send thread has nothing to post: flush once the oldest entry waited :data:`GRACE_S`.
+        """The send side has nothing to post: flush once the oldest entry waited :data:`GRACE_S`.
 
         ``full``: sends are queued but the window is full; they wait for
         sends in flight, which wait for this header: flush now. Returns how

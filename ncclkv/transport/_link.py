@@ -154,7 +154,9 @@ class Link:
         """Queue ``tensor`` for sending; return at once.
 
         The send thread runs ``before_send()`` right before posting (so what it
-        emits is ordered like the data), then posts the send. On CUDA the hook
+        emits is ordered like the data), then posts the send; a send without a
+        hook that fits the window is posted on the calling thread instead, still
+        in call order (see ``_pipe``). On CUDA the hook
         and the send run on the link's stream, after ``ready_event`` (default:
         an event recorded now on the caller's current stream). ``tensor`` must stay unmodified until the
         future completes. The deadline ``timeout_s`` (default: the link's)
@@ -285,7 +287,9 @@ class Link:
             kind = "send" if direction == 0 else "recv"
             label = f"link {self._link_id!r} {kind} seq {seq} shape {tuple(tensor.shape)} {tensor.dtype}"
             op = Op(label, tensor, future, timeout, ready_event, before_send)
-            self._pipes[direction].submit(op)
+            self._pipes[direction].submit(op, wake=direction == 1)
+        if direction == 0:  # a send without a hook goes out on this thread (see _pipe); after the lock: it may fail the link
+            self._pipes[0].post_queued()
         return future
 
     @contextlib.contextmanager
@@ -302,7 +306,7 @@ class Link:
         # Framed links (see _framing): a receive is posted only once the peer's
         # header says it matches, since gloo would end this process on a longer
         # send; a send is described in a header, flushed in batches or when the
-        # send thread runs idle. A tensor cannot land before its header, so
+        # send side runs idle (the pipe's gate holder). A tensor cannot land before its header, so
         # waiting for it covers both; an empty send waits for its header.
         if direction == 1 and self._recv_frames is not None:
             try:

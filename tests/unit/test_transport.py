@@ -145,6 +145,87 @@ def test_bounded_number_of_posted_sends() -> None:
     a.close(), b.close()
 
 
+def record_post_threads(link: Link) -> list[str]:
+    """The name of the thread that posted each of ``link``'s sends to its backend, in post order."""
+    names: list[str] = []
+    backend = link._backend  # noqa: SLF001 - the thread that posts is what these tests are about
+    post_send = backend.post_send
+
+    def recording(tensor: torch.Tensor) -> Any:
+        names.append(threading.current_thread().name)
+        return post_send(tensor)
+
+    backend.post_send = recording  # type: ignore[method-assign]
+    return names
+
+
+@pytest.mark.parametrize("framed", [False, True], ids=["plain", "framed"])
+def test_a_send_without_hook_is_posted_on_the_callers_thread(framed: bool) -> None:
+    a, b = loopback_pair(f"inline-{framed}", timeout_s=WAIT_S, framed=framed)
+    with a, b:
+        posted = record_post_threads(a)
+        hooked = threading.Event()
+        sends = [a.send(torch.full((4,), 1.0)), a.send(torch.full((4,), 2.0), before_send=hooked.set),
+                 a.send(torch.full((4,), 3.0))]
+        recvs = [b.recv((4,), torch.float32) for _ in sends]
+        assert [f.result(WAIT_S)[0].item() for f in recvs] == [1.0, 2.0, 3.0]
+        assert all(f.result(WAIT_S) is None for f in sends) and hooked.is_set()
+        me = threading.current_thread().name
+        # The hooked send runs on the poster; the one behind it waits its turn there.
+        assert posted[0] == me and posted[1].endswith("-send-post"), posted
+
+
+def test_a_full_window_leaves_sends_to_the_poster_in_order() -> None:
+    a, b = loopback_pair("inline-full", timeout_s=WAIT_S, max_in_flight=1)
+    with a, b:
+        posted = record_post_threads(a)
+        sends = [a.send(torch.full((2,), float(seq))) for seq in range(3)]
+        assert posted == [threading.current_thread().name]  # the others wait for room
+        got = [b.recv((2,), torch.float32).result(WAIT_S)[0].item() for _ in range(3)]
+        assert got == [0.0, 1.0, 2.0] and all(f.result(WAIT_S) is None for f in sends)
+        assert len(posted) == 3 and all(name.endswith("-send-post") for name in posted[1:]), posted
+
+
+def test_a_header_left_by_a_send_on_the_callers_thread_is_flushed_by_the_poster() -> None:
+    # The first send's header goes at once (nothing else in flight); the second joins a
+    # part-full batch, which the woken poster flushes after the grace period. Without that
+    # wake, the second receive would never be posted.
+    a, b = loopback_pair("inline-grace", framed=True, timeout_s=WAIT_S)
+    with a, b:
+        posted = record_post_threads(a)
+        first, second = a.send(torch.ones(3)), a.send(torch.full((3,), 2.0))
+        assert posted == [threading.current_thread().name] * 2
+        r0, r1 = b.recv((3,), torch.float32), b.recv((3,), torch.float32)
+        assert r0.result(WAIT_S).tolist() == [1.0] * 3 and r1.result(WAIT_S).tolist() == [2.0] * 3
+        assert first.result(WAIT_S) is None and second.result(WAIT_S) is None
+
+
+def test_sends_from_many_threads_keep_each_threads_order() -> None:
+    # Callers race for the posting gate with each other and with the poster (a window of 3,
+    # every fifth send hooked): every tensor arrives once, each thread's in its call order.
+    threads, per_thread = 4, 60
+    a, b = loopback_pair("inline-race", framed=True, timeout_s=WAIT_S, max_in_flight=3)
+    with a, b:
+        recvs = [b.recv((1,), torch.int64) for _ in range(threads * per_thread)]
+        start = threading.Barrier(threads)
+
+        def sender(worker: int) -> list[Any]:
+            start.wait(WAIT_S)
+            hook = None
+            return [a.send(torch.tensor([worker * 1000 + i]), before_send=hook if i % 5 else (lambda: None))
+                    for i in range(per_thread)]
+
+        with ThreadPoolExecutor(threads) as pool:
+            sends = [f for batch in pool.map(sender, range(threads)) for f in batch]
+        got = [f.result(WAIT_S).item() for f in recvs]
+        assert all(f.result(WAIT_S) is None for f in sends)
+        assert sorted(got) == sorted(w * 1000 + i for w in range(threads) for i in range(per_thread))
+        for worker in range(threads):
+            mine = [v for v in got if v // 1000 == worker]
+            assert mine == sorted(mine), f"thread {worker}'s sends arrived out of order"
+        assert a.broken is None and b.broken is None
+
+
 def test_close_fails_pending_futures_and_joins_threads() -> None:
     a, b = loopback_pair("closing", timeout_s=WAIT_S)
     pending = [b.recv((3,), torch.float32) for _ in range(3)]
