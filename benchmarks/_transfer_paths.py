@@ -5,7 +5,8 @@ with ``src_block_size``; the receiver (a spawned peer) holds one with
 ``dst_block_size``. Per path:
 
 - ``ncclkv``: gather each layer's slice -> ``Link.send``; ``Link.recv`` -> scatter
-  into the other block size. Gathers run on the caller's thread while earlier
+  into the other block size, on the link's receive thread as the engine's
+  consumer does. Gathers run on the caller's thread while earlier
   layers are on the wire (the link's threads), as an engine's ``save_kv_layer``
   does. With ``chunk_tokens`` each layer goes as several token chunks.
 - ``link``: ``Link.send`` / ``Link.recv`` of the same bytes already packed.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -37,7 +39,7 @@ from ncclkv.transport import DataPlane, Link
 
 from ._peer import Endpoint
 
-__all__ = ["COPIES", "PATHS", "Receiver", "Sender", "SliceCase", "raw_group", "receiver_loop"]
+__all__ = ["COPIES", "PATHS", "Receiver", "Sender", "SliceCase", "raw_group", "receiver_loop", "round_trips"]
 
 PATHS = ("memcpy", "raw", "link", "ncclkv")
 COPIES = ("gather", "scatter")
@@ -182,19 +184,45 @@ class Receiver(_Side):
         self.link, self.pg = link, pg
 
     def post_ncclkv(self) -> list[Any]:
-        return [self.link.recv(buf.shape, buf.dtype, out=buf) for _, _, buf in self.pieces]
+        return self._post_scattering(self.pieces)
 
-    def finish_ncclkv(self, futures: list[Any]) -> None:
-        for (layer, span, _), fut in zip(self.pieces, futures):
-            scatter(fut.result(WAIT_S), self.cache[layer], self.spec, self.slots, span, self.heads)
+    def finish_ncclkv(self, scattered: list[Any]) -> None:
+        self._wait_scattered(scattered)
 
     def post_last_layer(self) -> list[Any]:
         """Receive the last layer alone (its pieces come last in the message order)."""
-        return [self.link.recv(buf.shape, buf.dtype, out=buf) for _, _, buf in self._last_pieces()]
+        return self._post_scattering(self._last_pieces())
 
-    def finish_last_layer(self, futures: list[Any]) -> None:
-        for (layer, span, _), fut in zip(self._last_pieces(), futures):
-            scatter(fut.result(WAIT_S), self.cache[layer], self.spec, self.slots, span, self.heads)
+    def finish_last_layer(self, scattered: list[Any]) -> None:
+        self._wait_scattered(scattered)
+
+    def _post_scattering(self, pieces: list[tuple[int, Span, torch.Tensor]]) -> list[Future[None]]:
+        """Post each piece's receive; its scatter runs on the link's receive thread once it lands.
+
+        That is what the engine's consumer does: no hand-off to another thread
+        per message. The returned futures complete after the scatter.
+        """
+        scattered: list[Future[None]] = []
+        for layer, span, buf in pieces:
+            done: Future[None] = Future()
+
+            def land(fut: Future[torch.Tensor], layer: int = layer, span: Span = span, done: Future[None] = done) -> None:
+                try:
+                    scatter(fut.result(), self.cache[layer], self.spec, self.slots, span, self.heads)
+                except BaseException as err:  # noqa: BLE001 - handed to the waiter
+                    done.set_exception(err)
+                else:
+                    done.set_result(None)
+
+            self.link.recv(buf.shape, buf.dtype, out=buf).add_done_callback(land)
+            scattered.append(done)
+        return scattered
+
+    @staticmethod
+    def _wait_scattered(scattered: list[Future[None]]) -> None:
+        deadline = time.monotonic() + WAIT_S
+        for done in scattered:
+            done.result(max(0.0, deadline - time.monotonic()))
 
     def _last_pieces(self) -> list[tuple[int, Span, torch.Tensor]]:
         return self.pieces[-len(self.case.chunks()):]
@@ -221,6 +249,36 @@ class Receiver(_Side):
             work.wait(timedelta(seconds=WAIT_S))
 
 
+def round_trips(link: Link, pg: dist.ProcessGroup, nbytes: int, count: int, path: str, first: bool) -> list[float]:
+    """``count`` round trips of one ``nbytes`` tensor there and an 8-byte reply back, over ``path`` (link or raw).
+
+    ``first``: this side sends the tensor and times each round trip (seconds);
+    the other side answers and returns an empty list.
+    """
+    if path not in ("link", "raw"):
+        raise ValueError(f"round trips run over 'link' or 'raw', got {path!r}")
+    payload = torch.ones(max(1, nbytes // 2), dtype=torch.bfloat16)
+    reply = torch.zeros(1, dtype=torch.int64)
+    wait = timedelta(seconds=WAIT_S)
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        if path == "raw" and first:
+            pg.send([payload], 1, 0).wait(wait)
+            pg.recv([reply], 1, 0).wait(wait)
+        elif path == "raw":
+            pg.recv([payload], 0, 0).wait(wait)
+            pg.send([reply], 0, 0).wait(wait)
+        elif first:
+            sent, back = link.send(payload), link.recv(reply.shape, reply.dtype, out=reply)
+            sent.result(WAIT_S), back.result(WAIT_S)
+        else:
+            link.recv(payload.shape, payload.dtype, out=payload).result(WAIT_S)
+            link.send(reply).result(WAIT_S)
+        times.append(time.perf_counter() - start)
+    return times if first else []
+
+
 def receiver_loop(endpoint: Endpoint, store: str, link_id: str, threads: int, in_flight: int | None) -> dict[str, int]:
     """Peer side of the benchmark: cases and rounds on command until ``end``."""
     torch.set_num_threads(threads)
@@ -238,6 +296,9 @@ def receiver_loop(endpoint: Endpoint, store: str, link_id: str, threads: int, in
                 receiver = None  # free the previous case's memory first
                 receiver = Receiver(SliceCase(**payload), link, pg)
                 endpoint.send("ready")
+            elif tag == "round_trips":
+                round_trips(link, pg, **payload, first=False)
+                endpoint.send("done")
             elif tag == "digests":
                 assert receiver is not None
                 endpoint.send("digests", receiver.digests())

@@ -32,7 +32,7 @@ from ncclkv.transport import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES,
 from ._common import (
     KIB, MIB, BenchContext, BenchOptions, BenchResult, Column, base_meta, default_out, format_size, machine_info, pyplot, run_standalone, write_figure,
 )
-from ._transfer_paths import COPIES, PATHS, WAIT_S, Sender, SliceCase, raw_group
+from ._transfer_paths import COPIES, PATHS, WAIT_S, Sender, SliceCase, raw_group, round_trips
 
 __all__ = ["NAME", "TITLE", "TransferParams", "main", "plot", "run"]
 
@@ -52,10 +52,12 @@ class TransferParams:
     in_flight: int | None = None  # None: the transport's default
     threads: int = 1
     chunk_bytes: int = 0
+    trip_sizes: tuple[int, ...] = (64 * KIB, MIB, 4 * MIB)  # round trips: one tensor there, 8 bytes back
+    trips: int = 60
 
     @classmethod
     def quick(cls) -> TransferParams:
-        return cls(sizes=(64 * KIB, MIB, 4 * MIB), round_bytes=8 * MIB)
+        return cls(sizes=(64 * KIB, MIB, 4 * MIB), round_bytes=8 * MIB, trips=8)
 
     def case(self, size: int) -> SliceCase:
         layers = max(1, min(self.max_layers, self.round_bytes // size))
@@ -264,6 +266,7 @@ def run(ctx: BenchContext, params: TransferParams | None = None) -> BenchResult:
             pg = raw_group(plane.address, 0, f"raw/{link_id}")
             try:
                 rows = [_measure(params.case(size), repeats, link, pg, peer, ctx) for size in params.sizes]
+                trips = _round_trips(params, link, pg, peer, ctx)
             finally:
                 peer.endpoint.send("end")
                 peer.result()
@@ -277,8 +280,29 @@ def run(ctx: BenchContext, params: TransferParams | None = None) -> BenchResult:
         "round_bytes": params.round_bytes, "dtype": "bfloat16", "num_kv_heads": 8, "head_size": 128,
         "cache": "vLLM CPU layout, block 16 (sender) -> block 32 (receiver), blocks scattered at random",
         "timing": "receives posted -> last byte received and scattered; min and median over rounds",
+        "round_trips": f"{params.trips} per size and path after {_TRIP_WARMUP} warm-up, one tensor there and 8 bytes back",
     }
-    return BenchResult(NAME, TITLE, COLUMNS, rows, meta, _headline(rows), ANALYSIS)
+    return BenchResult(NAME, TITLE, COLUMNS, rows, meta, _headline(rows) + trips, ANALYSIS)
+
+
+_TRIP_WARMUP = 5
+
+
+def _round_trips(params: TransferParams, link: Any, pg: Any, peer: Any, ctx: BenchContext) -> list[str]:
+    """Findings lines: the round-trip latency of one tensor over a Link against raw gloo, per size."""
+    parts = []
+    for nbytes in params.trip_sizes:
+        medians = {}
+        for path in ("raw", "link"):
+            ctx.progress(f"{NAME}: round trips of {format_size(nbytes)} over {path}")
+            count = params.trips + _TRIP_WARMUP
+            peer.endpoint.send("round_trips", {"nbytes": nbytes, "count": count, "path": path})
+            times = round_trips(link, pg, nbytes, count, path, first=True)[_TRIP_WARMUP:]
+            peer.endpoint.expect("done")
+            medians[path] = statistics.median(times) * 1e6
+        parts.append(f"{format_size(nbytes)} link {medians['link']:.0f} / raw {medians['raw']:.0f} us "
+                     f"({medians['link'] / medians['raw']:.1f}x)")
+    return ["round trip, one tensor there and 8 bytes back (median): " + "; ".join(parts)]
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[BenchOptions, TransferParams]:
