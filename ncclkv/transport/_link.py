@@ -102,6 +102,9 @@ class Link:
         self._send_frames = SendFrames(framing, max_in_flight + 2) if framing else None
         # Header receives posted as far ahead as the peer's send window reaches.
         self._recv_frames = RecvFrames(framing, max_in_flight) if framing else None
+        # Which directions the caller's thread may post (see _pipe): sends, and receives
+        # unless a receive must first wait for its frame header (gloo).
+        self._inline = (True, self._recv_frames is None)
         self._stream = None
         if device.type == "cuda":  # the send waits on the producer's event on this stream, not on the host
             self._stream = torch.cuda.Stream(device=device)
@@ -188,8 +191,10 @@ class Link:
     ) -> Future[torch.Tensor]:
         """Queue a receive of the peer's next tensor (sized from its announcement); return at once.
 
-        Receives are posted in call order on the link's receive thread, at most
-        ``max_in_flight`` (and ``max_in_flight_bytes``) ahead. ``out`` (contiguous, this link's device, the
+        Receives are posted in call order, at most ``max_in_flight`` (and
+        ``max_in_flight_bytes``) ahead: on the calling thread when the window
+        has room, unless the link frames (gloo: a receive waits for its header
+        on the link's receive thread). ``out`` (contiguous, this link's device, the
         given shape and dtype) is filled in place; otherwise a tensor is
         allocated. The sent tensor must have the same number of bytes: gloo
         aborts the process on a size mismatch and NCCL does not check.
@@ -287,9 +292,9 @@ class Link:
             kind = "send" if direction == 0 else "recv"
             label = f"link {self._link_id!r} {kind} seq {seq} shape {tuple(tensor.shape)} {tensor.dtype}"
             op = Op(label, tensor, future, timeout, ready_event, before_send)
-            self._pipes[direction].submit(op, wake=direction == 1)
-        if direction == 0:  # a send without a hook goes out on this thread (see _pipe); after the lock: it may fail the link
-            self._pipes[0].post_queued()
+            self._pipes[direction].submit(op, wake=not self._inline[direction])
+        if self._inline[direction]:  # posted on this thread when it can be (see _pipe); after the lock: it may fail the link
+            self._pipes[direction].post_queued()
         return future
 
     @contextlib.contextmanager

@@ -15,8 +15,9 @@ last before it runs again; framed links flush their headers there. Both
 threads end when the pipe is stopped; :meth:`Pipe.join` waits for them.
 
 :meth:`Pipe.post_queued` lets the submitting thread post in the poster's
-place: ops without a hook that fit the window go out at once, without waking
-the poster. On two busy cores a woken poster waited 0.2-2 ms for a core
+place (the link uses it for sends, and for receives on links without frame
+headers): ops without a hook that fit the window go out at once, without
+waking the poster. On two busy cores a woken poster waited 0.2-2 ms for a core
 (measured, bench_overlap's analysis), and that wait sat on every message's
 critical path. A gate (a plain lock) keeps one thread posting at a time, so
 call order is post order whoever posts; a thread that finds the gate taken

@@ -145,18 +145,33 @@ def test_bounded_number_of_posted_sends() -> None:
     a.close(), b.close()
 
 
-def record_post_threads(link: Link) -> list[str]:
-    """The name of the thread that posted each of ``link``'s sends to its backend, in post order."""
+def record_post_threads(link: Link, method: str = "post_send") -> list[str]:
+    """The name of the thread that posted each of ``link``'s sends (or receives) to its backend, in post order."""
     names: list[str] = []
     backend = link._backend  # noqa: SLF001 - the thread that posts is what these tests are about
-    post_send = backend.post_send
+    post = getattr(backend, method)
 
     def recording(tensor: torch.Tensor) -> Any:
         names.append(threading.current_thread().name)
-        return post_send(tensor)
+        return post(tensor)
 
-    backend.post_send = recording  # type: ignore[method-assign]
+    setattr(backend, method, recording)
     return names
+
+
+@pytest.mark.parametrize("framed", [False, True], ids=["plain", "framed"])
+def test_a_receive_is_posted_on_the_callers_thread_unless_it_waits_for_a_header(framed: bool) -> None:
+    a, b = loopback_pair(f"inline-recv-{framed}", timeout_s=WAIT_S, framed=framed, max_in_flight=2)
+    with a, b:
+        posted = record_post_threads(b, "post_recv")
+        recvs = [b.recv((2,), torch.float32) for _ in range(3)]  # the third waits for room
+        sends = [a.send(torch.full((2,), float(seq))) for seq in range(3)]
+        assert [f.result(WAIT_S)[0].item() for f in recvs] == [0.0, 1.0, 2.0]
+        assert all(f.result(WAIT_S) is None for f in sends) and len(posted) == 3
+        if framed:  # each receive waited for its header on the link's receive thread
+            assert all(name.endswith("-recv-post") for name in posted), posted
+        else:
+            assert posted[:2] == [threading.current_thread().name] * 2 and posted[2].endswith("-recv-post"), posted
 
 
 @pytest.mark.parametrize("framed", [False, True], ids=["plain", "framed"])
