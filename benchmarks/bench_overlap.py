@@ -46,7 +46,7 @@ class OverlapParams:
     compute_ms: tuple[float, ...] = (5.0, 10.0, 20.0)
     transfer_ms: float = 10.0
     matmul_size: int = 192
-    chunk_bytes: tuple[int, ...] = (0, 4 << 20)  # each layer in token chunks of about this size; 0: whole
+    chunk_bytes: tuple[int, ...] = (0, 2 << 20, 4 << 20)  # each layer in token chunks of about this size; 0: whole
 
     @classmethod
     def quick(cls) -> OverlapParams:
@@ -107,32 +107,35 @@ ANALYSIS = """\
 Two effects set the exposed time.
 
 The last layer's latency. After the last compute, that layer's slice is still
-gathered, sent and scattered, one step after the other. `1 layer alone` is that
-latency in units of x (x: the per-layer time of a pipelined stream of layers).
-With the torch-op gather and scatter, whole layers took 1.1-1.9 x alone and
-exposed 1.0-1.9 layers; 4 MiB token chunks pipelined gather, wire and scatter
-within the layer (1.0-1.25 x alone, 1.1-1.4 layers exposed, the goal met in
-most rows). With the native kernel the copies got 2-3x faster, so x shrank
-(the same 10 ms target now moves 30-36 MiB per layer at 6-9 ms), while the
-link's fixed cost per message did not: a ping-pong of one tensor and an 8-byte
-reply over a Link took 251 us at 64 KiB, 376 us at 1 MiB and 718 us at 4 MiB,
-against 41, 98 and 321 us over raw gloo (the receiver posts a payload only
-after its frame header arrived and was checked, and each message wakes a
-poster and a reaper thread on both sides). In units of the smaller x that
-fixed cost weighs more: one layer alone now takes 1.25-1.85 x with or without
-chunks, and 1.35-1.9 layers were exposed (the goal met in no row of two runs,
-1, 2 and 4 MiB chunks tried). Exposure moves by about 0.3 layer between runs
-on this shared machine; the findings above count the rows of this run that
-met it. What would lower it: fewer thread hand-offs per message in the link
-(post from the caller's thread, complete from gloo's callback), and sending
-the last layer in chunks.
+gathered, sent and scattered. `1 layer alone` is that latency in units of x
+(x: the per-layer time of a pipelined stream of layers). A whole layer goes
+through the three steps one after the other: 1.05-1.35 x alone and 1.35-1.5
+layers exposed when c >= x in four runs, the goal never met. Token chunks
+pipeline the steps within the layer: 1.03-1.27 x alone. What a chunk costs
+besides its bytes is the link's per-message latency: a round trip of one tensor and an 8-byte reply
+takes about 5x raw gloo's at 64 KiB and 2x at 1-4 MiB (bench transfer's
+findings): a gloo receiver posts a payload only once its frame header arrived
+and was checked, and each landed tensor wakes the link's reaper thread. Until
+this run each send also woke the link's poster thread, which on these two busy
+cores waited 0.2-2 ms for a core before posting (traced per chunk: chunks sat
+gathered while the wire was idle); sends without a hook are now posted on the
+caller's thread (docs/ARCHITECTURE.md, Threads). Before that change chunked
+layers exposed 1.35-1.9 layers (the goal met in no row of two runs, 1, 2 and
+4 MiB chunks tried). With it, 4 MiB chunks met the goal in both rows here and
+in 5 of 8 rows over this run and three development runs the same day
+(1.00-1.44 layers, median of 5-9 rounds each; exposure moves by about 0.3 layer
+between runs on this shared machine); 2 MiB chunks pay the per-message cost
+twice as often (1.18-1.31). The findings above count the rows of this run.
+The chunks are this benchmark's (`--chunk-kib`): the engine sends each
+(layer, route) as one tensor today, so on the engine's path the whole-layer
+rows apply until it sends layers in pieces too.
 
 Two cores. Compute (one torch thread), the sender's gather and gloo thread, and
 the receiver's gloo thread and scatter share two cores, with other engineers'
 jobs. While sending, compute slows down (`compute slowdown`: compute time per
 layer while sending over compute alone, 1.1-3.2x) and the transfer meant to hide
-behind it stretches too, so layer-wise sending finishes only about 0.8-1.2x
-sooner than sending after compute, although exposure drops from about L to
+behind it stretches too, so layer-wise sending finishes only about 0.8-1.35x
+sooner than sending after compute (chunked layers least: they compete hardest), although exposure drops from about L to
 about 1 layer. With c < x the backlog would grow by (x - c) per layer, towards
 L(1 - c/x) + 1 layers exposed; here compute's slowdown shrinks the backlog.
 Where the transfer has its own cores (or a GPU: kernels on the SMs, NCCL
@@ -243,7 +246,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchOptions, OverlapParams]:
     parser.add_argument("--layers", type=int, help="layers per prefill (default 16; quick 6)")
     parser.add_argument("--compute-ms", type=float, nargs="+", help="compute per layer, one row each (default 5 10 20)")
     parser.add_argument("--transfer-ms", type=float, help="transfer per layer, sets the slice size (default 10)")
-    parser.add_argument("--chunk-kib", type=int, nargs="+", help="chunk sizes, 0 = whole layer (default 0 4096)")
+    parser.add_argument("--chunk-kib", type=int, nargs="+", help="chunk sizes, 0 = whole layer (default 0 2048 4096)")
     args = parser.parse_args(argv)
     params = OverlapParams.quick() if args.quick else OverlapParams()
     params = replace(

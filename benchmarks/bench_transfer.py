@@ -186,21 +186,23 @@ Where the time goes. gloo over loopback TCP is copy-bound: the sender's
 ncclkv path adds two more passes over the same bytes: the gather on the sender
 (cache blocks -> wire tensor) and the scatter on the receiver (wire tensor ->
 blocks of another size). Both run in ncclkv's native kernel (see paged), at
-12-15 GB/s here against 13-18 GB/s for memcpy; before it (torch ops) they ran
-at 6-11 GB/s. They run on the caller's thread while earlier layers are on the
-wire, so they overlap with the transfer, but they need CPU: `CPU ncclkv/raw`
-(CPU seconds of both processes, ncclkv over raw, same bytes) is about 1.9-2.7
-from 1 MiB up (2.6-3.6 with torch ops), about what raw plus the `gather` and
-`scatter` columns predict. So ncclkv/raw is about (ncclkv cores / raw cores)
-/ (CPU ncclkv/raw): with both cores to itself ncclkv would reach the
-`core-bound ceiling` (0.5-0.9 now); it measured 0.4-0.66, because the
-pipeline does not keep both cores busy (`cores` columns: 1.1-1.75) and, at
-1-4 MiB, the link's own per-tensor cost (`link/raw` 0.66-0.9: two Python
-threads per direction, a frame header per few tensors, a future per tensor)
-adds latency that the overlap cannot hide. The 0.85 goal needs a third core at
-this wire speed, fewer passes over the bytes (a receive straight into the
-cache, which gloo allows only for contiguous runs of blocks), or a GPU, where
-gather and scatter are device kernels off the host CPU.
+13-15 GB/s here against 14-20 GB/s for memcpy; before it (torch ops) they ran
+at 6-11 GB/s. The gather runs on the caller's thread while earlier layers are
+on the wire, the scatter on the link's receive thread as each tensor lands (as
+the engine does), so they overlap with the transfer, but they need CPU: `CPU
+ncclkv/raw` (CPU seconds of both processes, ncclkv over raw, same bytes) is
+about 1.4-2.0 from 1 MiB up in this run (1.9-2.7 two days before, on a day
+when raw gloo ran at 6-7.6 GB/s against 4-4.3 here), about what raw plus the
+`gather` and `scatter` columns predict. So ncclkv/raw is about (ncclkv cores /
+raw cores) / (CPU ncclkv/raw): with both cores to itself ncclkv would reach
+the `core-bound ceiling` (0.7-1.0 here); it measured 0.6-0.74, because the
+pipeline keeps only 1.3-1.7 cores busy (`cores` columns) and, at 1-4 MiB, the
+link's per-tensor latency (`link/raw` 0.88-0.95; the round trips in the
+findings: a frame header ahead of each receive, a reaper thread woken per
+tensor) is not all hidden. The 0.85 goal needs a third core at this wire
+speed, fewer passes over the bytes (a receive straight into the cache, which
+gloo allows only for contiguous runs of blocks), or a GPU, where gather and
+scatter are device kernels off the host CPU.
 
 What was tried (same machine; flags of `python -m benchmarks.bench_transfer`):
 
@@ -222,6 +224,15 @@ What was tried (same machine; flags of `python -m benchmarks.bench_transfer`):
   the OpenMP threads compete with the gloo threads for the same two cores.
 - Below 1 MiB the link's per-tensor cost dominates: roughly 50-90 us per
   tensor here.
+- Posting sends on the caller's thread instead of waking the link's poster
+  thread per tensor (this run): the 64 KiB round trip went from about 700 us
+  (one ad-hoc ping-pong before) to 450-730 us (nine runs after; raw gloo
+  70-160 us).
+  Throughput did not move beyond the noise (ncclkv/raw 0.54-0.68 and 0.59-0.63
+  in two development runs, 0.60-0.74 here); it matters for latency (see
+  overlap). Sending each frame header before its tensor instead of after, and
+  posting the data receive before re-posting the header receive, made no
+  difference beyond the noise and were left out.
 """
 
 

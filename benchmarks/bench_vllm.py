@@ -94,7 +94,11 @@ the GIL back on such idle steps: the scheduler marks a step with no scheduled
 tokens, and the worker's `get_finished` then waits on the engine's condition
 until a load lands, up to `idle_wait_ms` (2 ms by default; the prefill side
 sleeps as long while its sends run). On this bench that took the pull TTFT at
-4096 tokens from 299 ms to 72 ms. The `ncclkv-gil` rows are a diagnostic, not
+4096 tokens from 299 ms to 72 ms. That figure moves with the shared machine's
+day: 68 ms two days before this run; in this run's hour the pull set-up alone
+(`--setups ncclkv --modes pull --lengths 4096 --repeats 5`) gave 84 and 89 ms
+with the code before the link's caller-thread posting and 93 and 89 ms with
+it. The `ncclkv-gil` rows are a diagnostic, not
 a configuration to ship: the same engines with the decode engine's switch
 interval at 0.1 ms (a `sitecustomize` on that engine's path only); the
 findings line comparing the two says how much of ncclkv's decode TTFT is
