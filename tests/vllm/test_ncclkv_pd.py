@@ -131,7 +131,10 @@ def test_pd_through_ncclkv_matches_single_engine(launch_engine, cpu_cores: list[
     decode_ref = json.loads(ref_path.read_text())
     assert decode_ref["engine_id"] and len(decode_ref["control_addrs"]) == 1
     # Authentication is really on in the engine: a client without CURVE fails the ZMQ handshake.
-    assert _greeting(decode_ref["control_addrs"][0]) == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    # Its handshake fails as a mechanism mismatch, or as a dropped connection when the engine hangs up
+    # before the client read the engine's greeting (timing: both were seen in CI); it never succeeds.
+    assert _greeting(decode_ref["control_addrs"][0]) in (
+        zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
     t1 = time.monotonic()
     params = _prefill(prefill, PUSH_PROMPTS, remote_decode=decode_ref)
     assert all(p["pushed"] for p in params)
