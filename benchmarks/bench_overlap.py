@@ -126,9 +126,9 @@ in 5 of 8 rows over this run and three development runs the same day
 (1.00-1.44 layers, median of 5-9 rounds each; exposure moves by about 0.3 layer
 between runs on this shared machine); 2 MiB chunks pay the per-message cost
 twice as often (1.18-1.31). The findings above count the rows of this run.
-The chunks are this benchmark's (`--chunk-kib`): the engine sends each
-(layer, route) as one tensor today, so on the engine's path the whole-layer
-rows apply until it sends layers in pieces too.
+The chunks are this benchmark's (`--chunk-kib`); the engine sends a (layer,
+route) slice the same way in token pieces when its producer sets
+`piece_bytes` (default 0: one tensor per slice, the whole-layer rows).
 
 Two cores. Compute (one torch thread), the sender's gather and gloo thread, and
 the receiver's gloo thread and scatter share two cores, with other engineers'

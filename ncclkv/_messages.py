@@ -41,7 +41,7 @@ __all__ = [
     "RouteMsg",
 ]
 
-PROTOCOL_VERSION = 2  # 2: PushOffer.blocks; gloo links carry frame headers (ncclkv.transport._framing)
+PROTOCOL_VERSION = 3  # 2: PushOffer.blocks; gloo links carry frame headers (ncclkv.transport._framing); 3: Announce.piece
 MAX_SHAPE_DIMS = 8
 MAX_ID_CHARS = 512
 MAX_TEXT_CHARS = 4096
@@ -248,6 +248,13 @@ class Announce(_Tagged, frozen=True, forbid_unknown_fields=True, tag="ann"):
     nbytes: NonNeg
     seq: NonNeg
     link: Id  # the data link the tensor rides on (two may be open when both sides started a handshake)
+    # The route's tokens this tensor holds when the producer sends the (layer, route) slice in
+    # pieces, one announced tensor each; None: all of them. ``shape`` is the piece's.
+    piece: Pair | None = None
+
+    def __post_init__(self) -> None:
+        if self.piece is not None and self.piece[0] > self.piece[1]:
+            raise ValueError(f"Announce.piece needs start <= stop, got {self.piece}")  # the engine refuses empty ones
 
 
 class Ack(_Tagged, frozen=True, forbid_unknown_fields=True, tag="ack"):
@@ -260,7 +267,8 @@ class Ready(_Tagged, frozen=True, forbid_unknown_fields=True, tag="ready"):
 
 
 class Done(_Tagged, frozen=True, forbid_unknown_fields=True, tag="done"):
-    """A producer rank sent all ``num_tensors`` tensors (``nbytes`` in all) for one consumer rank."""
+    """A producer rank sent all ``num_tensors`` (layer, route) slices (``nbytes`` in all, in however many
+    pieces) for one consumer rank."""
 
     request_id: Id
     num_tensors: NonNeg

@@ -36,6 +36,12 @@ class NcclKVConfig:
     hold_s
         How long a producer keeps a finished request's blocks for a consumer
         that has not pulled them; then they are freed and the pull fails.
+    piece_bytes
+        Producer: send each layer's slice of a route in token pieces of at most
+        this many bytes, each announced alone, so the gather, the wire and the
+        consumer's scatter of one layer overlap (the last layer's latency after
+        prefill). 0 (default): one tensor per layer and route. Consumers accept
+        either.
     async_load
         Consumer: True (default) loads between scheduler steps (the request
         waits in WAITING_FOR_REMOTE_KVS, nothing blocks the forward pass).
@@ -68,6 +74,7 @@ class NcclKVConfig:
     staging_bytes: int | None = None
     bind_host: str | None = None
     hold_s: float = 120.0
+    piece_bytes: int = 0
     async_load: bool = True
     idle_wait_ms: float = 2.0
     cache_layout: str | None = None
@@ -84,6 +91,8 @@ class NcclKVConfig:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be > 0, got {value!r}")
         if not 0 <= self.idle_wait_ms <= 1000:
             raise ValueError(f"kv_connector_extra_config['idle_wait_ms'] must be in [0, 1000], got {self.idle_wait_ms!r}")
+        if self.piece_bytes < 0:
+            raise ValueError(f"kv_connector_extra_config['piece_bytes'] must be >= 0, got {self.piece_bytes!r}")
         if self.staging_bytes is not None and self.staging_bytes < 1:
             raise ValueError(f"kv_connector_extra_config['staging_bytes'] must be >= 1, got {self.staging_bytes!r}")
         if self.cache_layout is not None:

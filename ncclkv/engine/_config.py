@@ -42,6 +42,7 @@ class EngineConfig:
     heartbeat_s: float | None = None
     staging_bytes: int | None = None
     hold_s: float = 120.0
+    piece_bytes: int = 0  # producer: send each (layer, route) slice in token pieces of at most this; 0: whole
     # None: from the environment (NCCLKV_SHARED_SECRET*, NCCLKV_CURVE_*; docs/SECURITY.md).
     auth: ChannelAuth | None = field(default=None, repr=False)
 
@@ -57,6 +58,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
+        if not (isinstance(self.piece_bytes, int) and not isinstance(self.piece_bytes, bool) and self.piece_bytes >= 0):
+            raise ValueError(f"piece_bytes must be an int >= 0 (0: whole slices), got {self.piece_bytes!r}")
         settings = env_settings()
         if self.deadline_s is None:
             object.__setattr__(self, "deadline_s", settings.deadline_s)

@@ -59,7 +59,8 @@ class _Expected:
     progress: float  # the channel clock: the no-progress deadline leaves out our own pauses
     nbytes: int = 0
     error: BaseException | None = None
-    announced: set[_Key] = field(default_factory=set)
+    announced: dict[_Key, SpanSet] = field(default_factory=dict)  # tokens of each slice announced so far
+    landed: dict[_Key, SpanSet] = field(default_factory=dict)  # tokens of each slice scattered so far
     push: bool = False  # pushed: nothing arrives before the producer's prefill runs
     applying: int = 0  # scatters into the request's blocks running right now
 
@@ -71,18 +72,28 @@ class _Staged:
     producer_engine_id: str
     since: float
     keys: set[_Key] = field(default_factory=set)
-    announced: set[_Key] = field(default_factory=set)
-    landed: list[_Key] = field(default_factory=list)
+    announced: dict[_Key, SpanSet] = field(default_factory=dict)
+    landed: list[tuple[_Key, Span]] = field(default_factory=list)  # (slice, token piece) in the store
+    covered: int = 0  # slices whose every token landed
     reserved: int = 0
     error: BaseException | None = None
-    num_wanted: int = 0  # tensors this rank receives for the push, from every producer rank
+    num_wanted: int = 0  # slices this rank receives for the push, from every producer rank
     blocks: BlockTokens | None = None  # what the staging events name (None: not reported)
     reported: StagingName | None = None  # set while a "stored" event stands for it
 
 
-def _store_key(request_id: str, key: _Key) -> str:
+def _store_key(request_id: str, key: _Key, piece: Span) -> str:
     src, layer, route = key
-    return f"{request_id}|{src}|{layer}|{route}"
+    return f"{request_id}|{src}|{layer}|{route}|{piece}"
+
+
+def _add_piece(pieces: dict[_Key, SpanSet], key: _Key, piece: Span) -> bool:
+    """Record ``piece`` of slice ``key``; False if it overlaps a piece recorded before (nothing recorded)."""
+    seen = pieces.get(key, SpanSet())
+    if not seen.intersect(piece).empty:
+        return False
+    pieces[key] = seen.union(SpanSet([piece]))
+    return True
 
 
 class ConsumerSide:
@@ -125,7 +136,7 @@ class ConsumerSide:
             remaining[layer] += 1
         now = self._clock.now()
         req = _Expected(request_id, producer, slots, pending, per_src, remaining, time.monotonic(), now, push=push)
-        staged_tensors: list[tuple[_Key, torch.Tensor]] = []
+        staged_tensors: list[tuple[_Key, Span, torch.Tensor]] = []
         with self._cond:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected")
@@ -133,19 +144,19 @@ class ConsumerSide:
             staged = self._staged.pop(request_id, None) if push else None
             if staged is not None:
                 self._reserved -= staged.reserved
-                req.announced |= staged.announced
+                req.announced.update(staged.announced)
                 if staged.producer_engine_id != producer.engine_id:
                     req.error = ProtocolError(f"request {request_id!r} was pushed by {staged.producer_engine_id!r}, "
                                               f"expected from {producer.engine_id!r}")
                 req.error = req.error or staged.error
                 self._report_removed(staged, "taken" if req.error is None else "failed")
-                for key in staged.landed:
-                    tensor = self._store.get(_store_key(request_id, key))
-                    self._store.put(_store_key(request_id, key), None)
+                for key, piece in staged.landed:
+                    tensor = self._store.get(_store_key(request_id, key, piece))
+                    self._store.put(_store_key(request_id, key, piece), None)
                     if tensor is not None:
-                        staged_tensors.append((key, tensor))
-        for key, tensor in staged_tensors:
-            self._apply(req, key, tensor, None)
+                        staged_tensors.append((key, piece, tensor))
+        for key, piece, tensor in staged_tensors:
+            self._apply(req, key, piece, tensor, None)
         if push:
             return
         by_src: dict[int, list[Route]] = {src: [] for src in range(producer.layout.world_size)}
@@ -193,8 +204,8 @@ class ConsumerSide:
                 if now - staged.since > self._hold_s:  # pushed, but never expected here: free its staging
                     log.warning("dropping pushed request %s: not expected within %ss", request_id, self._hold_s)
                     self._reserved -= staged.reserved
-                    for key in staged.landed:
-                        self._store.put(_store_key(request_id, key), None)
+                    for key, piece in staged.landed:
+                        self._store.put(_store_key(request_id, key, piece), None)
                     del self._staged[request_id]
                     self._report_removed(staged, "expired")
         return out
@@ -242,31 +253,36 @@ class ConsumerSide:
         self._recv_seq[link.link_id] = want_seq + 1
         route = Route(ann.route.src, ann.route.dst, *ann.route.spans())
         key = (peer.remote.rank, ann.layer, route)
-        shape = self._caches.wire_shape(route.tokens, route.heads)
+        piece = route.tokens if ann.piece is None else Span(*ann.piece)
+        shape = self._caches.wire_shape(piece, route.heads)
+        what = f"layer {ann.layer} {route}" + ("" if ann.piece is None else f" tokens {piece!r}")
         problem = None
         with self._cond:
             req = self._requests.get(ann.request_id)
             staged = self._staged.get(ann.request_id) if req is None else None
-            if staged is not None:
-                if staged.error is not None or key not in staged.keys or key in staged.announced:
-                    problem = f"{sender!r} announced layer {ann.layer} {route} which push {ann.request_id!r} did not offer"
+            if piece.empty or not route.tokens.covers(piece):
+                problem = f"{sender!r} announced {what}: the piece is empty or outside the route's tokens"
+            elif staged is not None:
+                if staged.error is not None or key not in staged.keys:
+                    problem = f"{sender!r} announced {what} which push {ann.request_id!r} did not offer"
                 elif tuple(ann.shape) != shape or ann.dtype != self._geometry.dtype:
                     problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
-                else:
-                    staged.announced.add(key)
+                elif not _add_piece(staged.announced, key, piece):
+                    problem = f"{sender!r} announced {what} of push {ann.request_id!r} again"
             elif req is None or req.error is not None:
                 problem = f"request {ann.request_id!r} is not expected (finished, failed or aborted)"
-            elif req.producer.engine_id != peer.remote.engine_id or key not in req.pending or key in req.announced:
-                problem = f"{sender!r} announced layer {ann.layer} {route} which request {ann.request_id!r} does not expect"
+            elif req.producer.engine_id != peer.remote.engine_id or key not in req.pending:
+                problem = f"{sender!r} announced {what} which request {ann.request_id!r} does not expect"
             elif tuple(ann.shape) != shape or ann.dtype != self._geometry.dtype:
                 problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
+            elif not _add_piece(req.announced, key, piece):
+                problem = f"{sender!r} announced {what} of request {ann.request_id!r} again"
             else:
-                req.announced.add(key)
                 req.progress = self._clock.now()  # an announcement is progress: its tensor is on the way
         if problem is None:
             buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
             link.recv(shape, self._caches.wire_dtype, out=buf).add_done_callback(
-                lambda fut: self._landed(ann.request_id, key, buf, fut))
+                lambda fut: self._landed(ann.request_id, key, piece, buf, fut))
             return
         log.warning("dropping announced tensor from %s: %s", sender, problem)
         if req is not None and req.error is None:
@@ -329,7 +345,7 @@ class ConsumerSide:
             want = req.per_src.get(src, 0)
             if done.num_tensors != want:
                 self._fail_locked(req, ProtocolError(
-                    f"{sender!r} says it sent {done.num_tensors} tensors of {done.request_id!r}, the plan says {want}"))
+                    f"{sender!r} says it sent {done.num_tensors} (layer, route) slices of {done.request_id!r}, the plan says {want}"))
 
     def on_error(self, sender: str, err: ErrorMsg) -> None:
         if err.request_id is None:
@@ -366,7 +382,7 @@ class ConsumerSide:
                 if req is not None and req.error is None and routes:
                     self._fail_locked(req, err if isinstance(err, NcclKVError) else TransferError(str(err)))
 
-    def _landed(self, request_id: str, key: _Key, buf: torch.Tensor, fut: Future[torch.Tensor]) -> None:
+    def _landed(self, request_id: str, key: _Key, piece: Span, buf: torch.Tensor, fut: Future[torch.Tensor]) -> None:
         """On the link's receive thread: stage a landed tensor, or scatter it unless its request failed."""
         error = fut.exception()
         with self._cond:
@@ -378,14 +394,16 @@ class ConsumerSide:
                         staged.error = staged.error or error
                         self._report_removed(staged, "failed")
                     else:
-                        self._store.put(_store_key(request_id, key), buf)
-                        staged.landed.append(key)
+                        self._store.put(_store_key(request_id, key, piece), buf)
+                        staged.landed.append((key, piece))
+                        tokens = SpanSet(p for k, p in staged.landed if k == key)
+                        staged.covered += int(tokens.covers(SpanSet([key[2].tokens])))
                         self._report_stored(request_id, staged)
                 return
-        self._apply(req, key, buf, error)
+        self._apply(req, key, piece, buf, error)
 
-    def _apply(self, req: _Expected, key: _Key, buf: torch.Tensor, error: BaseException | None) -> None:
-        """Scatter one landed tensor into the request's blocks and count it."""
+    def _apply(self, req: _Expected, key: _Key, piece: Span, buf: torch.Tensor, error: BaseException | None) -> None:
+        """Scatter one landed tensor (``piece`` of the slice ``key``) into the request's blocks and count it."""
         with self._cond:
             if req.error is not None:
                 return
@@ -393,7 +411,7 @@ class ConsumerSide:
         if error is None:
             _, layer, route = key
             try:
-                self._caches.scatter(layer, buf, req.slots, route.tokens, route.heads)
+                self._caches.scatter(layer, buf, req.slots, piece, route.heads)
             except Exception as err:  # reported on the request
                 error = err
         with self._cond:
@@ -402,15 +420,16 @@ class ConsumerSide:
             if error is not None:
                 self._fail_locked(req, error if isinstance(error, NcclKVError) else TransferError(str(error)))
                 return
-            if req.error is not None or key not in req.pending:
+            if req.error is not None or key not in req.pending or not _add_piece(req.landed, key, piece):
                 return
-            req.pending.discard(key)
-            layer = key[1]
-            req.remaining[layer] -= 1
             req.progress = self._clock.now()
             req.nbytes += buf.numel() * buf.element_size()
-            if req.remaining[layer] == 0:
-                self._stats.record_layer(layer, time.monotonic() - req.started)
+            if req.landed[key].covers(SpanSet([key[2].tokens])):  # else more pieces of this slice are to come
+                req.pending.discard(key)
+                layer = key[1]
+                req.remaining[layer] -= 1
+                if req.remaining[layer] == 0:
+                    self._stats.record_layer(layer, time.monotonic() - req.started)
             self._cond.notify_all()
         self._stats.record_tensor(buf.numel() * buf.element_size())
 
@@ -458,7 +477,7 @@ class ConsumerSide:
     def _report_stored(self, request_id: str, staged: _Staged) -> None:
         """Under ``self._cond``: one "stored" event once every tensor of the push landed in staging."""
         if staged.reported is None and staged.blocks is not None and staged.error is None \
-                and len(staged.landed) == staged.num_wanted:
+                and staged.covered == staged.num_wanted:
             staged.reported = self._staging_log.stored(request_id, staged.blocks)
 
     def _report_removed(self, staged: _Staged, reason: RemovalReason) -> None:

@@ -5,7 +5,9 @@ A finished request's blocks are held until every consumer rank has pulled
 routes where the plan gives it nothing from us), or until ``hold_s`` passes.
 Tensors go out layer-major so a consumer can finish layer 0 first; each
 tensor is gathered and announced on the link's send thread right before it is
-posted, so announcement order is data order on that link.
+posted, so announcement order is data order on that link. With ``piece_bytes``
+a (layer, route) slice goes as several token pieces, each announced alone, so
+gather, wire and scatter of one slice overlap (the last layer's latency).
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ class _Held:
 class ProducerSide:
     def __init__(self, rank: int, layout: ParallelLayout, geometry: KVGeometry, caches: RankCaches,
                  channel: Channel, peers: PeerLinks, executor: Executor, stats: EngineStats, hold_s: float,
-                 deadline_s: float) -> None:
+                 deadline_s: float, piece_bytes: int = 0) -> None:
         self._rank, self._layout, self._geometry = rank, layout, geometry
+        self._piece_bytes = piece_bytes  # each (layer, route) slice in pieces of at most this (0: whole)
         self._caches, self._channel, self._peers, self._stats = caches, channel, peers, stats
         self._hold_s, self._deadline_s = hold_s, deadline_s
         self._lock = threading.Lock()
@@ -64,7 +67,7 @@ class ProducerSide:
         self._finished: dict[str, BaseException | None] = {}
         self._seq: dict[str, itertools.count[int]] = {}  # per link id: the seq the next announce carries
         self._pusher = Pusher(rank, layout, geometry, caches, channel, peers, executor, self._announcer,
-                              self._pushed, deadline_s, stats)
+                              self._pushed, deadline_s, stats, piece_bytes)
 
     def start_push(self, request_id: str, consumer: EngineRef, block_ids: Sequence[int], num_tokens: int,
                    blocks: BlockTokens | None = None) -> None:
@@ -205,16 +208,19 @@ class ProducerSide:
         layers = sorted({layer for r in routes for layer in r.layers})
         futures = []
         nbytes = 0
+        slices = 0  # (layer, route) slices: what Done counts, whatever pieces they go in
         started = time.monotonic()
         for layer in layers:
             for route in routes:
                 if layer not in route.layers:
                     continue
-                shape = self._caches.wire_shape(route.tokens, route.heads)
-                buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
-                nbytes += buf.numel() * buf.element_size()
-                hook = self._announcer(link, sender, pull.request_id, layer, route, held.slots, buf)
-                futures.append(link.send(buf, before_send=hook))
+                slices += 1
+                for piece in route.pieces(self._geometry, self._piece_bytes):
+                    shape = self._caches.wire_shape(piece, route.heads)
+                    buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
+                    nbytes += buf.numel() * buf.element_size()
+                    hook = self._announcer(link, sender, pull.request_id, layer, route, held.slots, buf, piece)
+                    futures.append(link.send(buf, before_send=hook))
         remaining = [len(futures)]
         errors: list[BaseException] = []
         gate = threading.Lock()
@@ -230,7 +236,7 @@ class ProducerSide:
             error = errors[0] if errors else None
             if error is None:
                 self._stats.record_send(nbytes, len(futures), time.monotonic() - started)
-                self._safe_send(sender, Done(pull.request_id, len(futures), nbytes))
+                self._safe_send(sender, Done(pull.request_id, slices, nbytes))
             else:
                 self._send_error(sender, error, pull.request_id)
             self._mark_served(held, sender, error, sending=True)
@@ -239,14 +245,15 @@ class ProducerSide:
             future.add_done_callback(on_sent)
 
     def _announcer(self, link: LinkBase, sender: str, request_id: str, layer: int, route: Route, slots: SlotMap,
-                   buf: torch.Tensor) -> Callable[[], None]:
+                   buf: torch.Tensor, piece: Span) -> Callable[[], None]:
         seq = self._seq.setdefault(link.link_id, itertools.count())
+        piece_msg = None if piece == route.tokens else (piece.start, piece.stop)
 
         def gather_and_announce() -> None:  # on the link's send thread, in send order
-            self._caches.gather(layer, slots, route.tokens, route.heads, buf)
+            self._caches.gather(layer, slots, piece, route.heads, buf)
             self._channel.send(sender, Announce(
                 request_id, layer, RouteMsg.from_route(route), tuple(buf.shape), self._geometry.dtype,
-                buf.numel() * buf.element_size(), next(seq), link.link_id,
+                buf.numel() * buf.element_size(), next(seq), link.link_id, piece_msg,
             ))
         return gather_and_announce
 

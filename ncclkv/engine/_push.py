@@ -20,7 +20,7 @@ import torch
 
 from ..channel import Channel
 from ..errors import ClosedError, NcclKVError, TransferError
-from ..layout import KVGeometry, ParallelLayout, Route, plan
+from ..layout import KVGeometry, ParallelLayout, Route, Span, plan
 from ..paged import SlotMap
 from ..protocol import MAX_EXTRA_KEYS, MAX_PUSH_TOKENS, MAX_TEXT_CHARS, Done, ErrorMsg, PushBlocks, PushOffer, RouteMsg
 from ..transport import LinkBase
@@ -34,8 +34,9 @@ __all__ = ["PushState", "Pusher"]
 
 log = logging.getLogger("ncclkv.engine")
 
-# (link, consumer peer id, request id, layer, route, slots, buffer) -> the hook that gathers and announces it
-Announcer = Callable[[LinkBase, str, str, int, Route, SlotMap, torch.Tensor], Callable[[], None]]
+# (link, consumer peer id, request id, layer, route, slots, buffer, token piece) -> the hook that gathers and
+# announces it
+Announcer = Callable[[LinkBase, str, str, int, Route, SlotMap, torch.Tensor, Span], Callable[[], None]]
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ class PushState:
     saved: list[int] = field(default_factory=list)
     sends: dict[str, list[Future[None]]] = field(default_factory=dict)
     nbytes: dict[str, int] = field(default_factory=dict)
+    slices: dict[str, int] = field(default_factory=dict)  # (layer, route) slices sent per consumer rank: Done's count
     finishing: bool = False
     completed: bool = False
     started: float = field(default_factory=time.monotonic)
@@ -63,11 +65,12 @@ class Pusher:
     def __init__(self, rank: int, layout: ParallelLayout, geometry: KVGeometry, caches: RankCaches, channel: Channel,
                  peers: PeerLinks, executor: Executor, announcer: Announcer,
                  on_complete: Callable[[str, BaseException | None], None], deadline_s: float,
-                 stats: EngineStats | None = None) -> None:
+                 stats: EngineStats | None = None, piece_bytes: int = 0) -> None:
         self._rank, self._layout, self._geometry, self._caches = rank, layout, geometry, caches
         self._channel, self._peers, self._executor = channel, peers, executor
         self._announcer, self._on_complete, self._deadline_s = announcer, on_complete, deadline_s
         self._stats = stats
+        self._piece_bytes = piece_bytes
         self._lock = threading.Lock()
         self._pushes: dict[str, PushState] = {}
 
@@ -147,22 +150,25 @@ class Pusher:
         for route in state.by_dst[dst]:
             if layer not in route.layers or dst not in state.links:
                 continue
-            shape = self._caches.wire_shape(route.tokens, route.heads)
-            buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
-            hook = self._announcer(link, dst, state.request_id, layer, route, state.slots, buf)
-            ready = None
-            if buf.device.type == "cuda":  # the gather must see this layer's compute, done on the caller's stream
-                ready = torch.cuda.current_stream(buf.device).record_event()
-            try:
-                future = link.send(buf, before_send=hook, ready_event=ready)
-            except ClosedError as err:
-                log.warning("push of %s to %s: layer %d not sent: %s", state.request_id, dst, layer, err)
-                del state.links[dst]
-                state.errors[dst] = TransferError(f"push of {state.request_id!r} to {dst!r}: layer {layer} not sent: {err}")
-                return
-            state.sends.setdefault(dst, []).append(future)
-            state.nbytes[dst] = state.nbytes.get(dst, 0) + buf.numel() * buf.element_size()
-            future.add_done_callback(lambda _f: self._maybe_complete(state))
+            state.slices[dst] = state.slices.get(dst, 0) + 1
+            for piece in route.pieces(self._geometry, self._piece_bytes):
+                shape = self._caches.wire_shape(piece, route.heads)
+                buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
+                hook = self._announcer(link, dst, state.request_id, layer, route, state.slots, buf, piece)
+                ready = None
+                if buf.device.type == "cuda":  # the gather must see this layer's compute, done on the caller's stream
+                    ready = torch.cuda.current_stream(buf.device).record_event()
+                try:
+                    future = link.send(buf, before_send=hook, ready_event=ready)
+                except ClosedError as err:
+                    log.warning("push of %s to %s: layer %d not sent: %s", state.request_id, dst, layer, err)
+                    del state.links[dst]
+                    state.errors[dst] = TransferError(
+                        f"push of {state.request_id!r} to {dst!r}: layer {layer} not sent: {err}")
+                    return
+                state.sends.setdefault(dst, []).append(future)
+                state.nbytes[dst] = state.nbytes.get(dst, 0) + buf.numel() * buf.element_size()
+                future.add_done_callback(lambda _f: self._maybe_complete(state))
 
     def _maybe_complete(self, state: PushState) -> None:
         with state.lock:
@@ -183,7 +189,7 @@ class Pusher:
                 sends = state.sends.get(dst, [])
                 if self._stats is not None:
                     self._stats.record_send(state.nbytes.get(dst, 0), len(sends), time.monotonic() - state.started)
-                self._tell(dst, Done(state.request_id, len(sends), state.nbytes.get(dst, 0)))
+                self._tell(dst, Done(state.request_id, state.slices.get(dst, 0), state.nbytes.get(dst, 0)))
             else:
                 first_error = first_error or error
                 self._tell(dst, ErrorMsg.from_exception(error, state.request_id))

@@ -61,6 +61,15 @@ class Route:
     def nbytes(self, geometry: KVGeometry) -> int:
         return self.num_cells * geometry.cell_bytes
 
+    def pieces(self, geometry: KVGeometry, max_bytes: int) -> tuple[Span, ...]:
+        """This route's tokens cut so that one layer of each piece holds at most ``max_bytes`` (at least
+        one token each); ``max_bytes`` 0: one piece, all the tokens."""
+        if not (isinstance(max_bytes, int) and max_bytes >= 0):
+            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        if max_bytes == 0:
+            return (self.tokens,)
+        return self.tokens.split(max(1, max_bytes // (len(self.heads) * geometry.cell_bytes)))
+
     def to_json(self) -> dict[str, int | list[int]]:
         return {
             "src": self.src,

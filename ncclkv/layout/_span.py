@@ -44,6 +44,12 @@ class Span:
     def as_list(self) -> list[int]:
         return [self.start, self.stop]
 
+    def split(self, size: int) -> tuple[Span, ...]:
+        """Consecutive spans of ``size`` (the last may be shorter) that cover this one; empty: none."""
+        if not (isinstance(size, int) and size >= 1):
+            raise ValueError(f"Span.split needs a size >= 1, got {size!r}")
+        return tuple(Span(start, min(start + size, self.stop)) for start in range(self.start, self.stop, size))
+
     def __repr__(self) -> str:
         return f"[{self.start},{self.stop})"
 

@@ -255,3 +255,18 @@ def test_idle_step_waits_for_the_load_instead_of_spinning(engines: list[EngineSi
     decode.run(lambda: "d-0" in decode.finished)
     assert decode.outputs(["d-0"]) == expected and decode.mismatches == []
     _settle(prefill, decode)
+
+
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+def test_prefill_sends_slices_in_pieces(engines: list[EngineSim], model_dir: Path, push: bool) -> None:
+    """``piece_bytes`` on the prefill side: every layer's slice goes in pieces of 16 tokens, announced
+    alone; the decode side (no setting of its own) lands them byte-exact."""
+    expected = _reference(engines, model_dir, PROMPTS)
+    prefill, decode = _pair(engines, model_dir, prefill_extra={"piece_bytes": 16 * CELL_BYTES})
+    params = _prefill(prefill, PROMPTS, {"remote_decode": decode.ref} if push else None)
+    ids = _decode(decode, PROMPTS, params, also=(prefill,))
+    assert decode.outputs(ids) == expected and decode.mismatches == [] and decode.load_errors == set()
+    _settle(prefill, decode)
+    pieces = NUM_LAYERS * sum(-(-n // 16) for n in LENGTHS)  # every prompt token moves, in both modes
+    assert _bytes(prefill, "tensors_sent") == _bytes(decode, "tensors_received") == pieces
+    assert pieces > NUM_LAYERS * len(LENGTHS)

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
+import msgspec
 import pytest
 
-from ncclkv.errors import CapacityError, HandshakeError, TransferError
-from ncclkv.layout import KVGeometry, ParallelLayout, Span, SpanSet
+from ncclkv.errors import CapacityError, HandshakeError, ShapeMismatchError, TransferError
+from ncclkv.layout import KVGeometry, ParallelLayout, Span, SpanSet, plan
 from ncclkv.paged import CacheLayout
+from ncclkv.protocol import Announce
 
 from .kvsim import RankSide, build_sides, close_sides, engine_ref
 
@@ -370,5 +373,114 @@ def test_wait_finished_receiving_sleeps_until_a_request_lands() -> None:
         assert consumer.mismatches(3, blocks, num_tokens, Span(0, num_tokens)) == []
         with pytest.raises(ValueError, match="timeout_s must be >= 0, got -1"):
             consumer.engine.wait_finished_receiving(-1)
+    finally:
+        close_sides(prefill, decode)
+
+
+# -- slices sent in token pieces (EngineConfig.piece_bytes) ------------------------------------------
+PIECE_BYTES = 5000  # 4-9 tokens of these geometries per piece: every slice of 45 tokens goes in several
+
+
+def _tensors_per_slice(src: ParallelLayout, dst: ParallelLayout, geometry: KVGeometry, num_tokens: int) -> tuple[int, int]:
+    """(slices, pieces) the producers send for ``num_tokens``: (layer, route) pairs, and tensors."""
+    routes = plan(src, dst, geometry, num_tokens).routes
+    slices = sum(len(r.layers) for r in routes)
+    pieces = sum(len(r.layers) * len(r.pieces(geometry, PIECE_BYTES)) for r in routes)
+    return slices, pieces
+
+
+@pytest.mark.parametrize(("src", "dst", "geometry"), [LAYOUTS[1], LAYOUTS[4], LAYOUTS[8]],
+                         ids=lambda v: str(v) if isinstance(v, tuple) else None)
+def test_pull_in_pieces_is_byte_exact(src: tuple[int, int], dst: tuple[int, int], geometry: KVGeometry) -> None:
+    src_layout, dst_layout = ParallelLayout(*src), ParallelLayout(*dst)
+    mla = geometry.use_mla
+    prefill = build_sides("prefill", src_layout, geometry, CacheLayout.MLA if mla else CacheLayout.CPU, 16, "producer",
+                          piece_bytes=PIECE_BYTES)
+    decode = build_sides("decode", dst_layout, geometry, CacheLayout.MLA if mla else CacheLayout.FLASH_NHD, 32, "consumer")
+    try:
+        num_tokens, src_blocks, dst_blocks = 45, [5, 2, 9], [3, 0]
+        for side in prefill:
+            side.fill(seed=21, block_ids=src_blocks, num_tokens=num_tokens)
+            side.engine.finish("pc", src_blocks, num_tokens)
+        for side in decode:
+            side.engine.expect("pc", engine_ref("prefill", src_layout, prefill), dst_blocks, num_tokens)
+        for side in decode:
+            side.engine.wait("pc", timeout_s=20)  # Done counted slices, not pieces: else the request failed
+            assert side.mismatches(21, dst_blocks, num_tokens, Span(0, num_tokens)) == []
+            assert side.engine.take_finished_receiving() == {"pc": None}
+        assert set(_wait_sent(prefill, "pc").values()) == {None}
+        slices, pieces = _tensors_per_slice(src_layout, dst_layout, geometry, num_tokens)
+        assert pieces > slices
+        assert sum(side.engine.stats().tensors_sent for side in prefill) == pieces
+    finally:
+        close_sides(prefill, decode)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_push_in_pieces_is_byte_exact(staged: bool) -> None:
+    src_layout, dst_layout = ParallelLayout(2, 1), ParallelLayout(1, 1)
+    prefill = build_sides("prefill", src_layout, GQA, CacheLayout.CPU, 16, "producer", piece_bytes=PIECE_BYTES)
+    decode = build_sides("decode", dst_layout, GQA, CacheLayout.CPU, 32, "consumer")
+    try:
+        num_tokens, src_blocks, dst_blocks = 45, [0, 5, 6], [2, 8]
+        for side in prefill:
+            side.fill(seed=22, block_ids=src_blocks, num_tokens=num_tokens)
+            side.engine.start_push("pp", engine_ref("decode", dst_layout, decode), src_blocks, num_tokens)
+        producer_ref = engine_ref("prefill", src_layout, prefill)
+        if not staged:
+            decode[0].engine.expect("pp", producer_ref, dst_blocks, num_tokens, push=True)
+        for layer in range(GQA.num_layers):
+            for side in prefill:
+                side.engine.save_layer("pp", layer)
+        for side in prefill:
+            side.engine.finish("pp")
+        if staged:
+            assert set(_wait_sent(prefill, "pp").values()) == {None}  # every piece staged before blocks exist
+            decode[0].engine.expect("pp", producer_ref, dst_blocks, num_tokens, push=True)
+        decode[0].engine.wait("pp", timeout_s=20)
+        assert decode[0].mismatches(22, dst_blocks, num_tokens, Span(0, num_tokens)) == []
+        if not staged:
+            assert set(_wait_sent(prefill, "pp").values()) == {None}
+        slices, pieces = _tensors_per_slice(src_layout, dst_layout, GQA, num_tokens)
+        assert pieces > slices and sum(side.engine.stats().tensors_sent for side in prefill) == pieces
+    finally:
+        close_sides(prefill, decode)
+
+
+@pytest.mark.parametrize(("lie", "message"), [
+    ("again", r"announced layer 0 .* tokens \[0,4\) of request 'lie' again"),
+    ("empty", r"announced layer 0 .* tokens \[4,4\): the piece is empty or outside the route's tokens"),
+    ("outside", r"announced layer 0 .* tokens \[40,44\): the piece is empty or outside the route's tokens"),
+])
+def test_a_lying_piece_fails_its_request_and_the_link_stays_in_step(lie: str, message: str) -> None:
+    layout = ParallelLayout(1, 1)
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer", piece_bytes=PIECE_BYTES)
+    decode = build_sides("decode", layout, GQA, CacheLayout.CPU, 16, "consumer")
+    try:
+        engine = prefill[0].engine
+        send = engine._channel.send  # noqa: SLF001 - a producer that lies about its pieces
+        first_piece: list[tuple[int, int]] = []
+
+        def forged(peer_id: str, body: Any, reply_to: int | None = None) -> int:
+            # From the second piece of layer 0 on (pieces of 4 tokens), each claims other tokens.
+            if isinstance(body, Announce) and body.request_id == "lie" and body.layer == 0:
+                if first_piece:
+                    piece = {"again": first_piece[0], "empty": (4, 4), "outside": (40, 44)}[lie]
+                    body = msgspec.structs.replace(body, piece=piece)
+                else:
+                    first_piece.append(body.piece)
+            return send(peer_id, body, reply_to)
+
+        engine._channel.send = forged  # type: ignore[method-assign]  # noqa: SLF001
+        ref = engine_ref("prefill", layout, prefill)
+        for i, rid in enumerate(("lie", "ok")):
+            prefill[0].fill(seed=30 + i, block_ids=[2 * i, 2 * i + 1], num_tokens=32)
+            engine.finish(rid, [2 * i, 2 * i + 1], 32)
+        decode[0].engine.expect("lie", ref, [0, 1], 32)
+        with pytest.raises(ShapeMismatchError, match=message):
+            decode[0].engine.wait("lie", timeout_s=20)
+        decode[0].engine.expect("ok", ref, [2, 3], 32)  # the same link, in step: every lying piece was drained
+        decode[0].engine.wait("ok", timeout_s=20)
+        assert decode[0].mismatches(31, [2, 3], 32, Span(0, 32)) == []
     finally:
         close_sides(prefill, decode)

@@ -23,6 +23,7 @@ def test_extra_config_defaults_and_values() -> None:
     assert (cfg.deadline_s, cfg.async_load, cfg.layout()) == (3, False, CacheLayout.FLASH_NHD)
     assert cfg.corrupt_for_test is True
     assert NcclKVConfig().idle_wait_ms == 2.0 and NcclKVConfig.from_extra({"idle_wait_ms": 0}).idle_wait_ms == 0
+    assert NcclKVConfig().piece_bytes == 0 and NcclKVConfig.from_extra({"piece_bytes": 4 << 20}).piece_bytes == 4 << 20
     with pytest.raises(AttributeError):
         cfg.hold_s = 1.0  # type: ignore[misc]
 
@@ -43,6 +44,8 @@ def test_unknown_keys_are_named() -> None:
     ({"idle_wait_ms": 5000}, r"'idle_wait_ms'.* must be in \[0, 1000\], got 5000"),
     ({"idle_wait_ms": True}, "'idle_wait_ms'.* must be float, got bool"),
     ({"ref_path": 3}, "'ref_path'.* must be str or None"),
+    ({"piece_bytes": -1}, r"'piece_bytes'.* must be >= 0, got -1"),
+    ({"piece_bytes": 1.5}, "'piece_bytes'.* must be int"),
 ])
 def test_bad_values_are_rejected(extra: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

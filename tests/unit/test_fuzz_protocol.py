@@ -214,7 +214,7 @@ def _member(t: mi.Type, value: object) -> mi.Type:
             return member
         if isinstance(member, mi.IntType | mi.StrType) and isinstance(value, int | str) and not isinstance(value, bool):
             return member
-        if isinstance(member, mi.VarTupleType) and isinstance(value, list):
+        if isinstance(member, mi.VarTupleType | mi.TupleType) and isinstance(value, list):
             return member
     raise AssertionError(f"no member of {t!r} for {value!r}")
 

@@ -317,3 +317,28 @@ def test_largest_layouts_plan_and_validate() -> None:
         result = plan(src, dst, KVGeometry(80, 64, 128), tokens)
         result.validate()
         assert_exact_cover(result)
+
+
+@given(st.integers(0, 60), st.integers(0, 60), st.integers(1, 70))
+def test_span_split_covers_the_span_in_order(start: int, length: int, size: int) -> None:
+    span = Span(start, start + length)
+    parts = span.split(size)
+    assert [p.start for p in parts[1:]] == [p.stop for p in parts[:-1]]  # consecutive, no gap, no overlap
+    assert SpanSet(parts) == SpanSet([span]) and all(1 <= len(p) <= size for p in parts)
+    assert all(len(p) == size for p in parts[:-1])
+
+
+def test_span_split_needs_a_positive_size() -> None:
+    with pytest.raises(ValueError, match="size >= 1, got 0"):
+        Span(0, 4).split(0)
+
+
+def test_route_pieces_hold_at_most_max_bytes_per_layer() -> None:
+    geometry = KVGeometry(num_layers=4, num_kv_heads=8, head_size=128, dtype="bfloat16")  # 512 B per token and head
+    route = Route(0, 1, Span(0, 4), Span(2, 6), Span(10, 110))  # 4 heads: 2 KiB per token and layer
+    assert route.pieces(geometry, 0) == (Span(10, 110),)
+    pieces = route.pieces(geometry, 40 << 10)  # 20 tokens each
+    assert pieces == tuple(Span(t, t + 20) for t in range(10, 110, 20))
+    assert route.pieces(geometry, 100) == tuple(Span(t, t + 1) for t in range(10, 110))  # at least one token
+    with pytest.raises(ValueError, match="max_bytes must be an int >= 0, got -1"):
+        route.pieces(geometry, -1)

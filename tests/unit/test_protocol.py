@@ -88,7 +88,8 @@ bodies = st.one_of(
     st.builds(Handshake, ids, st.sampled_from(["producer", "consumer", "both"]), nonneg, layouts, geometries, ids, nonneg, ids, ids),
     st.builds(HandshakeAck, ids, nonneg, st.booleans(), st.text(max_size=40)),
     st.builds(PullRequest, ids, nonneg, ids, st.lists(routes, max_size=4).map(tuple), nonneg),
-    st.builds(Announce, ids, nonneg, routes, st.lists(nonneg, max_size=MAX_SHAPE_DIMS).map(tuple), ids, nonneg, nonneg, ids),
+    st.builds(Announce, ids, nonneg, routes, st.lists(nonneg, max_size=MAX_SHAPE_DIMS).map(tuple), ids, nonneg, nonneg, ids,
+              st.none() | pairs),
     st.builds(Ack, ids, st.none() | nonneg),
     st.builds(Ready, ids),
     st.builds(Done, ids, nonneg, nonneg),
@@ -292,3 +293,10 @@ def test_untyped_errors_become_internal_and_long_text_is_cut() -> None:
     decode(encode(Envelope("p", 1, None, msg)))
     raised = ErrorMsg("r", ErrorCode.UNKNOWN_REQUEST, "who?").to_exception("p")
     assert type(raised) is errors.TransferError and "'unknown_request'" in str(raised)
+
+
+def test_an_announced_piece_is_a_span() -> None:
+    good = Announce("r", 0, ROUTE, (2, 4, 1, 8), "bfloat16", 128, 0, "kv-0", piece=(4, 8))
+    assert decode(encode(Envelope("a", 1, None, good))).body == good
+    with pytest.raises(ValueError, match=r"Announce.piece needs start <= stop, got \(9, 8\)"):
+        Announce("r", 0, ROUTE, (2, 4, 1, 8), "bfloat16", 128, 0, "kv-0", piece=(9, 8))
