@@ -9,7 +9,9 @@ through files), ``nixl`` (NixlConnector, ``kv_buffer_device`` cpu, UCX from the
 ``ncclkv-gil`` is a diagnostic: ncclkv with the decode engine's Python thread
 switch interval at 0.1 ms instead of 5 ms (set by a ``sitecustomize`` on that
 engine's path), which shows how much of ncclkv's decode-side time is its
-threads waiting for the GIL that vLLM's step loop holds.
+threads waiting for the GIL that vLLM's step loop holds. ``ncclkv-pieces`` is
+ncclkv with the prefill side's ``piece_bytes`` at :data:`PIECE_BYTES`: each
+layer's slice in token pieces, each announced alone.
 
 Nothing here imports vLLM; :func:`unavailable_reason` checks an engine's
 imports in a child interpreter with that engine's environment.
@@ -33,7 +35,8 @@ from ncclkv.launch import free_port
 
 __all__ = ["GIL_SUFFIX", "PEER_KEYS", "Mode", "PairSetup", "error_line", "package_versions", "pair_setup", "unavailable_reason"]
 
-PEER_KEYS = ("ncclkv", "ncclkv-gil", "example", "nixl", "mooncake")
+PEER_KEYS = ("ncclkv", "ncclkv-gil", "ncclkv-pieces", "example", "nixl", "mooncake")
+PIECE_BYTES = 2 << 20  # ncclkv-pieces: 512 tokens of the bench model per piece
 _REPO_ROOT = Path(__file__).resolve().parents[1]  # the ncclkv package's parent: on the engines' PYTHONPATH
 _PROBE_TIMEOUT_S = 120.0
 _NCCLKV_PULL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}
@@ -92,14 +95,15 @@ def _gil_site(workdir: Path) -> Path:
 
 def pair_setup(key: str, workdir: Path, modes: tuple[str, ...] = ("pull", "push")) -> PairSetup:
     """The set-up ``key`` (one of PEER_KEYS) with its files under ``workdir``; ``modes`` for ncclkv's."""
-    if key in ("ncclkv", "ncclkv-gil"):
+    if key in ("ncclkv", "ncclkv-gil", "ncclkv-pieces"):
         ref_path = workdir / f"{key}-decode-ref.json"
-        gil = key == "ncclkv-gil"
-        suffix = GIL_SUFFIX if gil else ""
+        gil, pieces = key == "ncclkv-gil", key == "ncclkv-pieces"
+        suffix = GIL_SUFFIX if gil else f", {PIECE_BYTES >> 20} MiB pieces" if pieces else ""
         return PairSetup(
             key, "ncclkv" + (f" with the decode engine's thread switch interval at {_GIL_SWITCH_S * 1e3:g} ms"
-                             if gil else ""),
-            connector_config("kv_producer"), connector_config("kv_consumer", ref_path=str(ref_path)),
+                             if gil else f" with the prefill side's piece_bytes at {PIECE_BYTES}" if pieces else ""),
+            connector_config("kv_producer", **({"piece_bytes": PIECE_BYTES} if pieces else {})),
+            connector_config("kv_consumer", ref_path=str(ref_path)),
             tuple(Mode(f"ncclkv {m}{suffix}", _NCCLKV_PULL, push=m == "push") for m in modes),
             decode_env={"PYTHONPATH": _path_with(_gil_site(workdir))} if gil else {}, ref_path=ref_path)
     if key == "example":

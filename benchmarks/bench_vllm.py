@@ -106,6 +106,18 @@ still GIL hand-off (about none now). `push` sends the KV while the prefill
 engine computes, so the decode request often finds it staged; `pull` starts
 moving it when the decode request arrives.
 
+**ncclkv with pieces.** The `2 MiB pieces` rows run ncclkv with the prefill
+side's `piece_bytes` at 2 MiB: each layer's slice goes as token pieces, each
+announced alone, so the gather, the wire and the decode side's scatter of one
+slice overlap (what bench overlap measures for the last layer of a layer-wise
+send). Decode TTFT does not gain from it here: in pull mode every layer is
+ready when the decode request arrives, so pieces only add messages (an
+Announce and the link's per-message cost each): 103 ms against 105 ms at 4096
+tokens in this run, 106 against 88 ms in a run of the two set-ups alone the
+same hour; in push mode the KV is mostly staged before the decode request
+comes (36 against 33 ms). Hence `piece_bytes` defaults to 0; it is for a
+decode engine that waits on the last layers of a push still in flight.
+
 **ExampleConnector** writes every layer's KV to a safetensors file on the
 prefill engine and reads it back on the decode engine, in the forward pass
 and on the main thread: on one machine the files sit in the page cache, so
