@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..errors import ShapeMismatchError
 from ..layout import KVGeometry, ParallelLayout, Roi, Span, shard_roi
 from ..paged import CacheLayout, PagedCacheSpec, SlotMap, gather, scatter
+from ._buffers import WireBuffers
 
 __all__ = ["RankCaches", "torch_dtype"]
 
@@ -29,7 +32,7 @@ class _Layer:
 
 
 class RankCaches:
-    """Per-layer paged caches of this rank's shard, and the gather/scatter of wire slices.
+    """Per-layer paged caches of this rank's shard, the gather/scatter of wire slices, and their buffers.
 
     Heads in routes are global kv-head indices; the cache holds the shard's
     heads from ``shard.heads.start`` on, so a route's heads are shifted by it.
@@ -40,6 +43,7 @@ class RankCaches:
         self.shard = shard_roi(layout, geometry, rank, 0)
         self.wire_dtype = torch_dtype(geometry.dtype)
         self._layers: dict[int, _Layer] = {}
+        self._buffers: WireBuffers | None = None  # on the caches' device, from register()
         self._lock = threading.Lock()
 
     def register(self, kv_caches: Mapping[int, torch.Tensor], cache_layout: CacheLayout) -> None:
@@ -60,8 +64,11 @@ class RankCaches:
             if cache.dtype != self.wire_dtype:
                 raise ShapeMismatchError(f"layer {index}: cache dtype {cache.dtype}, geometry says {self.wire_dtype}")
             layers[index] = _Layer(cache, spec)
+        device = next(iter(layers.values())).cache.device if layers else torch.device("cpu")
         with self._lock:
             self._layers = layers
+            if self._buffers is None or self._buffers.device != device:
+                self._buffers = WireBuffers(device)
 
     @property
     def registered(self) -> bool:
@@ -82,6 +89,24 @@ class RankCaches:
         if g.use_mla:
             return (1, len(tokens), g.head_size)
         return (2, len(tokens), len(heads), g.head_size)
+
+    def wire_buffer(self, tokens: Span, heads: Span) -> torch.Tensor:
+        """A buffer for one slice on the wire (reused on the CPU: see ``_buffers``); :meth:`recycle` it after."""
+        if self._buffers is None:
+            raise ShapeMismatchError("no caches registered on this rank")
+        return self._buffers.take(self.wire_shape(tokens, heads), self.wire_dtype)
+
+    def recycle(self, buf: torch.Tensor) -> None:
+        """``buf`` (from :meth:`wire_buffer`) is no longer read or written: reuse it."""
+        if self._buffers is not None:
+            self._buffers.give(buf)
+
+    def recycle_after(self, buf: torch.Tensor) -> Callable[[Future[Any]], None]:
+        """A done-callback for ``buf``'s send: recycle it if the send completed (a failed one may still hold it)."""
+        def done(future: Future[Any]) -> None:
+            if not future.cancelled() and future.exception() is None:
+                self.recycle(buf)
+        return done
 
     def check_route(self, roi: Roi, what: str) -> None:
         if not self.shard.with_tokens(roi.tokens).covers(roi):

@@ -280,7 +280,7 @@ class ConsumerSide:
             else:
                 req.progress = self._clock.now()  # an announcement is progress: its tensor is on the way
         if problem is None:
-            buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
+            buf = self._caches.wire_buffer(piece, route.heads)
             link.recv(shape, self._caches.wire_dtype, out=buf).add_done_callback(
                 lambda fut: self._landed(ann.request_id, key, piece, buf, fut))
             return
@@ -414,6 +414,8 @@ class ConsumerSide:
                 self._caches.scatter(layer, buf, req.slots, piece, route.heads)
             except Exception as err:  # reported on the request
                 error = err
+            else:
+                self._caches.recycle(buf)  # only its shape is read below
         with self._cond:
             req.applying -= 1
             self._cond.notify_all()

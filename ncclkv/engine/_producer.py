@@ -216,11 +216,11 @@ class ProducerSide:
                     continue
                 slices += 1
                 for piece in route.pieces(self._geometry, self._piece_bytes):
-                    shape = self._caches.wire_shape(piece, route.heads)
-                    buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
+                    buf = self._caches.wire_buffer(piece, route.heads)
                     nbytes += buf.numel() * buf.element_size()
                     hook = self._announcer(link, sender, pull.request_id, layer, route, held.slots, buf, piece)
                     futures.append(link.send(buf, before_send=hook))
+                    futures[-1].add_done_callback(self._caches.recycle_after(buf))
         remaining = [len(futures)]
         errors: list[BaseException] = []
         gate = threading.Lock()

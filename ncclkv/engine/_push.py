@@ -152,8 +152,7 @@ class Pusher:
                 continue
             state.slices[dst] = state.slices.get(dst, 0) + 1
             for piece in route.pieces(self._geometry, self._piece_bytes):
-                shape = self._caches.wire_shape(piece, route.heads)
-                buf = torch.empty(shape, dtype=self._caches.wire_dtype, device=self._caches.device)
+                buf = self._caches.wire_buffer(piece, route.heads)
                 hook = self._announcer(link, dst, state.request_id, layer, route, state.slots, buf, piece)
                 ready = None
                 if buf.device.type == "cuda":  # the gather must see this layer's compute, done on the caller's stream
@@ -168,6 +167,7 @@ class Pusher:
                     return
                 state.sends.setdefault(dst, []).append(future)
                 state.nbytes[dst] = state.nbytes.get(dst, 0) + buf.numel() * buf.element_size()
+                future.add_done_callback(self._caches.recycle_after(buf))
                 future.add_done_callback(lambda _f: self._maybe_complete(state))
 
     def _maybe_complete(self, state: PushState) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from ncclkv.engine._buffers import capacity_class
 from ncclkv.errors import CapacityError, HandshakeError, ShapeMismatchError, TransferError
 from ncclkv.layout import KVGeometry, ParallelLayout, Span, SpanSet, plan
 from ncclkv.paged import CacheLayout
@@ -189,6 +190,39 @@ def test_many_concurrent_requests_share_one_link_in_order() -> None:
             decode[0].engine.wait(rid, timeout_s=30)
             assert decode[0].mismatches(100 + i, blocks, n, Span(0, n)) == [], rid
         assert len(prefill[0].engine._peers._peers) == 1  # one peer, one link, all requests
+    finally:
+        close_sides(prefill, decode)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_wire_buffers_are_reused_from_request_to_request(mode: str) -> None:
+    """Each slice's wire buffer goes back once sent / scattered; the next request of that size takes it again."""
+    layout = ParallelLayout(1, 1)
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer", num_blocks=16)
+    decode = build_sides("decode", layout, GQA, CacheLayout.FLASH_NHD, 32, "consumer", num_blocks=16)
+    pools = {"producer": prefill[0].engine._caches._buffers, "consumer": decode[0].engine._caches._buffers}
+    try:
+        ref, dst_ref = engine_ref("prefill", layout, prefill), engine_ref("decode", layout, decode)
+        cached = []
+        for i in range(3):
+            rid, blocks, num_tokens = f"reuse{i}", [3 * i, 3 * i + 1, 3 * i + 2], 40
+            prefill[0].fill(seed=10 + i, block_ids=blocks, num_tokens=num_tokens)
+            decode[0].engine.expect(rid, ref, blocks[:2], num_tokens, push=mode == "push")
+            if mode == "push":
+                prefill[0].engine.start_push(rid, dst_ref, blocks, num_tokens)
+                for layer in range(GQA.num_layers):
+                    prefill[0].engine.save_layer(rid, layer)
+            prefill[0].engine.finish(rid, blocks, num_tokens)
+            decode[0].engine.wait(rid, timeout_s=20)
+            assert decode[0].mismatches(10 + i, blocks[:2], num_tokens, Span(0, num_tokens)) == []
+            assert set(_wait_sent(prefill, rid).values()) == {None}
+            cached.append({side: pool.cached_bytes for side, pool in pools.items()})
+        # At most one buffer per layer is out at a time (one request at a time, one slice per layer), so a
+        # pool that hands its buffers out again never holds more than that; one that did not would hold
+        # every request's. Every buffer came back each time.
+        per_request = GQA.num_layers * capacity_class(2 * 40 * GQA.num_kv_heads * GQA.head_size * 4)
+        for after in cached:
+            assert all(0 < n <= per_request for n in after.values()), (cached, per_request)
     finally:
         close_sides(prefill, decode)
 

@@ -1,0 +1,122 @@
+"""WireBuffers: size classes, reuse only after give, the cap, inference mode, and racing threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ncclkv.engine._buffers import WireBuffers, capacity_class
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 4097, 5 << 10, 1 << 20, (1 << 20) + 1, 9_999_999, 64 << 20])
+def test_capacity_class_holds_the_bytes_with_at_most_a_quarter_spare(nbytes: int) -> None:
+    capacity = capacity_class(nbytes)
+    assert capacity >= nbytes
+    assert capacity <= max(4096, nbytes * 5 // 4 + 1)
+    assert capacity_class(capacity) == capacity  # a class maps to itself
+
+
+def test_capacity_classes_grow_with_the_size() -> None:
+    sizes = range(1, 1 << 16, 97)
+    classes = [capacity_class(n) for n in sizes]
+    assert classes == sorted(classes)
+
+
+def test_a_given_buffer_is_reused_and_a_taken_one_never_twice() -> None:
+    pool = WireBuffers("cpu")
+    first = pool.take((2, 100, 8, 128), torch.bfloat16)
+    second = pool.take((2, 100, 8, 128), torch.bfloat16)
+    assert first.data_ptr() != second.data_ptr()  # both out: distinct memory
+    assert first.shape == (2, 100, 8, 128) and first.dtype == torch.bfloat16 and first.is_contiguous()
+    ptr = first.data_ptr()
+    pool.give(first)
+    assert pool.cached_bytes == capacity_class(first.nbytes)
+    assert capacity_class(2 * 104 * 8 * 128 * 2) == capacity_class(first.nbytes)
+    again = pool.take((2, 104, 8, 128), torch.bfloat16)  # a nearby size shares the class
+    assert again.data_ptr() == ptr and again.shape == (2, 104, 8, 128)
+    assert pool.cached_bytes == 0
+    third = pool.take((2, 100, 8, 128), torch.bfloat16)
+    assert third.data_ptr() not in (ptr, second.data_ptr())
+
+
+def test_giving_twice_keeps_one_copy() -> None:
+    pool = WireBuffers("cpu")
+    buf = pool.take((1000,), torch.float32)
+    pool.give(buf)
+    pool.give(buf)
+    assert pool.cached_bytes == capacity_class(4000)
+    assert pool.take((1000,), torch.float32).data_ptr() == buf.data_ptr()
+    assert pool.take((1000,), torch.float32).data_ptr() != buf.data_ptr()
+
+
+def test_foreign_tensors_are_not_kept() -> None:
+    pool = WireBuffers("cpu")
+    pool.give(torch.empty(1000, dtype=torch.float32))  # 4000 B: not a class size
+    assert pool.cached_bytes == 0
+
+
+def test_the_cap_drops_the_least_recently_given() -> None:
+    pool = WireBuffers("cpu", max_cached_bytes=3 * 8192)
+    bufs = [pool.take((8192,), torch.uint8) for _ in range(4)]
+    for buf in bufs:
+        pool.give(buf)
+    assert pool.cached_bytes == 3 * 8192
+    kept = {pool.take((8192,), torch.uint8).data_ptr() for _ in range(3)}
+    assert kept == {b.data_ptr() for b in bufs[1:]}  # the first given went first
+
+
+def test_a_buffer_taken_under_inference_mode_is_writable_outside_it() -> None:
+    pool = WireBuffers("cpu")
+    with torch.inference_mode():
+        buf = pool.take((4, 4), torch.float32)
+        buf.fill_(1.0)
+    assert not buf.is_inference()
+    buf.add_(1.0)  # an inference tensor would refuse this
+    assert torch.equal(buf, torch.full((4, 4), 2.0))
+
+
+def test_off_the_cpu_it_only_allocates() -> None:
+    pool = WireBuffers("meta")  # stands in for CUDA: any non-CPU device keeps nothing
+    buf = pool.take((3, 5), torch.float16)
+    assert buf.device.type == "meta" and buf.shape == (3, 5)
+    pool.give(buf)
+    assert pool.cached_bytes == 0
+
+
+def test_bad_cap_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_cached_bytes"):
+        WireBuffers("cpu", max_cached_bytes=-1)
+
+
+def test_racing_threads_never_share_a_buffer() -> None:
+    pool = WireBuffers("cpu", max_cached_bytes=16 * 8192)
+    outstanding: set[int] = set()
+    guard = threading.Lock()
+    clashes: list[int] = []
+    start = threading.Barrier(4, timeout=30)
+
+    def work(seed: int) -> None:
+        start.wait()
+        for i in range(300):
+            buf = pool.take((4096 + (seed * 31 + i) % 4000,), torch.uint8)
+            with guard:
+                if buf.data_ptr() in outstanding:
+                    clashes.append(buf.data_ptr())
+                outstanding.add(buf.data_ptr())
+            buf.fill_(seed)
+            if not int(buf.min()) == int(buf.max()) == seed:  # somebody else wrote it meanwhile
+                clashes.append(-seed)
+            with guard:
+                outstanding.discard(buf.data_ptr())
+            pool.give(buf)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert not clashes
+    assert 0 < pool.cached_bytes <= 16 * 8192
