@@ -16,9 +16,10 @@ import torch
 
 from ncclkv.paged import gather
 
+from ._engine_path import EngineSender
 from ._transfer_paths import WAIT_S, Sender, SliceCase
 
-__all__ = ["MODES", "Busy", "calibrate_slice", "chunked", "scenario"]
+__all__ = ["ENGINE_MODES", "MODES", "Busy", "calibrate_slice", "chunked", "compute_alone", "engine_scenario", "scenario"]
 
 
 class Busy:
@@ -56,6 +57,15 @@ def _send_layer(sender: Sender, layer: int) -> list[Any]:
     return futures
 
 
+def compute_alone(compute: Callable[[], None], layers: int) -> tuple[float, float, float]:
+    """The prefill's compute with nothing sent: (start, end, end)."""
+    start = time.monotonic()
+    for _ in range(layers):
+        compute()
+    end = time.monotonic()
+    return start, end, end
+
+
 def scenario(mode: str, sender: Sender, compute: Callable[[], None], peer: Any) -> tuple[float, float, float]:
     """(start, end of the last compute, receiver done) on the shared monotonic clock."""
     layers = sender.case.num_layers
@@ -68,11 +78,7 @@ def scenario(mode: str, sender: Sender, compute: Callable[[], None], peer: Any) 
         done, _, _ = peer.endpoint.expect("done")
         return start, start, done
     if mode == "compute":
-        start = time.monotonic()
-        for _ in range(layers):
-            compute()
-        end = time.monotonic()
-        return start, end, end
+        return compute_alone(compute, layers)
     peer.endpoint.send("go", "ncclkv")
     peer.endpoint.expect("ready")
     start = time.monotonic()
@@ -98,6 +104,40 @@ def scenario(mode: str, sender: Sender, compute: Callable[[], None], peer: Any) 
 
 
 MODES = ("compute", "transfer", "single", "layerwise", "after")
+ENGINE_MODES = ("compute", "transfer", "layerwise", "after")
+
+
+def engine_scenario(mode: str, sender: EngineSender, compute: Callable[[], None], peer: Any,
+                    request_id: str) -> tuple[float, float, float]:
+    """One pushed request through real engines: (start, end of the last compute, consumer done).
+
+    ``start_push`` comes before ``start`` (the connector starts a push when the
+    request is scheduled); ``transfer`` saves every layer at once (x),
+    ``layerwise`` saves each after its compute, ``after`` computes all first.
+    """
+    layers = sender.side.case.num_layers
+    if mode == "compute":
+        return compute_alone(compute, layers)
+    if mode not in ENGINE_MODES:
+        raise ValueError(f"engine mode must be one of {ENGINE_MODES}, got {mode!r}")
+    ids = [request_id]
+    peer.endpoint.send("expect", (request_id, sender.engine_id, sender.address))
+    peer.endpoint.expect("ready")
+    sender.start(ids)
+    start = compute_end = time.monotonic()
+    if mode == "after":
+        for _ in range(layers):
+            compute()
+        compute_end = time.monotonic()
+    for layer in range(layers):
+        if mode == "layerwise":
+            compute()
+            compute_end = time.monotonic()
+        sender.save_layer(ids, layer)
+    sender.finish(ids)
+    done = peer.endpoint.expect("done")
+    sender.await_sent(ids)
+    return start, compute_end, done
 
 
 def calibrate_slice(sender_factory: Callable[[SliceCase], Sender], peer: Any, x_ms: float, layers: int) -> SliceCase:

@@ -12,12 +12,14 @@ with ``src_block_size``; the receiver (a spawned peer) holds one with
 - ``link``: ``Link.send`` / ``Link.recv`` of the same bytes already packed.
 - ``raw``: ``ProcessGroupGloo.send`` / ``recv`` of the packed bytes, all posted at once.
 - ``memcpy``: one ``copy_`` per slice in the sender's process.
+- ``engine``: the product: a producer ``TransferEngine`` over the sender's cache
+  pushes every request of the round (``start_push``, ``save_layer`` per
+  layer, ``finish``) to a consumer engine over the receiver's cache that
+  expected them all (``benchmarks._engine_path``).
 
 Two more rounds time the ncclkv path's own copies alone, in one process each:
 ``gather`` (sender) and ``scatter`` (receiver), to account for the CPU they take.
 
-A transfer engine path goes in as one more pair of methods (sender: ``finish``;
-receiver: ``expect`` then ``wait_layer`` per layer) named in :data:`PATHS`.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ from ncclkv.layout import Span
 from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather, scatter
 from ncclkv.transport import DataPlane, Link
 
+from ._engine_path import CONSUMER_ID, EngineReceiver, round_request_ids
 from ._peer import Endpoint
 
-__all__ = ["COPIES", "PATHS", "Receiver", "Sender", "SliceCase", "raw_group", "receiver_loop", "round_trips"]
+__all__ = ["COPIES", "PATHS", "PagedSide", "Receiver", "Sender", "SliceCase", "raw_group", "receiver_loop", "round_trips"]
 
-PATHS = ("memcpy", "raw", "link", "ncclkv")
+PATHS = ("memcpy", "raw", "link", "ncclkv", "engine")
 COPIES = ("gather", "scatter")
 WAIT_S = 60.0
 
@@ -103,8 +106,8 @@ def _carve(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tens
     return views
 
 
-class _Side:
-    """A paged cache of ``num_layers`` layers with the request's blocks scattered in it, and wire buffers."""
+class PagedSide:
+    """A paged cache of ``num_layers`` layers (vLLM CPU layout) with the request's blocks scattered in it."""
 
     def __init__(self, case: SliceCase, block_size: int, seed: int) -> None:
         self.case = case
@@ -114,10 +117,27 @@ class _Side:
         gen = torch.Generator().manual_seed(seed)
         self.cache = torch.empty((case.num_layers, *self.spec.shape), dtype=dtype)
         self.cache.view(torch.int16).random_(generator=gen)
-        block_ids = torch.randperm(self.spec.num_blocks, generator=gen)[:used].tolist()  # a busy cache
-        self.slots = SlotMap(block_ids, block_size)
+        self.block_ids: list[int] = torch.randperm(self.spec.num_blocks, generator=gen)[:used].tolist()  # a busy cache
+        self.slots = SlotMap(self.block_ids, block_size)
         self.heads = Span(0, heads)
         self.tokens = Span(0, case.num_tokens)
+
+    def digests(self) -> list[str]:
+        """A hash of each layer's slice as the wire format, read back out of the cache."""
+        out = torch.empty(self.spec.wire_shape(len(self.tokens), len(self.heads)), dtype=self.spec.dtype)
+        result = []
+        for layer in range(self.case.num_layers):
+            gather(self.cache[layer], self.spec, self.slots, self.tokens, self.heads, out)
+            result.append(hashlib.blake2b(out.view(torch.int16).numpy().tobytes(), digest_size=16).hexdigest())
+        return result
+
+
+class _Side(PagedSide):
+    """A paged side with a wire buffer per message, carved from one allocation."""
+
+    def __init__(self, case: SliceCase, block_size: int, seed: int) -> None:
+        super().__init__(case, block_size, seed)
+        dtype, heads = case.torch_dtype, case.num_kv_heads
         messages = case.num_layers * case.num_requests
         numel = messages * torch.Size(self.spec.wire_shape(case.num_tokens, heads)).numel()
         flat = torch.empty(numel, dtype=dtype)
@@ -130,15 +150,6 @@ class _Side:
         for _ in range(case.num_requests):
             for layer in range(case.num_layers):
                 self.pieces.extend((layer, span, next(bufs)) for span in spans)
-
-    def digests(self) -> list[str]:
-        """A hash of each layer's slice as the wire format, read back out of the cache."""
-        out = torch.empty(self.spec.wire_shape(len(self.tokens), len(self.heads)), dtype=self.spec.dtype)
-        result = []
-        for layer in range(self.case.num_layers):
-            gather(self.cache[layer], self.spec, self.slots, self.tokens, self.heads, out)
-            result.append(hashlib.blake2b(out.view(torch.int16).numpy().tobytes(), digest_size=16).hexdigest())
-        return result
 
 
 class Sender(_Side):
@@ -280,40 +291,75 @@ def round_trips(link: Link, pg: dist.ProcessGroup, nbytes: int, count: int, path
 
 
 def receiver_loop(endpoint: Endpoint, store: str, link_id: str, threads: int, in_flight: int | None) -> dict[str, int]:
-    """Peer side of the benchmark: cases and rounds on command until ``end``."""
+    """Peer side of the benchmark: cases and rounds on command until ``end``.
+
+    ``case``: new caches; ``engine`` (producer id, address): a consumer engine
+    over them; ``go`` PATH: post, answer ``ready``, finish, answer ``done``
+    (time, CPU seconds, seconds); ``digests`` / ``scramble``: the cache's
+    slices hashed / overwritten with random bytes; ``round_trips``.
+    """
     torch.set_num_threads(threads)
-    rounds = 0
+    rounds = engine_rounds = 0
     with DataPlane() as plane:
         depth = {} if in_flight is None else {"max_in_flight": in_flight}
         link = plane.open_link(link_id, 1, store, "cpu", WAIT_S, **depth)
         pg = raw_group(store, 1, f"raw/{link_id}")
         receiver: Receiver | None = None
-        while True:
-            tag, payload = endpoint.receive(WAIT_S * 5)
-            if tag == "end":
-                break
-            if tag == "case":
-                receiver = None  # free the previous case's memory first
-                receiver = Receiver(SliceCase(**payload), link, pg)
-                endpoint.send("ready")
-            elif tag == "round_trips":
-                round_trips(link, pg, **payload, first=False)
-                endpoint.send("done")
-            elif tag == "digests":
-                assert receiver is not None
-                endpoint.send("digests", receiver.digests())
-            elif tag == "go":
-                assert receiver is not None
-                post: Callable[[], list[Any]] = getattr(receiver, f"post_{payload}")
-                finish: Callable[[list[Any]], None] = getattr(receiver, f"finish_{payload}")
-                handles = post()
-                endpoint.send("ready")
-                cpu0, start = time.process_time(), time.monotonic()  # posting is set-up, like the sender's
-                finish(handles)
-                end = time.monotonic()
-                endpoint.send("done", (end, time.process_time() - cpu0, end - start))
-                rounds += 1
-            else:
-                raise ValueError(f"unknown command {tag!r}")
+        engine: EngineReceiver | None = None
+        producer: tuple[str, str] = ("", "")
+        try:
+            while True:
+                tag, payload = endpoint.receive(WAIT_S * 5)
+                if tag == "end":
+                    break
+                if tag in ("case", "engine") and engine is not None:
+                    engine.close()  # its caches are the previous case's
+                    engine = None
+                if tag == "case":
+                    receiver = None  # free the previous case's memory first
+                    receiver = Receiver(SliceCase(**payload), link, pg)
+                    endpoint.send("ready")
+                    continue
+                if tag == "round_trips":
+                    round_trips(link, pg, **payload, first=False)
+                    endpoint.send("done")
+                    continue
+                if receiver is None:
+                    raise ValueError(f"command {tag!r} before any case")
+                if tag == "engine":
+                    engine, producer = EngineReceiver(receiver, CONSUMER_ID), (payload[0], payload[1])
+                    engine_rounds = 0  # the sender counts the case's rounds from 0 too
+                    endpoint.send("engine", engine.address)
+                elif tag == "digests":
+                    endpoint.send("digests", receiver.digests())
+                elif tag == "scramble":
+                    receiver.cache.view(torch.int16).random_()
+                    endpoint.send("scrambled")
+                elif tag == "go" and payload == "engine":
+                    if engine is None:
+                        raise ValueError("go engine before the engine command")
+                    ids = round_request_ids(engine_rounds, receiver.case.num_requests)
+                    engine_rounds += 1
+                    engine.expect(ids, *producer)
+                    endpoint.send("ready")
+                    cpu0, start = time.process_time(), time.monotonic()  # expecting is set-up, like posting
+                    end = engine.wait(ids)
+                    endpoint.send("done", (end, time.process_time() - cpu0, end - start))
+                    rounds += 1
+                elif tag == "go":
+                    post: Callable[[], list[Any]] = getattr(receiver, f"post_{payload}")
+                    finish: Callable[[list[Any]], None] = getattr(receiver, f"finish_{payload}")
+                    handles = post()
+                    endpoint.send("ready")
+                    cpu0, start = time.process_time(), time.monotonic()  # posting is set-up, like the sender's
+                    finish(handles)
+                    end = time.monotonic()
+                    endpoint.send("done", (end, time.process_time() - cpu0, end - start))
+                    rounds += 1
+                else:
+                    raise ValueError(f"unknown command {tag!r}")
+        finally:
+            if engine is not None:
+                engine.close()
         link.close()
     return {"rounds": rounds}

@@ -15,10 +15,11 @@ round). Ideal layer-wise: about 1 (the last layer); baseline: about L.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,9 @@ from ncclkv.transport import DataPlane
 from ._common import (
     BenchContext, BenchOptions, BenchResult, Column, base_meta, default_out, format_size, pyplot, run_standalone, write_figure,
 )
-from ._overlap_runs import MODES, Busy, calibrate_slice, chunked, scenario
-from ._transfer_paths import WAIT_S, Sender, SliceCase, raw_group
+from ._engine_path import CONSUMER_ID, EngineSender
+from ._overlap_runs import ENGINE_MODES, MODES, Busy, calibrate_slice, chunked, engine_scenario, scenario
+from ._transfer_paths import WAIT_S, PagedSide, Sender, SliceCase, raw_group
 
 __all__ = ["NAME", "TITLE", "OverlapParams", "main", "plot", "run"]
 
@@ -47,30 +49,35 @@ class OverlapParams:
     transfer_ms: float = 10.0
     matmul_size: int = 192
     chunk_bytes: tuple[int, ...] = (0, 2 << 20, 4 << 20)  # each layer in token chunks of about this size; 0: whole
+    engine_piece_bytes: tuple[int, ...] = (0, 4 << 20)  # the engine path: its producers' piece_bytes, a row set each
 
     @classmethod
     def quick(cls) -> OverlapParams:
-        return cls(num_layers=6, compute_ms=(4.0,), transfer_ms=4.0, chunk_bytes=(0,))
+        return cls(num_layers=6, compute_ms=(4.0,), transfer_ms=4.0, chunk_bytes=(0,), engine_piece_bytes=(0,))
 
 
-def _config(c_ms: float, case: SliceCase, sender: Sender, busy: Busy, repeats: int, peer: Any,
-            ctx: BenchContext) -> dict[str, Any]:
+RunMode = Callable[[str, Callable[[], None]], tuple[float, float, float]]
+
+
+def _config(c_ms: float, case: SliceCase, path: str, run_mode: RunMode, modes: Sequence[str], busy: Busy,
+            repeats: int, ctx: BenchContext) -> dict[str, Any]:
+    """One row: every mode of one path, ``repeats`` rounds (after a warm-up), modes interleaved per round."""
     compute = busy.for_ms(c_ms)
-    samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}
+    samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
     for rep in range(repeats + 1):
-        ctx.progress(f"{NAME}: c={c_ms:g} ms, {len(case.chunks())} chunk(s) per layer, round {rep}/{repeats}")
-        for mode in MODES:
-            result = scenario(mode, sender, compute, peer)
+        ctx.progress(f"{NAME}: {path}, c={c_ms:g} ms, {len(case.chunks())} piece(s) per layer, round {rep}/{repeats}")
+        for mode in modes:
+            result = run_mode(mode, compute)
             if rep:
                 samples[mode].append(result)
     layers = case.num_layers
     c_alone = [(end - start) / layers for start, end, _ in samples["compute"]]
     x_alone = [(done - start) / layers for start, _, done in samples["transfer"]]
-    single = [(done - start) / x for (start, _, done), x in zip(samples["single"], x_alone)]
+    single = [(done - start) / x for (start, _, done), x in zip(samples.get("single", []), x_alone)]
     row: dict[str, Any] = {
-        "layers": layers, "c_target_ms": c_ms, "slice_bytes": case.num_tokens * case.token_bytes,
+        "path": path, "layers": layers, "c_target_ms": c_ms, "slice_bytes": case.num_tokens * case.token_bytes,
         "chunks": f"{len(case.chunks())} x {format_size(len(case.chunks()[0]) * case.token_bytes)}",
-        "single_layer_x": statistics.median(single),
+        "single_layer_x": statistics.median(single) if single else None,
         "c_ms": 1e3 * statistics.median(c_alone), "x_ms": 1e3 * statistics.median(x_alone),
     }
     for mode in ("layerwise", "after"):
@@ -88,6 +95,7 @@ def _config(c_ms: float, case: SliceCase, sender: Sender, busy: Busy, repeats: i
 
 
 COLUMNS = (
+    Column("path", "path", align="<"),
     Column("layers", "L", "{:d}"),
     Column("chunks", "sent as"),
     Column("c_ms", "c ms"),
@@ -144,25 +152,26 @@ copies alongside) the slowdown goes and layer-wise sending saves about (L - 1) x
 
 
 def _headline(rows: list[dict[str, Any]]) -> list[str]:
-    judged = {}
+    judged: dict[tuple[str, bool], list[bool]] = {}
     for r in rows:
         if r["c_over_x"] >= 1:
             met = r["layerwise_exposed_median"] <= GOAL_LAYERS
-            judged.setdefault(r["chunks"].split(" x ")[0] == "1", []).append(met)
+            judged.setdefault((r.get("path", "link"), r["chunks"].split(" x ")[0] == "1"), []).append(met)
     lines = []
     if judged:
-        parts = [f"{'whole layers' if whole else 'chunked layers'}: met in {sum(v)} of {len(v)} rows"
-                 for whole, v in sorted(judged.items(), reverse=True)]
+        parts = [f"{path}, {'whole layers' if whole else 'in pieces'}: met in {sum(v)} of {len(v)} rows"
+                 for (path, whole), v in sorted(judged.items(), key=lambda kv: (kv[0][0] != "link", not kv[0][1]))]
         lines.append(f"goal <= {GOAL_LAYERS} layers exposed when c >= x (median): " + "; ".join(parts))
     for r in rows:
         verdict = ""
         if r["c_over_x"] >= 1:
             verdict = f" (goal <= {GOAL_LAYERS}: {'met' if r['layerwise_exposed_median'] <= GOAL_LAYERS else 'NOT met'})"
+        single = "" if r.get("single_layer_x") is None else f"; one layer alone takes {r['single_layer_x']:.2f} x"
         lines.append(
-            f"sent as {r['chunks']}, c={r['c_ms']:.1f} ms, x={r['x_ms']:.1f} ms (c/x {r['c_over_x']:.2f}): layer-wise exposes "
-            f"{r['layerwise_exposed_median']:.2f} layers{verdict}, after-compute {r['after_exposed_median']:.2f}; "
-            f"compute slowed {r['layerwise_compute_slowdown']:.2f}x while sending; one layer alone takes "
-            f"{r['single_layer_x']:.2f} x"
+            f"{r.get('path', 'link')}, sent as {r['chunks']}, c={r['c_ms']:.1f} ms, x={r['x_ms']:.1f} ms "
+            f"(c/x {r['c_over_x']:.2f}): layer-wise exposes {r['layerwise_exposed_median']:.2f} layers{verdict}, "
+            f"after-compute {r['after_exposed_median']:.2f}; compute slowed {r['layerwise_compute_slowdown']:.2f}x "
+            f"while sending{single}"
         )
     return lines
 
@@ -172,12 +181,13 @@ def plot(result: BenchResult, path: Path) -> bool:
     if plt is None:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for chunks in dict.fromkeys(r["chunks"] for r in result.rows):
-        rows = sorted((r for r in result.rows if r["chunks"] == chunks), key=lambda r: r["c_over_x"])
-        ratio = [r["c_over_x"] for r in rows]
-        left.plot(ratio, [r["layerwise_exposed_median"] for r in rows], marker="o", label=f"layer-wise, {chunks}")
-        left.plot(ratio, [r["after_exposed_median"] for r in rows], marker="s", linestyle=":", label=f"after compute, {chunks}")
-        right.plot(ratio, [r["layerwise_compute_slowdown"] for r in rows], marker="o", label=chunks)
+    for group in dict.fromkeys((r.get("path", "link"), r["chunks"]) for r in result.rows):
+        rows = sorted((r for r in result.rows if (r.get("path", "link"), r["chunks"]) == group),
+                      key=lambda r: r["c_over_x"])
+        ratio, label = [r["c_over_x"] for r in rows], f"{group[0]}, {group[1]}"
+        left.plot(ratio, [r["layerwise_exposed_median"] for r in rows], marker="o", label=f"layer-wise, {label}")
+        left.plot(ratio, [r["after_exposed_median"] for r in rows], marker="s", linestyle=":", label=f"after compute, {label}")
+        right.plot(ratio, [r["layerwise_compute_slowdown"] for r in rows], marker="o", label=label)
     left.axhline(GOAL_LAYERS, color="grey", linestyle="--", linewidth=1, label=f"goal {GOAL_LAYERS} (c >= x)")
     left.set(title="transfer exposed after the last compute", xlabel="c / x", ylabel="layers (units of x)", yscale="log")
     values = [r[k] for r in result.rows for k in ("layerwise_exposed_median", "after_exposed_median")] + [GOAL_LAYERS]
@@ -219,12 +229,19 @@ def run(ctx: BenchContext, params: OverlapParams | None = None) -> BenchResult:
                 for chunk_bytes in params.chunk_bytes:
                     layer_case = chunked(case, chunk_bytes)
                     sender = make_sender(layer_case)
-                    rows += [_config(c, layer_case, sender, busy, repeats, peer, ctx) for c in params.compute_ms]
-                    del sender  # free its buffers before the next case's
+
+                    def link_mode(mode: str, compute: Callable[[], None], sender: Sender = sender) -> tuple[float, float, float]:
+                        return scenario(mode, sender, compute, peer)
+
+                    rows += [_config(c, layer_case, "link", link_mode, MODES, busy, repeats, ctx)
+                             for c in params.compute_ms]
+                    del sender, link_mode  # free its buffers before the next case's
             finally:
                 peer.endpoint.send("end")
                 peer.result()
             link.close()
+        if params.engine_piece_bytes:
+            rows += _engine_rows(case, params, busy, repeats, peer, ctx)
     finally:
         torch.set_num_threads(threads)
     meta = {
@@ -232,10 +249,48 @@ def run(ctx: BenchContext, params: OverlapParams | None = None) -> BenchResult:
         "num_layers": params.num_layers, "compute_ms": list(params.compute_ms), "transfer_ms": params.transfer_ms,
         "chunk_bytes": list(params.chunk_bytes),
         "matmul": f"{params.matmul_size}x{params.matmul_size} float32, 1 torch thread",
-        "path": "gather (CPU layout, block 16) -> Link (gloo) -> scatter (block 32), as bench_transfer's ncclkv path",
+        "engine_piece_bytes": list(params.engine_piece_bytes),
+        "path": "link: gather (CPU layout, block 16) -> Link (gloo) -> scatter (block 32), as bench_transfer's ncclkv "
+                "path; engine push: TransferEngine start_push / save_layer per layer -> TransferEngine in the peer "
+                "(the same caches), every landed layer checked by hash",
         "exposed": "receiver done - end of last compute, in units of x measured alone in the same round; median and min",
     }
     return BenchResult(NAME, TITLE, COLUMNS, rows, meta, _headline(rows), ANALYSIS)
+
+
+def _engine_rows(case: SliceCase, params: OverlapParams, busy: Busy, repeats: int, peer: Any,
+                 ctx: BenchContext) -> list[dict[str, Any]]:
+    """The engine path's rows: a producer engine per ``piece_bytes``, one consumer engine in the peer."""
+    rows: list[dict[str, Any]] = []
+    peer.start("benchmarks._engine_path:consumer_loop", case={f: getattr(case, f) for f in SliceCase.__slots__})
+    try:
+        address = peer.endpoint.expect("address", WAIT_S)
+        for piece_bytes in params.engine_piece_bytes:
+            ctx.progress(f"{NAME}: engine push, piece_bytes {piece_bytes}")
+            side = PagedSide(case, case.src_block_size, seed=1)
+            sender = EngineSender(side, f"bench-overlap-producer-{piece_bytes}", piece_bytes)
+            try:
+                sender.connect(CONSUMER_ID, address)
+                peer.endpoint.send("scramble")  # so the check below sees what this row's pushes wrote
+                peer.endpoint.expect("scrambled")
+                ids = itertools.count()
+
+                def engine_mode(mode: str, compute: Callable[[], None], sender: EngineSender = sender) -> tuple[float, float, float]:
+                    return engine_scenario(mode, sender, compute, peer, f"overlap-{piece_bytes}-{next(ids)}")
+
+                label = chunked(case, piece_bytes)
+                rows += [_config(c, label, "engine push", engine_mode, ENGINE_MODES, busy, repeats, ctx)
+                         for c in params.compute_ms]
+                peer.endpoint.send("digests")
+                if peer.endpoint.expect("digests") != sender.side.digests():
+                    raise RuntimeError(f"engine path, piece_bytes {piece_bytes}: the consumer's cache does not hold "
+                                       "the producer's KV after the pushes")
+            finally:
+                sender.close()
+    finally:
+        peer.endpoint.send("end")
+        peer.result()
+    return rows
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[BenchOptions, OverlapParams]:
@@ -247,12 +302,15 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchOptions, OverlapParams]:
     parser.add_argument("--compute-ms", type=float, nargs="+", help="compute per layer, one row each (default 5 10 20)")
     parser.add_argument("--transfer-ms", type=float, help="transfer per layer, sets the slice size (default 10)")
     parser.add_argument("--chunk-kib", type=int, nargs="+", help="chunk sizes, 0 = whole layer (default 0 2048 4096)")
+    parser.add_argument("--piece-kib", type=int, nargs="*",
+                        help="engine path: producer piece_bytes, 0 = whole slices (default 0 4096; none: no engine rows)")
     args = parser.parse_args(argv)
     params = OverlapParams.quick() if args.quick else OverlapParams()
     params = replace(
         params, num_layers=args.layers or params.num_layers, transfer_ms=args.transfer_ms or params.transfer_ms,
         compute_ms=tuple(args.compute_ms) if args.compute_ms else params.compute_ms, 
         chunk_bytes=tuple(k << 10 for k in args.chunk_kib) if args.chunk_kib else params.chunk_bytes,
+        engine_piece_bytes=params.engine_piece_bytes if args.piece_kib is None else tuple(k << 10 for k in args.piece_kib),
     )
     if params.num_layers < 2 or params.transfer_ms <= 0 or min(params.compute_ms) <= 0:
         parser.error(f"need layers >= 2 and positive times, got {params}")

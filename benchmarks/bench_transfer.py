@@ -1,10 +1,12 @@
 """Per-layer KV slices between two processes over gloo: ncclkv against raw send/recv and memcpy.
 
-For each slice size, every timed round runs the four paths of
+For each slice size, every timed round runs the five paths of
 :mod:`benchmarks._transfer_paths` back to back (memcpy, raw gloo send/recv of
-the packed bytes, Link send/recv of the packed bytes, and the ncclkv path:
-paged gather -> Link -> paged scatter into another block size), then the gather
-and the scatter alone, so all see the same machine load. A round is timed from
+the packed bytes, Link send/recv of the packed bytes, the ncclkv path: paged
+gather -> Link -> paged scatter into another block size, and the engine path:
+the same caches and bytes pushed between two real TransferEngines, the round's
+slices as requests of L layers all in flight), then the gather and the scatter
+alone, so all see the same machine load. A round is timed from
 the moment the receiver has posted its receives to the moment it has the last
 byte (scattered): both processes read the same monotonic clock. CPU time of
 both processes is recorded too, to tell a CPU-bound round from a wire-bound
@@ -32,6 +34,7 @@ from ncclkv.transport import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES,
 from ._common import (
     KIB, MIB, BenchContext, BenchOptions, BenchResult, Column, base_meta, default_out, format_size, machine_info, pyplot, run_standalone, write_figure,
 )
+from ._engine_path import CONSUMER_ID, EngineSender, round_request_ids
 from ._transfer_paths import COPIES, PATHS, WAIT_S, Sender, SliceCase, raw_group, round_trips
 
 __all__ = ["NAME", "TITLE", "TransferParams", "main", "plot", "run"]
@@ -72,13 +75,20 @@ def _gbps(nbytes: int, seconds: Sequence[float]) -> tuple[float, float]:
     return nbytes / min(seconds) / 1e9, nbytes / statistics.median(seconds) / 1e9
 
 
-def _one_round(path: str, sender: Sender, peer: Any) -> tuple[float, float]:
+def _one_round(path: str, sender: Sender, engine: EngineSender, engine_round: int, peer: Any) -> tuple[float, float]:
     """(seconds, CPU seconds of both processes) of one path's round."""
     if path in ("memcpy", "gather"):
         cpu0, start = time.process_time(), time.monotonic()
         sender.memcpy() if path == "memcpy" else sender.gather_only()
         return time.monotonic() - start, time.process_time() - cpu0
-    send = {"raw": sender.raw, "link": sender.link_only, "ncclkv": sender.ncclkv, "scatter": lambda: None}[path]
+
+    def push() -> None:  # every request of the round at once, as many requests finishing prefill would
+        ids = round_request_ids(engine_round, sender.case.num_requests)
+        engine.push(ids)
+        engine.await_sent(ids)
+
+    send = {"raw": sender.raw, "link": sender.link_only, "ncclkv": sender.ncclkv, "engine": push,
+            "scatter": lambda: None}[path]
     peer.endpoint.send("go", path)
     peer.endpoint.expect("ready")
     cpu0, start = time.process_time(), time.monotonic()
@@ -92,19 +102,30 @@ def _measure(case: SliceCase, repeats: int, link: Any, pg: Any, peer: Any, ctx: 
     sender = Sender(case, link, pg)
     peer.endpoint.send("case", {f: getattr(case, f) for f in SliceCase.__slots__})
     peer.endpoint.expect("ready")
-    times: dict[str, list[float]] = {p: [] for p in PATHS + COPIES}
-    cores: dict[str, list[float]] = {p: [] for p in PATHS + COPIES}
-    for rep in range(repeats + 1):  # round 0 warms up (page faults, gloo buffers) and is checked
-        ctx.progress(f"{NAME}: {format_size(case.slice_bytes)} round {rep}/{repeats}")
-        for path in PATHS + COPIES:
-            seconds, cpu = _one_round(path, sender, peer)
-            if rep:
-                times[path].append(seconds)
-                cores[path].append(cpu / seconds)
-        if rep == 0:
-            peer.endpoint.send("digests")
-            if peer.endpoint.expect("digests") != sender.digests():
-                raise AssertionError(f"{format_size(case.slice_bytes)}: the receiver's cache differs from the sender's")
+    engine = EngineSender(sender, f"bench-transfer-producer-{uuid.uuid4().hex[:6]}")
+    try:
+        peer.endpoint.send("engine", (engine.engine_id, engine.address))
+        engine.connect(CONSUMER_ID, peer.endpoint.expect("engine"))
+        times: dict[str, list[float]] = {p: [] for p in PATHS + COPIES}
+        cores: dict[str, list[float]] = {p: [] for p in PATHS + COPIES}
+        for rep in range(repeats + 1):  # round 0 warms up (page faults, gloo buffers) and is checked
+            ctx.progress(f"{NAME}: {format_size(case.slice_bytes)} round {rep}/{repeats}")
+            for path in PATHS + COPIES:
+                checked = rep == 0 and path in ("ncclkv", "engine")
+                if checked:  # random bytes first: the check after sees only what this path wrote
+                    peer.endpoint.send("scramble")
+                    peer.endpoint.expect("scrambled")
+                seconds, cpu = _one_round(path, sender, engine, rep, peer)
+                if checked:
+                    peer.endpoint.send("digests")
+                    if peer.endpoint.expect("digests") != sender.digests():
+                        raise AssertionError(f"{format_size(case.slice_bytes)}, {path} path: the receiver's cache "
+                                             "differs from the sender's")
+                if rep:
+                    times[path].append(seconds)
+                    cores[path].append(cpu / seconds)
+    finally:
+        engine.close()
     nbytes = case.round_bytes
     row: dict[str, Any] = {
         "size": format_size(case.slice_bytes), "slice_bytes": case.num_tokens * case.token_bytes,
@@ -115,7 +136,7 @@ def _measure(case: SliceCase, repeats: int, link: Any, pg: Any, peer: Any, ctx: 
         row[f"{path}_gbps_best"], row[f"{path}_gbps_median"] = _gbps(nbytes, times[path])
         row[f"{path}_cores_median"] = statistics.median(cores[path])
     _cpu_terms(row, nbytes)
-    for num, den in (("ncclkv", "raw"), ("ncclkv", "memcpy"), ("link", "raw")):
+    for num, den in (("ncclkv", "raw"), ("ncclkv", "memcpy"), ("link", "raw"), ("engine", "raw"), ("engine", "ncclkv")):
         row[f"{num}_{den}_median"] = row[f"{num}_gbps_median"] / row[f"{den}_gbps_median"]
         row[f"{num}_{den}_best"] = row[f"{num}_gbps_best"] / row[f"{den}_gbps_best"]
     return row
@@ -144,11 +165,13 @@ COLUMNS = (
     Column("raw_gbps_median", "raw GB/s"),
     Column("link_gbps_median", "link GB/s"),
     Column("ncclkv_gbps_median", "ncclkv GB/s"),
+    Column("engine_gbps_median", "engine GB/s"),
     Column("gather_gbps_median", "gather GB/s"),
     Column("scatter_gbps_median", "scatter GB/s"),
     Column("ncclkv_raw_median", "ncclkv/raw"),
     Column("ncclkv_raw_best", "ncclkv/raw best"),
     Column("link_raw_median", "link/raw"),
+    Column("engine_raw_median", "engine/raw"),
     Column("ncclkv_memcpy_median", "ncclkv/memcpy"),
     Column("cpu_ratio", "CPU ncclkv/raw"),
     Column("cpu_ceiling", "core-bound ceiling"),
@@ -176,6 +199,9 @@ def _headline(rows: list[dict[str, Any]]) -> list[str]:
         + "; at raw's speed it would keep " + ", ".join(f"{r['cores_needed']:.1f}" for r in big) + " cores busy",
         "cores busy during the rounds (median): raw " + ", ".join(f"{r['raw_cores_median']:.2f}" for r in big)
         + "; ncclkv " + ", ".join(f"{r['ncclkv_cores_median']:.2f}" for r in big),
+        "engine (two real TransferEngines, every request of a round pushed at once) / raw from 1 MiB up (median): "
+        + ", ".join(f"{r['size']} {r['engine_raw_median']:.2f}" for r in big)
+        + "; engine / ncclkv path: " + ", ".join(f"{r['engine_ncclkv_median']:.2f}" for r in big),
     ]
     return lines
 
@@ -246,7 +272,8 @@ def plot(result: BenchResult, path: Path) -> bool:
     for p in PATHS:
         left.plot(sizes, [r[f"{p}_gbps_median"] for r in rows], marker="o", label=p)
     left.set(title="throughput (median)", xlabel="slice MiB", ylabel="GB/s", xscale="log", yscale="log")
-    for key, label in (("ncclkv_raw", "ncclkv / raw"), ("link_raw", "link / raw"), ("ncclkv_memcpy", "ncclkv / memcpy")):
+    for key, label in (("ncclkv_raw", "ncclkv / raw"), ("engine_raw", "engine / raw"), ("link_raw", "link / raw"),
+                       ("ncclkv_memcpy", "ncclkv / memcpy")):
         right.plot(sizes, [r[f"{key}_median"] for r in rows], marker="o", label=label)
     right.plot(sizes, [r["cpu_ceiling"] for r in rows], linestyle=":", color="tab:blue", label="core-bound ceiling")
     right.axhline(GOAL_RATIO, color="grey", linestyle="--", linewidth=1, label=f"goal {GOAL_RATIO}")
@@ -290,6 +317,8 @@ def run(ctx: BenchContext, params: TransferParams | None = None) -> BenchResult:
         "max_in_flight_bytes": DEFAULT_MAX_IN_FLIGHT_BYTES, "chunk_bytes": params.chunk_bytes,
         "round_bytes": params.round_bytes, "dtype": "bfloat16", "num_kv_heads": 8, "head_size": 128,
         "cache": "vLLM CPU layout, block 16 (sender) -> block 32 (receiver), blocks scattered at random",
+        "engine": "producer TransferEngine (sender's cache) -> consumer TransferEngine (receiver's cache), push: "
+                  "every request of a round expected, then start_push, save_layer per layer, finish each",
         "timing": "receives posted -> last byte received and scattered; min and median over rounds",
         "round_trips": f"{params.trips} per size and path after {_TRIP_WARMUP} warm-up, one tensor there and 8 bytes back",
     }

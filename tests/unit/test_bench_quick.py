@@ -2,8 +2,10 @@
 
 Nothing here asserts a timing: the machine is shared, and the numbers are the
 benchmarks' business. The quick run is still a real check: the transfer
-benchmark compares what the receiver's cache holds with what was sent, and the
-control benchmark checks every request's Announce count and each link's data.
+benchmark compares what the receiver's cache holds with what was sent (after
+its ncclkv path and after its engine path, each from random bytes), bench
+overlap does the same after each engine row, and the control benchmark checks
+every request's Announce count and each link's data.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def test_every_benchmark_writes_json_and_png(quick_run: tuple[Path, str]) -> Non
 def test_tables_have_the_expected_columns(quick_run: tuple[Path, str]) -> None:
     out, printed = quick_run
     expected = {
-        "transfer": ["slice", "raw GB/s", "link GB/s", "ncclkv GB/s", "memcpy GB/s", "ncclkv/raw", "ncclkv/memcpy"],
+        "transfer": ["slice", "raw GB/s", "link GB/s", "ncclkv GB/s", "engine GB/s", "memcpy GB/s", "ncclkv/raw",
+                     "engine/raw", "ncclkv/memcpy"],
         "overlap": ["c ms", "x ms", "layer-wise exposed (x)", "after-compute exposed (x)", "compute slowdown"],
         "control": ["what", "p50 us", "p99 us"],
         "paged": ["layout", "op", "GB/s best", "ratio best"],
@@ -70,8 +73,21 @@ def test_transfer_rows_cover_the_sizes_with_finite_ratios(quick_run: tuple[Path,
     rows = json.loads((out / "transfer.json").read_text())["results"]
     assert [r["slice_bytes"] for r in rows] == [64 << 10, 1 << 20, 4 << 20]
     for row in rows:
-        for key in ("ncclkv_raw_median", "ncclkv_memcpy_median", "link_raw_median", "cpu_ceiling"):
+        for key in ("ncclkv_raw_median", "ncclkv_memcpy_median", "link_raw_median", "engine_raw_median", "cpu_ceiling"):
             assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
+
+
+def test_overlap_times_the_link_and_the_real_engine(quick_run: tuple[Path, str]) -> None:
+    out, _ = quick_run
+    result = _common.BenchResult.from_json(json.loads((out / "overlap.json").read_text()))
+    assert [r["path"] for r in result.rows] == ["link", "engine push"]
+    link, engine = result.rows
+    assert link["slice_bytes"] == engine["slice_bytes"] > 0  # the same slices through both paths
+    assert link["single_layer_x"] > 0 and engine["single_layer_x"] is None  # the engine path has no single-layer mode
+    for row in result.rows:
+        for key in ("x_ms", "c_ms", "layerwise_exposed_median", "after_exposed_median", "speedup"):
+            assert math.isfinite(row[key]) and row[key] > 0, (row["path"], key, row[key])
+    assert any(line.startswith("engine push, sent as 1 x ") for line in result.headline)
 
 
 def test_scale_runs_every_set_on_the_same_bytes(quick_run: tuple[Path, str]) -> None:
