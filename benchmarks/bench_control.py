@@ -190,13 +190,13 @@ so a 32-layer request costs a few hundred microseconds more than a 1-layer one,
 small next to moving its KV (tens of milliseconds here) but proportional to the
 number of layers; announcing all layers of a route in one message would make
 it constant. Link creation is a TCPStore rendezvous plus a gloo pair connect,
-about a millisecond, paid once per peer pair, not per request; the first link
+about 1-2 ms here, paid once per peer pair, not per request; the first link
 of a data plane also creates its gloo device. The peer side's time includes
 waiting for this side to join, hence its outliers.
-The machine's speed moves these numbers between days: the PullRequest -> Ack
-round trip took 91 us at p50 two days before this run and 266-294 us in
-quick runs of the code before and after the link change this run came with
-(the channel does not use links), so the day, not the change.
+The machine's speed moves these numbers between days and hours: the
+PullRequest -> Ack round trip took 91 us at p50 on 2026-11-22, 279 us on the
+morning of 2026-11-24 and 531 us in this run that afternoon (memcpy at about
+half its morning speed, see bench transfer), with the same channel code.
 """
 
 

@@ -9,6 +9,13 @@ receiver has the last layer scattered minus when the last layer's compute
 ended, in units of x (the per-layer transfer time measured alone in the same
 round). Ideal layer-wise: about 1 (the last layer); baseline: about L.
 
+Two paths: ``link`` rows time that gather -> Link -> scatter pipeline (with
+``--chunk-kib`` token chunks); ``engine push`` rows time the product, a real
+producer TransferEngine pushing the request to a consumer engine in the peer
+(``start_push``, ``save_layer`` after each layer's compute, ``finish``), with
+``--piece-kib`` as the producer's ``piece_bytes``; x is then the engine's own
+per-layer time.
+
     python -m benchmarks.bench_overlap [--quick] [--layers L] [--compute-ms C ...] [--transfer-ms X]
 """
 
@@ -129,14 +136,28 @@ cores waited 0.2-2 ms for a core before posting (traced per chunk: chunks sat
 gathered while the wire was idle); sends without a hook are now posted on the
 caller's thread (docs/ARCHITECTURE.md, Threads). Before that change chunked
 layers exposed 1.35-1.9 layers (the goal met in no row of two runs, 1, 2 and
-4 MiB chunks tried). With it, 4 MiB chunks met the goal in both rows here and
-in 5 of 8 rows over this run and three development runs the same day
-(1.00-1.44 layers, median of 5-9 rounds each; exposure moves by about 0.3 layer
-between runs on this shared machine); 2 MiB chunks pay the per-message cost
-twice as often (1.18-1.31). The findings above count the rows of this run.
-The chunks are this benchmark's (`--chunk-kib`); the engine sends a (layer,
-route) slice the same way in token pieces when its producer sets
-`piece_bytes` (default 0: one tensor per slice, the whole-layer rows).
+4 MiB chunks tried). With it, on 2026-11-24 04:31, 4 MiB chunks met the goal
+in both rows and in 5 of 8 rows over that run and three development runs the
+same morning (1.00-1.44 layers, median of 5-9 rounds each); 2 MiB chunks pay
+the per-message cost twice as often (1.18-1.31). This run came on a slower
+machine the same afternoon (memcpy and the gather kernel at about half their
+morning speed, see bench transfer): 4 MiB chunks 1.24 and 1.35, 2 MiB 1.19 and
+1.39, whole layers 1.61-1.67. Exposure moves by 0.3 layer and more between
+runs on this shared machine; the findings above count this run's rows.
+
+The engine rows. A real producer engine pushing to a real consumer engine
+(the product's path, the connector's `save_kv_layer`) exposed 1.52 and 1.95
+layers with whole layers and 1.45 with 4 MiB pieces (`piece_bytes`) at
+c >= x, and 1.25 with pieces at c/x 0.99: the link rows' behaviour plus the
+engine's own hops after the last layer's compute. Its sends carry a hook (the
+gather, then the Announce over the ZMQ channel), so the link's poster thread
+runs them, woken per tensor; the consumer's dispatcher thread decodes the
+Announce and only then posts the receive, which still waits for its frame
+header. Its x is higher too (7-11 ms against the link rows' 6-10 ms at the
+same slice: see bench transfer, engine/ncclkv). Posting hooked sends on the
+caller's thread would cut one wake-up, but it moves the gather onto the
+model's forward thread, which on a machine with cores to spare runs the next
+layer meanwhile; left as is.
 
 Two cores. Compute (one torch thread), the sender's gather and gloo thread, and
 the receiver's gloo thread and scatter share two cores, with other engineers'

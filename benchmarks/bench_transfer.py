@@ -212,23 +212,46 @@ Where the time goes. gloo over loopback TCP is copy-bound: the sender's
 ncclkv path adds two more passes over the same bytes: the gather on the sender
 (cache blocks -> wire tensor) and the scatter on the receiver (wire tensor ->
 blocks of another size). Both run in ncclkv's native kernel (see paged), at
-13-15 GB/s here against 14-20 GB/s for memcpy; before it (torch ops) they ran
-at 6-11 GB/s. The gather runs on the caller's thread while earlier layers are
+about 0.6x memcpy here (4.5-7.8 GB/s against 8-12 in this run; 13-15 against
+14-20 two days before); before it (torch ops) they ran at 6-11 GB/s on the
+faster day. The gather runs on the caller's thread while earlier layers are
 on the wire, the scatter on the link's receive thread as each tensor lands (as
 the engine does), so they overlap with the transfer, but they need CPU: `CPU
 ncclkv/raw` (CPU seconds of both processes, ncclkv over raw, same bytes) is
-about 1.4-2.0 from 1 MiB up in this run (1.9-2.7 two days before, on a day
-when raw gloo ran at 6-7.6 GB/s against 4-4.3 here), about what raw plus the
+about 1.5-2.3 from 1 MiB up in this run (1.4-2.0 the day before, 1.9-2.7 two
+days before, when raw gloo ran at 6-7.6 GB/s), about what raw plus the
 `gather` and `scatter` columns predict. So ncclkv/raw is about (ncclkv cores /
 raw cores) / (CPU ncclkv/raw): with both cores to itself ncclkv would reach
-the `core-bound ceiling` (0.7-1.0 here); it measured 0.6-0.74, because the
-pipeline keeps only 1.3-1.7 cores busy (`cores` columns) and, at 1-4 MiB, the
-link's per-tensor latency (`link/raw` 0.88-0.95; the round trips in the
-findings: a frame header ahead of each receive, a reaper thread woken per
-tensor) is not all hidden. The 0.85 goal needs a third core at this wire
+the `core-bound ceiling` (0.55-0.9 here, 0.7-1.0 the day before); it measured
+0.45-0.77 (0.6-0.74 the day before), because the pipeline keeps only 1.5-1.7
+cores busy (`cores` columns) and, at 1-4 MiB, the link's per-tensor latency
+(`link/raw` 0.86-1.0; the round trips in the findings: a frame header ahead of
+each receive, a reaper thread woken per tensor) is not all hidden. The 0.85 goal needs a third core at this wire
 speed, fewer passes over the bytes (a receive straight into the cache, which
 gloo allows only for contiguous runs of blocks), or a GPU, where gather and
 scatter are device kernels off the host CPU.
+
+The engine path is the product: the same caches and bytes between two real
+TransferEngines, a round's slices as requests of L layers, all expected by
+the consumer and then pushed at once (`start_push`, `save_layer` per layer,
+`finish`). It reached 0.73-0.96 of the ncclkv path from 1 MiB up in this run
+(0.42-0.49 below), least at small slices, because it adds per tensor: an
+Announce over the ZMQ channel (encoded and sent on the link's poster thread
+after the gather, decoded and checked on the consumer's dispatcher thread
+before it posts the receive), the gather on the poster thread instead of the
+caller's, and the done-callbacks that count slices and complete requests.
+Before this run every tensor also had a freshly allocated wire buffer on each
+side; on this machine a fresh multi-MiB CPU tensor is faulted in and zeroed
+by the kernel on first touch, which held an engine pushing 8-16 MiB layers to
+0.34 GB/s (1.3-1.6 GB/s with reused buffers, A/B the same hour); the engine now
+keeps its wire buffers for reuse (docs/ARCHITECTURE.md, Gather and scatter).
+
+This run's machine was slower than the one behind the earlier numbers quoted
+below: memcpy 8-12 GB/s and the gather/scatter kernel 4.5-7.8 GB/s, against
+14-20 and 13-15 two days before; raw gloo moved from 1.6 to 4.6 GB/s between
+sizes measured minutes apart (1 MiB's 0.77 is raw's bad minute, not ncclkv's
+good one). Ratios measured in the same rounds still compare; the absolute
+numbers do not, between runs.
 
 What was tried (same machine; flags of `python -m benchmarks.bench_transfer`):
 

@@ -94,11 +94,12 @@ the GIL back on such idle steps: the scheduler marks a step with no scheduled
 tokens, and the worker's `get_finished` then waits on the engine's condition
 until a load lands, up to `idle_wait_ms` (2 ms by default; the prefill side
 sleeps as long while its sends run). On this bench that took the pull TTFT at
-4096 tokens from 299 ms to 72 ms. That figure moves with the shared machine's
-day: 68 ms two days before this run; in this run's hour the pull set-up alone
-(`--setups ncclkv --modes pull --lengths 4096 --repeats 5`) gave 84 and 89 ms
-with the code before the link's caller-thread posting and 93 and 89 ms with
-it. The `ncclkv-gil` rows are a diagnostic, not
+4096 tokens from 299 ms to 72 ms, in the run that brought it. That figure
+moves with the shared machine's day and hour: 68 ms on 2026-11-22; 84-105 ms
+on the morning of 2026-11-24, with the code before and after the link's
+caller-thread posting (the pull set-up alone: `--setups ncclkv --modes pull
+--lengths 4096 --repeats 5`); 114 ms in this run that afternoon, when
+recompute of the same prompt took 4422 ms against 1939 ms that morning. The `ncclkv-gil` rows are a diagnostic, not
 a configuration to ship: the same engines with the decode engine's switch
 interval at 0.1 ms (a `sitecustomize` on that engine's path only); the
 findings line comparing the two says how much of ncclkv's decode TTFT is
@@ -112,10 +113,11 @@ announced alone, so the gather, the wire and the decode side's scatter of one
 slice overlap (what bench overlap measures for the last layer of a layer-wise
 send). Decode TTFT does not gain from it here: in pull mode every layer is
 ready when the decode request arrives, so pieces only add messages (an
-Announce and the link's per-message cost each): 103 ms against 105 ms at 4096
-tokens in this run, 106 against 88 ms in a run of the two set-ups alone the
-same hour; in push mode the KV is mostly staged before the decode request
-comes (36 against 33 ms). Hence `piece_bytes` defaults to 0; it is for a
+Announce and the link's per-message cost each): 143 ms against 114 ms at 4096
+tokens in this run, 103 against 105 and 106 against 88 ms in two runs the
+morning before; in push mode the KV is mostly staged before the decode request
+comes (53 against 67 ms here, 36 against 33 ms that morning: noise either
+way). Hence `piece_bytes` defaults to 0; it is for a
 decode engine that waits on the last layers of a push still in flight.
 
 **ExampleConnector** writes every layer's KV to a safetensors file on the
