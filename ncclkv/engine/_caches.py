@@ -101,12 +101,18 @@ class RankCaches:
         if self._buffers is not None:
             self._buffers.give(buf)
 
-    def recycle_after(self, buf: torch.Tensor) -> Callable[[Future[Any]], None]:
-        """A done-callback for ``buf``'s send: recycle it if the send completed (a failed one may still hold it)."""
+    def recycle_after(self, bufs: list[torch.Tensor]) -> Callable[[Future[Any]], None]:
+        """A done-callback for a send: recycle what ``bufs`` holds by then (the buffer its hook took, or
+        nothing if the hook never ran) if the send completed; a failed one may still hold it."""
         def done(future: Future[Any]) -> None:
             if not future.cancelled() and future.exception() is None:
-                self.recycle(buf)
+                for buf in bufs:
+                    self.recycle(buf)
         return done
+
+    def placeholder(self, tokens: Span, heads: Span) -> torch.Tensor:
+        """A ``meta`` tensor of one slice's wire shape: what a lazy send is queued with (see ``Link.send``)."""
+        return torch.empty(self.wire_shape(tokens, heads), dtype=self.wire_dtype, device="meta")
 
     def check_route(self, roi: Roi, what: str) -> None:
         if not self.shard.with_tokens(roi.tokens).covers(roi):

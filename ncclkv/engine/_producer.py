@@ -216,11 +216,11 @@ class ProducerSide:
                     continue
                 slices += 1
                 for piece in route.pieces(self._geometry, self._piece_bytes):
-                    buf = self._caches.wire_buffer(piece, route.heads)
-                    nbytes += buf.numel() * buf.element_size()
-                    hook = self._announcer(link, sender, pull.request_id, layer, route, held.slots, buf, piece)
-                    futures.append(link.send(buf, before_send=hook))
-                    futures[-1].add_done_callback(self._caches.recycle_after(buf))
+                    placeholder, taken = self._caches.placeholder(piece, route.heads), []  # see Pusher._send_layer
+                    nbytes += placeholder.nbytes
+                    hook = self._announcer(link, sender, pull.request_id, layer, route, held.slots, piece, taken)
+                    futures.append(link.send(placeholder, before_send=hook))
+                    futures[-1].add_done_callback(self._caches.recycle_after(taken))
         remaining = [len(futures)]
         errors: list[BaseException] = []
         gate = threading.Lock()
@@ -245,16 +245,19 @@ class ProducerSide:
             future.add_done_callback(on_sent)
 
     def _announcer(self, link: LinkBase, sender: str, request_id: str, layer: int, route: Route, slots: SlotMap,
-                   buf: torch.Tensor, piece: Span) -> Callable[[], None]:
+                   piece: Span, taken: list[torch.Tensor]) -> Callable[[], torch.Tensor]:
         seq = self._seq.setdefault(link.link_id, itertools.count())
         piece_msg = None if piece == route.tokens else (piece.start, piece.stop)
 
-        def gather_and_announce() -> None:  # on the link's send thread, in send order
+        def gather_and_announce() -> torch.Tensor:  # on the link's send thread, in send order, as it posts
+            buf = self._caches.wire_buffer(piece, route.heads)
+            taken.append(buf)
             self._caches.gather(layer, slots, piece, route.heads, buf)
             self._channel.send(sender, Announce(
                 request_id, layer, RouteMsg.from_route(route), tuple(buf.shape), self._geometry.dtype,
                 buf.numel() * buf.element_size(), next(seq), link.link_id, piece_msg,
             ))
+            return buf
         return gather_and_announce
 
     def _mark_served(self, held: _Held, sender: str, error: BaseException | None, sending: bool = False) -> None:

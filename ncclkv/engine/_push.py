@@ -34,9 +34,9 @@ __all__ = ["PushState", "Pusher"]
 
 log = logging.getLogger("ncclkv.engine")
 
-# (link, consumer peer id, request id, layer, route, slots, buffer, token piece) -> the hook that gathers and
-# announces it
-Announcer = Callable[[LinkBase, str, str, int, Route, SlotMap, torch.Tensor, Span], Callable[[], None]]
+# (link, consumer peer id, request id, layer, route, slots, token piece, taken) -> the hook that takes a wire
+# buffer (appended to ``taken``), gathers the piece into it, announces it and returns it for the link to send
+Announcer = Callable[[LinkBase, str, str, int, Route, SlotMap, Span, list[torch.Tensor]], Callable[[], torch.Tensor]]
 
 
 @dataclass(slots=True)
@@ -152,13 +152,15 @@ class Pusher:
                 continue
             state.slices[dst] = state.slices.get(dst, 0) + 1
             for piece in route.pieces(self._geometry, self._piece_bytes):
-                buf = self._caches.wire_buffer(piece, route.heads)
-                hook = self._announcer(link, dst, state.request_id, layer, route, state.slots, buf, piece)
+                # Queued as a placeholder: the hook takes the buffer when the link posts it, so a backlog of
+                # saved layers holds no memory beyond the link's window.
+                placeholder, taken = self._caches.placeholder(piece, route.heads), []
+                hook = self._announcer(link, dst, state.request_id, layer, route, state.slots, piece, taken)
                 ready = None
-                if buf.device.type == "cuda":  # the gather must see this layer's compute, done on the caller's stream
-                    ready = torch.cuda.current_stream(buf.device).record_event()
+                if self._caches.device.type == "cuda":  # the gather must see this layer's compute, on the caller's stream
+                    ready = torch.cuda.current_stream(self._caches.device).record_event()
                 try:
-                    future = link.send(buf, before_send=hook, ready_event=ready)
+                    future = link.send(placeholder, before_send=hook, ready_event=ready)
                 except ClosedError as err:
                     log.warning("push of %s to %s: layer %d not sent: %s", state.request_id, dst, layer, err)
                     del state.links[dst]
@@ -166,8 +168,8 @@ class Pusher:
                         f"push of {state.request_id!r} to {dst!r}: layer {layer} not sent: {err}")
                     return
                 state.sends.setdefault(dst, []).append(future)
-                state.nbytes[dst] = state.nbytes.get(dst, 0) + buf.numel() * buf.element_size()
-                future.add_done_callback(self._caches.recycle_after(buf))
+                state.nbytes[dst] = state.nbytes.get(dst, 0) + placeholder.nbytes
+                future.add_done_callback(self._caches.recycle_after(taken))
                 future.add_done_callback(lambda _f: self._maybe_complete(state))
 
     def _maybe_complete(self, state: PushState) -> None:

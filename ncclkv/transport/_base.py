@@ -79,7 +79,7 @@ class LinkBase(Protocol):
         tensor: torch.Tensor,
         *,
         ready_event: object | None = None,
-        before_send: Callable[[], None] | None = None,
+        before_send: Callable[[], torch.Tensor | None] | None = None,
         timeout_s: float | None = None,
     ) -> Future[None]: ...
 

@@ -151,7 +151,7 @@ class Link:
         tensor: torch.Tensor,
         *,
         ready_event: object | None = None,
-        before_send: Callable[[], None] | None = None,
+        before_send: Callable[[], torch.Tensor | None] | None = None,
         timeout_s: float | None = None,
     ) -> Future[None]:
         """Queue ``tensor`` for sending; return at once.
@@ -164,8 +164,21 @@ class Link:
         an event recorded now on the caller's current stream). ``tensor`` must stay unmodified until the
         future completes. The deadline ``timeout_s`` (default: the link's)
         counts from the moment the send is posted.
+
+        ``tensor`` may be a ``meta`` tensor, its shape and dtype only, when
+        ``before_send`` returns the tensor to send (same shape and dtype, on
+        this link's device, contiguous): that buffer then exists only from the
+        moment the send is posted, so a sender with many sends queued holds
+        buffers for the window's sends alone. A hook that returns anything else
+        fails that send only, like a hook that raises.
         """
-        self._check_tensor(tensor, "send")
+        placeholder = isinstance(tensor, torch.Tensor) and tensor.device.type == "meta"
+        self._check_tensor(tensor, "send", placeholder=placeholder)
+        if placeholder:
+            if before_send is None:
+                raise ValueError(f"link {self._link_id!r}: a meta tensor {tuple(tensor.shape)} is a placeholder; "
+                                 "before_send must return the tensor to send")
+            before_send = self._materializing(tensor, before_send)
         if self._device.type == "cuda":
             if ready_event is None:
                 ready_event = torch.cuda.current_stream(self._device).record_event()
@@ -173,12 +186,26 @@ class Link:
                 before_send = self._hook_on_link_stream(before_send, ready_event)
         return self._submit(0, tensor, timeout_s, ready_event, before_send)
 
-    def _hook_on_link_stream(self, hook: Callable[[], None], ready_event: object) -> Callable[[], None]:
+    def _materializing(self, placeholder: torch.Tensor,
+                       hook: Callable[[], torch.Tensor | None]) -> Callable[[], torch.Tensor]:
+        def materialize() -> torch.Tensor:
+            sent = hook()
+            if not isinstance(sent, torch.Tensor):
+                raise TypeError(f"before_send returned {type(sent).__name__}, not the tensor for the placeholder")
+            if sent.shape != placeholder.shape or sent.dtype != placeholder.dtype:
+                raise ShapeMismatchError(f"before_send returned {tuple(sent.shape)} {sent.dtype}, the placeholder is "
+                                         f"{tuple(placeholder.shape)} {placeholder.dtype}")
+            self._check_tensor(sent, "send")
+            return sent
+        return materialize
+
+    def _hook_on_link_stream(self, hook: Callable[[], torch.Tensor | None],
+                             ready_event: object) -> Callable[[], torch.Tensor | None]:
         # What the hook queues (a gather into the tensor) must run after ``ready_event``
         # and before the send reads the tensor: both hold on the link's own stream.
-        def on_link_stream() -> None:
+        def on_link_stream() -> torch.Tensor | None:
             with self._on_link_stream(ready_event):
-                hook()
+                return hook()
         return on_link_stream
 
     def recv(
@@ -262,10 +289,10 @@ class Link:
 
     # -- internals ---------------------------------------------------------
 
-    def _check_tensor(self, tensor: torch.Tensor, what: str) -> None:
+    def _check_tensor(self, tensor: torch.Tensor, what: str, placeholder: bool = False) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"link {self._link_id!r}: {what} needs a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.device != self._device:
+        if tensor.device != self._device and not placeholder:
             raise ValueError(f"link {self._link_id!r}: {what} tensor on {tensor.device}, link on {self._device}")
         if not tensor.is_contiguous():
             raise ValueError(f"link {self._link_id!r}: {what} tensor {tuple(tensor.shape)} is not contiguous")

@@ -70,7 +70,7 @@ class Op:
     future: Future[Any]
     timeout_s: float
     ready_event: object | None = None
-    before_send: Callable[[], None] | None = None
+    before_send: Callable[[], torch.Tensor | None] | None = None  # may return the tensor to post instead
     pending: Pending | None = None
     deadline: float = 0.0
 
@@ -268,10 +268,15 @@ class Pipe:
 
     def _run_hook(self, op: Op) -> bool:
         # A failed hook means the tensor was never announced: skip it, the data
-        # stream stays aligned because nothing was posted.
+        # stream stays aligned because nothing was posted. An op queued with a
+        # meta placeholder posts what its hook returns (checked by Link.send's wrapper).
         assert op.before_send is not None
         try:
-            op.before_send()
+            sent = op.before_send()
+            if op.tensor.device.type == "meta":
+                if not isinstance(sent, torch.Tensor) or sent.device.type == "meta":
+                    raise TypeError(f"before_send returned {type(sent).__name__} for a placeholder")
+                op.tensor = sent
         except Exception as exc:
             settle(op.future, error=TransferError(f"{op.label}: before_send failed, not sent: {exc!r}"))
             _log.warning("%s: before_send failed: %r", op.label, exc)

@@ -124,6 +124,54 @@ def test_failed_hook_skips_only_its_tensor(pair: tuple[Link, Link]) -> None:
     assert a.broken is None and a.stats().tensors_sent == 2
 
 
+def test_a_placeholder_send_takes_its_buffer_only_when_posted() -> None:
+    """A meta tensor queues the shape; the hook makes the real tensor when the link posts it (window of 1)."""
+    a, b = loopback_pair("lazy", timeout_s=WAIT_S, max_in_flight=1)
+    made: list[int] = []
+    second_made = threading.Event()
+
+    def make(seq: int) -> torch.Tensor:
+        made.append(seq)
+        if seq == 1:
+            second_made.set()
+        return torch.full((3, 2), float(seq))
+
+    try:
+        sends = [a.send(torch.empty((3, 2), device="meta"), before_send=lambda seq=seq: make(seq)) for seq in range(3)]
+        assert not second_made.wait(0.3), "the second buffer was made while the first send was still in flight"
+        assert made == [0]
+        got = [b.recv((3, 2), torch.float32).result(WAIT_S) for _ in range(3)]
+        assert [t[0, 0].item() for t in got] == [0.0, 1.0, 2.0] and made == [0, 1, 2]
+        assert [f.result(WAIT_S) for f in sends] == [None] * 3
+        assert a.stats().bytes_sent == 3 * 6 * 4
+    finally:
+        a.close(), b.close()
+
+
+@pytest.mark.parametrize("returned", ["wrong shape", "wrong dtype", "nothing", "meta"])
+def test_a_placeholder_hook_that_returns_the_wrong_tensor_fails_only_its_send(
+        pair: tuple[Link, Link], returned: str) -> None:
+    a, b = pair
+    bad = {"wrong shape": lambda: torch.ones(3), "wrong dtype": lambda: torch.ones(2, dtype=torch.int32),
+           "nothing": lambda: None, "meta": lambda: torch.empty(2, device="meta")}[returned]
+    first = a.send(torch.empty(2, device="meta"), before_send=lambda: torch.full((2,), 1.0))
+    skipped = a.send(torch.empty(2, device="meta"), before_send=bad)
+    third = a.send(torch.full((2,), 3.0))
+    r0, r1 = b.recv((2,), torch.float32), b.recv((2,), torch.float32)
+    with pytest.raises(TransferError, match="seq 1.*before_send failed"):
+        skipped.result(WAIT_S)
+    assert r0.result(WAIT_S).tolist() == [1.0, 1.0] and r1.result(WAIT_S).tolist() == [3.0, 3.0]
+    first.result(WAIT_S), third.result(WAIT_S)
+    assert a.broken is None and a.stats().tensors_sent == 2
+
+
+def test_a_meta_tensor_without_a_hook_is_refused(pair: tuple[Link, Link]) -> None:
+    a, _ = pair
+    with pytest.raises(ValueError, match="placeholder; before_send must return"):
+        a.send(torch.empty((2, 2), device="meta"))
+    assert a.stats().tensors_sent == 0 and a.broken is None
+
+
 def test_bounded_number_of_posted_sends() -> None:
     a, b = loopback_pair("bounded", timeout_s=WAIT_S, max_in_flight=2)
     hooks: list[int] = []
