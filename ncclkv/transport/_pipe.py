@@ -21,7 +21,11 @@ waking the poster. On two busy cores a woken poster waited 0.2-2 ms for a core
 (measured, bench_overlap's analysis), and that wait sat on every message's
 critical path. A gate (a plain lock) keeps one thread posting at a time, so
 call order is post order whoever posts; a thread that finds the gate taken
-leaves its ops to the poster and wakes it. The two threads wait on separate
+leaves its ops to the poster and wakes it. Wake-ups are counted: one that
+comes while the poster is between its last look and its sleep (a caller
+that posted in its place and left a frame header for it to flush) makes it
+look again instead of sleeping until the next send, which is how a stream's
+last header once waited forever (bench overlap, a receiver's 60 s timeout). The two threads wait on separate
 conditions of one lock, so a post wakes only the reaper and a completion
 only a poster that waits for room.
 """
@@ -117,6 +121,7 @@ class Pipe:
         self._posting = threading.Condition(self._lock)  # the poster (and wait_drained) waits here
         self._reaping = threading.Condition(self._lock)  # the reaper waits here
         self._gate = threading.Lock()  # held by whichever thread posts to the backend or runs on_idle
+        self._kicks = 0  # wake-ups asked of the poster; one that comes before it waits must not be lost
         self._queued: deque[Op] = deque()
         self._in_flight: deque[Op] = deque()
         self._stopping = False
@@ -201,6 +206,7 @@ class Pipe:
 
     def _wake_poster(self) -> None:
         with self._lock:
+            self._kicks += 1
             self._posting.notify()
 
     def _ready(self) -> bool:
@@ -215,12 +221,16 @@ class Pipe:
                         return
                     full = bool(self._queued)
                     op = self._queued.popleft() if self._ready() else None  # only gate holders take ops
+                    kicks = self._kicks
                 if op is not None:
                     self._post_one(op)
                     continue
                 pause = self._idle(full)  # may post to the backend: under the gate, outside the lock
+            # A thread that posted in our place between our idle call and this wait (it left a header
+            # for us to flush after its grace period) kicked us: look again instead of sleeping, or the
+            # header, and with it the peer's receives, would wait for the next send.
             with self._lock:
-                if not self._ready():
+                if not self._ready() and self._kicks == kicks:
                     self._posting.wait(pause)
 
     def _post_one(self, op: Op) -> bool:

@@ -172,6 +172,56 @@ def test_a_meta_tensor_without_a_hook_is_refused(pair: tuple[Link, Link]) -> Non
     assert a.stats().tensors_sent == 0 and a.broken is None
 
 
+class _PausingGate:
+    """The pipe's gate, holding its poster right after it releases the gate, until the test lets it go on."""
+
+    def __init__(self, poster: threading.Thread) -> None:
+        self._lock, self._poster = threading.Lock(), poster
+        self.armed, self.released, self.go_on = False, threading.Event(), threading.Event()
+
+    def acquire(self, blocking: bool = True) -> bool:
+        return self._lock.acquire(blocking)
+
+    def release(self) -> None:
+        self._lock.release()
+        if self.armed and threading.current_thread() is self._poster:
+            self.armed = False
+            self.released.set()
+            assert self.go_on.wait(WAIT_S)
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def test_a_header_left_for_the_poster_is_flushed_when_the_caller_posts_as_the_poster_goes_to_sleep() -> None:
+    """The race found by bench overlap: the poster found nothing to flush and released the gate; before it
+    went to sleep the caller posted a send inline and left its header (grace period) to the poster with a
+    wake-up that nobody was waiting for. The poster must not then sleep until the next send."""
+    a, b = loopback_pair("lost-wake", timeout_s=WAIT_S, framed=True)
+    try:
+        pipe = a._pipes[0]  # noqa: SLF001 - the interleaving is inside the pipe
+        gate = _PausingGate(pipe._threads[0])  # noqa: SLF001
+        first = a.send(torch.full((4,), 1.0))  # its header goes at once; it stays in flight (no receive yet)
+        pipe._gate = gate  # noqa: SLF001
+        gate.armed = True
+        pipe._wake_poster()  # noqa: SLF001 - one more round of the poster: idle, release the gate, pause
+        assert gate.released.wait(WAIT_S)
+        # Posted on this thread; with the first send in flight its header waits for the grace period,
+        # which the poster (paused between the gate and its sleep) must honour.
+        second = a.send(torch.full((4,), 2.0))
+        gate.go_on.set()
+        assert b.recv((4,), torch.float32).result(WAIT_S).tolist() == [1.0] * 4
+        first.result(WAIT_S)  # the second stays in flight: no completion wakes the poster for it
+        got = b.recv((4,), torch.float32).result(5.0)  # its header must come without a third send
+        assert got.tolist() == [2.0] * 4
+        second.result(WAIT_S)
+    finally:
+        a.close(), b.close()
+
+
 def test_bounded_number_of_posted_sends() -> None:
     a, b = loopback_pair("bounded", timeout_s=WAIT_S, max_in_flight=2)
     hooks: list[int] = []
