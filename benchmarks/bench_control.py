@@ -195,8 +195,8 @@ of a data plane also creates its gloo device. The peer side's time includes
 waiting for this side to join, hence its outliers.
 The machine's speed moves these numbers between days and hours: the
 PullRequest -> Ack round trip took 91 us at p50 on 2026-11-22, 279 us on the
-morning of 2026-11-24 and 531 us in this run that afternoon (memcpy at about
-half its morning speed, see bench transfer), with the same channel code.
+morning of 2026-11-24 and 525-531 us in two runs that afternoon (memcpy at
+about half its morning speed, see bench transfer), with the same channel code.
 """
 
 

@@ -66,14 +66,15 @@ caught mid-allocation does not decide it.
 
 Under `ncclkv bench` this benchmark runs in the process the earlier ones used,
 so `RSS before the engines` and the high-water mark carry what those left
-behind, freed memory glibc keeps included. In this run that was 1012 MiB
-before the soak and a 3.7 GiB high-water mark, against 553 MiB and 2.1 GiB in
-the run before bench transfer and overlap also timed two real engines: the
-transfer round pushes 256 MiB of requests at once, and a producer takes each
-slice's wire buffer when its layer is saved, not when the link posts it, so a
-whole round's buffers exist at once (at 64 MiB slices, 1 GiB). The soak's own
-growth is what the goal judges; run alone (`ncclkv bench memory`) it starts
-from an empty process.
+behind, freed memory glibc keeps included: bench transfer's caches of up to
+512 MiB per side, and since it also times two real engines, their wire
+buffers. The soak's own growth is what the goal judges; run alone (`ncclkv
+bench memory`) it starts from an empty process. Growth moves between runs:
++0.16% and +3.1% in two runs this afternoon (the second after three
+benchmarks in the process instead of seven), +0.9% that morning. Each engine
+rank also keeps up to 256 MiB of free wire buffers for reuse (see
+docs/ARCHITECTURE.md, Gather and scatter); the soak's slices are at most
+256 KiB.
 """
 
 

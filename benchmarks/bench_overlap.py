@@ -141,19 +141,20 @@ in both rows and in 5 of 8 rows over that run and three development runs the
 same morning (1.00-1.44 layers, median of 5-9 rounds each); 2 MiB chunks pay
 the per-message cost twice as often (1.18-1.31). This run came on a slower
 machine the same afternoon (memcpy and the gather kernel at about half their
-morning speed, see bench transfer): 4 MiB chunks 1.24 and 1.35, 2 MiB 1.19 and
-1.39, whole layers 1.61-1.67. Exposure moves by 0.3 layer and more between
-runs on this shared machine; the findings above count this run's rows.
+morning speed, see bench transfer): 4 MiB chunks 1.48 and 1.51, 2 MiB 1.23
+and 1.29, whole layers 1.46 and 1.68 (an hour before: 1.24-1.35, 1.19-1.39,
+1.61-1.67). Exposure moves by 0.3 layer and more between runs on this shared
+machine; the findings above count this run's rows.
 
 The engine rows. A real producer engine pushing to a real consumer engine
-(the product's path, the connector's `save_kv_layer`) exposed 1.52 and 1.95
-layers with whole layers and 1.45 with 4 MiB pieces (`piece_bytes`) at
-c >= x, and 1.25 with pieces at c/x 0.99: the link rows' behaviour plus the
-engine's own hops after the last layer's compute. Its sends carry a hook (the
+(the product's path, the connector's `save_kv_layer`) exposed 1.48 and 1.57
+layers with whole layers and 1.47 and 1.51 with 4 MiB pieces (`piece_bytes`)
+at c >= x (an hour before: 1.52 and 1.95 whole, 1.45 in pieces): the link
+rows' behaviour plus the engine's own hops after the last layer's compute. Its sends carry a hook (the
 gather, then the Announce over the ZMQ channel), so the link's poster thread
 runs them, woken per tensor; the consumer's dispatcher thread decodes the
 Announce and only then posts the receive, which still waits for its frame
-header. Its x is higher too (7-11 ms against the link rows' 6-10 ms at the
+header. Its x is higher too (7.5-9 ms against the link rows' 6.3-8 ms at the
 same slice: see bench transfer, engine/ncclkv). Posting hooked sends on the
 caller's thread would cut one wake-up, but it moves the gather onto the
 model's forward thread, which on a machine with cores to spare runs the next
