@@ -72,7 +72,8 @@ buffers. The soak's own growth is what the goal judges; run alone (`ncclkv
 bench memory`) it starts from an empty process. Growth moves between runs:
 +0.16% and +3.1% in two runs this afternoon (the second after three
 benchmarks in the process instead of seven), +0.9% that morning. Each engine
-rank also keeps up to 256 MiB of free wire buffers for reuse (see
+rank also keeps up to 256 MiB of free wire buffers for reuse
+(`NCCLKV_WIRE_CACHE_BYTES`; see
 docs/ARCHITECTURE.md, Gather and scatter); the soak's slices are at most
 256 KiB.
 """

@@ -60,6 +60,7 @@ class EnvSettings:
     NCCLKV_HEARTBEAT_S       heartbeat interval on the control channel (default 1 s)
     NCCLKV_BIND_HOST         address control and data sockets bind to (default 127.0.0.1)
     NCCLKV_STAGING_BYTES     receive staging capacity per engine (default 1 GiB)
+    NCCLKV_WIRE_CACHE_BYTES  free wire buffers an engine rank keeps for reuse, CPU (default 256 MiB)
     NCCLKV_MAX_FRAME_BYTES   largest control frame accepted (default 1 MiB)
     NCCLKV_FUZZ_EXAMPLES     messages the protocol fuzz tests generate in all (default 10000)
     NCCLKV_SOAK_REQUESTS     requests the soak test (tests/soak) sends (default 200; the full soak: 1000)
@@ -81,6 +82,7 @@ class EnvSettings:
     heartbeat_s: float = 1.0
     bind_host: str = "127.0.0.1"
     staging_bytes: int = 1 << 30
+    wire_cache_bytes: int = 256 << 20  # as much as a link keeps in flight per direction (transport default)
     max_frame_bytes: int = 1 << 20
     fuzz_examples: int = 10_000
     soak_requests: int = 200
@@ -104,6 +106,7 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
         heartbeat_s=_float(env, "NCCLKV_HEARTBEAT_S", default.heartbeat_s),
         bind_host=env.get("NCCLKV_BIND_HOST") or default.bind_host,
         staging_bytes=_int(env, "NCCLKV_STAGING_BYTES", default.staging_bytes),
+        wire_cache_bytes=_int(env, "NCCLKV_WIRE_CACHE_BYTES", default.wire_cache_bytes),
         max_frame_bytes=_int(env, "NCCLKV_MAX_FRAME_BYTES", default.max_frame_bytes),
         fuzz_examples=_int(env, "NCCLKV_FUZZ_EXAMPLES", default.fuzz_examples),
         soak_requests=_int(env, "NCCLKV_SOAK_REQUESTS", default.soak_requests),

@@ -12,8 +12,9 @@ allocates.
 A buffer goes back with :meth:`WireBuffers.give` once nothing reads or writes
 it any more (its send completed, its scatter ran); one never given back is
 freed as usual. Sizes are rounded up to classes at most 25% apart, so slices of
-nearby lengths share buffers; at most ``max_cached_bytes`` wait for reuse, the
-least recently given dropped first.
+nearby lengths share buffers; at most ``max_cached_bytes`` wait for reuse (an
+engine's ``wire_cache_bytes``, NCCLKV_WIRE_CACHE_BYTES), the least recently
+given dropped first.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["DEFAULT_MAX_CACHED_BYTES", "WireBuffers", "capacity_class"]
+__all__ = ["WireBuffers", "capacity_class"]
 
-DEFAULT_MAX_CACHED_BYTES = 256 << 20  # as much as a link keeps in flight per direction (transport default)
 _MIN_CLASS = 4096
 
 
@@ -42,7 +42,7 @@ def capacity_class(nbytes: int) -> int:
 class WireBuffers:
     """A cache of free wire buffers for one device; thread-safe."""
 
-    def __init__(self, device: torch.device | str, max_cached_bytes: int = DEFAULT_MAX_CACHED_BYTES) -> None:
+    def __init__(self, device: torch.device | str, max_cached_bytes: int) -> None:
         if not (isinstance(max_cached_bytes, int) and max_cached_bytes >= 0):
             raise ValueError(f"max_cached_bytes must be an int >= 0, got {max_cached_bytes!r}")
         self.device = torch.device(device)

@@ -38,12 +38,13 @@ class RankCaches:
     heads from ``shard.heads.start`` on, so a route's heads are shifted by it.
     """
 
-    def __init__(self, layout: ParallelLayout, geometry: KVGeometry, rank: int) -> None:
+    def __init__(self, layout: ParallelLayout, geometry: KVGeometry, rank: int, wire_cache_bytes: int) -> None:
         self.geometry = geometry
         self.shard = shard_roi(layout, geometry, rank, 0)
         self.wire_dtype = torch_dtype(geometry.dtype)
         self._layers: dict[int, _Layer] = {}
         self._buffers: WireBuffers | None = None  # on the caches' device, from register()
+        self._wire_cache_bytes = wire_cache_bytes
         self._lock = threading.Lock()
 
     def register(self, kv_caches: Mapping[int, torch.Tensor], cache_layout: CacheLayout) -> None:
@@ -68,7 +69,7 @@ class RankCaches:
         with self._lock:
             self._layers = layers
             if self._buffers is None or self._buffers.device != device:
-                self._buffers = WireBuffers(device)
+                self._buffers = WireBuffers(device, self._wire_cache_bytes)
 
     @property
     def registered(self) -> bool:

@@ -43,6 +43,7 @@ class EngineConfig:
     staging_bytes: int | None = None
     hold_s: float = 120.0
     piece_bytes: int = 0  # producer: send each (layer, route) slice in token pieces of at most this; 0: whole
+    wire_cache_bytes: int | None = None  # free CPU wire buffers kept for reuse (0: none); None: environment
     # None: from the environment (NCCLKV_SHARED_SECRET*, NCCLKV_CURVE_*; docs/SECURITY.md).
     auth: ChannelAuth | None = field(default=None, repr=False)
 
@@ -60,6 +61,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
         if not (isinstance(self.piece_bytes, int) and not isinstance(self.piece_bytes, bool) and self.piece_bytes >= 0):
             raise ValueError(f"piece_bytes must be an int >= 0 (0: whole slices), got {self.piece_bytes!r}")
+        cache = self.wire_cache_bytes
+        if cache is not None and not (isinstance(cache, int) and not isinstance(cache, bool) and cache >= 0):
+            raise ValueError(f"wire_cache_bytes must be an int >= 0 (0: keep none), got {cache!r}")
         settings = env_settings()
         if self.deadline_s is None:
             object.__setattr__(self, "deadline_s", settings.deadline_s)
@@ -67,6 +71,8 @@ class EngineConfig:
             object.__setattr__(self, "heartbeat_s", min(settings.heartbeat_s, self.deadline_s / 4))
         if self.staging_bytes is None:
             object.__setattr__(self, "staging_bytes", settings.staging_bytes)
+        if self.wire_cache_bytes is None:
+            object.__setattr__(self, "wire_cache_bytes", settings.wire_cache_bytes)
         if self.bind_host is None:
             object.__setattr__(self, "bind_host", settings.bind_host)
         if self.auth is None:

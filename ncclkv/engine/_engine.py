@@ -47,7 +47,8 @@ class TransferEngine:
         assert cfg.deadline_s is not None and cfg.heartbeat_s is not None and cfg.staging_bytes is not None
         self._closed = False
         self._stats = EngineStats()
-        self._caches = RankCaches(cfg.layout, cfg.geometry, cfg.rank)
+        assert cfg.wire_cache_bytes is not None
+        self._caches = RankCaches(cfg.layout, cfg.geometry, cfg.rank, cfg.wire_cache_bytes)
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"ncclkv-engine[{cfg.peer_id}]")
         # Responder-side link opens get threads of their own: tasks on the executor above wait for
         # links (a push waits for its link to open), so opening them there could starve: with every

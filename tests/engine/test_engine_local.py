@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from ncclkv.engine import EngineConfig
 from ncclkv.engine._buffers import capacity_class
 from ncclkv.errors import CapacityError, HandshakeError, ShapeMismatchError, TransferError
 from ncclkv.layout import KVGeometry, ParallelLayout, Span, SpanSet, plan
@@ -225,6 +226,28 @@ def test_wire_buffers_are_reused_from_request_to_request(mode: str) -> None:
             assert all(0 < n <= per_request for n in after.values()), (cached, per_request)
     finally:
         close_sides(prefill, decode)
+
+
+def test_wire_cache_bytes_bounds_the_free_buffers_kept() -> None:
+    """wire_cache_bytes=0 keeps no buffer for reuse, and the transfer is as exact; bad values are refused."""
+    layout = ParallelLayout(1, 1)
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer", wire_cache_bytes=0)
+    decode = build_sides("decode", layout, GQA, CacheLayout.FLASH_NHD, 32, "consumer", wire_cache_bytes=0)
+    try:
+        assert prefill[0].engine.config.wire_cache_bytes == 0
+        prefill[0].fill(seed=5, block_ids=[0, 1], num_tokens=20)
+        prefill[0].engine.finish("nocache", [0, 1], 20)
+        decode[0].engine.expect("nocache", engine_ref("prefill", layout, prefill), [1], 20)
+        decode[0].engine.wait("nocache", timeout_s=20)
+        assert decode[0].mismatches(5, [1], 20, Span(0, 20)) == []
+        assert set(_wait_sent(prefill, "nocache").values()) == {None}
+        for side in (prefill[0], decode[0]):
+            assert side.engine._caches._buffers.cached_bytes == 0
+    finally:
+        close_sides(prefill, decode)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"wire_cache_bytes must be an int >= 0"):
+            EngineConfig("bad", 0, layout, GQA, wire_cache_bytes=bad)  # type: ignore[arg-type]
 
 
 def test_mismatched_geometry_fails_on_both_sides_naming_both_values(caplog: pytest.LogCaptureFixture) -> None:

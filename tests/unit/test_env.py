@@ -12,21 +12,24 @@ def test_defaults_are_values_not_descriptors() -> None:
     assert settings == EnvSettings()
     assert (settings.deadline_s, settings.heartbeat_s, settings.bind_host) == (10.0, 1.0, "127.0.0.1")
     assert settings.staging_bytes == 1 << 30 and settings.max_frame_bytes == 1 << 20
+    assert settings.wire_cache_bytes == 256 << 20
     assert settings.paged_kernel == "native"
     assert env_settings({"NCCLKV_PAGED_KERNEL": "torch"}).paged_kernel == "torch"
 
 
 def test_variables_override() -> None:
     settings = env_settings({"NCCLKV_DEADLINE_S": "2.5", "NCCLKV_BIND_HOST": "10.1.2.3",
-                             "NCCLKV_STAGING_BYTES": "4096", "NCCLKV_HEARTBEAT_S": "0.25"})
-    assert (settings.deadline_s, settings.bind_host, settings.staging_bytes, settings.heartbeat_s) == (
-        2.5, "10.1.2.3", 4096, 0.25)
+                             "NCCLKV_STAGING_BYTES": "4096", "NCCLKV_HEARTBEAT_S": "0.25",
+                             "NCCLKV_WIRE_CACHE_BYTES": "8192"})
+    assert (settings.deadline_s, settings.bind_host, settings.staging_bytes, settings.heartbeat_s,
+            settings.wire_cache_bytes) == (2.5, "10.1.2.3", 4096, 0.25, 8192)
 
 
 @pytest.mark.parametrize(
     ("name", "value"),
     [("NCCLKV_DEADLINE_S", "soon"), ("NCCLKV_DEADLINE_S", "0"), ("NCCLKV_STAGING_BYTES", "1.5"),
-     ("NCCLKV_STAGING_BYTES", "-1"), ("NCCLKV_MAX_FRAME_BYTES", "big"), ("NCCLKV_PAGED_KERNEL", "fast")],
+     ("NCCLKV_STAGING_BYTES", "-1"), ("NCCLKV_MAX_FRAME_BYTES", "big"), ("NCCLKV_PAGED_KERNEL", "fast"),
+     ("NCCLKV_WIRE_CACHE_BYTES", "lots")],
 )
 def test_bad_values_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(ValueError) as err:

@@ -9,6 +9,8 @@ import torch
 
 from ncclkv.engine._buffers import WireBuffers, capacity_class
 
+CAP = 64 << 20
+
 
 @pytest.mark.parametrize("nbytes", [1, 4095, 4096, 4097, 5 << 10, 1 << 20, (1 << 20) + 1, 9_999_999, 64 << 20])
 def test_capacity_class_holds_the_bytes_with_at_most_a_quarter_spare(nbytes: int) -> None:
@@ -25,7 +27,7 @@ def test_capacity_classes_grow_with_the_size() -> None:
 
 
 def test_a_given_buffer_is_reused_and_a_taken_one_never_twice() -> None:
-    pool = WireBuffers("cpu")
+    pool = WireBuffers("cpu", CAP)
     first = pool.take((2, 100, 8, 128), torch.bfloat16)
     second = pool.take((2, 100, 8, 128), torch.bfloat16)
     assert first.data_ptr() != second.data_ptr()  # both out: distinct memory
@@ -42,7 +44,7 @@ def test_a_given_buffer_is_reused_and_a_taken_one_never_twice() -> None:
 
 
 def test_giving_twice_keeps_one_copy() -> None:
-    pool = WireBuffers("cpu")
+    pool = WireBuffers("cpu", CAP)
     buf = pool.take((1000,), torch.float32)
     pool.give(buf)
     pool.give(buf)
@@ -52,7 +54,7 @@ def test_giving_twice_keeps_one_copy() -> None:
 
 
 def test_foreign_tensors_are_not_kept() -> None:
-    pool = WireBuffers("cpu")
+    pool = WireBuffers("cpu", CAP)
     pool.give(torch.empty(1000, dtype=torch.float32))  # 4000 B: not a class size
     assert pool.cached_bytes == 0
 
@@ -68,7 +70,7 @@ def test_the_cap_drops_the_least_recently_given() -> None:
 
 
 def test_a_buffer_taken_under_inference_mode_is_writable_outside_it() -> None:
-    pool = WireBuffers("cpu")
+    pool = WireBuffers("cpu", CAP)
     with torch.inference_mode():
         buf = pool.take((4, 4), torch.float32)
         buf.fill_(1.0)
@@ -78,7 +80,7 @@ def test_a_buffer_taken_under_inference_mode_is_writable_outside_it() -> None:
 
 
 def test_off_the_cpu_it_only_allocates() -> None:
-    pool = WireBuffers("meta")  # stands in for CUDA: any non-CPU device keeps nothing
+    pool = WireBuffers("meta", CAP)  # stands in for CUDA: any non-CPU device keeps nothing
     buf = pool.take((3, 5), torch.float16)
     assert buf.device.type == "meta" and buf.shape == (3, 5)
     pool.give(buf)
