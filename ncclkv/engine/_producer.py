@@ -31,7 +31,7 @@ from ..transport import LinkBase
 from ._caches import RankCaches
 from ._config import EngineRef, peer_id
 from ._links import PeerLinks
-from ._push import Pusher
+from ._push import Pusher, SliceHooks
 from ._staging import BlockTokens
 from ._stats import EngineStats
 
@@ -218,8 +218,8 @@ class ProducerSide:
                 for piece in route.pieces(self._geometry, self._piece_bytes):
                     placeholder, taken = self._caches.placeholder(piece, route.heads), []  # see Pusher._send_layer
                     nbytes += placeholder.nbytes
-                    hook = self._announcer(link, sender, pull.request_id, layer, route, held.slots, piece, taken)
-                    futures.append(link.send(placeholder, before_send=hook))
+                    hooks = self._announcer(link, sender, pull.request_id, layer, route, held.slots, piece, taken)
+                    futures.append(link.send(placeholder, before_send=hooks.announce, fill=hooks.gather))
                     futures[-1].add_done_callback(self._caches.recycle_after(taken))
         remaining = [len(futures)]
         errors: list[BaseException] = []
@@ -245,20 +245,27 @@ class ProducerSide:
             future.add_done_callback(on_sent)
 
     def _announcer(self, link: LinkBase, sender: str, request_id: str, layer: int, route: Route, slots: SlotMap,
-                   piece: Span, taken: list[torch.Tensor]) -> Callable[[], torch.Tensor]:
+                   piece: Span, taken: list[torch.Tensor]) -> SliceHooks:
+        """The hook and the fill of one piece's send: announce, then gather (see ``Link.send``).
+
+        The Announce goes out before the gather, so the consumer's receive is
+        posted while the bytes are gathered, not a control round trip after.
+        """
         seq = self._seq.setdefault(link.link_id, itertools.count())
         piece_msg = None if piece == route.tokens else (piece.start, piece.stop)
 
-        def gather_and_announce() -> torch.Tensor:  # on the link's send thread, in send order, as it posts
+        def take_and_announce() -> torch.Tensor:  # on the link's send thread, in send order, as it posts
             buf = self._caches.wire_buffer(piece, route.heads)
             taken.append(buf)
-            self._caches.gather(layer, slots, piece, route.heads, buf)
             self._channel.send(sender, Announce(
                 request_id, layer, RouteMsg.from_route(route), tuple(buf.shape), self._geometry.dtype,
                 buf.numel() * buf.element_size(), next(seq), link.link_id, piece_msg,
             ))
             return buf
-        return gather_and_announce
+
+        def gather(buf: torch.Tensor) -> None:
+            self._caches.gather(layer, slots, piece, route.heads, buf)
+        return SliceHooks(take_and_announce, gather)
 
     def _mark_served(self, held: _Held, sender: str, error: BaseException | None, sending: bool = False) -> None:
         with self._lock:

@@ -30,13 +30,22 @@ from ._links import PeerLinks
 from ._staging import BlockTokens
 from ._stats import EngineStats
 
-__all__ = ["PushState", "Pusher"]
+__all__ = ["PushState", "Pusher", "SliceHooks"]
 
 log = logging.getLogger("ncclkv.engine")
 
-# (link, consumer peer id, request id, layer, route, slots, token piece, taken) -> the hook that takes a wire
-# buffer (appended to ``taken``), gathers the piece into it, announces it and returns it for the link to send
-Announcer = Callable[[LinkBase, str, str, int, Route, SlotMap, Span, list[torch.Tensor]], Callable[[], torch.Tensor]]
+
+@dataclass(frozen=True, slots=True)
+class SliceHooks:
+    """What the link runs as it posts one piece: ``announce`` takes a wire buffer (appended to the caller's
+    ``taken``), announces it and returns it (``Link.send``'s ``before_send``); ``gather`` fills it (``fill``)."""
+
+    announce: Callable[[], torch.Tensor]
+    gather: Callable[[torch.Tensor], None]
+
+
+# (link, consumer peer id, request id, layer, route, slots, token piece, taken) -> the piece's hooks
+Announcer = Callable[[LinkBase, str, str, int, Route, SlotMap, Span, list[torch.Tensor]], SliceHooks]
 
 
 @dataclass(slots=True)
@@ -155,12 +164,12 @@ class Pusher:
                 # Queued as a placeholder: the hook takes the buffer when the link posts it, so a backlog of
                 # saved layers holds no memory beyond the link's window.
                 placeholder, taken = self._caches.placeholder(piece, route.heads), []
-                hook = self._announcer(link, dst, state.request_id, layer, route, state.slots, piece, taken)
+                hooks = self._announcer(link, dst, state.request_id, layer, route, state.slots, piece, taken)
                 ready = None
                 if self._caches.device.type == "cuda":  # the gather must see this layer's compute, on the caller's stream
                     ready = torch.cuda.current_stream(self._caches.device).record_event()
                 try:
-                    future = link.send(placeholder, before_send=hook, ready_event=ready)
+                    future = link.send(placeholder, before_send=hooks.announce, fill=hooks.gather, ready_event=ready)
                 except ClosedError as err:
                     log.warning("push of %s to %s: layer %d not sent: %s", state.request_id, dst, layer, err)
                     del state.links[dst]

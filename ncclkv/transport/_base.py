@@ -80,6 +80,7 @@ class LinkBase(Protocol):
         *,
         ready_event: object | None = None,
         before_send: Callable[[], torch.Tensor | None] | None = None,
+        fill: Callable[[torch.Tensor], None] | None = None,
         timeout_s: float | None = None,
     ) -> Future[None]: ...
 

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ClosedError, NcclKVError, ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
 from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, LinkStats
-from ._framing import Framing, RecvFrames, SendFrames
+from ._framing import EARLY_FLUSH_BYTES, Framing, RecvFrames, SendFrames
 from ._pipe import Completed, Op, Pending, Pipe, settle
 
 __all__ = ["Backend", "Link"]
@@ -152,6 +152,7 @@ class Link:
         *,
         ready_event: object | None = None,
         before_send: Callable[[], torch.Tensor | None] | None = None,
+        fill: Callable[[torch.Tensor], None] | None = None,
         timeout_s: float | None = None,
     ) -> Future[None]:
         """Queue ``tensor`` for sending; return at once.
@@ -171,6 +172,15 @@ class Link:
         moment the send is posted, so a sender with many sends queued holds
         buffers for the window's sends alone. A hook that returns anything else
         fails that send only, like a hook that raises.
+
+        ``fill(tensor)`` writes the payload (the producer's gather) after the
+        hook, once the tensor's frame header is on its way (gloo), right
+        before the tensor is posted: the peer checks the header and posts its
+        receive while the payload is written, so the data goes out at once
+        instead of waiting a round trip for the receive. The header has
+        promised the tensor, so a fill that raises breaks the link (the
+        stream could not stay in step); a hook that raises still fails its
+        send only.
         """
         placeholder = isinstance(tensor, torch.Tensor) and tensor.device.type == "meta"
         self._check_tensor(tensor, "send", placeholder=placeholder)
@@ -184,7 +194,7 @@ class Link:
                 ready_event = torch.cuda.current_stream(self._device).record_event()
             if before_send is not None:
                 before_send = self._hook_on_link_stream(before_send, ready_event)
-        return self._submit(0, tensor, timeout_s, ready_event, before_send)
+        return self._submit(0, tensor, timeout_s, ready_event, before_send, fill)
 
     def _materializing(self, placeholder: torch.Tensor,
                        hook: Callable[[], torch.Tensor | None]) -> Callable[[], torch.Tensor]:
@@ -303,7 +313,8 @@ class Link:
         tensor: torch.Tensor,
         timeout_s: float | None,
         ready_event: object | None,
-        before_send: Callable[[], None] | None,
+        before_send: Callable[[], torch.Tensor | None] | None,
+        fill: Callable[[torch.Tensor], None] | None = None,
     ) -> Future:
         timeout = self._timeout_s if timeout_s is None else timeout_s
         if not timeout > 0:
@@ -318,7 +329,7 @@ class Link:
             self._next_seq[direction] += 1
             kind = "send" if direction == 0 else "recv"
             label = f"link {self._link_id!r} {kind} seq {seq} shape {tuple(tensor.shape)} {tensor.dtype}"
-            op = Op(label, tensor, future, timeout, ready_event, before_send)
+            op = Op(label, tensor, future, timeout, ready_event, before_send, fill)
             self._pipes[direction].submit(op, wake=not self._inline[direction])
         if self._inline[direction]:  # posted on this thread when it can be (see _pipe); after the lock: it may fail the link
             self._pipes[direction].post_queued()
@@ -348,15 +359,25 @@ class Link:
                 # them land before the link breaks, so they fail with their own.
                 self._pipes[1].wait_drained(op.deadline)
                 raise
+        header: Pending | None = None
+        framed = direction == 0 and self._send_frames is not None
+        if framed and op.fill is not None:  # the header first: the peer posts its receive while we fill
+            urgent = op.nbytes >= EARLY_FLUSH_BYTES or not self._pipes[0].in_flight()
+            header = self._send_frames.add(op.tensor, urgent=urgent)
+            framed = False
         data: Pending = Completed()
-        if op.tensor.numel() > 0:  # else nothing to move; both sides know the shape
-            post = self._backend.post_send if direction == 0 else self._backend.post_recv
-            with self._on_link_stream(op.ready_event):
+        with self._on_link_stream(op.ready_event):
+            if op.fill is not None:
+                try:
+                    op.fill(op.tensor)
+                except Exception as exc:
+                    raise TransferError(f"fill failed after the tensor was described to the peer: {exc!r}") from exc
+            if op.tensor.numel() > 0:  # else nothing to move; both sides know the shape
+                post = self._backend.post_send if direction == 0 else self._backend.post_recv
                 data = post(op.tensor)
-        if direction == 0 and self._send_frames is not None:
+        if framed:
             header = self._send_frames.add(op.tensor, urgent=not self._pipes[0].in_flight())
-            return data if header is None else header
-        return data
+        return data if header is None else header
 
     def _finish(self, direction: int, op: Op) -> None:
         with self._lock:

@@ -75,6 +75,7 @@ class Op:
     timeout_s: float
     ready_event: object | None = None
     before_send: Callable[[], torch.Tensor | None] | None = None  # may return the tensor to post instead
+    fill: Callable[[torch.Tensor], None] | None = None  # writes the tensor; the backend's post runs it (Link._post)
     pending: Pending | None = None
     deadline: float = 0.0
 
@@ -144,7 +145,7 @@ class Pipe:
     def post_queued(self) -> None:
         """Post, on the calling thread, the queued ops that need no hook and fit the window.
 
-        Whatever it leaves (an op with a hook, a full window, another thread
+        Whatever it leaves (an op with a hook or a fill, a full window, another thread
         posting, headers due later) is the poster's, which it wakes. Errors go
         to the ops' futures, never to the caller.
         """
@@ -159,7 +160,7 @@ class Pipe:
                     if not self._queued:
                         break
                     op = self._queued[0]
-                    if op.before_send is not None or not self._has_room(op):
+                    if op.before_send is not None or op.fill is not None or not self._has_room(op):
                         self._posting.notify()
                         return
                     self._queued.popleft()

@@ -29,6 +29,7 @@ from ncclkv.transport import (
     loopback_pair,
 )
 from ncclkv.transport._base import check_link_args, split_address
+from ncclkv.transport._framing import EARLY_FLUSH_BYTES
 
 WAIT_S = 10.0
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8)
@@ -163,6 +164,88 @@ def test_a_placeholder_hook_that_returns_the_wrong_tensor_fails_only_its_send(
     assert r0.result(WAIT_S).tolist() == [1.0, 1.0] and r1.result(WAIT_S).tolist() == [3.0, 3.0]
     first.result(WAIT_S), third.result(WAIT_S)
     assert a.broken is None and a.stats().tensors_sent == 2
+
+
+def posted_receives(link: Link) -> threading.Semaphore:
+    """Released once each time ``link`` posts a receive to its backend."""
+    posted = threading.Semaphore(0)
+    backend = link._backend  # noqa: SLF001 - when the receive is posted is what these tests are about
+    post = backend.post_recv
+
+    def recording(tensor: torch.Tensor) -> Any:
+        pending = post(tensor)
+        posted.release()
+        return pending
+
+    backend.post_recv = recording
+    return posted
+
+
+def check_fill_after_the_peers_receive(a: Link, b: Link) -> None:
+    """Each fill of ``a`` runs once ``b`` posted the receive for that tensor: its header went out first.
+
+    The tensors are EARLY_FLUSH_BYTES each, so every header goes at once, sends in flight or not.
+    """
+    shape = (EARLY_FLUSH_BYTES // 4 // 2, 2)
+    posted = posted_receives(b)
+    recvs = [b.recv(shape, torch.float32) for _ in range(3)]
+    order: list[str] = []
+
+    def announce(seq: int) -> torch.Tensor:
+        order.append(f"hook {seq}")
+        return torch.empty(shape)
+
+    def fill(seq: int, out: torch.Tensor) -> None:
+        # The peer's receive waits for this tensor's header; it is posted while we write.
+        order.append(f"fill {seq} after the receive: {posted.acquire(timeout=WAIT_S)}")
+        out.fill_(float(seq))
+
+    sends = [a.send(torch.empty(shape, device="meta"), before_send=lambda seq=seq: announce(seq),
+                    fill=lambda out, seq=seq: fill(seq, out)) for seq in range(3)]
+    assert [f.result(WAIT_S)[0, 0].item() for f in recvs] == [0.0, 1.0, 2.0]
+    assert [f.result(WAIT_S) for f in sends] == [None] * 3
+    assert order == [x for seq in range(3) for x in (f"hook {seq}", f"fill {seq} after the receive: True")]
+
+
+def test_a_framed_fill_runs_after_the_peer_posted_its_receive() -> None:
+    a, b = loopback_pair("fill-framed", timeout_s=WAIT_S, framed=True)
+    with a, b:
+        check_fill_after_the_peers_receive(a, b)
+
+
+def test_a_gloo_fill_runs_after_the_peer_posted_its_receive() -> None:
+    with DataPlane() as p0, DataPlane() as p1:
+        l0, l1 = open_both(p0, p1, "fill", p0.address)
+        check_fill_after_the_peers_receive(l0, l1)
+
+
+def test_a_fill_writes_a_plain_tensor_on_an_unframed_link(pair: tuple[Link, Link]) -> None:
+    a, b = pair
+    sent = a.send(torch.zeros(4), fill=lambda out: out.add_(7.0))
+    assert b.recv((4,), torch.float32).result(WAIT_S).tolist() == [7.0] * 4 and sent.result(WAIT_S) is None
+
+
+@pytest.mark.parametrize("framed", [False, True], ids=["plain", "framed"])
+def test_a_failing_fill_breaks_the_link_typed(framed: bool) -> None:
+    """The peer was told the tensor comes: a fill that fails cannot skip it, so the link breaks on both ends."""
+    a, b = loopback_pair(f"fill-fails-{framed}", timeout_s=WAIT_S, framed=framed)
+    with a, b:
+        def broken_gather(out: torch.Tensor) -> None:
+            raise RuntimeError("gather kernel refused the slots")
+
+        got = [b.recv((2,), torch.float32) for _ in range(3)]
+        a.send(torch.ones(2))  # may land or fail with the link: the break aborts what is on the wire
+        failed = a.send(torch.empty(2, device="meta"), before_send=lambda: torch.empty(2), fill=broken_gather)
+        with pytest.raises(TransferError, match="seq 1.*fill failed.*gather kernel refused the slots"):
+            failed.result(WAIT_S)
+        start = time.monotonic()
+        for receive in got[1:]:  # the peer's receives end too, and not at their deadline
+            with pytest.raises((TransferError, ClosedError)):
+                receive.result(WAIT_S)
+        assert time.monotonic() - start < WAIT_S / 2
+        assert isinstance(a.broken, TransferError) and a.closed
+        with pytest.raises(ClosedError):
+            a.send(torch.ones(2))
 
 
 def test_a_meta_tensor_without_a_hook_is_refused(pair: tuple[Link, Link]) -> None:
