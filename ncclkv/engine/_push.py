@@ -60,6 +60,7 @@ class PushState:
     sends: dict[str, list[Future[None]]] = field(default_factory=dict)
     nbytes: dict[str, int] = field(default_factory=dict)
     slices: dict[str, int] = field(default_factory=dict)  # (layer, route) slices sent per consumer rank: Done's count
+    tail_sends: dict[str, int] = field(default_factory=dict)  # sends queued by the latest layer, per consumer rank
     finishing: bool = False
     completed: bool = False
     started: float = field(default_factory=time.monotonic)
@@ -117,9 +118,16 @@ class Pusher:
                 self._send_layer(state, dst, link, layer)
 
     def finish(self, request_id: str) -> None:
+        """No more layers: the sends still queued are posted from here, the rest completes on its own."""
         state = self._state(request_id)
         with state.lock:
             state.finishing = True
+            tails = [(link, state.tail_sends.get(dst, 0)) for dst, link in state.links.items()]
+        # Nothing computes behind the last layer's sends: the caller (the end of a forward) posts them, hooks
+        # and gathers included, instead of returning and leaving them to each link's poster to be scheduled.
+        for link, count in tails:
+            if count:
+                link.post_queued_sends(count)
         self._maybe_complete(state)
 
     # -- internals --------------------------------------------------------------------
@@ -156,6 +164,7 @@ class Pusher:
         A link closed meanwhile (its peer lost, or broken) fails this consumer rank only; the
         caller's ``save_layer`` goes on for the others and never raises for it.
         """
+        queued = 0
         for route in state.by_dst[dst]:
             if layer not in route.layers or dst not in state.links:
                 continue
@@ -177,9 +186,12 @@ class Pusher:
                         f"push of {state.request_id!r} to {dst!r}: layer {layer} not sent: {err}")
                     return
                 state.sends.setdefault(dst, []).append(future)
+                queued += 1
                 state.nbytes[dst] = state.nbytes.get(dst, 0) + placeholder.nbytes
                 future.add_done_callback(self._caches.recycle_after(taken))
                 future.add_done_callback(lambda _f: self._maybe_complete(state))
+        if queued:
+            state.tail_sends[dst] = queued
 
     def _maybe_complete(self, state: PushState) -> None:
         with state.lock:

@@ -84,6 +84,8 @@ class LinkBase(Protocol):
         timeout_s: float | None = None,
     ) -> Future[None]: ...
 
+    def post_queued_sends(self, limit: int) -> None: ...
+
     def recv(
         self,
         shape: Sequence[int],

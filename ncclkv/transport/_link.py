@@ -251,6 +251,18 @@ class Link:
             ready_event = torch.cuda.current_stream(self._device).record_event()
         return self._submit(1, out, timeout_s, ready_event, None)
 
+    def post_queued_sends(self, limit: int) -> None:
+        """Post up to ``limit`` queued sends on the calling thread, hooks and fills included; return at once if
+        another thread is posting.
+
+        For a caller that would otherwise only wait: the producer's ``finish``
+        after a request's last layer, whose sends then skip the wait for the
+        link's poster thread to be scheduled (0.3-0.8 ms on two busy cores).
+        """
+        if not (isinstance(limit, int) and limit >= 0):
+            raise ValueError(f"link {self._link_id!r}: limit must be an int >= 0, got {limit!r}")
+        self._pipes[0].post_queued(hooked=limit)
+
     def stats(self) -> LinkStats:
         with self._lock:
             return LinkStats(

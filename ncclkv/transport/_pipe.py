@@ -142,12 +142,15 @@ class Pipe:
             if wake:
                 self._posting.notify()
 
-    def post_queued(self) -> None:
+    def post_queued(self, hooked: int = 0) -> None:
         """Post, on the calling thread, the queued ops that need no hook and fit the window.
 
-        Whatever it leaves (an op with a hook or a fill, a full window, another thread
-        posting, headers due later) is the poster's, which it wakes. Errors go
-        to the ops' futures, never to the caller.
+        ``hooked``: up to that many ops with a hook or a fill go too, theirs
+        run here (a caller with nothing else to do, the end of a forward,
+        saves the poster's wake-up on the last layer's path). Whatever it
+        leaves (more such ops, a full window, another thread posting, headers
+        due later) is the poster's, which it wakes. Errors go to the ops'
+        futures, never to the caller.
         """
         if not self._gate.acquire(blocking=False):
             self._wake_poster()
@@ -160,9 +163,11 @@ class Pipe:
                     if not self._queued:
                         break
                     op = self._queued[0]
-                    if op.before_send is not None or op.fill is not None or not self._has_room(op):
+                    needs_poster = op.before_send is not None or op.fill is not None
+                    if (needs_poster and hooked < 1) or not self._has_room(op):
                         self._posting.notify()
                         return
+                    hooked -= needs_poster
                     self._queued.popleft()
                 if not self._post_one(op):
                     return

@@ -21,6 +21,8 @@ from ncclkv.layout import KVGeometry, ParallelLayout, Span, SpanSet, plan
 from ncclkv.paged import CacheLayout
 from ncclkv.protocol import Announce
 
+from link_probes import sleepy_poster
+
 from .kvsim import RankSide, build_sides, close_sides, engine_ref
 
 GQA = KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32")
@@ -134,6 +136,48 @@ def test_push_layer_zero_lands_before_the_last_layer_is_saved() -> None:
             side.engine.finish("p")
         decode[0].engine.wait("p", timeout_s=20)
         assert decode[0].mismatches(3, blocks, num_tokens, Span(0, num_tokens)) == []
+        assert set(_wait_sent(prefill, "p").values()) == {None}
+    finally:
+        close_sides(prefill, decode)
+
+
+@pytest.mark.parametrize("piece_bytes", [0, 2048], ids=["whole", "pieces"])
+def test_finish_posts_the_last_layers_sends_from_its_callers_thread(piece_bytes: int) -> None:
+    """The link's poster is kept asleep for the last layer: finish() gathers and posts that layer itself."""
+    layout = ParallelLayout(1, 1)
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer", piece_bytes=piece_bytes)
+    decode = build_sides("decode", layout, GQA, CacheLayout.FLASH_NHD, 16, "consumer")
+    try:
+        num_tokens, blocks, last = 40, [7, 1, 4], GQA.num_layers - 1
+        producer = prefill[0].engine
+        gathered: list[tuple[int, str]] = []
+        gather = producer._caches.gather  # noqa: SLF001 - which thread gathers is what this test is about
+
+        def recording(layer: int, *args: Any) -> Any:
+            gathered.append((layer, threading.current_thread().name))
+            return gather(layer, *args)
+
+        producer._caches.gather = recording  # type: ignore[method-assign]  # noqa: SLF001
+        prefill[0].fill(seed=5, block_ids=blocks, num_tokens=num_tokens)
+        producer.start_push("p", engine_ref("decode", layout, decode), blocks, num_tokens)
+        decode[0].engine.expect("p", engine_ref("prefill", layout, prefill), blocks, num_tokens, push=True)
+        for layer in range(last):
+            producer.save_layer("p", layer)
+        for layer in range(last):
+            decode[0].engine.wait_layer("p", layer, timeout_s=20)
+        (link,) = producer._data_plane.links()  # noqa: SLF001
+        with sleepy_poster(link):
+            producer.save_layer("p", last)
+            assert [t for layer, t in gathered if layer == last] == []  # left to the poster, asleep
+            producer.finish("p")
+            decode[0].engine.wait("p", timeout_s=20)
+        me = threading.current_thread().name
+        tail = [t for layer, t in gathered if layer == last]
+        assert tail and set(tail) == {me}, gathered
+        assert all(t.endswith("-send-post") for layer, t in gathered if layer < last), gathered
+        token_bytes = 2 * GQA.num_kv_heads * GQA.head_size * 4  # K and V, float32
+        assert len(tail) == (num_tokens * token_bytes // piece_bytes if piece_bytes else 1)
+        assert decode[0].mismatches(5, blocks, num_tokens, Span(0, num_tokens)) == []
         assert set(_wait_sent(prefill, "p").values()) == {None}
     finally:
         close_sides(prefill, decode)

@@ -31,6 +31,8 @@ from ncclkv.transport import (
 from ncclkv.transport._base import check_link_args, split_address
 from ncclkv.transport._framing import EARLY_FLUSH_BYTES
 
+from link_probes import sleepy_poster
+
 WAIT_S = 10.0
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8)
 
@@ -246,6 +248,58 @@ def test_a_failing_fill_breaks_the_link_typed(framed: bool) -> None:
         assert isinstance(a.broken, TransferError) and a.closed
         with pytest.raises(ClosedError):
             a.send(torch.ones(2))
+
+
+def test_post_queued_sends_runs_hooks_and_fills_on_the_callers_thread(pair: tuple[Link, Link]) -> None:
+    """What the producer's finish relies on: queued hooked sends go out from the caller, up to the limit."""
+    a, b = pair
+    ran: list[tuple[str, int, str]] = []
+
+    def hooks(seq: int) -> dict[str, Any]:
+        def announce() -> torch.Tensor:
+            ran.append(("hook", seq, threading.current_thread().name))
+            return torch.empty(2)
+
+        def fill(out: torch.Tensor) -> None:
+            ran.append(("fill", seq, threading.current_thread().name))
+            out.fill_(float(seq))
+        return {"before_send": announce, "fill": fill}
+
+    me = threading.current_thread().name
+    with sleepy_poster(a):
+        sends = [a.send(torch.empty(2, device="meta"), **hooks(seq)) for seq in range(3)]
+        assert ran == []  # left to the poster, which sleeps
+        a.post_queued_sends(2)
+        assert ran == [(step, seq, me) for seq in range(2) for step in ("hook", "fill")]
+        got = [b.recv((2,), torch.float32) for _ in range(3)]
+        assert [f.result(WAIT_S)[0].item() for f in got[:2]] == [0.0, 1.0] and not got[2].done()
+    # Woken, the poster posts the third.
+    assert got[2].result(WAIT_S)[0].item() == 2.0 and [f.result(WAIT_S) for f in sends] == [None] * 3
+    assert ran[-1][:2] == ("fill", 2) and ran[-1][2].endswith("-send-post")
+    with pytest.raises(ValueError, match="limit must be an int >= 0"):
+        a.post_queued_sends(-1)
+
+
+def test_post_queued_sends_leaves_the_sends_to_a_poster_that_is_posting(pair: tuple[Link, Link]) -> None:
+    a, b = pair
+    in_hook, go_on = threading.Event(), threading.Event()
+    hook_threads: list[str] = []
+
+    def slow_hook() -> None:
+        hook_threads.append(threading.current_thread().name)
+        in_hook.set()
+        assert go_on.wait(WAIT_S)
+
+    first = a.send(torch.ones(2), before_send=slow_hook)
+    assert in_hook.wait(WAIT_S)  # the poster holds the gate inside the first hook
+    second = a.send(torch.full((2,), 2.0), before_send=lambda: hook_threads.append(threading.current_thread().name))
+    start = time.monotonic()
+    a.post_queued_sends(5)  # returns at once: another thread is posting
+    assert time.monotonic() - start < 1.0 and len(hook_threads) == 1
+    go_on.set()
+    assert [b.recv((2,), torch.float32).result(WAIT_S)[0].item() for _ in range(2)] == [1.0, 2.0]
+    first.result(WAIT_S), second.result(WAIT_S)
+    assert all(name.endswith("-send-post") for name in hook_threads), hook_threads
 
 
 def test_a_meta_tensor_without_a_hook_is_refused(pair: tuple[Link, Link]) -> None:
