@@ -125,7 +125,8 @@ def oversize(st: Any, key: str, rid: str, layer: int, extra_tokens: int) -> None
 
     The announcement (the engine's own, from the real buffer) is left alone;
     right after it, on the link's send thread, the op about to be posted gets
-    a longer tensor. The link describes what it posts honestly.
+    a longer tensor, which its fill (the engine's gather into the announced
+    buffer, then a copy) writes. The link describes what it posts honestly.
     """
     engine = st.sides[key].engine
     armed = threading.local()
@@ -142,10 +143,14 @@ def oversize(st: Any, key: str, rid: str, layer: int, extra_tokens: int) -> None
         ran = run_hook(self, op)
         if ran and getattr(armed, "next_post", False):
             armed.next_post = False
-            kv, tokens = op.tensor, op.tensor.shape[1]
+            kv, tokens, fill = op.tensor, op.tensor.shape[1], op.fill
             grown = torch.zeros((kv.shape[0], tokens + extra_tokens, *kv.shape[2:]), dtype=kv.dtype)
-            grown[:, :tokens] = kv
-            op.tensor = grown
+
+            def fill_grown(out: torch.Tensor) -> None:  # the engine's gather fills the announced buffer
+                if fill is not None:
+                    fill(kv)
+                out[:, :tokens] = kv
+            op.tensor, op.fill = grown, fill_grown
         return ran
 
     engine._channel.send = spy  # noqa: SLF001
