@@ -4,8 +4,9 @@ A finished request's blocks are held until every consumer rank has pulled
 (each consumer rank sends one PullRequest to every producer rank, with no
 routes where the plan gives it nothing from us), or until ``hold_s`` passes.
 Tensors go out layer-major so a consumer can finish layer 0 first; each
-tensor is gathered and announced on the link's send thread right before it is
-posted, so announcement order is data order on that link. With ``piece_bytes``
+tensor is announced, then gathered, on the thread that posts it right before
+it is posted, so announcement order is data order on that link (and the
+consumer posts its receive during the gather). With ``piece_bytes``
 a (layer, route) slice goes as several token pieces, each announced alone, so
 gather, wire and scatter of one slice overlap (the last layer's latency).
 """
