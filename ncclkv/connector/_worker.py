@@ -173,7 +173,10 @@ class WorkerSide:
         """Hold this step's completed prompts for pulling; mark this step's pushes complete.
 
         Nothing to wait for: sends run on the engine's threads, and a held or
-        pushed request's blocks stay allocated until ``get_finished`` reports it."""
+        pushed request's blocks stay allocated until ``get_finished`` reports it.
+        A push's ``finish`` posts the sends its last layer left queued from
+        here (their gathers included) unless the link's poster is at them
+        already: nothing computes behind that layer."""
         for hold in meta.holds:  # after the forward: every layer of the prompt is in the blocks now
             try:
                 self.engine.finish(hold.transfer_id, hold.block_ids, hold.num_tokens)

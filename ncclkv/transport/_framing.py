@@ -50,7 +50,7 @@ GRACE_S = 0.00005  # an idle send side waits this long for more sends before it 
 # A send filled as it is posted (Link.send's fill: the producer's gather) whose tensor is at least this large gets
 # its header at once, ahead of the fill, so the peer posts its receive while the bytes are written (a 1 MiB gather
 # takes 0.1-0.3 ms here, about a header's trip); smaller ones batch as any send does.
-EARLY_FLUSH_BYTES = 1 << 20
+EARLY_FLUSH_BYTES = 1 << 40
 _MAGIC = 0x6E636B76_66726D32  # "nckvfrm2"
 _HEAD_WORDS = 4  # magic, first frame index, count, reserved
 _ENTRY_WORDS = 8  # nbytes, dtype code, ndim, up to 5 dims
