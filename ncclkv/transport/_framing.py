@@ -50,7 +50,7 @@ GRACE_S = 0.00005  # an idle send side waits this long for more sends before it 
 # A send filled as it is posted (Link.send's fill: the producer's gather) whose tensor is at least this large gets
 # its header at once, ahead of the fill, so the peer posts its receive while the bytes are written (a 1 MiB gather
 # takes 0.1-0.3 ms here, about a header's trip); smaller ones batch as any send does.
-EARLY_FLUSH_BYTES = 1 << 40
+EARLY_FLUSH_BYTES = 1 << 20
 _MAGIC = 0x6E636B76_66726D32  # "nckvfrm2"
 _HEAD_WORDS = 4  # magic, first frame index, count, reserved
 _ENTRY_WORDS = 8  # nbytes, dtype code, ndim, up to 5 dims
@@ -167,18 +167,33 @@ class SendFrames:
         self._bytes = 0
         self._since = 0.0  # when the oldest entry not yet flushed was added
 
-    def add(self, tensor: torch.Tensor, urgent: bool = False) -> Pending | None:
+    @property
+    def pending(self) -> int:
+        """Entries added since the last flush."""
+        return len(self._entries)
+
+    @property
+    def due(self) -> bool:
+        """Whether the entries held reach :data:`BATCH` or :data:`FLUSH_BYTES` (``add`` would have flushed)."""
+        return len(self._entries) >= BATCH or self._bytes >= FLUSH_BYTES
+
+    def add(self, tensor: torch.Tensor, urgent: bool = False, hold: bool = False) -> Pending | None:
         """Describe ``tensor``, the next frame; return the header's pending if this flushed an empty tensor.
 
         Flushes at :data:`BATCH` entries or :data:`FLUSH_BYTES`, or at once if
         ``urgent`` (nothing else of ours is on the wire: the peer may be idle,
         waiting for this header). An empty tensor moves no data, so its send
-        completes with (and waits for) its header.
+        completes with (and waits for) its header. ``hold``: never flush here,
+        the caller flushes (with room for the entry: at most :data:`BATCH`).
         """
+        if hold and len(self._entries) >= BATCH:
+            raise ValueError(f"a header holds {BATCH} entries; flush before adding more")
         if not self._entries:
             self._since = time.monotonic()
         self._entries.append(_entry(tensor))
         self._bytes += _nbytes(tensor)
+        if hold:
+            return None
         if tensor.numel() == 0:
             return self.flush()
         if urgent or len(self._entries) == BATCH or self._bytes >= FLUSH_BYTES:

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ClosedError, NcclKVError, ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
 from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, LinkStats
-from ._framing import EARLY_FLUSH_BYTES, Framing, RecvFrames, SendFrames
+from ._framing import BATCH, EARLY_FLUSH_BYTES, Framing, RecvFrames, SendFrames
 from ._pipe import Completed, Op, Pending, Pipe, settle
 
 __all__ = ["Backend", "Link"]
@@ -374,8 +374,7 @@ class Link:
         header: Pending | None = None
         framed = direction == 0 and self._send_frames is not None
         if framed and op.fill is not None:  # the header first: the peer posts its receive while we fill
-            urgent = op.nbytes >= EARLY_FLUSH_BYTES or not self._pipes[0].in_flight()
-            header = self._send_frames.add(op.tensor, urgent=urgent)
+            header = self._describe_ahead(op)
             framed = False
         data: Pending = Completed()
         with self._on_link_stream(op.ready_event):
@@ -390,6 +389,40 @@ class Link:
         if framed:
             header = self._send_frames.add(op.tensor, urgent=not self._pipes[0].in_flight())
         return data if header is None else header
+
+    def _describe_ahead(self, op: Op) -> Pending | None:
+        """Send the frame header of ``op`` (a send with a fill) and of the next queued one, before the fill.
+
+        The header of the next send goes ahead of this one's payload: on one
+        TCP stream it would otherwise reach the peer only after these bytes,
+        and the peer's receive for it, hence gloo's go-ahead for its payload,
+        a round trip later (a bubble per piece of a layer). At most two
+        headers go out per post, and only ops next in line are described, so
+        the header ring's reuse rule holds (see ``SendFrames``). Returns the
+        header's pending for an empty ``op`` (which waits for it).
+        """
+        frames = self._send_frames
+        assert frames is not None
+        if op.described is not None and op.described != (tuple(op.tensor.shape), op.tensor.dtype):
+            shape, dtype = op.described
+            told = torch.Size(shape).numel() * dtype.itemsize
+            raise ShapeMismatchError(
+                f"the peer was told of {shape} {dtype} ({told} B), the send is {tuple(op.tensor.shape)} "
+                f"{op.tensor.dtype} ({op.nbytes} B); nothing of it was sent, the link is closed")
+        new = [] if op.described else [op.tensor]
+        ahead = self._pipes[0].describe_next()
+        if ahead is not None:
+            new.append(ahead.tensor)
+        if not new:
+            return None
+        empty = op.tensor.numel() == 0
+        urgent = (ahead is not None or empty or op.nbytes >= EARLY_FLUSH_BYTES or not self._pipes[0].in_flight())
+        if frames.pending + len(new) > BATCH:
+            frames.flush()
+        for tensor in new:
+            frames.add(tensor, hold=True)
+        header = frames.flush() if urgent or frames.due else None
+        return header if empty else None
 
     def _finish(self, direction: int, op: Op) -> None:
         with self._lock:

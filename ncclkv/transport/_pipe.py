@@ -76,6 +76,7 @@ class Op:
     ready_event: object | None = None
     before_send: Callable[[], torch.Tensor | None] | None = None  # may return the tensor to post instead
     fill: Callable[[torch.Tensor], None] | None = None  # writes the tensor; the backend's post runs it (Link._post)
+    described: tuple[tuple[int, ...], torch.dtype] | None = None  # told to the peer ahead as (shape, dtype)
     pending: Pending | None = None
     deadline: float = 0.0
 
@@ -175,6 +176,18 @@ class Pipe:
                 self._wake_poster()
         finally:
             self._gate.release()
+
+    def describe_next(self) -> Op | None:
+        """The next queued op if it has a fill, bytes and no description yet, now marked described; else None.
+
+        Only the gate holder calls it (from its post), so the op stays at the head until it takes it.
+        """
+        with self._lock:
+            op = self._queued[0] if self._queued else None
+            if op is None or op.fill is None or op.described or op.nbytes == 0:  # an empty send waits for its own
+                return None
+            op.described = (tuple(op.tensor.shape), op.tensor.dtype)
+            return op
 
     def in_flight(self) -> int:
         with self._lock:
@@ -294,6 +307,10 @@ class Pipe:
                     raise TypeError(f"before_send returned {type(sent).__name__} for a placeholder")
                 op.tensor = sent
         except Exception as exc:
+            if op.described:  # the peer expects this tensor: skipping it would put the link out of step
+                self._fail(op, TransferError(f"{op.label}: before_send failed after the peer was told of the "
+                                             f"tensor: {exc!r}"))
+                return False
             settle(op.future, error=TransferError(f"{op.label}: before_send failed, not sent: {exc!r}"))
             _log.warning("%s: before_send failed: %r", op.label, exc)
             return False

@@ -168,19 +168,37 @@ def test_a_placeholder_hook_that_returns_the_wrong_tensor_fails_only_its_send(
     assert a.broken is None and a.stats().tensors_sent == 2
 
 
-def posted_receives(link: Link) -> threading.Semaphore:
-    """Released once each time ``link`` posts a receive to its backend."""
-    posted = threading.Semaphore(0)
-    backend = link._backend  # noqa: SLF001 - when the receive is posted is what these tests are about
-    post = backend.post_recv
+class PostedReceives:
+    """Counts the receives ``link`` posts to its backend."""
 
-    def recording(tensor: torch.Tensor) -> Any:
-        pending = post(tensor)
-        posted.release()
-        return pending
+    def __init__(self, link: Link) -> None:
+        self._count, self._cond = 0, threading.Condition()
+        backend = link._backend  # noqa: SLF001 - when a receive is posted is what these tests are about
+        post = backend.post_recv
 
-    backend.post_recv = recording
-    return posted
+        def recording(tensor: torch.Tensor) -> Any:
+            pending = post(tensor)
+            with self._cond:
+                self._count += 1
+                self._cond.notify_all()
+            return pending
+
+        backend.post_recv = recording
+
+    def wait_for(self, count: int, timeout_s: float = WAIT_S) -> bool:
+        """Whether ``count`` receives were posted by ``timeout_s`` from now."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._count >= count, timeout_s)
+
+
+def fill_sends(link: Link, shape: tuple[int, ...], count: int,
+               fill: Callable[[int, torch.Tensor], None]) -> list[Any]:
+    """``count`` placeholder sends of ``shape`` (float32) whose fill is ``fill(seq, out)``, then ``out`` = seq."""
+    def filling(seq: int, out: torch.Tensor) -> None:
+        fill(seq, out)
+        out.fill_(float(seq))
+    return [link.send(torch.empty(shape, device="meta"), before_send=lambda: torch.empty(shape),
+                      fill=lambda out, seq=seq: filling(seq, out)) for seq in range(count)]
 
 
 def check_fill_after_the_peers_receive(a: Link, b: Link) -> None:
@@ -189,24 +207,54 @@ def check_fill_after_the_peers_receive(a: Link, b: Link) -> None:
     The tensors are EARLY_FLUSH_BYTES each, so every header goes at once, sends in flight or not.
     """
     shape = (EARLY_FLUSH_BYTES // 4 // 2, 2)
-    posted = posted_receives(b)
+    posted = PostedReceives(b)
     recvs = [b.recv(shape, torch.float32) for _ in range(3)]
-    order: list[str] = []
-
-    def announce(seq: int) -> torch.Tensor:
-        order.append(f"hook {seq}")
-        return torch.empty(shape)
-
-    def fill(seq: int, out: torch.Tensor) -> None:
-        # The peer's receive waits for this tensor's header; it is posted while we write.
-        order.append(f"fill {seq} after the receive: {posted.acquire(timeout=WAIT_S)}")
-        out.fill_(float(seq))
-
-    sends = [a.send(torch.empty(shape, device="meta"), before_send=lambda seq=seq: announce(seq),
-                    fill=lambda out, seq=seq: fill(seq, out)) for seq in range(3)]
+    seen: list[bool] = []
+    sends = fill_sends(a, shape, 3, lambda seq, out: seen.append(posted.wait_for(seq + 1)))
     assert [f.result(WAIT_S)[0, 0].item() for f in recvs] == [0.0, 1.0, 2.0]
-    assert [f.result(WAIT_S) for f in sends] == [None] * 3
-    assert order == [x for seq in range(3) for x in (f"hook {seq}", f"fill {seq} after the receive: True")]
+    assert [f.result(WAIT_S) for f in sends] == [None] * 3 and seen == [True] * 3
+
+
+def check_fill_after_the_next_receive(a: Link, b: Link) -> None:
+    """Small sends queued together: each fill runs once the peer posted the receive of its tensor and of the
+    next one, whose header went out ahead of this tensor's bytes."""
+    posted, count = PostedReceives(b), 4
+    recvs = [b.recv((3, 2), torch.float32) for _ in range(count)]
+    seen: list[bool] = []
+    with sleepy_poster(a):  # all queued before the first is posted
+        sends = fill_sends(a, (3, 2), count, lambda seq, out: seen.append(posted.wait_for(min(seq + 2, count), 5.0)))
+    assert [f.result(WAIT_S)[0, 0].item() for f in recvs] == [float(seq) for seq in range(count)]
+    assert [f.result(WAIT_S) for f in sends] == [None] * count and seen == [True] * count
+
+
+@pytest.mark.parametrize("transport", ["loopback", "gloo"])
+def test_a_fill_send_describes_the_next_queued_send_before_its_bytes(transport: str) -> None:
+    if transport == "loopback":
+        a, b = loopback_pair("ahead", timeout_s=WAIT_S, framed=True)
+        with a, b:
+            check_fill_after_the_next_receive(a, b)
+        return
+    with DataPlane() as p0, DataPlane() as p1:
+        l0, l1 = open_both(p0, p1, "ahead", p0.address)
+        check_fill_after_the_next_receive(l0, l1)
+
+
+def test_a_failing_hook_of_a_send_described_ahead_breaks_the_link() -> None:
+    a, b = loopback_pair("ahead-hook-fails", timeout_s=WAIT_S, framed=True)
+    with a, b:
+        def refuse() -> torch.Tensor:
+            raise OSError("control channel down")
+
+        recvs = [b.recv((2,), torch.float32) for _ in range(2)]
+        with sleepy_poster(a):
+            first = a.send(torch.empty(2, device="meta"), before_send=lambda: torch.empty(2), fill=lambda out: None)
+            second = a.send(torch.empty(2, device="meta"), before_send=refuse, fill=lambda out: None)
+        with pytest.raises(TransferError, match="seq 1.*before_send failed after the peer was told.*channel down"):
+            second.result(WAIT_S)
+        for future in (first, *recvs):  # the link broke: nothing waits for its deadline
+            with contextlib.suppress(TransferError, ClosedError):
+                future.result(WAIT_S)
+        assert isinstance(a.broken, TransferError) and a.closed
 
 
 def test_a_framed_fill_runs_after_the_peer_posted_its_receive() -> None:
