@@ -70,8 +70,16 @@ behind, freed memory glibc keeps included: bench transfer's caches of up to
 512 MiB per side, and since it also times two real engines, their wire
 buffers. The soak's own growth is what the goal judges; run alone (`ncclkv
 bench memory`) it starts from an empty process. Growth moves between runs:
-+0.16% and +3.1% in two runs this afternoon (the second after three
-benchmarks in the process instead of seven), +0.9% that morning. Each engine
++0.16% and +3.1% in two runs one afternoon (the second after three
+benchmarks in the process instead of seven), +0.9% that morning. That
+evening it ran higher: +4.0%, +4.5% and +5.7% in three runs alone
+(`ncclkv bench memory`; this table is the last), and the code from before
+the evening's changes, run alone in the same half hour, grew +5.2% and +5.3%:
+the machine's allocator behaviour moved, not the code (tracemalloc above).
+Run after transfer, overlap and scale in one process the same evening, RSS
+fell from 1321 to 800 MiB during the soak (-39%) as glibc returned what the
+earlier benchmarks had freed, which is why the figure here comes from a run
+alone. Each engine
 rank also keeps up to 256 MiB of free wire buffers for reuse
 (`NCCLKV_WIRE_CACHE_BYTES`; see
 docs/ARCHITECTURE.md, Gather and scatter); the soak's slices are at most

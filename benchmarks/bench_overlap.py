@@ -147,18 +147,40 @@ and 1.29, whole layers 1.46 and 1.68 (an hour before: 1.24-1.35, 1.19-1.39,
 machine; the findings above count this run's rows.
 
 The engine rows. A real producer engine pushing to a real consumer engine
-(the product's path, the connector's `save_kv_layer`) exposed 1.48 and 1.57
-layers with whole layers and 1.47 and 1.51 with 4 MiB pieces (`piece_bytes`)
-at c >= x (an hour before: 1.52 and 1.95 whole, 1.45 in pieces): the link
-rows' behaviour plus the engine's own hops after the last layer's compute. Its sends carry a hook (the
-gather, then the Announce over the ZMQ channel), so the link's poster thread
-runs them, woken per tensor; the consumer's dispatcher thread decodes the
-Announce and only then posts the receive, which still waits for its frame
-header. Its x is higher too (7.5-9 ms against the link rows' 6.3-8 ms at the
-same slice: see bench transfer, engine/ncclkv). Posting hooked sends on the
-caller's thread would cut one wake-up, but it moves the gather onto the
-model's forward thread, which on a machine with cores to spare runs the next
-layer meanwhile; left as is.
+(the product's path, the connector's `save_kv_layer`). Until this run the
+engine exposed 1.48-1.57 layers with whole layers and 1.47-1.51 with 4 MiB
+pieces (`piece_bytes`) at c >= x, in three runs: the link rows' behaviour
+plus the engine's own hops after the last layer's compute. Traced per
+event on this machine (a 14 MiB layer, nothing else running): the link's
+poster thread took the last layer 0.3-0.8 ms after it was saved, gathered
+it (1.9 ms), then announced it; the consumer's dispatcher posted the
+receive 0.9 ms after the gather had ended, and gloo's sender waited for
+that receive before writing a byte. Three changes since
+(docs/ARCHITECTURE.md, Message flow and Threads): the producer announces
+each piece before gathering it and the link sends its frame header before
+the gather (`Link.send`'s `fill`), so the consumer's receive is posted
+during the gather (traced: 0.9 ms before it ends); the header of the next
+queued piece goes ahead of this piece's bytes (on one TCP stream it reached
+the consumer only after them, and that piece's bytes then waited a round
+trip: a bubble per piece); and `finish` (the connector's `wait_for_save`)
+posts the last layer's sends from its caller instead of waiting for the
+poster to be scheduled. In this run 4 MiB pieces exposed 1.14 layers at
+c/x 1.68, the first engine row to meet the goal, and whole layers 1.48
+(one row each with c >= x: the calibration gave x of 9-12 ms on a slow
+evening, so the 5 and 10 ms compute rows fell below x). The run an hour
+before, without the header look-ahead, gave 1.22-1.23 in pieces and
+1.49-1.52 whole. A/B of the last layer's latency after its
+compute (a tracing script, the code before these changes and after them run
+in turn, 16 layers of 14 MiB, 20 ms compute, medians of 5-7 requests per
+run): whole layers 12.3-15.6 ms before over five runs, 10.5-11.7 ms after
+over five; 4 MiB pieces 12.1-14.8 before, 11.5-12.7 after (two runs of the
+final code); the machine's noise is as large as the gain in pieces. A whole layer cannot
+meet the goal here: its gather, its 14 MiB on the wire (5.3-6.2 ms for one
+message over loopback gloo, 0.8 x) and its scatter run one after the other,
+about 1.3 x before any hop. The engine's x is higher than the link rows'
+(the Announce, the receive posted from the dispatcher, the done-callbacks:
+see bench transfer, engine/ncclkv), which flatters its ratio a little; in
+pieces its x grows more (one Announce and receive per piece).
 
 Two cores. Compute (one torch thread), the sender's gather and gloo thread, and
 the receiver's gloo thread and scatter share two cores, with other engineers'

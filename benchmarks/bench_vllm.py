@@ -98,8 +98,11 @@ sleeps as long while its sends run). On this bench that took the pull TTFT at
 moves with the shared machine's day and hour: 68 ms on 2026-11-22; 84-105 ms
 on the morning of 2026-11-24, with the code before and after the link's
 caller-thread posting (the pull set-up alone: `--setups ncclkv --modes pull
---lengths 4096 --repeats 5`); 114 ms in this run that afternoon, when
-recompute of the same prompt took 4422 ms against 1939 ms that morning. The `ncclkv-gil` rows are a diagnostic, not
+--lengths 4096 --repeats 5`); 114 ms that afternoon, when recompute of the
+same prompt took 4422 ms against 1939 ms that morning; 109 and 133 ms in two
+runs that evening (recompute 4305 and 4437 ms), the second
+with the producer announcing and describing each tensor before gathering
+it (bench overlap, engine rows), push 60 and 52 ms. The `ncclkv-gil` rows are a diagnostic, not
 a configuration to ship: the same engines with the decode engine's switch
 interval at 0.1 ms (a `sitecustomize` on that engine's path only); the
 findings line comparing the two says how much of ncclkv's decode TTFT is
@@ -113,10 +116,11 @@ announced alone, so the gather, the wire and the decode side's scatter of one
 slice overlap (what bench overlap measures for the last layer of a layer-wise
 send). Decode TTFT does not gain from it here: in pull mode every layer is
 ready when the decode request arrives, so pieces only add messages (an
-Announce and the link's per-message cost each): 143 ms against 114 ms at 4096
-tokens in this run, 103 against 105 and 106 against 88 ms in two runs the
-morning before; in push mode the KV is mostly staged before the decode request
-comes (53 against 67 ms here, 36 against 33 ms that morning: noise either
+Announce and the link's per-message cost each): 180 ms against 133 ms at 4096
+tokens in this run, 143 against 114 that afternoon, 103 against 105 and 106
+against 88 ms in two runs the morning before; in push mode the KV is
+mostly staged before the decode request comes (55 against 52 ms here, 53
+against 67 that afternoon, 36 against 33 ms that morning: noise either
 way). Hence `piece_bytes` defaults to 0; it is for a
 decode engine that waits on the last layers of a push still in flight.
 
