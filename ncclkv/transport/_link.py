@@ -179,8 +179,10 @@ class Link:
         receive while the payload is written, so the data goes out at once
         instead of waiting a round trip for the receive. The header has
         promised the tensor, so a fill that raises breaks the link (the
-        stream could not stay in step); a hook that raises still fails its
-        send only.
+        stream could not stay in step). The header may also go out with the
+        send before it (see ``_describe_ahead``): then a hook that raises, or
+        returns a tensor other than the one described, breaks the link too;
+        otherwise it fails its send only.
         """
         placeholder = isinstance(tensor, torch.Tensor) and tensor.device.type == "meta"
         self._check_tensor(tensor, "send", placeholder=placeholder)
@@ -371,11 +373,10 @@ class Link:
                 # them land before the link breaks, so they fail with their own.
                 self._pipes[1].wait_drained(op.deadline)
                 raise
+        framed_send = direction == 0 and self._send_frames is not None
         header: Pending | None = None
-        framed = direction == 0 and self._send_frames is not None
-        if framed and op.fill is not None:  # the header first: the peer posts its receive while we fill
+        if framed_send and op.fill is not None:  # the header first: the peer posts its receive while we fill
             header = self._describe_ahead(op)
-            framed = False
         data: Pending = Completed()
         with self._on_link_stream(op.ready_event):
             if op.fill is not None:
@@ -386,7 +387,7 @@ class Link:
             if op.tensor.numel() > 0:  # else nothing to move; both sides know the shape
                 post = self._backend.post_send if direction == 0 else self._backend.post_recv
                 data = post(op.tensor)
-        if framed:
+        if framed_send and op.fill is None:  # described after the post, batched (see _framing)
             header = self._send_frames.add(op.tensor, urgent=not self._pipes[0].in_flight())
         return data if header is None else header
 

@@ -307,7 +307,7 @@ class Pipe:
                     raise TypeError(f"before_send returned {type(sent).__name__} for a placeholder")
                 op.tensor = sent
         except Exception as exc:
-            if op.described:  # the peer expects this tensor: skipping it would put the link out of step
+            if op.described is not None:  # the peer expects this tensor: skipping it would put the link out of step
                 self._fail(op, TransferError(f"{op.label}: before_send failed after the peer was told of the "
                                              f"tensor: {exc!r}"))
                 return False
