@@ -157,8 +157,8 @@ class Link:
     ) -> Future[None]:
         """Queue ``tensor`` for sending; return at once.
 
-        The send thread runs ``before_send()`` right before posting (so what it
-        emits is ordered like the data), then posts the send; a send without a
+        The send thread runs ``before_send()`` before posting, in send order
+        (so what it emits is ordered like the data), then posts the send; a send without a
         hook that fits the window is posted on the calling thread instead, still
         in call order (see ``_pipe``). On CUDA the hook
         and the send run on the link's stream, after ``ready_event`` (default:
@@ -179,10 +179,13 @@ class Link:
         receive while the payload is written, so the data goes out at once
         instead of waiting a round trip for the receive. The header has
         promised the tensor, so a fill that raises breaks the link (the
-        stream could not stay in step). The header may also go out with the
-        send before it (see ``_describe_ahead``): then a hook that raises, or
-        returns a tensor other than the one described, breaks the link too;
-        otherwise it fails its send only.
+        stream could not stay in step). A send with a fill runs the hook of
+        the next queued send with a fill before its own fill, and sends that
+        send's header with its own (see ``_describe_ahead``): the peer hears
+        of the next tensor while this one is written and on the wire. A hook
+        that raises then still fails its own send only (nothing was described
+        yet); a tensor that differs from the one described at its post breaks
+        the link.
         """
         placeholder = isinstance(tensor, torch.Tensor) and tensor.device.type == "meta"
         self._check_tensor(tensor, "send", placeholder=placeholder)
@@ -260,6 +263,8 @@ class Link:
         For a caller that would otherwise only wait: the producer's ``finish``
         after a request's last layer, whose sends then skip the wait for the
         link's poster thread to be scheduled (0.3-0.8 ms on two busy cores).
+        The hook of the send after the last one posted may run here too (a
+        send with a fill runs the next one's hook ahead, see :meth:`send`).
         """
         if not (isinstance(limit, int) and limit >= 0):
             raise ValueError(f"link {self._link_id!r}: limit must be an int >= 0, got {limit!r}")
@@ -377,6 +382,8 @@ class Link:
         header: Pending | None = None
         if framed_send and op.fill is not None:  # the header first: the peer posts its receive while we fill
             header = self._describe_ahead(op)
+        elif direction == 0 and op.fill is not None:  # no headers: the next send's hook (its announcement) runs ahead
+            self._pipes[0].describe_next(describe=False)
         data: Pending = Completed()
         with self._on_link_stream(op.ready_event):
             if op.fill is not None:
@@ -397,7 +404,10 @@ class Link:
         The header of the next send goes ahead of this one's payload: on one
         TCP stream it would otherwise reach the peer only after these bytes,
         and the peer's receive for it, hence gloo's go-ahead for its payload,
-        a round trip later (a bubble per piece of a layer). At most two
+        a round trip later (a bubble per piece of a layer). The next send's
+        hook runs first (``Pipe.describe_next``): its header then describes
+        the tensor the hook took, and the producer's Announce of it goes out
+        now too, so the peer has both before these bytes. At most two
         headers go out per post, and only ops next in line are described, so
         the header ring's reuse rule holds (see ``SendFrames``). Returns the
         header's pending for an empty ``op`` (which waits for it).

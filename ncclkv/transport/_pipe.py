@@ -177,17 +177,31 @@ class Pipe:
         finally:
             self._gate.release()
 
-    def describe_next(self) -> Op | None:
-        """The next queued op if it has a fill, bytes and no description yet, now marked described; else None.
+    def describe_next(self, describe: bool = True) -> Op | None:
+        """Take the next queued op ahead of its turn if it has a fill, bytes and no description yet: run its
+        hook now and, with ``describe``, mark it described; return it, else None.
 
-        Only the gate holder calls it (from its post), so the op stays at the head until it takes it.
+        Its hook (the producer's take-and-announce) runs here, before the
+        current op's fill, so the peer hears of it, and posts its receive,
+        while this op is filled and on the wire. A hook that fails skips the
+        op as at its turn (nobody was told of it). Only the gate holder calls
+        it (from its post), so the op stays at the head until it takes it.
         """
         with self._lock:
             op = self._queued[0] if self._queued else None
             if op is None or op.fill is None or op.described or op.nbytes == 0:  # an empty send waits for its own
                 return None
+        if op.before_send is not None:
+            ran = self._run_hook(op)
+            op.before_send = None  # ran: not again at its turn
+            if not ran:
+                with self._lock:
+                    if self._queued and self._queued[0] is op:
+                        self._queued.popleft()
+                return None
+        if describe:
             op.described = (tuple(op.tensor.shape), op.tensor.dtype)
-            return op
+        return op
 
     def in_flight(self) -> int:
         with self._lock:
@@ -306,11 +320,7 @@ class Pipe:
                 if not isinstance(sent, torch.Tensor) or sent.device.type == "meta":
                     raise TypeError(f"before_send returned {type(sent).__name__} for a placeholder")
                 op.tensor = sent
-        except Exception as exc:
-            if op.described is not None:  # the peer expects this tensor: skipping it would put the link out of step
-                self._fail(op, TransferError(f"{op.label}: before_send failed after the peer was told of the "
-                                             f"tensor: {exc!r}"))
-                return False
+        except Exception as exc:  # the hook runs before the op is described (describe_next), so nobody was told
             settle(op.future, error=TransferError(f"{op.label}: before_send failed, not sent: {exc!r}"))
             _log.warning("%s: before_send failed: %r", op.label, exc)
             return False

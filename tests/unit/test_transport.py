@@ -239,22 +239,64 @@ def test_a_fill_send_describes_the_next_queued_send_before_its_bytes(transport: 
         check_fill_after_the_next_receive(l0, l1)
 
 
-def test_a_failing_hook_of_a_send_described_ahead_breaks_the_link() -> None:
-    a, b = loopback_pair("ahead-hook-fails", timeout_s=WAIT_S, framed=True)
-    with a, b:
-        def refuse() -> torch.Tensor:
-            raise OSError("control channel down")
+def hooked_fill_sends(link: Link, count: int, events: list[tuple[str, int]],
+                      refuse: int | None = None) -> list[Any]:
+    """``count`` placeholder sends of 2 floats whose hook and fill log (step, seq) in ``events``; the hook of
+    send ``refuse`` raises."""
+    def hook(seq: int) -> torch.Tensor:
+        events.append(("hook", seq))
+        if seq == refuse:
+            raise OSError("no wire buffer left")
+        return torch.empty(2)
 
-        recvs = [b.recv((2,), torch.float32) for _ in range(2)]
+    def fill(seq: int, out: torch.Tensor) -> None:
+        events.append(("fill", seq))
+        out.fill_(float(seq))
+    return [link.send(torch.empty(2, device="meta"), before_send=lambda seq=seq: hook(seq),
+                      fill=lambda out, seq=seq: fill(seq, out)) for seq in range(count)]
+
+
+def check_next_hook_before_this_fill(a: Link, b: Link) -> None:
+    events: list[tuple[str, int]] = []
+    count = 4
+    with sleepy_poster(a):  # all queued before the first is posted
+        sends = hooked_fill_sends(a, count, events)
+    got = [b.recv((2,), torch.float32) for _ in range(count)]
+    assert [f.result(WAIT_S)[0].item() for f in got] == [float(seq) for seq in range(count)]
+    assert [f.result(WAIT_S) for f in sends] == [None] * count
+    assert sorted(events) == sorted([(step, seq) for seq in range(count) for step in ("hook", "fill")])
+    for seq in range(count - 1):
+        assert events.index(("hook", seq + 1)) < events.index(("fill", seq)), events
+
+
+@pytest.mark.parametrize("transport", ["plain", "framed", "gloo"])
+def test_the_next_sends_hook_runs_before_this_sends_fill(transport: str) -> None:
+    """The producer's hook announces a piece: the next piece is announced while this one is gathered, so the
+    consumer posts that receive before its bytes come, not a control round trip after. Each hook runs once."""
+    if transport == "gloo":
+        with DataPlane() as p0, DataPlane() as p1:
+            check_next_hook_before_this_fill(*open_both(p0, p1, "hook-ahead", p0.address))
+        return
+    a, b = loopback_pair(f"hook-ahead-{transport}", timeout_s=WAIT_S, framed=transport == "framed")
+    with a, b:
+        check_next_hook_before_this_fill(a, b)
+
+
+@pytest.mark.parametrize("framed", [False, True], ids=["plain", "framed"])
+def test_a_hook_run_ahead_that_fails_skips_only_its_send(framed: bool) -> None:
+    """Run ahead, before anyone was told of its send, a failing hook fails that send alone, as at its turn."""
+    a, b = loopback_pair(f"hook-ahead-fails-{framed}", timeout_s=WAIT_S, framed=framed)
+    with a, b:
+        events: list[tuple[str, int]] = []
         with sleepy_poster(a):
-            first = a.send(torch.empty(2, device="meta"), before_send=lambda: torch.empty(2), fill=lambda out: None)
-            second = a.send(torch.empty(2, device="meta"), before_send=refuse, fill=lambda out: None)
-        with pytest.raises(TransferError, match="seq 1.*before_send failed after the peer was told.*channel down"):
-            second.result(WAIT_S)
-        for future in (first, *recvs):  # the link broke: nothing waits for its deadline
-            with contextlib.suppress(TransferError, ClosedError):
-                future.result(WAIT_S)
-        assert isinstance(a.broken, TransferError) and a.closed
+            sends = hooked_fill_sends(a, 3, events, refuse=1)
+        got = [b.recv((2,), torch.float32) for _ in range(2)]
+        with pytest.raises(TransferError, match="seq 1.*before_send failed, not sent.*no wire buffer left"):
+            sends[1].result(WAIT_S)
+        assert [f.result(WAIT_S)[0].item() for f in got] == [0.0, 2.0]
+        assert sends[0].result(WAIT_S) is None and sends[2].result(WAIT_S) is None
+        assert events.index(("hook", 1)) < events.index(("fill", 0)) and ("fill", 1) not in events
+        assert a.broken is None and a.stats().tensors_sent == 2
 
 
 def test_a_framed_fill_runs_after_the_peer_posted_its_receive() -> None:
@@ -318,7 +360,8 @@ def test_post_queued_sends_runs_hooks_and_fills_on_the_callers_thread(pair: tupl
         sends = [a.send(torch.empty(2, device="meta"), **hooks(seq)) for seq in range(3)]
         assert ran == []  # left to the poster, which sleeps
         a.post_queued_sends(2)
-        assert ran == [(step, seq, me) for seq in range(2) for step in ("hook", "fill")]
+        # Each send's fill comes after the next send's hook (the look-ahead), so the third's hook ran here too.
+        assert ran == [("hook", 0, me), ("hook", 1, me), ("fill", 0, me), ("hook", 2, me), ("fill", 1, me)]
         got = [b.recv((2,), torch.float32) for _ in range(3)]
         assert [f.result(WAIT_S)[0].item() for f in got[:2]] == [0.0, 1.0] and not got[2].done()
     # Woken, the poster posts the third.
