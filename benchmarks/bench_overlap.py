@@ -52,7 +52,7 @@ GOAL_LAYERS = 1.2
 @dataclass(frozen=True, slots=True)
 class OverlapParams:
     num_layers: int = 16
-    compute_ms: tuple[float, ...] = (5.0, 10.0, 20.0)
+    compute_ms: tuple[float, ...] = (5.0, 10.0, 20.0, 30.0)  # x is calibrated to 10 ms: two rows judge c >= x
     transfer_ms: float = 10.0
     matmul_size: int = 192
     chunk_bytes: tuple[int, ...] = (0, 2 << 20, 4 << 20)  # each layer in token chunks of about this size; 0: whole
@@ -131,7 +131,7 @@ besides its bytes is the link's per-message latency: a round trip of one tensor 
 takes about 5x raw gloo's at 64 KiB and 2x at 1-4 MiB (bench transfer's
 findings): a gloo receiver posts a payload only once its frame header arrived
 and was checked, and each landed tensor wakes the link's reaper thread. Until
-this run each send also woke the link's poster thread, which on these two busy
+2026-11-24 each send also woke the link's poster thread, which on these two busy
 cores waited 0.2-2 ms for a core before posting (traced per chunk: chunks sat
 gathered while the wire was idle); sends without a hook are now posted on the
 caller's thread (docs/ARCHITECTURE.md, Threads). Before that change chunked
@@ -139,12 +139,15 @@ layers exposed 1.35-1.9 layers (the goal met in no row of two runs, 1, 2 and
 4 MiB chunks tried). With it, on 2026-11-24 04:31, 4 MiB chunks met the goal
 in both rows and in 5 of 8 rows over that run and three development runs the
 same morning (1.00-1.44 layers, median of 5-9 rounds each); 2 MiB chunks pay
-the per-message cost twice as often (1.18-1.31). This run came on a slower
-machine the same afternoon (memcpy and the gather kernel at about half their
-morning speed, see bench transfer): 4 MiB chunks 1.48 and 1.51, 2 MiB 1.23
-and 1.29, whole layers 1.46 and 1.68 (an hour before: 1.24-1.35, 1.19-1.39,
-1.61-1.67). Exposure moves by 0.3 layer and more between runs on this shared
-machine; the findings above count this run's rows.
+the per-message cost twice as often (1.18-1.31). A slower machine that
+afternoon (memcpy and the gather kernel at about half their morning speed,
+see bench transfer) gave 4 MiB chunks 1.48 and 1.51, 2 MiB 1.23 and 1.29,
+whole layers 1.46 and 1.68. On 2026-11-25, with a fourth compute row (30
+ms, so that at least two rows have c >= x whatever the calibration gives),
+two runs gave 4 MiB chunks 1.18-1.53, 2 MiB 1.22-1.54 and whole layers
+1.47-1.79 at c >= x. Exposure moves by 0.3 layer and more between runs on
+this shared machine, and between rows of one run; the findings above count
+this run's rows.
 
 The engine rows. A real producer engine pushing to a real consumer engine
 (the product's path, the connector's `save_kv_layer`). Until this run the
@@ -164,12 +167,21 @@ queued piece goes ahead of this piece's bytes (on one TCP stream it reached
 the consumer only after them, and that piece's bytes then waited a round
 trip: a bubble per piece); and `finish` (the connector's `wait_for_save`)
 posts the last layer's sends from its caller instead of waiting for the
-poster to be scheduled. In this run 4 MiB pieces exposed 1.14 layers at
-c/x 1.68, the first engine row to meet the goal, and whole layers 1.48
-(one row each with c >= x: the calibration gave x of 9-12 ms on a slow
-evening, so the 5 and 10 ms compute rows fell below x). The run an hour
-before, without the header look-ahead, gave 1.22-1.23 in pieces and
-1.49-1.52 whole. A/B of the last layer's latency after its
+poster to be scheduled. On the evening of 2026-11-24 4 MiB pieces exposed
+1.14 layers at c/x 1.68, the first engine row to meet the goal, and whole
+layers 1.48 (one row each with c >= x: the calibration gave x of 9-12 ms,
+so the 5 and 10 ms compute rows fell below x); the run an hour before,
+without the header look-ahead, gave 1.22-1.23 in pieces and 1.49-1.52
+whole. Since 2026-11-25 the next piece's hook (take its wire buffer,
+announce it) also runs before this piece's gather, so the consumer has the
+next piece's announcement as well as its header while this piece is on the
+wire: A/B the same hour, old and new code in turn, 20 and 30 ms compute, 4
+MiB pieces, eight rows each: 1.04-1.34 layers exposed, median 1.15, with
+it; 1.13-1.46, median 1.23, without. Full runs that day: 1.14 and 1.14
+(before that change, the 20 and 30 ms rows) and, in this run, 1.13-1.32
+in pieces and 1.42-1.68 whole at c >= x: met in one row of three in
+pieces. So the engine in 4 MiB pieces sits at the goal, within this
+machine's noise, and whole layers do not. A/B of the last layer's latency after its
 compute (a tracing script, the code before these changes and after them run
 in turn, 16 layers of 14 MiB, 20 ms compute, medians of 5-7 requests per
 run): whole layers 12.3-15.6 ms before over five runs, 10.5-11.7 ms after
@@ -343,7 +355,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchOptions, OverlapParams]:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--layers", type=int, help="layers per prefill (default 16; quick 6)")
-    parser.add_argument("--compute-ms", type=float, nargs="+", help="compute per layer, one row each (default 5 10 20)")
+    parser.add_argument("--compute-ms", type=float, nargs="+", help="compute per layer, one row each (default 5 10 20 30)")
     parser.add_argument("--transfer-ms", type=float, help="transfer per layer, sets the slice size (default 10)")
     parser.add_argument("--chunk-kib", type=int, nargs="+", help="chunk sizes, 0 = whole layer (default 0 2048 4096)")
     parser.add_argument("--piece-kib", type=int, nargs="*",

@@ -212,21 +212,22 @@ Where the time goes. gloo over loopback TCP is copy-bound: the sender's
 ncclkv path adds two more passes over the same bytes: the gather on the sender
 (cache blocks -> wire tensor) and the scatter on the receiver (wire tensor ->
 blocks of another size). Both run in ncclkv's native kernel (see paged), at
-about 0.6x memcpy here (4.6-7.0 GB/s against 7.4-11.0 in this run, 4.7-7.4
-against 8.7-12.6 that afternoon; 13-15 against 14-20 two days before); before it (torch ops) they ran at 6-11 GB/s on the
+about 0.6x memcpy here (4.7-8.4 GB/s against 9.4-13.3 in this run, 4.6-7.0
+against 7.4-11.0 the evening before, 4.7-7.4 against 8.7-12.6 that afternoon;
+13-15 against 14-20 two days before); before it (torch ops) they ran at 6-11 GB/s on the
 faster day. The gather runs on the caller's thread while earlier layers are
 on the wire, the scatter on the link's receive thread as each tensor lands (as
 the engine does), so they overlap with the transfer, but they need CPU: `CPU
 ncclkv/raw` (CPU seconds of both processes, ncclkv over raw, same bytes) is
-about 2.0-2.4 from 1 MiB up in this run (1.7-2.5 that afternoon, 1.4-2.0
+about 1.8-2.6 from 1 MiB up in this run (2.0-2.4 the evening before, 1.7-2.5 that afternoon, 1.4-2.0
 that morning, 1.9-2.7 two days before, when raw gloo ran at 6-7.6 GB/s), about what raw plus the
 `gather` and `scatter` columns predict. So ncclkv/raw is about (ncclkv cores /
 raw cores) / (CPU ncclkv/raw): with both cores to itself ncclkv would reach
-the `core-bound ceiling` (0.50-0.71 here, 0.46-0.83 that afternoon, 0.7-1.0
-that morning); it measured 0.44-0.56 (0.41-0.62 that afternoon, 0.6-0.74
-that morning), because the pipeline keeps only 1.5-1.8 cores busy (`cores`
-columns) and, at 1-4 MiB, the link's per-tensor latency (`link/raw`
-0.78-0.97; the round trips in the findings: a frame header ahead of
+the `core-bound ceiling` (0.48-0.82 here, 0.50-0.71 the evening before,
+0.46-0.83 that afternoon, 0.7-1.0 that morning); it measured 0.42-0.61
+(0.44-0.56, 0.41-0.62, 0.6-0.74), because the pipeline keeps only 1.5-1.7
+cores busy (`cores` columns) and, at 1-4 MiB, the link's per-tensor latency
+(`link/raw` 0.74-1.00; the round trips in the findings: a frame header ahead of
 each receive, a reaper thread woken per tensor) is not all hidden. The 0.85 goal needs a third core at this wire
 speed, fewer passes over the bytes (a receive straight into the cache, which
 gloo allows only for contiguous runs of blocks), or a GPU, where gather and
@@ -235,19 +236,31 @@ scatter are device kernels off the host CPU.
 The engine path is the product: the same caches and bytes between two real
 TransferEngines, a round's slices as requests of L layers, all expected by
 the consumer and then pushed at once (`start_push`, `save_layer` per layer,
-`finish`). It reached 0.59-0.92 of the ncclkv path from 1 MiB up in this run
-(0.67-0.89 and 0.71-0.95 in the two runs before; 0.3-0.4 below 1 MiB), least
+`finish`). It reached 0.60-0.94 of the ncclkv path from 1 MiB up in this run
+(0.59-0.92, 0.67-0.89 and 0.71-0.95 in the three runs before; 0.3-0.4 below
+1 MiB), and 0.25-0.57 of raw gloo, least
 at small slices, because it adds per tensor: an Announce over the ZMQ channel
 (encoded and sent on the thread that posts the tensor, decoded and checked
 on the consumer's dispatcher thread before it posts the receive), the
 gather on the link's poster thread instead of the caller's, and the
-done-callbacks that count slices and complete requests. Since this run the
+done-callbacks that count slices and complete requests. Since 2026-11-24 the
 producer announces each tensor and sends its frame header before gathering
-it, with the next queued tensor's header (bench overlap, engine rows): that
-is for latency, and costs a header message per tensor where headers
-batched up to 8 tensors or 4 MiB before; at 1 MiB engine/ncclkv was 0.59
-against 0.67-0.71 in the two runs before (one run each: within this
-machine's run-to-run spread, but the direction is the expected one).
+it, with the next queued tensor's header, and since 2026-11-25 the next
+tensor's announcement too (bench overlap, engine rows): that is for
+latency, and costs a header message per tensor where headers batched up to
+8 tensors or 4 MiB before; at 1 MiB engine/ncclkv was 0.59-0.60 in the two
+runs since against 0.67-0.71 in the two before (within this machine's
+run-to-run spread, but the direction is the expected one). Running the
+next announcement ahead moved nothing measurable: 16 pushed layers of 64 MiB
+in 4 MiB pieces at 1.47-1.91 GB/s with it and 1.54-1.94 without, old and
+new code in turn (whole slices 1.5-2.0 GB/s the same hour).
+A profile of the engine at 1 MiB (py-spy, both processes) finds no single
+hot spot: per tensor the producer's poster thread spends about 0.24 ms in
+the gather, 0.14 ms posting the frame header, 0.12 ms posting the payload
+(gloo writes on the caller when the receive is posted) and 0.07 ms taking a
+wire buffer, and the consumer's reaper thread scatters; together with the
+gloo, ZMQ and dispatcher threads that is more than two cores' worth at raw's
+speed.
 Two runs before, every tensor also had a freshly allocated wire buffer on each
 side; on this machine a fresh multi-MiB CPU tensor is faulted in and zeroed
 by the kernel on first touch, which held an engine pushing 8-16 MiB layers to
@@ -258,10 +271,11 @@ scatter). The second change moved throughput within the noise: 16 pushed
 layers of 1 MiB at 1.03 GB/s and of 8-16 MiB at 1.9 GB/s after it, 0.79 and
 1.3-1.6 before, the same hour.
 
-This run's machine was slower than the one behind the earlier numbers quoted
-below: memcpy 7.4-11 GB/s and the gather/scatter kernel 4.3-7.0 GB/s (that
-afternoon 8.7-12.6 and 4.7-7.4), against 14-20 and 13-15 two days before,
-raw gloo 1.9-3.9 GB/s. A run an hour
+This run's machine (2026-11-25) was slower than the one behind the earlier
+numbers quoted below: memcpy 9.4-13.3 GB/s and the gather/scatter kernel
+4.7-8.4 GB/s (the evening before 7.4-11 and 4.3-7.0, that afternoon
+8.7-12.6 and 4.7-7.4), against 14-20 and 13-15 two days before, raw gloo
+1.7-4.3 GB/s. On 2026-11-24 a run an hour
 before, the engine's buffers still taken as each layer was saved, gave
 ncclkv/raw 0.45-0.77 from 1 MiB up (its 1 MiB raw rounds ran at 1.8 GB/s) and
 engine/ncclkv 0.73-0.96. Ratios measured in the same rounds still compare; the
