@@ -33,7 +33,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+def pytest_runtest_teardown(item: pytest.Item) -> None:
     """Runs after the test's fixtures are torn down (trylast); a module-scoped fixture's links still count as
     its first test's, so such a fixture must not keep links open across tests."""
     before = item.stash.get(_BEFORE, set())

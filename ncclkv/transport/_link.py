@@ -184,8 +184,7 @@ class Link:
         send's header with its own (see ``_describe_ahead``): the peer hears
         of the next tensor while this one is written and on the wire. A hook
         that raises then still fails its own send only (nothing was described
-        yet); a tensor that differs from the one described at its post breaks
-        the link.
+        yet), and a header describes the tensor its hook returned.
         """
         placeholder = isinstance(tensor, torch.Tensor) and tensor.device.type == "meta"
         self._check_tensor(tensor, "send", placeholder=placeholder)
@@ -383,7 +382,7 @@ class Link:
         if framed_send and op.fill is not None:  # the header first: the peer posts its receive while we fill
             header = self._describe_ahead(op)
         elif direction == 0 and op.fill is not None:  # no headers: the next send's hook (its announcement) runs ahead
-            self._pipes[0].describe_next(describe=False)
+            self._pipes[0].prepare_next(describe=False)
         data: Pending = Completed()
         with self._on_link_stream(op.ready_event):
             if op.fill is not None:
@@ -405,8 +404,8 @@ class Link:
         TCP stream it would otherwise reach the peer only after these bytes,
         and the peer's receive for it, hence gloo's go-ahead for its payload,
         a round trip later (a bubble per piece of a layer). The next send's
-        hook runs first (``Pipe.describe_next``): its header then describes
-        the tensor the hook took, and the producer's Announce of it goes out
+        hook runs first (``Pipe.prepare_next``): its header then describes
+        the tensor the hook took, which is the tensor posted, and the producer's Announce of it goes out
         now too, so the peer has both before these bytes. At most two
         headers go out per post, and only ops next in line are described, so
         the header ring's reuse rule holds (see ``SendFrames``). Returns the
@@ -414,14 +413,8 @@ class Link:
         """
         frames = self._send_frames
         assert frames is not None
-        if op.described is not None and op.described != (tuple(op.tensor.shape), op.tensor.dtype):
-            shape, dtype = op.described
-            told = torch.Size(shape).numel() * dtype.itemsize
-            raise ShapeMismatchError(
-                f"the peer was told of {shape} {dtype} ({told} B), the send is {tuple(op.tensor.shape)} "
-                f"{op.tensor.dtype} ({op.nbytes} B); nothing of it was sent, the link is closed")
         new = [] if op.described else [op.tensor]
-        ahead = self._pipes[0].describe_next()
+        ahead = self._pipes[0].prepare_next(describe=True)
         if ahead is not None:
             new.append(ahead.tensor)
         if not new:

@@ -76,7 +76,7 @@ class Op:
     ready_event: object | None = None
     before_send: Callable[[], torch.Tensor | None] | None = None  # may return the tensor to post instead
     fill: Callable[[torch.Tensor], None] | None = None  # writes the tensor; the backend's post runs it (Link._post)
-    described: tuple[tuple[int, ...], torch.dtype] | None = None  # told to the peer ahead as (shape, dtype)
+    described: bool = False  # its header went out ahead of its turn (Link._describe_ahead)
     pending: Pending | None = None
     deadline: float = 0.0
 
@@ -177,7 +177,7 @@ class Pipe:
         finally:
             self._gate.release()
 
-    def describe_next(self, describe: bool = True) -> Op | None:
+    def prepare_next(self, describe: bool) -> Op | None:
         """Take the next queued op ahead of its turn if it has a fill, bytes and no description yet: run its
         hook now and, with ``describe``, mark it described; return it, else None.
 
@@ -199,8 +199,7 @@ class Pipe:
                     if self._queued and self._queued[0] is op:
                         self._queued.popleft()
                 return None
-        if describe:
-            op.described = (tuple(op.tensor.shape), op.tensor.dtype)
+        op.described = describe
         return op
 
     def in_flight(self) -> int:
@@ -320,7 +319,7 @@ class Pipe:
                 if not isinstance(sent, torch.Tensor) or sent.device.type == "meta":
                     raise TypeError(f"before_send returned {type(sent).__name__} for a placeholder")
                 op.tensor = sent
-        except Exception as exc:  # the hook runs before the op is described (describe_next), so nobody was told
+        except Exception as exc:  # the hook runs before the op is described (prepare_next), so nobody was told
             settle(op.future, error=TransferError(f"{op.label}: before_send failed, not sent: {exc!r}"))
             _log.warning("%s: before_send failed: %r", op.label, exc)
             return False

@@ -170,9 +170,8 @@ def test_send_that_bypasses_the_frame_headers_times_out_and_the_receiver_lives(t
 def test_producer_engine_that_sends_more_than_it_announced(trio: Trio) -> None:
     """Engine level: only that request fails, with both sizes named; the next pull opens a new link.
 
-    Either end catches it: the consumer's header check, or (when the producer's link had already described
-    the tensor to the consumer, ahead of the send before it) the producer's link, which refuses to post a
-    tensor other than the one it described."""
+    The consumer's header check catches it: the producer's link describes the tensor it posts, the longer
+    one, whether its header goes out with this send or ahead of it, with the send before."""
     tag = f"ov{next(_ids)}"
     ref_p = build_engine([trio.s], f"{tag}-p", ParallelLayout(1, 1), GQA, CacheLayout.CPU, 16, "producer",
                          deadline_s=DEADLINE_S, num_blocks=64)

@@ -191,13 +191,19 @@ class PostedReceives:
             return self._cond.wait_for(lambda: self._count >= count, timeout_s)
 
 
-def fill_sends(link: Link, shape: tuple[int, ...], count: int,
-               fill: Callable[[int, torch.Tensor], None]) -> list[Any]:
-    """``count`` placeholder sends of ``shape`` (float32) whose fill is ``fill(seq, out)``, then ``out`` = seq."""
+def fill_sends(link: Link, shape: tuple[int, ...], count: int, fill: Callable[[int, torch.Tensor], None],
+               hook: Callable[[int], None] | None = None) -> list[Any]:
+    """``count`` placeholder sends of ``shape`` (float32): the hook runs ``hook(seq)`` (which may raise) and
+    takes a buffer; the fill runs ``fill(seq, out)``, then writes seq into ``out``."""
+    def taking(seq: int) -> torch.Tensor:
+        if hook is not None:
+            hook(seq)
+        return torch.empty(shape)
+
     def filling(seq: int, out: torch.Tensor) -> None:
         fill(seq, out)
         out.fill_(float(seq))
-    return [link.send(torch.empty(shape, device="meta"), before_send=lambda: torch.empty(shape),
+    return [link.send(torch.empty(shape, device="meta"), before_send=lambda seq=seq: taking(seq),
                       fill=lambda out, seq=seq: filling(seq, out)) for seq in range(count)]
 
 
@@ -243,17 +249,11 @@ def hooked_fill_sends(link: Link, count: int, events: list[tuple[str, int]],
                       refuse: int | None = None) -> list[Any]:
     """``count`` placeholder sends of 2 floats whose hook and fill log (step, seq) in ``events``; the hook of
     send ``refuse`` raises."""
-    def hook(seq: int) -> torch.Tensor:
+    def hook(seq: int) -> None:
         events.append(("hook", seq))
         if seq == refuse:
             raise OSError("no wire buffer left")
-        return torch.empty(2)
-
-    def fill(seq: int, out: torch.Tensor) -> None:
-        events.append(("fill", seq))
-        out.fill_(float(seq))
-    return [link.send(torch.empty(2, device="meta"), before_send=lambda seq=seq: hook(seq),
-                      fill=lambda out, seq=seq: fill(seq, out)) for seq in range(count)]
+    return fill_sends(link, (2,), count, lambda seq, out: events.append(("fill", seq)), hook)
 
 
 def check_next_hook_before_this_fill(a: Link, b: Link) -> None:
