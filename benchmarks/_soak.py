@@ -88,6 +88,7 @@ class SoakSample:
     staging_used: int  # summed over every consumer rank
     staging_reserved: int
     in_flight: int  # requests held or pending in any engine
+    wire_cached: int  # free wire buffers kept for reuse, summed over every rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,14 +174,15 @@ class _SoakSet:
         for rank in self.ranks():
             rank.engine.close()
 
-    def usage(self) -> tuple[int, int, int]:
-        """(staging used, staging reserved, requests in flight), summed over every rank."""
-        used = reserved = in_flight = 0
+    def usage(self) -> tuple[int, int, int, int]:
+        """(staging used, staging reserved, requests in flight, wire buffers cached), summed over every rank."""
+        used = reserved = in_flight = wire_cached = 0
         for rank in self.ranks():
             rank_used, rank_reserved = staging_usage(rank.engine)
             used, reserved = used + rank_used, reserved + rank_reserved
             in_flight += rank.engine.num_in_flight
-        return used, reserved, in_flight
+            wire_cached += rank.engine.stats().wire_buffers_cached_bytes
+        return used, reserved, in_flight, wire_cached
 
     def received_bytes(self) -> int:
         return sum(rank.engine.stats().bytes_received for group in self.decode for rank in group)

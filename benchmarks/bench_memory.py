@@ -42,48 +42,55 @@ COLUMNS = (
 )
 
 ANALYSIS = """\
-What a request allocates is freed when it ends: wire buffers on the producer
-once their send completed, staged tensors once the consumer expected the
-request and scattered them, the per-request bookkeeping once
-`take_finished_*` reported it. Blocks are reused wave after wave, as an engine
-reuses its KV cache. Staging is empty again at the end of every wave; its high
-point is the bytes of the staged pushes waiting for their consumer, bounded by
-the staging capacity (pushes beyond it are refused before any tensor moves).
+What a request allocates is freed when it ends: wire buffers go back to their
+rank's pool once their send completed or their scatter ran, staged tensors
+once the consumer expected the request and scattered them, the per-request
+bookkeeping once `take_finished_*` reported it. Blocks are reused wave after
+wave, as an engine reuses its KV cache. Staging is empty again at the end of
+every wave; its high point is the bytes of the staged pushes waiting for their
+consumer, bounded by the staging capacity (pushes beyond it are refused before
+any tensor moves).
 
 RSS rises during the first waves (gloo buffers and the threads of each new
-link, the plan cache, the allocator's arenas) and then levels off. What is left
-of the rise after 20% of the run is native memory, not Python objects: with
-tracemalloc, Python allocations grew by under 1 MiB between requests 100 and
-500 (mostly futures in flight at the snapshot). glibc gives threads that
-allocate at the same time their own arenas (up to 8 per core), and the four
-engines here run dozens of threads (channel, dispatcher, executor, two per
-link direction, gloo's), so RSS climbs in steps while new arenas fill, more so
-when the machine is busy and more threads overlap. On a quiet machine, 2000
-requests grew 0.5% after the first 20%; with `MALLOC_ARENA_MAX=2` the plateau
-was about 15 MiB lower. Growth is measured as the median of the last three
-samples over the median of the first three after the first 20%, so one sample
-caught mid-allocation does not decide it.
+link, the plan cache, the wire-buffer pools, the allocator's arenas) and then
+levels off. Until 2026-11-25 most of what was left of the rise after 20% of
+the run was ncclkv's own wire-buffer pools, which the earlier analysis here
+missed: tracemalloc sees Python objects (under 1 MiB of growth between
+requests 100 and 500), not torch storages, and it was put down to glibc's
+arenas. Counting the pools (now a row of the table: `wire_buffers_cached_bytes`
+of every rank's `stats()`) showed them growing 33 -> 47 MiB between requests
+200 and 1000 while RSS grew 308 -> 324 MiB: with requests of random lengths,
+each of the ~25 size classes between 4 and 256 KiB kept the most buffers it
+had ever needed at once, and that maximum kept creeping up. Now a take reuses
+the smallest free buffer up to twice its class, and a pool keeps at most twice
+the most bytes its rank had out at once in the last 5-10 s (the engine's
+`wire_cache_bytes` stays the hard cap). The same hour, three runs each of 1000
+requests alone: before +4.3%, +4.7%, +4.5% (RSS 311 -> 326 MiB); after
++2.2%, +2.1%, +2.3% (297 -> 304 MiB); this table +1.3%. Capping the pool at
+once (not twice) the recent peak was worse, +3.6-4.1%: dropped buffers are
+allocated again, and that churn grows glibc's arenas instead. A 3000-request
+run after the change: pools 19 -> 23 MiB, RSS 296 -> 304 MiB, flat from
+request 2200 on. Engine push throughput did not move (1 and 16 MiB slices,
+1.03-1.11 and 2.15-2.24 GB/s after against 1.03-1.11 and 2.12-2.17 before,
+in turn).
+
+What remains is native memory that glibc keeps: threads that allocate at the
+same time get their own arenas (up to 8 per core), and the four engines here
+run dozens of threads (channel, dispatcher, executor, two per link direction,
+gloo's), so RSS climbs in steps while new arenas fill, more so when the
+machine is busy. With `MALLOC_ARENA_MAX=2` the plateau was about 15 MiB lower
+(2026-11-24). Growth is measured as the median of the last three samples over
+the median of the first three after the first 20%, so one sample caught
+mid-allocation does not decide it.
 
 Under `ncclkv bench` this benchmark runs in the process the earlier ones used,
 so `RSS before the engines` and the high-water mark carry what those left
 behind, freed memory glibc keeps included: bench transfer's caches of up to
-512 MiB per side, and since it also times two real engines, their wire
-buffers. The soak's own growth is what the goal judges; run alone (`ncclkv
-bench memory`) it starts from an empty process. Growth moves between runs:
-+0.16% and +3.1% in two runs one afternoon (the second after three
-benchmarks in the process instead of seven), +0.9% that morning. That
-evening it ran higher: +4.0%, +4.5% and +5.7% in three runs alone
-(`ncclkv bench memory`; this table is the last), and the code from before
-the evening's changes, run alone in the same half hour, grew +5.2% and +5.3%:
-the machine's allocator behaviour moved, not the code (tracemalloc above).
-Run after transfer, overlap and scale in one process the same evening, RSS
-fell from 1321 to 800 MiB during the soak (-39%) as glibc returned what the
-earlier benchmarks had freed, which is why the figure here comes from a run
-alone. Each engine
-rank also keeps up to 256 MiB of free wire buffers for reuse
-(`NCCLKV_WIRE_CACHE_BYTES`; see
-docs/ARCHITECTURE.md, Gather and scatter); the soak's slices are at most
-256 KiB.
+512 MiB per side and its two real engines' wire buffers. Run after transfer,
+overlap and scale in one process (2026-11-24), RSS fell from 1321 to 800 MiB
+during the soak (-39%) as glibc returned what the earlier benchmarks had
+freed, which is why the figure here comes from a run alone (`ncclkv bench
+memory`), from an empty process.
 """
 
 
@@ -110,7 +117,9 @@ def _result(report: SoakReport, quick: bool, command: str) -> BenchResult:
     waiting = _row("staging used while staged pushes wait", [s.staging_used for s in staged], False)
     waiting["series"] = _series(staged, lambda s: s.staging_used)
     after = _row("staging used, end of each wave", [s.staging_used for s in end], False)
-    rows = [rss, waiting, after]
+    wire = _row("wire buffers kept for reuse, end of each wave", [s.wire_cached for s in end], True)
+    wire["series"] = _series(end, lambda s: s.wire_cached)
+    rows = [rss, waiting, after, wire]
     cfg = report.config
     meta = {
         "machine": machine_info(), "command": command, "quick": quick,
@@ -126,7 +135,7 @@ def _result(report: SoakReport, quick: bool, command: str) -> BenchResult:
 
 
 def _headline(report: SoakReport, rows: list[dict[str, Any]]) -> list[str]:
-    rss, waiting, after = rows
+    rss, waiting, after, wire = rows
     lines = []
     if rss["growth_pct"] is not None:
         met = "met" if rss["growth_pct"] < 100 * GOAL_GROWTH else "NOT met"
@@ -136,6 +145,8 @@ def _headline(report: SoakReport, rows: list[dict[str, Any]]) -> list[str]:
     lines.append(f"staging: peak {waiting['peak_mib']:.2f} MiB while staged pushes wait, "
                  f"{after['peak_mib']:.2f} MiB at the end of every wave (capacity "
                  f"{_mib(report.config.staging_bytes):.0f} MiB)")
+    lines.append(f"wire buffers kept for reuse (all ranks): {wire['at_20_mib']:.1f} MiB at 20% of the run, "
+                 f"{wire['last_mib']:.1f} MiB at the end, peak {wire['peak_mib']:.1f} MiB")
     lines.append(f"RSS before the engines {_mib(report.rss_before_bytes):.0f} MiB, high-water "
                  f"{_mib(report.peak_rss_bytes):.0f} MiB; {_mib(report.bytes_received):.0f} MiB moved in "
                  f"{report.seconds:.1f} s ({report.config.num_requests / report.seconds:.0f} requests/s), "
@@ -147,16 +158,19 @@ def plot(result: BenchResult, path: Path) -> bool:
     plt = pyplot()
     if plt is None:
         return False
-    rss, waiting = result.rows[0], result.rows[1]
+    rss, waiting, wire = result.rows[0], result.rows[1], result.rows[3]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     top.plot([p[0] for p in rss["series"]], [p[2] for p in rss["series"]], marker=".", linewidth=1)
     top.axvline(0.2 * result.meta["requests"], color="grey", linestyle="--", linewidth=1, label="20% of the run")
     top.set(title="process RSS at the end of each wave", ylabel="MiB")
     top.legend(fontsize=8)
     bottom.plot([p[0] for p in waiting["series"]], [p[2] for p in waiting["series"]], marker=".", linewidth=1,
-                color="tab:orange", label="while staged pushes wait")
-    bottom.axhline(0.0, color="tab:green", linewidth=1, label="end of each wave (always 0)")
-    bottom.set(title="staging used (all decode ranks)", xlabel="requests done", ylabel="MiB")
+                color="tab:orange", label="staging while staged pushes wait")
+    bottom.axhline(0.0, color="tab:green", linewidth=1, label="staging at the end of each wave (always 0)")
+    bottom.plot([p[0] for p in wire["series"]], [p[2] for p in wire["series"]], marker=".", linewidth=1,
+                color="tab:purple", label="wire buffers kept for reuse (all ranks), end of each wave")
+    bottom.set(title="staging used (all decode ranks), wire buffers cached (all ranks)", xlabel="requests done",
+               ylabel="MiB")
     bottom.legend(fontsize=8)
     return write_figure(plt, fig, path)
 

@@ -97,6 +97,11 @@ class RankCaches:
             raise ShapeMismatchError("no caches registered on this rank")
         return self._buffers.take(self.wire_shape(tokens, heads), self.wire_dtype)
 
+    @property
+    def wire_cached_bytes(self) -> int:
+        """Bytes of free wire buffers kept for reuse."""
+        return 0 if self._buffers is None else self._buffers.cached_bytes
+
     def recycle(self, buf: torch.Tensor) -> None:
         """``buf`` (from :meth:`wire_buffer`) is no longer read or written: reuse it."""
         if self._buffers is not None:

@@ -23,6 +23,8 @@ class StatsSnapshot:
     layer_wait_count: dict[int, int]
     # handshakes this rank refused as responder (the initiator gets the HandshakeError)
     handshakes_refused: int = 0
+    # a level, not a counter: free wire buffers this rank keeps for reuse now (CPU; see engine/_buffers.py)
+    wire_buffers_cached_bytes: int = 0
 
 
 @dataclass(slots=True)

@@ -245,7 +245,7 @@ def test_wire_buffers_are_reused_from_request_to_request(mode: str) -> None:
     layout = ParallelLayout(1, 1)
     prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer", num_blocks=16)
     decode = build_sides("decode", layout, GQA, CacheLayout.FLASH_NHD, 32, "consumer", num_blocks=16)
-    pools = {"producer": prefill[0].engine._caches._buffers, "consumer": decode[0].engine._caches._buffers}
+    engines = {"producer": prefill[0].engine, "consumer": decode[0].engine}
     try:
         ref, dst_ref = engine_ref("prefill", layout, prefill), engine_ref("decode", layout, decode)
         cached = []
@@ -261,7 +261,7 @@ def test_wire_buffers_are_reused_from_request_to_request(mode: str) -> None:
             decode[0].engine.wait(rid, timeout_s=20)
             assert decode[0].mismatches(10 + i, blocks[:2], num_tokens, Span(0, num_tokens)) == []
             assert set(_wait_sent(prefill, rid).values()) == {None}
-            cached.append({side: pool.cached_bytes for side, pool in pools.items()})
+            cached.append({side: engine.stats().wire_buffers_cached_bytes for side, engine in engines.items()})
         # At most one buffer per layer is out at a time (one request at a time, one slice per layer), so a
         # pool that hands its buffers out again never holds more than that; one that did not would hold
         # every request's. Every buffer came back each time.

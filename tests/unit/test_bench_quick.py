@@ -100,14 +100,15 @@ def test_scale_runs_every_set_on_the_same_bytes(quick_run: tuple[Path, str]) -> 
         assert math.isfinite(row["gbps_median"]) and row["gbps_median"] > 0 and row["rps_median"] > 0
 
 
-def test_memory_samples_rss_and_staging_every_wave(quick_run: tuple[Path, str]) -> None:
+def test_memory_samples_rss_staging_and_wire_buffers_every_wave(quick_run: tuple[Path, str]) -> None:
     out, _ = quick_run
     result = _common.BenchResult.from_json(json.loads((out / "memory.json").read_text()))
-    rss, waiting, after = result.rows
+    rss, waiting, after, wire = result.rows
     assert rss["samples"] == len(rss["series"]) == math.ceil(result.meta["requests"] / result.meta["wave_size"])
     assert rss["series"][-1][0] == result.meta["requests"]  # [requests done, seconds, MiB], in order
     assert rss["first_mib"] > 0 and math.isfinite(rss["growth_pct"])
     assert waiting["peak_mib"] > 0 and after["peak_mib"] == 0  # pushes waited in staging; none was left over
+    assert len(wire["series"]) == rss["samples"] and wire["last_mib"] > 0  # buffers came back for reuse
     assert result.meta["moved_bytes"] > 0 and "RSS growth over the last 80%" in result.headline[0]
 
 

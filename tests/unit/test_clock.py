@@ -9,13 +9,7 @@ import pytest
 
 from ncclkv._clock import ActiveClock
 
-
-class FakeTime:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from fake_time import FakeTime
 
 
 def test_ordinary_turns_count_no_pause() -> None:

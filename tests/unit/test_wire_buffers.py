@@ -1,13 +1,16 @@
-"""WireBuffers: size classes, reuse only after give, the cap, inference mode, and racing threads."""
+"""WireBuffers: size classes, best fit, reuse only after give, the caps, inference mode, and racing threads."""
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
 import torch
 
-from ncclkv.engine._buffers import WireBuffers, capacity_class
+from ncclkv.engine._buffers import KEEP_PEAKS, PEAK_WINDOW_S, WireBuffers, capacity_class
+
+from fake_time import FakeTime
 
 CAP = 64 << 20
 
@@ -55,8 +58,74 @@ def test_giving_twice_keeps_one_copy() -> None:
 
 def test_foreign_tensors_are_not_kept() -> None:
     pool = WireBuffers("cpu", CAP)
+    out = pool.take((4096,), torch.uint8)  # something is out, so the recent peak allows keeping one
     pool.give(torch.empty(1000, dtype=torch.float32))  # 4000 B: not a class size
+    pool.give(torch.empty(4096, dtype=torch.uint8))  # a class size, but not lent by this pool
     assert pool.cached_bytes == 0
+    pool.give(out)
+    assert pool.cached_bytes == 4096
+
+
+def test_a_buffer_dropped_without_give_is_not_counted_twice_when_its_memory_comes_back() -> None:
+    pool = WireBuffers("cpu", CAP)
+    for _ in range(50):  # each dropped at once: glibc hands the same memory to the next take, as a rule
+        pool.take((64 << 10,), torch.uint8)
+    assert pool.recent_peak_bytes < 50 * (64 << 10)
+    kept = pool.take((64 << 10,), torch.uint8)
+    pool.give(kept)
+    assert pool.cached_bytes == 64 << 10
+
+
+def test_a_take_reuses_the_smallest_free_buffer_up_to_twice_its_class() -> None:
+    pool = WireBuffers("cpu", CAP)
+    big, bigger, huge = (pool.take((n,), torch.uint8) for n in (28 << 10, 40 << 10, 72 << 10))
+    for buf in (huge, bigger, big):
+        pool.give(buf)
+    small = pool.take((20 << 10,), torch.uint8)  # 28 KiB and 40 KiB fit within twice 20 KiB: the smaller
+    assert small.data_ptr() == big.data_ptr() and small.shape == (20 << 10,)
+    middle = pool.take((20 << 10,), torch.uint8)
+    assert middle.data_ptr() == bigger.data_ptr()
+    beyond = pool.take((20 << 10,), torch.uint8)  # 72 KiB is more than twice: a new buffer
+    assert beyond.data_ptr() not in (big.data_ptr(), bigger.data_ptr(), huge.data_ptr())
+    assert pool.cached_bytes == capacity_class(72 << 10)
+
+
+def test_the_free_buffers_kept_follow_the_recent_peak_down() -> None:
+    clock = FakeTime()
+    pool = WireBuffers("cpu", CAP, clock=clock)
+    bufs = [pool.take((64 << 10,), torch.uint8) for _ in range(8)]
+    for buf in bufs:
+        pool.give(buf)
+    assert pool.cached_bytes == 8 * (64 << 10) and pool.recent_peak_bytes == 8 * (64 << 10)
+    clock.t += PEAK_WINDOW_S  # the next window: the last one's peak still counts
+    pool.give(pool.take((64 << 10,), torch.uint8))
+    assert pool.cached_bytes == 8 * (64 << 10)
+    clock.t += PEAK_WINDOW_S  # two windows with one buffer out at a time: the old peak is forgotten
+    one = pool.take((64 << 10,), torch.uint8)
+    assert pool.recent_peak_bytes == 64 << 10
+    pool.give(one)
+    assert pool.cached_bytes == KEEP_PEAKS * (64 << 10)
+    kept = {pool.take((64 << 10,), torch.uint8).data_ptr() for _ in range(KEEP_PEAKS)}
+    assert one.data_ptr() in kept  # the most recently given stayed
+    clock.t += 3 * PEAK_WINDOW_S  # idle longer than a window: nothing of before counts
+    assert pool.recent_peak_bytes == KEEP_PEAKS * (64 << 10)  # ...but what is out now does
+
+
+def test_varied_lengths_do_not_pile_up_buffers_class_by_class() -> None:
+    """Waves of 16 slices of random lengths: what stays cached is bounded by the most out at once.
+
+    Keyed by exact class alone, each of the ~25 classes between 4 and 256 KiB would keep the most it
+    ever needed in one wave, several times what any wave holds."""
+    pool = WireBuffers("cpu", CAP)
+    rng = random.Random(7)
+    most_out = 0
+    for _ in range(300):
+        wave = [pool.take((rng.randint(1, 256) << 10,), torch.uint8) for _ in range(16)]
+        most_out = max(most_out, sum(b.untyped_storage().nbytes() for b in wave))
+        for buf in wave:
+            pool.give(buf)
+        assert pool.cached_bytes <= KEEP_PEAKS * pool.recent_peak_bytes <= KEEP_PEAKS * most_out
+    assert pool.recent_peak_bytes <= most_out
 
 
 def test_the_cap_drops_the_least_recently_given() -> None:
