@@ -60,7 +60,8 @@ class EnvSettings:
     NCCLKV_HEARTBEAT_S       heartbeat interval on the control channel (default 1 s)
     NCCLKV_BIND_HOST         address control and data sockets bind to (default 127.0.0.1)
     NCCLKV_STAGING_BYTES     receive staging capacity per engine (default 1 GiB)
-    NCCLKV_WIRE_CACHE_BYTES  free wire buffers an engine rank keeps for reuse, CPU (default 256 MiB)
+    NCCLKV_WIRE_CACHE_BYTES  most free wire buffers an engine rank keeps for reuse, CPU (default 256 MiB;
+                             below it, at most twice the most bytes out at once lately)
     NCCLKV_MAX_FRAME_BYTES   largest control frame accepted (default 1 MiB)
     NCCLKV_FUZZ_EXAMPLES     messages the protocol fuzz tests generate in all (default 10000)
     NCCLKV_SOAK_REQUESTS     requests the soak test (tests/soak) sends (default 200; the full soak: 1000)
