@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -167,7 +166,7 @@ class TransferEngine:
         return self._consumer.take_staging_events()
 
     def stats(self) -> StatsSnapshot:
-        return dataclasses.replace(self._stats.snapshot(), wire_buffers_cached_bytes=self._caches.wire_cached_bytes)
+        return self._stats.snapshot(self._caches.wire_cached_bytes)
 
     @property
     def num_in_flight(self) -> int:

@@ -70,10 +70,12 @@ class EngineStats:
             else:
                 self.requests_received += 1
 
-    def snapshot(self) -> StatsSnapshot:
+    def snapshot(self, wire_buffers_cached_bytes: int = 0) -> StatsSnapshot:
+        """The counters now, with the level the caller reads from the rank's wire buffers."""
         with self.lock:
             return StatsSnapshot(
                 self.bytes_sent, self.tensors_sent, self.requests_sent, self.send_seconds, self.bytes_received,
                 self.tensors_received, self.requests_received, self.requests_failed,
                 dict(self.layer_wait_seconds), dict(self.layer_wait_count), self.handshakes_refused,
+                wire_buffers_cached_bytes,
             )

@@ -105,8 +105,8 @@ def test_the_free_buffers_kept_follow_the_recent_peak_down() -> None:
     assert pool.recent_peak_bytes == 64 << 10
     pool.give(one)
     assert pool.cached_bytes == KEEP_PEAKS * (64 << 10)
-    kept = {pool.take((64 << 10,), torch.uint8).data_ptr() for _ in range(KEEP_PEAKS)}
-    assert one.data_ptr() in kept  # the most recently given stayed
+    kept = [pool.take((64 << 10,), torch.uint8) for _ in range(KEEP_PEAKS)]  # held: still out below
+    assert one.data_ptr() in {buf.data_ptr() for buf in kept}  # the most recently given stayed
     clock.t += 3 * PEAK_WINDOW_S  # idle longer than a window: nothing of before counts
     assert pool.recent_peak_bytes == KEEP_PEAKS * (64 << 10)  # ...but what is out now does
 
