@@ -74,6 +74,7 @@ class _Staged:
     keys: set[_Key] = field(default_factory=set)
     announced: dict[_Key, SpanSet] = field(default_factory=dict)
     landed: list[tuple[_Key, Span]] = field(default_factory=list)  # (slice, token piece) in the store
+    landed_tokens: dict[_Key, int] = field(default_factory=dict)  # tokens of each slice in the store
     covered: int = 0  # slices whose every token landed
     reserved: int = 0
     error: BaseException | None = None
@@ -87,13 +88,22 @@ def _store_key(request_id: str, key: _Key, piece: Span) -> str:
     return f"{request_id}|{src}|{layer}|{route}|{piece}"
 
 
-def _add_piece(pieces: dict[_Key, SpanSet], key: _Key, piece: Span) -> bool:
-    """Record ``piece`` of slice ``key``; False if it overlaps a piece recorded before (nothing recorded)."""
-    seen = pieces.get(key, SpanSet())
+def _add_piece(pieces: dict[_Key, SpanSet], key: _Key, piece: Span) -> SpanSet | None:
+    """Record ``piece`` of slice ``key`` and return the slice's tokens recorded so far; None if it overlaps
+    a piece recorded before (nothing recorded)."""
+    seen = pieces.get(key)
+    if seen is None:  # the first piece, and for whole slices the only one: no set arithmetic
+        merged = pieces[key] = SpanSet((piece,))
+        return merged
     if not seen.intersect(piece).empty:
-        return False
-    pieces[key] = seen.union(SpanSet([piece]))
-    return True
+        return None
+    merged = pieces[key] = seen.union(SpanSet((piece,)))
+    return merged
+
+
+def _covers_slice(tokens: SpanSet, key: _Key) -> bool:
+    """Whether ``tokens`` (pieces inside the slice's route, checked as announced) are all of the slice's."""
+    return tokens.spans == (key[2].tokens,)
 
 
 class ConsumerSide:
@@ -255,28 +265,31 @@ class ConsumerSide:
         key = (peer.remote.rank, ann.layer, route)
         piece = route.tokens if ann.piece is None else Span(*ann.piece)
         shape = self._caches.wire_shape(piece, route.heads)
-        what = f"layer {ann.layer} {route}" + ("" if ann.piece is None else f" tokens {piece!r}")
+
+        def what() -> str:  # built only for a problem: formatting spans costs more than the checks
+            return f"{sender!r} announced layer {ann.layer} {route}" + (
+                "" if ann.piece is None else f" tokens {piece!r}")
         problem = None
         with self._cond:
             req = self._requests.get(ann.request_id)
             staged = self._staged.get(ann.request_id) if req is None else None
             if piece.empty or not route.tokens.covers(piece):
-                problem = f"{sender!r} announced {what}: the piece is empty or outside the route's tokens"
+                problem = f"{what()}: the piece is empty or outside the route's tokens"
             elif staged is not None:
                 if staged.error is not None or key not in staged.keys:
-                    problem = f"{sender!r} announced {what} which push {ann.request_id!r} did not offer"
+                    problem = f"{what()} which push {ann.request_id!r} did not offer"
                 elif tuple(ann.shape) != shape or ann.dtype != self._geometry.dtype:
                     problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
-                elif not _add_piece(staged.announced, key, piece):
-                    problem = f"{sender!r} announced {what} of push {ann.request_id!r} again"
+                elif _add_piece(staged.announced, key, piece) is None:
+                    problem = f"{what()} of push {ann.request_id!r} again"
             elif req is None or req.error is not None:
                 problem = f"request {ann.request_id!r} is not expected (finished, failed or aborted)"
             elif req.producer.engine_id != peer.remote.engine_id or key not in req.pending:
-                problem = f"{sender!r} announced {what} which request {ann.request_id!r} does not expect"
+                problem = f"{what()} which request {ann.request_id!r} does not expect"
             elif tuple(ann.shape) != shape or ann.dtype != self._geometry.dtype:
                 problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
-            elif not _add_piece(req.announced, key, piece):
-                problem = f"{sender!r} announced {what} of request {ann.request_id!r} again"
+            elif _add_piece(req.announced, key, piece) is None:
+                problem = f"{what()} of request {ann.request_id!r} again"
             else:
                 req.progress = self._clock.now()  # an announcement is progress: its tensor is on the way
         if problem is None:
@@ -396,8 +409,9 @@ class ConsumerSide:
                     else:
                         self._store.put(_store_key(request_id, key, piece), buf)
                         staged.landed.append((key, piece))
-                        tokens = SpanSet(p for k, p in staged.landed if k == key)
-                        staged.covered += int(tokens.covers(SpanSet([key[2].tokens])))
+                        # Announced pieces of a slice lie inside its route and never overlap: a count suffices.
+                        count = staged.landed_tokens[key] = staged.landed_tokens.get(key, 0) + len(piece)
+                        staged.covered += int(count == len(key[2].tokens))
                         self._report_stored(request_id, staged)
                 return
         self._apply(req, key, piece, buf, error)
@@ -422,11 +436,14 @@ class ConsumerSide:
             if error is not None:
                 self._fail_locked(req, error if isinstance(error, NcclKVError) else TransferError(str(error)))
                 return
-            if req.error is not None or key not in req.pending or not _add_piece(req.landed, key, piece):
+            if req.error is not None or key not in req.pending:
+                return
+            landed = _add_piece(req.landed, key, piece)
+            if landed is None:
                 return
             req.progress = self._clock.now()
             req.nbytes += buf.numel() * buf.element_size()
-            if req.landed[key].covers(SpanSet([key[2].tokens])):  # else more pieces of this slice are to come
+            if _covers_slice(landed, key):  # else more pieces of this slice are to come
                 req.pending.discard(key)
                 layer = key[1]
                 req.remaining[layer] -= 1

@@ -57,7 +57,9 @@ class PushState:
     links: dict[str, LinkBase] = field(default_factory=dict)  # accepted consumer ranks
     errors: dict[str, BaseException] = field(default_factory=dict)
     saved: list[int] = field(default_factory=list)
-    sends: dict[str, list[Future[None]]] = field(default_factory=dict)
+    sends: dict[str, int] = field(default_factory=dict)  # sends queued per consumer rank
+    open_sends: int = 0  # queued sends not completed yet, over every consumer rank
+    failed: dict[str, BaseException] = field(default_factory=dict)  # first failed send per consumer rank
     nbytes: dict[str, int] = field(default_factory=dict)
     slices: dict[str, int] = field(default_factory=dict)  # (layer, route) slices sent per consumer rank: Done's count
     tail_sends: dict[str, int] = field(default_factory=dict)  # sends queued by the latest layer, per consumer rank
@@ -185,33 +187,38 @@ class Pusher:
                     state.errors[dst] = TransferError(
                         f"push of {state.request_id!r} to {dst!r}: layer {layer} not sent: {err}")
                     return
-                state.sends.setdefault(dst, []).append(future)
+                state.sends[dst] = state.sends.get(dst, 0) + 1
+                state.open_sends += 1
                 queued += 1
                 state.nbytes[dst] = state.nbytes.get(dst, 0) + placeholder.nbytes
                 future.add_done_callback(self._caches.recycle_after(taken))
-                future.add_done_callback(lambda _f: self._maybe_complete(state))
+                future.add_done_callback(lambda f, dst=dst: self._sent(state, dst, f))
         if queued:
             state.tail_sends[dst] = queued
 
+    def _sent(self, state: PushState, dst: str, future: Future[None]) -> None:
+        """A send completed: count it (a count, not a scan of every send, per completion)."""
+        with state.lock:
+            state.open_sends -= 1
+            error = future.exception()
+            if error is not None:
+                state.failed.setdefault(dst, error)
+        self._maybe_complete(state)
+
     def _maybe_complete(self, state: PushState) -> None:
         with state.lock:
-            if state.completed or not state.finishing or not state.resolved:
-                return
-            if any(not f.done() for futures in state.sends.values() for f in futures):
+            if state.completed or not state.finishing or not state.resolved or state.open_sends:
                 return
             state.completed = True
-            outcome: dict[str, BaseException | None] = {}
-            for dst in state.by_dst:
-                failed = [f.exception() for f in state.sends.get(dst, []) if f.exception() is not None]
-                outcome[dst] = state.errors.get(dst) or (failed[0] if failed else None)
+            outcome = {dst: state.errors.get(dst) or state.failed.get(dst) for dst in state.by_dst}
         with self._lock:
             self._pushes.pop(state.request_id, None)
         first_error: BaseException | None = None
         for dst, error in outcome.items():
             if error is None:
-                sends = state.sends.get(dst, [])
                 if self._stats is not None:
-                    self._stats.record_send(state.nbytes.get(dst, 0), len(sends), time.monotonic() - state.started)
+                    self._stats.record_send(state.nbytes.get(dst, 0), state.sends.get(dst, 0),
+                                            time.monotonic() - state.started)
                 self._tell(dst, Done(state.request_id, state.slices.get(dst, 0), state.nbytes.get(dst, 0)))
             else:
                 first_error = first_error or error

@@ -79,10 +79,14 @@ def _check_stored(event: StagingEvent, transfer_id: str, prompt: list[int]) -> N
     assert len(event.block_hashes) == len(prompt) // BLOCK
 
 
+@pytest.mark.parametrize("piece_bytes", [0, 5000], ids=["whole", "pieces"])  # 5000 B: 4-9 tokens per piece
 @pytest.mark.parametrize(("src", "dst"), [((1, 1), (1, 1)), ((2, 1), (2, 1)), ((1, 2), (2, 1))], ids=str)
-def test_staged_push_is_stored_then_removed_when_taken(src: tuple[int, int], dst: tuple[int, int]) -> None:
+def test_staged_push_is_stored_then_removed_when_taken(src: tuple[int, int], dst: tuple[int, int],
+                                                       piece_bytes: int) -> None:
+    """"stored" comes once every piece of every slice landed: one event, with the pieces counted per slice."""
     src_layout, dst_layout = ParallelLayout(*src), ParallelLayout(*dst)
-    prefill, decode = _engines("prefill", src_layout, "producer"), _engines("decode", dst_layout, "consumer")
+    prefill = _engines("prefill", src_layout, "producer", piece_bytes=piece_bytes)
+    decode = _engines("decode", dst_layout, "consumer")
     try:
         prompt, blocks, dst_blocks = _prompt(45, seed=1), [3, 1, 4], [0, 5, 9]  # two full blocks and a partial one
         _push(prefill, engine_ref("decode", dst_layout, decode), "x1", blocks, len(prompt), 5,
