@@ -34,7 +34,7 @@ from ._auth import FrameGate, ZapGuard, configure_curve_client
 from ._clock import ActiveClock
 from ._peers import Counters, PeerTable
 from .auth import ChannelAuth
-from .protocol import Envelope, Heartbeat, encode
+from .protocol import Bye, Envelope, Heartbeat, encode
 
 __all__ = ["IoLoop"]
 
@@ -42,6 +42,7 @@ log = logging.getLogger("ncclkv.channel")
 
 _BATCH = 256  # frames read from one socket per poll, so no socket starves the others
 _ZAP_JOIN_S = 2.0
+_BYE_LINGER_MS = 200  # on close: how long the Byes (and frames queued before them) may take to leave
 
 # kind, peer id, address / frame / flush event, server key
 _Command = tuple[str, str, str | bytes | threading.Event, bytes | None]
@@ -67,7 +68,7 @@ class IoLoop:
         peers: PeerTable,
         counters: Counters,
         deliver: Callable[[Envelope], None],
-        lost: Callable[[str, str], None],
+        lost: Callable[[str, str, bool], None],  # peer id, reason, whether it said Bye
         auth: ChannelAuth,
         clock: ActiveClock,
     ) -> None:
@@ -177,13 +178,18 @@ class IoLoop:
                 self._declare_lost(peer_id, "the channel's I/O thread failed")
         finally:
             self._clock.stop()
+            linger_ms = 0
+            if self._stop.is_set() and self._links:  # closing, not failing: tell the peers, and let it leave
+                self._say_bye()
+                linger_ms = _BYE_LINGER_MS
             for peer_id in list(self._links):
-                self._drop_link(peer_id)
-            self._router.close(linger=0)
+                self._drop_link(peer_id, linger_ms)
+            self._router.close(linger=linger_ms)
             self._terminate(context)
 
     def _terminate(self, context: zmq.Context) -> None:
-        """Stop the ZAP thread, then end the context (every socket is closed with linger 0: no wait)."""
+        """Stop the ZAP thread, then end the context (every socket is closed: with linger 0, or at most
+        ``_BYE_LINGER_MS`` after the Byes, so this waits no longer)."""
         if self._zap is not None and not self._zap.stop(_ZAP_JOIN_S):
             log.error("channel %r: ZAP thread did not stop within %ss; destroying its sockets", self._peer_id, _ZAP_JOIN_S)
             context.destroy(linger=0)
@@ -279,17 +285,30 @@ class IoLoop:
             return
         if counted:  # before the send: the peer may answer before this thread runs again
             self._counters.sent += 1
-        frame = self._gate.seal(peer_id.encode(), frame)
         try:
-            if link.dealer is not None:
-                link.dealer.send(frame, zmq.NOBLOCK)
-            else:
-                assert link.routing_id is not None
-                self._router.send_multipart([link.routing_id, frame], zmq.NOBLOCK)
+            self._write(peer_id, link, frame)
         except zmq.ZMQError as exc:
             if counted:
                 self._counters.sent -= 1
             self._declare_lost(peer_id, f"send failed: {exc}")
+
+    def _write(self, peer_id: str, link: _Link, frame: bytes) -> None:
+        """Seal ``frame`` and hand it to ZMQ on the peer's path; raises ``zmq.ZMQError``."""
+        frame = self._gate.seal(peer_id.encode(), frame)
+        if link.dealer is not None:
+            link.dealer.send(frame, zmq.NOBLOCK)
+        else:
+            assert link.routing_id is not None
+            self._router.send_multipart([link.routing_id, frame], zmq.NOBLOCK)
+
+    def _say_bye(self) -> None:
+        """Closing: a Bye to every peer with a path, so it drops us now rather than at a failed send or
+        its deadline. A peer gone already is skipped quietly: there is no one left to tell."""
+        for peer_id, link in list(self._links.items()):
+            try:
+                self._write(peer_id, link, self._frame(Bye(), None))
+            except zmq.ZMQError:
+                log.debug("channel %r: no Bye to %r: it is gone", self._peer_id, peer_id)
 
     def _drain(self, sock: zmq.Socket, dealer_peer: str | None) -> None:
         # Ask the socket whether a frame is there instead of reading until zmq.Again: building
@@ -311,6 +330,8 @@ class IoLoop:
                 self._handle(sock, routing_id, origin, payload)
             except Exception:  # a bug handling one frame must not stop the channel
                 self._gate.count_failure(origin)
+            if sock.closed:  # that frame dropped this dealer's peer (a Bye, a failed echo): nothing more to read
+                return
 
     def _handle(self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, payload: list[bytes]) -> None:
         envelope = self._gate.admit(sock, routing_id, origin, payload)
@@ -322,6 +343,10 @@ class IoLoop:
         if routing_id is not None and (link is None or link.dealer is None):
             self._links[sender] = _Link(routing_id=routing_id)  # answer on the connection it came in on
         body = envelope.body
+        if isinstance(body, Bye):
+            if self._peers.mark_lost(sender):
+                self._lose(sender, "it closed its channel", closed=True)
+            return
         if isinstance(body, Heartbeat):
             if envelope.reply_to is None:  # echo, so the sender can measure the round trip
                 self._send(sender, self._frame(body, envelope.msg_id))
@@ -333,7 +358,7 @@ class IoLoop:
         self._counters.received += 1
         self._deliver(envelope)
 
-    def _frame(self, body: Heartbeat, reply_to: int | None) -> bytes:
+    def _frame(self, body: Heartbeat | Bye, reply_to: int | None) -> bytes:
         envelope = Envelope(self._peer_id, self._peers.next_msg_id(), reply_to, body)
         return encode(envelope, self._max_frame_bytes)
 
@@ -351,15 +376,16 @@ class IoLoop:
         else:
             self._drop_link(peer_id)
 
-    def _lose(self, peer_id: str, reason: str) -> None:
-        """Tear down a peer already marked lost in the table and report it once."""
+    def _lose(self, peer_id: str, reason: str, closed: bool = False) -> None:
+        """Tear down a peer already marked lost in the table and report it once (``closed``: it said Bye)."""
         self._drop_link(peer_id)
         self._counters.peers_lost += 1
-        log.warning("channel %r: peer %r lost: %s", self._peer_id, peer_id, reason)
-        self._lost(peer_id, reason)
+        log.log(logging.INFO if closed else logging.WARNING, "channel %r: peer %r lost: %s", self._peer_id,
+                peer_id, reason)
+        self._lost(peer_id, reason, closed)
 
-    def _drop_link(self, peer_id: str) -> None:
+    def _drop_link(self, peer_id: str, linger_ms: int = 0) -> None:
         link = self._links.pop(peer_id, None)
         if link is not None and link.dealer is not None:
             self._poller.unregister(link.dealer)
-            link.dealer.close(linger=0)
+            link.dealer.close(linger=linger_ms)

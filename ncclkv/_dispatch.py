@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from ._peers import Counters
-from .errors import NcclKVError, ProtocolError
+from .errors import NcclKVError, PeerLostError, ProtocolError
 from .protocol import MAX_TEXT_CHARS, Envelope, ErrorCode, ErrorMsg, Message
 
 __all__ = ["Dispatcher", "MessageHandler", "PeerLostHandler", "ReplyThen"]
@@ -31,7 +31,7 @@ class ReplyThen(NamedTuple):
 
 
 MessageHandler = Callable[[str, Message], Message | ReplyThen | None]
-PeerLostHandler = Callable[[str], None]
+PeerLostHandler = Callable[[str, PeerLostError], None]  # peer id, why (PeerClosedError: it said Bye)
 SendReply = Callable[[str, Message, int], object]
 
 
@@ -60,7 +60,7 @@ class Dispatcher:
         self._on_peer_lost = on_peer_lost
         self._send_reply = send_reply
         self._counters = counters
-        self._inbox: queue.SimpleQueue[tuple[str, Envelope | None]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[str, Envelope | PeerLostError | None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -68,8 +68,8 @@ class Dispatcher:
     def put_message(self, envelope: Envelope) -> None:
         self._inbox.put((envelope.sender, envelope))
 
-    def put_lost(self, peer_id: str) -> None:
-        self._inbox.put((peer_id, None))
+    def put_lost(self, peer_id: str, error: PeerLostError) -> None:
+        self._inbox.put((peer_id, error))
 
     def stop(self, timeout_s: float) -> bool:
         """Stop after the current handler; True if the thread ended (or is the caller: a handler closing its channel)."""
@@ -88,16 +88,16 @@ class Dispatcher:
                 continue
             if self._stop.is_set():
                 return
-            if envelope is None:
-                self._call_peer_lost(sender)
-            else:
+            if isinstance(envelope, PeerLostError):
+                self._call_peer_lost(sender, envelope)
+            elif envelope is not None:
                 self._dispatch(sender, envelope)
 
-    def _call_peer_lost(self, peer_id: str) -> None:
+    def _call_peer_lost(self, peer_id: str, error: PeerLostError) -> None:
         if self._on_peer_lost is None:
             return
         try:
-            self._on_peer_lost(peer_id)
+            self._on_peer_lost(peer_id, error)
         except Exception:
             self._counters.handler_errors += 1
             log.exception("channel %r: on_peer_lost(%r) failed", self._peer_id, peer_id)

@@ -24,6 +24,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Ack",
     "Announce",
+    "Bye",
     "Done",
     "Envelope",
     "ErrorCode",
@@ -41,7 +42,8 @@ __all__ = [
     "RouteMsg",
 ]
 
-PROTOCOL_VERSION = 3  # 2: PushOffer.blocks; gloo links carry frame headers (ncclkv.transport._framing); 3: Announce.piece
+# 2: PushOffer.blocks; gloo links carry frame headers (ncclkv.transport._framing); 3: Announce.piece; 4: Bye
+PROTOCOL_VERSION = 4
 MAX_SHAPE_DIMS = 8
 MAX_ID_CHARS = 512
 MAX_TEXT_CHARS = 4096
@@ -331,8 +333,13 @@ class Heartbeat(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hb"):
     sent_ns: NonNeg
 
 
+class Bye(_Tagged, frozen=True, forbid_unknown_fields=True, tag="bye"):
+    """The sender closes its channel: its peers drop it now (an expected loss, logged as such), instead of
+    learning it from a failed send or a missed deadline."""
+
+
 Message: TypeAlias = (
-    Handshake | HandshakeAck | PullRequest | PushOffer | Announce | Ack | Ready | Done | ErrorMsg | Heartbeat
+    Handshake | HandshakeAck | PullRequest | PushOffer | Announce | Ack | Ready | Done | ErrorMsg | Heartbeat | Bye
 )
 
 

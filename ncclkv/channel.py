@@ -16,7 +16,9 @@ Threads (all named ``ncclkv-channel-*``, all joined by :meth:`Channel.close`):
   heartbeats (for RTT), declares peers lost, and resolves replies to
   :meth:`~Channel.request` at once, even while a handler is busy;
 * the dispatcher thread calls ``on_message(sender, body)`` for every other
-  message, in arrival order, and ``on_peer_lost(peer_id)``; handlers may call
+  message, in arrival order, and ``on_peer_lost(peer_id, error)`` (a
+  :class:`PeerClosedError` for a peer that closed its channel and said so, a
+  :class:`PeerLostError` for one that went silent); handlers may call
   ``send`` and ``request``. A returned body is sent as the reply; an exception
   is logged and answered with an :class:`ErrorMsg` (never for an incoming
   ``ErrorMsg``, so two peers cannot ping-pong errors).
@@ -25,8 +27,10 @@ Malformed frames are counted in :attr:`Channel.stats` ``.rejected``, logged,
 and answered with an ``ErrorMsg(code="protocol")`` on the connection they came
 in on; the channel keeps serving. Logs and answers about bad frames are rate
 limited, so a flood of them costs bounded work. Each channel has its own
-``zmq.Context``, terminated on close after every socket was closed with
-linger 0, so close does not hang.
+``zmq.Context``, terminated on close after every socket was closed. Close
+first sends every peer a ``Bye``, so they drop this channel at once (logged as
+expected, not as a failure), and gives the frames still queued up to
+0.2 s to leave; so close does not hang.
 
 Authentication (``auth=``, a :class:`ncclkv.auth.ChannelAuth`; default: from
 the environment, off if nothing is set): CURVE keys and a ZAP handler thread
@@ -48,7 +52,7 @@ from ._dispatch import Dispatcher, MessageHandler, PeerLostHandler, ReplyThen
 from ._env import env_settings
 from ._peers import Counters, PeerTable
 from .auth import ChannelAuth, curve_key, load_channel_auth
-from .errors import ClosedError, PeerLostError, TransferTimeout
+from .errors import ClosedError, PeerClosedError, PeerLostError, TransferTimeout
 from .protocol import Envelope, ErrorMsg, Message, encode
 
 __all__ = ["THREAD_PREFIX", "Channel", "ChannelStats", "MessageHandler", "PeerLostHandler", "ReplyThen"]
@@ -324,14 +328,16 @@ class Channel:
                 return
         self._dispatcher.put_message(envelope)
 
-    def _on_lost(self, peer_id: str, reason: str) -> None:
-        """On the I/O thread: fail the requests waiting on ``peer_id`` and schedule ``on_peer_lost``."""
+    def _on_lost(self, peer_id: str, reason: str, closed: bool) -> None:
+        """On the I/O thread: fail the requests waiting on ``peer_id`` and schedule ``on_peer_lost``
+        (``closed``: the peer said Bye)."""
+        kind = PeerClosedError if closed else PeerLostError
         with self._lock:
             mine = [k for k, v in self._pending.items() if v.peer_id == peer_id]
             entries = [self._pending.pop(k) for k in mine]
         for entry in entries:
-            self._finish(entry, None, PeerLostError(f"peer {peer_id!r} lost while waiting for a reply: {reason}"))
-        self._dispatcher.put_lost(peer_id)
+            self._finish(entry, None, kind(f"peer {peer_id!r} lost while waiting for a reply: {reason}"))
+        self._dispatcher.put_lost(peer_id, kind(f"peer {peer_id!r} lost: {reason}"))
 
 
 def _check_args(peer_id: str, port: int, heartbeat_s: float, deadline_s: float, max_frame_bytes: int) -> None:

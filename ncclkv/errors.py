@@ -12,6 +12,7 @@ __all__ = [
     "ClosedError",
     "HandshakeError",
     "NcclKVError",
+    "PeerClosedError",
     "PeerLostError",
     "ProtocolError",
     "ShapeMismatchError",
@@ -34,6 +35,10 @@ class HandshakeError(NcclKVError):
 
 class PeerLostError(NcclKVError):
     """A peer stopped answering heartbeats or its connection broke."""
+
+
+class PeerClosedError(PeerLostError):
+    """A peer closed its channel (it said Bye): lost, but on purpose."""
 
 
 class TransferError(NcclKVError):

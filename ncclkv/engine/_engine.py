@@ -214,9 +214,9 @@ class TransferEngine:
             return None
         raise ProtocolError(f"unexpected {type(body).__name__} from {sender!r}")
 
-    def _on_peer_lost(self, peer_id: str) -> None:
-        self._peers.drop(peer_id, "peer lost")
-        self._consumer.fail_peer(peer_id, PeerLostError(f"producer rank {peer_id!r} stopped answering"))
+    def _on_peer_lost(self, peer_id: str, error: PeerLostError) -> None:
+        self._peers.drop(peer_id, error)
+        self._consumer.fail_peer(peer_id, error)
 
     def _check_open(self) -> None:
         if self._closed:

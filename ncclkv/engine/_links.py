@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from msgspec.structs import replace
 
 from ..channel import Channel, ReplyThen
-from ..errors import ClosedError, HandshakeError, PeerLostError, ProtocolError, TransferTimeout
+from ..errors import ClosedError, HandshakeError, PeerClosedError, PeerLostError, ProtocolError, TransferTimeout
 from ..protocol import Handshake, check_compatible
 from ..transport import LinkBase, LinkFactory
 
@@ -180,8 +180,9 @@ class PeerLinks:
             gone = [p for p in self._links.values() if p.peer_id == peer_id]
             for peer in gone:
                 del self._links[peer.link_id]  # type: ignore[arg-type]
-        if gone:
-            log.warning("dropping peer %s: %s", peer_id, reason)
+        if gone:  # a peer that closed on purpose (it said Bye) is no failure
+            log.log(logging.INFO if isinstance(reason, PeerClosedError) else logging.WARNING,
+                    "dropping peer %s: %s", peer_id, reason)
         for peer in gone:
             _close_link(peer)
 

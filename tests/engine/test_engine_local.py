@@ -7,6 +7,7 @@ cheap. tests/multiprocess/ runs the same flows across processes.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 
 from ncclkv.engine import EngineConfig
 from ncclkv.engine._buffers import capacity_class
-from ncclkv.errors import CapacityError, HandshakeError, ShapeMismatchError, TransferError
+from ncclkv.errors import CapacityError, HandshakeError, PeerClosedError, ShapeMismatchError, TransferError
 from ncclkv.layout import KVGeometry, ParallelLayout, Span, SpanSet, plan
 from ncclkv.paged import CacheLayout
 from ncclkv.protocol import Announce
@@ -326,6 +327,41 @@ def test_abort_drops_late_tensors_and_keeps_the_link_in_step() -> None:
         assert decode[0].mismatches(11, [1], 16, Span(0, 16)) == []
         with pytest.raises((ValueError, TransferError)):
             decode[0].engine.wait("a", timeout_s=1)
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_a_closing_producer_fails_what_waits_on_it_at_once_and_is_dropped_quietly(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A producer engine that closes says Bye: the consumer fails the request still waiting on it with
+    PeerClosedError at once (its deadline is 30 s) and drops the peer, logging the loss at INFO (the
+    request's own failure is still a warning: it must be recomputed). The first pull opened the link."""
+    caplog.set_level(logging.INFO, logger="ncclkv")
+    layout = ParallelLayout(1, 1)
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer", deadline_s=30.0)
+    decode = build_sides("decode", layout, GQA, CacheLayout.CPU, 16, "consumer", deadline_s=30.0)
+    try:
+        ref = engine_ref("prefill", layout, prefill)
+        prefill[0].fill(seed=4, block_ids=[2], num_tokens=16)
+        prefill[0].engine.finish("served", [2], 16)
+        decode[0].engine.expect("served", ref, [0], 16)
+        decode[0].engine.wait("served", timeout_s=20)  # the handshake, link and a pull before the close
+        decode[0].engine.expect("never", ref, [1], 16)  # the producer never computes it: it waits
+        deadline = time.monotonic() + 20
+        while prefill[0].engine._producer.num_held == 0:  # its pull reached the producer (parked there)
+            assert time.monotonic() < deadline, "the pull never reached the producer"
+            threading.Event().wait(0.005)
+        closed_at = time.monotonic()
+        prefill[0].engine.close()
+        # Its Ack may or may not have come back before the Bye: either way the loss names the close.
+        with pytest.raises(PeerClosedError, match=r"'prefill.r0' lost.*: it closed its channel"):
+            decode[0].engine.wait("never", timeout_s=20)
+        assert time.monotonic() - closed_at < 10  # the Bye, not the 30 s deadline
+        after = [r for r in caplog.records if r.name.startswith("ncclkv") and r.created >= closed_at]
+        loss = [r for r in after if "dropping peer prefill.r0" in r.getMessage()
+                or "peer 'prefill.r0' lost: it closed its channel" in r.getMessage()]
+        assert len(loss) == 2 and {r.levelno for r in loss} == {logging.INFO}, [r.getMessage() for r in loss]
+        assert not [r for r in after if "send failed" in r.getMessage() or "nothing heard" in r.getMessage()]
     finally:
         close_sides(prefill, decode)
 

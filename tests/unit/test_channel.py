@@ -3,6 +3,7 @@ malformed frames, peer loss (closed channel and killed process), handler errors,
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -223,7 +224,7 @@ def test_peer_lost_when_the_other_channel_closes(make_channel: Callable[..., Cha
     lost: list[str] = []
     lost_event = threading.Event()
 
-    def on_lost(peer_id: str) -> None:
+    def on_lost(peer_id: str, error: errors.PeerLostError) -> None:
         lost.append(peer_id)
         lost_event.set()
 
@@ -252,6 +253,42 @@ def test_peer_lost_when_the_other_channel_closes(make_channel: Callable[..., Cha
         b.send("quiet", Ready("x"))
     time.sleep(2 * FAST["deadline_s"])  # a second report would come within one more deadline
     assert lost == ["quiet"] and b.stats.peers_lost == 1
+
+
+@pytest.mark.parametrize("closer_connected", [False, True], ids=["bye-through-router", "bye-through-dealer"])
+def test_a_closing_channel_says_bye_and_its_peer_drops_it_at_once(
+        make_channel: Callable[..., Channel], caplog: pytest.LogCaptureFixture, closer_connected: bool) -> None:
+    """With a 30 s deadline and a DEALER that queues silently, only the Bye can tell ``stays`` within seconds
+    that ``closes`` is gone: its waiting request fails and on_peer_lost runs, both with PeerClosedError, and
+    the loss is logged as expected (INFO), never as a failure."""
+    caplog.set_level(logging.INFO, logger="ncclkv")
+    slow = dict(heartbeat_s=0.05, deadline_s=30.0)
+    lost: list[tuple[str, errors.PeerLostError]] = []
+    lost_event = threading.Event()
+    stays = make_channel("stays", on_peer_lost=lambda p, e: (lost.append((p, e)), lost_event.set()), **slow)
+    closes = make_channel("closes", on_message=lambda sender, body: None, **slow)  # handles, never answers
+    if closer_connected:  # the Bye then leaves through the closer's DEALER, else through its ROUTER
+        closes.connect("stays", stays.address)
+        closes.send("stays", Ready("hello"))
+        wait_until(lambda: stays.peer_alive("closes"), WAIT_S)
+    else:
+        stays.connect("closes", closes.address)
+    outcome: list[BaseException] = []
+    waiter = threading.Thread(target=lambda: _capture(outcome, lambda: stays.request("closes", Ready("hang"),
+                                                                                       timeout_s=20)))
+    waiter.start()
+    wait_until(lambda: closes.stats.received == 1, WAIT_S)
+    closes.close()
+    waiter.join(5)
+    assert not waiter.is_alive(), "the request still waits: no Bye came"
+    assert len(outcome) == 1 and isinstance(outcome[0], errors.PeerClosedError), outcome
+    assert "peer 'closes' lost while waiting for a reply: it closed its channel" in str(outcome[0])
+    assert lost_event.wait(5)
+    assert [p for p, _ in lost] == ["closes"] and isinstance(lost[0][1], errors.PeerClosedError)
+    assert not stays.peer_alive("closes") and stays.stats.peers_lost == 1
+    about = [r for r in caplog.records if "'closes'" in r.getMessage() and r.name.startswith("ncclkv")]
+    assert any(r.levelno == logging.INFO and "lost: it closed its channel" in r.getMessage() for r in about)
+    assert [r.getMessage() for r in about if r.levelno >= logging.WARNING] == []
 
 
 def _capture(sink: list[BaseException], call: Callable[[], object]) -> None:
@@ -288,7 +325,8 @@ def test_peer_in_another_process_then_killed(make_channel: Callable[..., Channel
         if sender == "child" and body == Ready("hello"):
             hello.set()
 
-    parent = make_channel("parent", on_message=handle, on_peer_lost=lambda p: lost.set() if p == "child" else None, **FAST)
+    parent = make_channel("parent", on_message=handle, on_peer_lost=lambda p, e: lost.set() if p == "child" else None,
+                          **FAST)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     child = subprocess.Popen([sys.executable, "-c", CHILD, parent.address], env=env)
     try:

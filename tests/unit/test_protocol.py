@@ -17,6 +17,7 @@ from ncclkv.protocol import (
     PROTOCOL_VERSION,
     Ack,
     Announce,
+    Bye,
     Done,
     Envelope,
     ErrorCode,
@@ -65,6 +66,7 @@ EXAMPLES = [
     ErrorMsg("req-1", ErrorCode.CAPACITY, "staging full"),
     ErrorMsg(None, ErrorCode.PROTOCOL, "garbage"),
     Heartbeat(9, 123456789),
+    Bye(),
 ]
 
 
@@ -95,6 +97,7 @@ bodies = st.one_of(
     st.builds(Done, ids, nonneg, nonneg),
     st.builds(ErrorMsg, st.none() | ids, st.sampled_from(list(ErrorCode)), st.text(max_size=40)),
     st.builds(Heartbeat, nonneg, nonneg),
+    st.just(Bye()),
 )
 
 
