@@ -110,6 +110,24 @@ still GIL hand-off (about none now). `push` sends the KV while the prefill
 engine computes, so the decode request often finds it staged; `pull` starts
 moving it when the decode request arrives.
 
+**Where a pull's time goes.** Traced per event on 2026-11-25 (a timing
+script, not shipped; the pull set-up alone at 4096 tokens, four requests,
+decode TTFT 108-116 ms that run): the PullRequest reached the prefill engine
+1-8 ms after the decode worker's `expect`; the first of the 8 layers (16 MiB
+each) landed 13-39 ms after that, the others 3-30 ms apart (median about 9
+ms), with the gather and gloo's write sharing the prefill engine's one core,
+gloo's read and the scatter the decode engine's; the request's completion
+reached vLLM at once (its idle step was waiting on it). So the transfer
+itself is the time here: 1.0-1.6 GB/s over the whole request, against 2.0
+GB/s for the engine at 16 MiB in bench transfer, whose two processes share
+both cores. In the demo's
+batches (8 requests pulled at once, the first to land starts decoding) the
+other requests' layers landed while the decode engine ran its steps on the
+same core, and a batch's last landing came 31-500 ms after its first
+`expect` over several runs (load average up to 5 on the 2 cores): concurrent pulls into an
+engine that is computing are this set-up's weak spot, not the single pull
+timed here.
+
 **ncclkv with pieces.** The `2 MiB pieces` rows run ncclkv with the prefill
 side's `piece_bytes` at 2 MiB: each layer's slice goes as token pieces, each
 announced alone, so the gather, the wire and the decode side's scatter of one
