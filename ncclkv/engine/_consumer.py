@@ -91,13 +91,10 @@ def _store_key(request_id: str, key: _Key, piece: Span) -> str:
 def _add_piece(pieces: dict[_Key, SpanSet], key: _Key, piece: Span) -> SpanSet | None:
     """Record ``piece`` of slice ``key`` and return the slice's tokens recorded so far; None if it overlaps
     a piece recorded before (nothing recorded)."""
-    seen = pieces.get(key)
-    if seen is None:  # the first piece, and for whole slices the only one: no set arithmetic
-        merged = pieces[key] = SpanSet((piece,))
-        return merged
-    if not seen.intersect(piece).empty:
+    seen = pieces.get(key)  # None: the first piece, and for whole slices the only one (no set arithmetic)
+    if seen is not None and not seen.intersect(piece).empty:
         return None
-    merged = pieces[key] = seen.union(SpanSet((piece,)))
+    merged = pieces[key] = SpanSet((piece,)) if seen is None else seen.union(SpanSet((piece,)))
     return merged
 
 
