@@ -83,6 +83,11 @@ class TorchBackend:
             pass
 
 
+def _gpu_uuid(device: torch.device) -> str:
+    """The GPU's UUID: the same for every process that sees it, whatever CUDA_VISIBLE_DEVICES numbers it."""
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+
+
 def _left(deadline: float) -> timedelta:
     return timedelta(seconds=max(0.001, deadline - time.monotonic()))
 
@@ -148,12 +153,18 @@ def open_group(
         store = dist.PrefixStore(f"ncclkv/{link_id}", client)
         if store.add(f"joined/{link_rank}", 1) != 1:
             raise ValueError(f"{where}: link rank {link_rank} already joined; every link needs a new link_id")
+        gpu = _gpu_uuid(device) if device.type == "cuda" else ""
+        store.set(f"gpu/{link_rank}", gpu)  # before the backend: the peer reads both once it sees the backend
         store.set(f"backend/{link_rank}", backend)
         if not _poll(store, f"backend/{peer}", deadline):
             raise TransferTimeout(f"{where}: peer (link rank {peer}) did not join within {timeout_s:.3g} s")
         peer_backend = store.get(f"backend/{peer}").decode()
         if peer_backend != backend:
             raise HandshakeError(f"{where}: this end uses {backend} on {device}, the peer uses {peer_backend}")
+        if gpu and store.get(f"gpu/{peer}").decode() == gpu:
+            # NCCL refuses two ranks of one communicator on one GPU, with a message that names neither.
+            raise HandshakeError(f"{where}: both ends are on the same GPU ({device}, {gpu}); NCCL needs one GPU "
+                                 "per rank: give each rank its own device (CUDA_VISIBLE_DEVICES, LOCAL_RANK)")
         pg = _make_group(store, link_rank, device, deadline, op_timeout_s, gloo_device)
     except (NcclKVError, ValueError):
         raise

@@ -6,6 +6,9 @@ meets the n-th receive posted by the other, the bytes are copied, and both
 complete. Like gloo and NCCL for large tensors, a send completes only when
 the peer has posted the matching receive. Unlike them, a receive that does not
 match the sent shape and dtype fails with :class:`ShapeMismatchError`.
+CUDA tensors are copied once both posting streams reach their post, and the
+copy is complete before either end completes, as a wait on NCCL work with a
+timeout blocks the host until the bytes have landed.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ __all__ = ["LoopbackHub", "LoopbackTransport", "loopback_pair"]
 class _WireOp:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
+        # What the posting stream queued before the post (a gather, a caller's writes) comes first.
+        self.posted = torch.cuda.current_stream(tensor.device).record_event() if tensor.is_cuda else None
         self.done = threading.Event()
         self.error: BaseException | None = None
 
@@ -79,10 +84,22 @@ class _Wire:
             if a.shape != b.shape or a.dtype != b.dtype:
                 text = f"sent {tuple(a.shape)} {a.dtype}, receive posted for {tuple(b.shape)} {b.dtype}"
                 send.error, recv.error = ShapeMismatchError(text), ShapeMismatchError(text)
+            elif a.is_cuda or b.is_cuda:
+                _copy_on_device(send, recv)
             else:
                 b.copy_(a)
             send.done.set()
             recv.done.set()
+
+
+def _copy_on_device(send: _WireOp, recv: _WireOp) -> None:
+    device = (send.tensor if send.tensor.is_cuda else recv.tensor).device
+    stream = torch.cuda.current_stream(device)
+    for op in (send, recv):
+        if op.posted is not None:
+            stream.wait_event(op.posted)
+    recv.tensor.copy_(send.tensor)
+    stream.synchronize()
 
 
 class _WireEnd:

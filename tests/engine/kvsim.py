@@ -10,6 +10,7 @@ from ncclkv.engine import EngineConfig, EngineRef, TransferEngine
 from ncclkv.layout import KVGeometry, ParallelLayout, Roi, Span, shard_roi
 from ncclkv.paged import CacheLayout
 from ncclkv.scenario._kv import check_landed, fill_shard, global_kv, make_cache
+from ncclkv.transport import LinkFactory
 
 __all__ = ["RankSide", "build_sides", "close_sides", "engine_ref", "global_kv", "make_cache"]
 
@@ -25,12 +26,15 @@ class RankSide:
 
     @classmethod
     def build(cls, engine_id: str, rank: int, layout: ParallelLayout, geometry: KVGeometry, cache_layout: CacheLayout,
-              block_size: int, num_blocks: int, role: str, **config: object) -> RankSide:
+              block_size: int, num_blocks: int, role: str, transport: LinkFactory | None = None,
+              **config: object) -> RankSide:
+        """``config["device"]`` (default cpu) holds the caches; ``transport`` defaults to a real data plane."""
         cfg = EngineConfig(engine_id, rank, layout, geometry, role=role, **config)  # type: ignore[arg-type]
-        engine = TransferEngine(cfg)
+        engine = TransferEngine(cfg, transport=transport)
         shard = shard_roi(layout, geometry, rank, 0)
         dtype = getattr(torch, geometry.dtype)
-        caches = {layer: make_cache(cache_layout, num_blocks, block_size, len(shard.heads), geometry.head_size, dtype)
+        caches = {layer: make_cache(cache_layout, num_blocks, block_size, len(shard.heads), geometry.head_size, dtype,
+                                    device=cfg.device)
                   for layer in shard.layers}
         engine.register(caches, cache_layout)
         return cls(engine, caches, cache_layout, block_size)
@@ -52,9 +56,11 @@ class RankSide:
 
 
 def build_sides(engine_id: str, layout: ParallelLayout, geometry: KVGeometry, cache_layout: CacheLayout,
-                block_size: int, role: str, num_blocks: int = 16, **config: object) -> list[RankSide]:
-    """One in-process engine rank per rank of ``layout``."""
-    return [RankSide.build(engine_id, rank, layout, geometry, cache_layout, block_size, num_blocks, role, **config)
+                block_size: int, role: str, num_blocks: int = 16, transports: list[LinkFactory] | None = None,
+                **config: object) -> list[RankSide]:
+    """One in-process engine rank per rank of ``layout``; ``transports``: one per rank (default: real data planes)."""
+    return [RankSide.build(engine_id, rank, layout, geometry, cache_layout, block_size, num_blocks, role,
+                           transports[rank] if transports else None, **config)
             for rank in range(layout.world_size)]
 
 

@@ -1,0 +1,101 @@
+"""The engine with CUDA caches, over loopback links: every CUDA-only line above the transport.
+
+Gather and scatter on the device, the link's own stream, the producer's ready
+event on the caller's stream (push) and the wire buffers on the device all
+run here; only NCCL itself is replaced, because NCCL refuses two ranks on one
+GPU (see test_nccl_links.py, which runs the same flows over NCCL where a
+machine has two GPUs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ncclkv.layout import KVGeometry, ParallelLayout, Span
+from ncclkv.paged import CacheLayout
+from ncclkv.transport import LoopbackHub, LoopbackTransport
+
+from engine.kvsim import RankSide, build_sides, close_sides, engine_ref
+
+pytestmark = pytest.mark.gpu
+
+GQA = KVGeometry(num_layers=4, num_kv_heads=4, head_size=64, dtype="bfloat16")
+MLA = KVGeometry(num_layers=3, num_kv_heads=1, head_size=576, dtype="bfloat16", use_mla=True)
+WAIT_S = 30.0
+
+LAYOUTS = [
+    ((1, 1), (1, 1), GQA),
+    ((2, 1), (1, 2), GQA),  # TP -> PP: each decode rank gathers from both prefill ranks
+    ((1, 2), (4, 1), GQA),  # PP -> TP: each prefill stage feeds every decode rank
+    ((2, 1), (1, 1), MLA),
+]
+
+
+def sides(hub: LoopbackHub, engine_id: str, layout: ParallelLayout, geometry: KVGeometry, role: str,
+          **config: object) -> list[RankSide]:
+    cache_layout = CacheLayout.MLA if geometry.use_mla else CacheLayout.FLASH_NHD
+    transports = [LoopbackTransport(hub) for _ in range(layout.world_size)]
+    return build_sides(engine_id, layout, geometry, cache_layout, 16, role, transports=transports, device="cuda",
+                       **config)
+
+
+def check_landed(decode: list[RankSide], request_id: str, seed: int, blocks: list[int], num_tokens: int) -> None:
+    for side in decode:
+        assert all(cache.is_cuda for cache in side.caches.values())
+        assert side.mismatches(seed, blocks, num_tokens, Span(0, num_tokens)) == []
+        assert side.engine.take_finished_receiving() == {request_id: None}
+
+
+@pytest.mark.parametrize(("src", "dst", "geometry"), LAYOUTS, ids=lambda v: str(v) if isinstance(v, tuple) else None)
+def test_pull_lands_byte_exact_in_cuda_caches(src: tuple[int, int], dst: tuple[int, int], geometry: KVGeometry) -> None:
+    hub = LoopbackHub()
+    src_layout, dst_layout = ParallelLayout(*src), ParallelLayout(*dst)
+    prefill = sides(hub, "prefill", src_layout, geometry, "producer")
+    decode = sides(hub, "decode", dst_layout, geometry, "consumer")
+    try:
+        num_tokens, src_blocks, dst_blocks = 45, [5, 2, 9], [3, 0, 7]
+        for side in prefill:
+            side.fill(seed=1, block_ids=src_blocks, num_tokens=num_tokens)
+            side.engine.finish("req", src_blocks, num_tokens)
+        for side in decode:
+            side.engine.expect("req", engine_ref("prefill", src_layout, prefill), dst_blocks, num_tokens)
+        for side in decode:
+            for layer in side.shard.layers:
+                side.engine.wait_layer("req", layer, timeout_s=WAIT_S)
+        check_landed(decode, "req", 1, dst_blocks, num_tokens)
+    finally:
+        close_sides(prefill, decode)
+
+
+@pytest.mark.parametrize("piece_bytes", [0, 8192], ids=["whole", "pieces"])
+def test_push_after_each_layers_compute_on_the_callers_stream(piece_bytes: int) -> None:
+    """Each layer is written on the caller's stream just before save_layer, with the GPU held busy in front
+    of the write: the gather must wait for it (the ready event), not read the sentinel left before."""
+    hub = LoopbackHub()
+    src_layout, dst_layout = ParallelLayout(2, 1), ParallelLayout(1, 1)
+    prefill = sides(hub, "prefill", src_layout, GQA, "producer", piece_bytes=piece_bytes)
+    decode = sides(hub, "decode", dst_layout, GQA, "consumer")
+    try:
+        num_tokens, blocks = 40, [7, 1, 4]
+        computed = []  # each rank's layers as its compute will write them, kept aside on the GPU
+        for side in prefill:
+            side.fill(seed=4, block_ids=blocks, num_tokens=num_tokens)
+            computed.append({layer: cache.clone() for layer, cache in side.caches.items()})
+            for cache in side.caches.values():
+                cache.fill_(-7.0)
+        torch.cuda.synchronize()
+        for side in prefill:
+            side.engine.start_push("p", engine_ref("decode", dst_layout, decode), blocks, num_tokens)
+        decode[0].engine.expect("p", engine_ref("prefill", src_layout, prefill), blocks, num_tokens, push=True)
+        for layer in range(GQA.num_layers):
+            for side, layers in zip(prefill, computed):
+                torch.cuda._sleep(20_000_000)  # the "compute": its write lands well after save_layer returns
+                side.caches[layer].copy_(layers[layer])  # device to device: queued, the host does not wait
+                side.engine.save_layer("p", layer)
+        for side in prefill:
+            side.engine.finish("p")
+        decode[0].engine.wait("p", timeout_s=WAIT_S)
+        check_landed(decode, "p", 4, blocks, num_tokens)
+    finally:
+        close_sides(prefill, decode)
