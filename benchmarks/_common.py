@@ -333,5 +333,18 @@ def show_and_save(result: BenchResult, out: Path, plot: Callable[[BenchResult, P
 
 
 def standalone_command(module: str, argv: Sequence[str] | None) -> str:
-    """The command line that reproduces a ``python -m benchmarks.<module>`` run."""
-    return " ".join([f"python -m benchmarks.{module}", *(sys.argv[1:] if argv is None else argv)])
+    """The command line that reproduces a ``python -m benchmarks.<module>`` run.
+
+    ``--out`` is left out, as in :func:`~benchmarks._runner.command_for`: where the
+    files went is the runner's machine, not part of what reproduces the numbers."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            kept.append(arg)
+    return " ".join([f"python -m benchmarks.{module}", *kept])

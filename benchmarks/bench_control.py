@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import queue
-import sys
 import threading
 import time
 import uuid
@@ -32,7 +31,8 @@ from ncclkv.protocol import Ack, Announce, Done, Message, PullRequest, RouteMsg
 from ncclkv.transport import DataPlane
 
 from ._common import (
-    BenchContext, BenchOptions, BenchResult, Column, base_meta, default_out, pyplot, run_standalone, summary, write_figure,
+    BenchContext, BenchOptions, BenchResult, Column, base_meta, default_out, pyplot, run_standalone,
+    standalone_command, summary, write_figure,
 )
 from ._peer import Endpoint
 
@@ -255,7 +255,7 @@ def _parse(argv: Sequence[str] | None) -> BenchOptions:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--repeats", type=int, help="requests per row (default 1000; quick 60)")
     args = parser.parse_args(argv)
-    command = " ".join(["python -m benchmarks.bench_control", *(sys.argv[1:] if argv is None else argv)])
+    command = standalone_command("bench_control", argv)
     return BenchOptions(args.quick, args.repeats, args.out or default_out(args.quick), command)
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import sys
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -36,7 +35,8 @@ import torch
 from ncclkv.transport import DataPlane
 
 from ._common import (
-    BenchContext, BenchOptions, BenchResult, Column, base_meta, default_out, format_size, pyplot, run_standalone, write_figure,
+    BenchContext, BenchOptions, BenchResult, Column, base_meta, default_out, format_size, pyplot, run_standalone,
+    standalone_command, write_figure,
 )
 from ._engine_path import CONSUMER_ID, EngineSender
 from ._overlap_runs import ENGINE_MODES, MODES, Busy, calibrate_slice, chunked, engine_scenario, scenario
@@ -370,7 +370,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchOptions, OverlapParams]:
     )
     if params.num_layers < 2 or params.transfer_ms <= 0 or min(params.compute_ms) <= 0:
         parser.error(f"need layers >= 2 and positive times, got {params}")
-    command = " ".join(["python -m benchmarks.bench_overlap", *(sys.argv[1:] if argv is None else argv)])
+    command = standalone_command("bench_overlap", argv)
     return BenchOptions(args.quick, args.repeats, args.out or default_out(args.quick), command), params
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,8 @@ from ncclkv.layout import Span
 from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, _kernel, gather, part_views, scatter
 
 from ._common import (
-    DEFAULT_OUT, MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, timed, write_figure,
+    DEFAULT_OUT, MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, standalone_command,
+    timed, write_figure,
 )
 
 __all__ = ["NAME", "TITLE", "main", "plot", "run"]
@@ -272,7 +272,7 @@ def run(ctx: BenchContext) -> BenchResult:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     rows = _measure(args, lambda _: None)
-    command = " ".join(["python -m benchmarks.bench_paged", *(sys.argv[1:] if argv is None else argv)])
+    command = standalone_command("bench_paged", argv)
     result = _result(args, rows, command)
     print(result.table())
     out = args.out or default_out(args.quick)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -32,7 +31,8 @@ import torch
 from ncclkv.transport import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, DataPlane
 
 from ._common import (
-    KIB, MIB, BenchContext, BenchOptions, BenchResult, Column, base_meta, default_out, format_size, machine_info, pyplot, run_standalone, write_figure,
+    KIB, MIB, BenchContext, BenchOptions, BenchResult, Column, base_meta, default_out, format_size, machine_info,
+    pyplot, run_standalone, standalone_command, write_figure,
 )
 from ._engine_path import CONSUMER_ID, EngineSender, round_request_ids
 from ._transfer_paths import COPIES, PATHS, WAIT_S, Sender, SliceCase, raw_group, round_trips
@@ -427,7 +427,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchOptions, TransferParams]:
         sizes=tuple(k * KIB for k in args.sizes_kib) if args.sizes_kib else base.sizes,
         round_bytes=args.round_mib * MIB if args.round_mib else base.round_bytes,
     )
-    command = " ".join(["python -m benchmarks.bench_transfer", *(sys.argv[1:] if argv is None else argv)])
+    command = standalone_command("bench_transfer", argv)
     return BenchOptions(args.quick, args.repeats, args.out or default_out(args.quick), command), params
 
 

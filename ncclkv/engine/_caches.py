@@ -79,6 +79,13 @@ class RankCaches:
     def device(self) -> torch.device:
         return next(iter(self._layers.values())).cache.device
 
+    def ready_event(self) -> torch.cuda.Event | None:
+        """CUDA: an event on the calling thread's current stream, after what the caller queued there (its
+        writes of the caches); gathers wait for it wherever they run. CPU: None, the writes are done."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.current_stream(self.device).record_event()
+
     def block_size(self) -> int:
         return next(iter(self._layers.values())).spec.block_size
 

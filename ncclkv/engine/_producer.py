@@ -52,6 +52,7 @@ class _Held:
     error: BaseException | None = None
     serving: int = 0  # pulls whose sends from these blocks are still running
     released: bool = False  # no new pulls; reported once ``serving`` is 0
+    ready: torch.cuda.Event | None = None  # CUDA: recorded by finish() on the caller's stream; gathers wait for it
 
 
 class ProducerSide:
@@ -92,7 +93,8 @@ class ProducerSide:
         with self._lock:
             if request_id in self._held:
                 raise ValueError(f"request {request_id!r} is already held for pulling")
-            self._held[request_id] = _Held(request_id, slots, num_tokens, self._channel.clock.now() + self._hold_s)
+            self._held[request_id] = _Held(request_id, slots, num_tokens, self._channel.clock.now() + self._hold_s,
+                                           ready=self._caches.ready_event())
             early = self._early.pop(request_id, [])
         for sender, pull, _ in early:
             self._serve_or_refuse(sender, pull)
@@ -220,7 +222,8 @@ class ProducerSide:
                     placeholder, taken = self._caches.placeholder(piece, route.heads), []  # see Pusher._send_layer
                     nbytes += placeholder.nbytes
                     hooks = self._announcer(link, sender, pull.request_id, layer, route, held.slots, piece, taken)
-                    futures.append(link.send(placeholder, before_send=hooks.announce, fill=hooks.gather))
+                    futures.append(link.send(placeholder, before_send=hooks.announce, fill=hooks.gather,
+                                             ready_event=held.ready))
                     futures[-1].add_done_callback(self._caches.recycle_after(taken))
         remaining = [len(futures)]
         errors: list[BaseException] = []

@@ -56,7 +56,7 @@ class PushState:
     blocks: PushBlocks | None = None  # what the consumer's staging events name
     links: dict[str, LinkBase] = field(default_factory=dict)  # accepted consumer ranks
     errors: dict[str, BaseException] = field(default_factory=dict)
-    saved: list[int] = field(default_factory=list)
+    saved: list[tuple[int, torch.cuda.Event | None]] = field(default_factory=list)  # (layer, its ready event)
     sends: dict[str, int] = field(default_factory=dict)  # sends queued per consumer rank
     open_sends: int = 0  # queued sends not completed yet, over every consumer rank
     failed: dict[str, BaseException] = field(default_factory=dict)  # first failed send per consumer rank
@@ -115,9 +115,11 @@ class Pusher:
         with state.lock:
             if state.finishing:
                 raise ValueError(f"request {request_id!r}: save_layer({layer}) after finish()")
-            state.saved.append(layer)
+            # Recorded here, on the caller's stream: a backlog is sent later from another thread.
+            ready = self._caches.ready_event()
+            state.saved.append((layer, ready))
             for dst, link in list(state.links.items()):  # a failed send removes its consumer rank
-                self._send_layer(state, dst, link, layer)
+                self._send_layer(state, dst, link, layer, ready)
 
     def finish(self, request_id: str) -> None:
         """No more layers: the sends still queued are posted from here, the rest completes on its own."""
@@ -156,12 +158,13 @@ class Pusher:
         else:
             with state.lock:
                 state.links[dst] = link
-                for layer in state.saved:  # the backlog, in save order
-                    self._send_layer(state, dst, link, layer)
+                for layer, ready in state.saved:  # the backlog, in save order
+                    self._send_layer(state, dst, link, layer, ready)
         self._maybe_complete(state)
 
-    def _send_layer(self, state: PushState, dst: str, link: LinkBase, layer: int) -> None:
-        """Under ``state.lock``: queue every route of ``layer`` for ``dst``.
+    def _send_layer(self, state: PushState, dst: str, link: LinkBase, layer: int,
+                    ready: torch.cuda.Event | None) -> None:
+        """Under ``state.lock``: queue every route of ``layer`` for ``dst``, gathered after ``ready``.
 
         A link closed meanwhile (its peer lost, or broken) fails this consumer rank only; the
         caller's ``save_layer`` goes on for the others and never raises for it.
@@ -176,9 +179,6 @@ class Pusher:
                 # saved layers holds no memory beyond the link's window.
                 placeholder, taken = self._caches.placeholder(piece, route.heads), []
                 hooks = self._announcer(link, dst, state.request_id, layer, route, state.slots, piece, taken)
-                ready = None
-                if self._caches.device.type == "cuda":  # the gather must see this layer's compute, on the caller's stream
-                    ready = torch.cuda.current_stream(self._caches.device).record_event()
                 try:
                     future = link.send(placeholder, before_send=hooks.announce, fill=hooks.gather, ready_event=ready)
                 except ClosedError as err:

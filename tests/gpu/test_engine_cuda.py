@@ -9,6 +9,8 @@ machine has two GPUs).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -68,31 +70,61 @@ def test_pull_lands_byte_exact_in_cuda_caches(src: tuple[int, int], dst: tuple[i
         close_sides(prefill, decode)
 
 
+def written_on_a_busy_stream(sides: list[RankSide], seed: int, blocks: list[int], num_tokens: int,
+                             then: Callable[[RankSide, int], None]) -> None:
+    """Each rank's layers, written by a (non-default) stream held busy in front of each write; ``then(side, layer)``
+    right after each write is queued (the host does not wait), on that stream."""
+    computed = []  # each rank's layers as its compute will write them, kept aside on the GPU
+    for side in sides:
+        side.fill(seed=seed, block_ids=blocks, num_tokens=num_tokens)
+        computed.append({layer: cache.clone() for layer, cache in side.caches.items()})
+        for cache in side.caches.values():
+            cache.fill_(-7.0)
+    torch.cuda.synchronize()
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        for layer in sorted({layer for side in sides for layer in side.caches}):
+            for side, layers in zip(sides, computed):
+                if layer in layers:
+                    torch.cuda._sleep(20_000_000)  # the "compute": its write lands well after `then` returns
+                    side.caches[layer].copy_(layers[layer])
+                    then(side, layer)
+
+
+def test_pull_after_finish_with_the_compute_still_queued() -> None:
+    """finish() returns before the GPU wrote the layers: the pulls' gathers must wait for that stream."""
+    hub = LoopbackHub()
+    src_layout, dst_layout = ParallelLayout(2, 1), ParallelLayout(1, 2)
+    prefill = sides(hub, "prefill", src_layout, GQA, "producer")
+    decode = sides(hub, "decode", dst_layout, GQA, "consumer")
+    try:
+        num_tokens, src_blocks, dst_blocks = 40, [2, 6, 1], [0, 5, 3]
+        last = {side.engine.config.rank: max(side.caches) for side in prefill}
+        written_on_a_busy_stream(prefill, 6, src_blocks, num_tokens, lambda side, layer: (
+            side.engine.finish("pull", src_blocks, num_tokens) if layer == last[side.engine.config.rank] else None))
+        for side in decode:
+            side.engine.expect("pull", engine_ref("prefill", src_layout, prefill), dst_blocks, num_tokens)
+        for side in decode:
+            side.engine.wait("pull", timeout_s=WAIT_S)
+        check_landed(decode, "pull", 6, dst_blocks, num_tokens)
+    finally:
+        close_sides(prefill, decode)
+
+
 @pytest.mark.parametrize("piece_bytes", [0, 8192], ids=["whole", "pieces"])
 def test_push_after_each_layers_compute_on_the_callers_stream(piece_bytes: int) -> None:
-    """Each layer is written on the caller's stream just before save_layer, with the GPU held busy in front
-    of the write: the gather must wait for it (the ready event), not read the sentinel left before."""
+    """save_layer returns before the GPU wrote the layer, and layers saved before the consumer accepted are
+    sent later from another thread: each gather must wait for the caller's stream as it was at save_layer."""
     hub = LoopbackHub()
     src_layout, dst_layout = ParallelLayout(2, 1), ParallelLayout(1, 1)
     prefill = sides(hub, "prefill", src_layout, GQA, "producer", piece_bytes=piece_bytes)
     decode = sides(hub, "decode", dst_layout, GQA, "consumer")
     try:
         num_tokens, blocks = 40, [7, 1, 4]
-        computed = []  # each rank's layers as its compute will write them, kept aside on the GPU
-        for side in prefill:
-            side.fill(seed=4, block_ids=blocks, num_tokens=num_tokens)
-            computed.append({layer: cache.clone() for layer, cache in side.caches.items()})
-            for cache in side.caches.values():
-                cache.fill_(-7.0)
-        torch.cuda.synchronize()
         for side in prefill:
             side.engine.start_push("p", engine_ref("decode", dst_layout, decode), blocks, num_tokens)
         decode[0].engine.expect("p", engine_ref("prefill", src_layout, prefill), blocks, num_tokens, push=True)
-        for layer in range(GQA.num_layers):
-            for side, layers in zip(prefill, computed):
-                torch.cuda._sleep(20_000_000)  # the "compute": its write lands well after save_layer returns
-                side.caches[layer].copy_(layers[layer])  # device to device: queued, the host does not wait
-                side.engine.save_layer("p", layer)
+        written_on_a_busy_stream(prefill, 4, blocks, num_tokens, lambda side, layer: side.engine.save_layer("p", layer))
         for side in prefill:
             side.engine.finish("p")
         decode[0].engine.wait("p", timeout_s=WAIT_S)
