@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ncclkv.layout import Span
-from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, _kernel, gather, part_views, scatter
+from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, _kernel, amx_views, gather, part_views, scatter
 
 from ._common import (
     DEFAULT_OUT, MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, standalone_command,
@@ -112,7 +112,12 @@ def _check(
     gather(cache, spec, block_ids, tokens, take, wire, kernel=kernel)
     slots = torch.tensor([block_ids[t // spec.block_size] for t in tokens], device=cache.device)
     offsets = torch.tensor([t % spec.block_size for t in tokens], device=cache.device)
-    expected = torch.stack([part[slots, offsets][:, take.start : take.stop] for part in part_views(cache, spec)])
+    if spec.layout is CacheLayout.CPU_AMX:
+        keys, values = amx_views(cache, spec)
+        rows = [keys[slots, offsets // 16, offsets % 16].flatten(-2), values[slots, offsets // 2, offsets % 2].flatten(-2)]
+    else:
+        rows = [part[slots, offsets] for part in part_views(cache, spec)]
+    expected = torch.stack([part[:, take.start : take.stop] for part in rows])
     if not torch.equal(wire.view(expected.shape), expected):
         raise AssertionError(f"{kernel} gather of {spec.layout.name} tokens {tokens!r} heads {take!r} is wrong")
 
@@ -144,7 +149,13 @@ behind its shuffles. It stays the slowest layout. The torch-op path (`torch`
 rows; what CUDA caches run) moves whole blocks with one index_select /
 index_copy_ and the partial blocks with strided copies; it pays per indexed
 row and about 25 us of Python per call, which is why it trails most on the
-head-major layouts and on small slices. Slices of 16 MiB and up measure the
+head-major layouts and on small slices. CPU_AMX (what vLLM's CPU backend writes
+with the AMX ISA: bfloat16, block size a multiple of 32) packs K and V in
+16-row tiles of pairs: the native kernel transposes each key tile as a matrix
+of element pairs (4-byte words, 4x4 SSE2 blocks) and reads values 16 dims of
+a token pair at a time, every other element; the torch ops go through 6-d
+tile views (one index_select / index_copy_ for whole blocks, a copy per tile
+for partial ones) and trail far behind. Slices of 16 MiB and up measure the
 copies against memory; at 1 MiB the memcpy baseline copies a wire buffer that
 stays in cache while the cache blocks partly come from memory.
 """
@@ -167,7 +178,7 @@ def _headline(rows: list[dict[str, Any]]) -> list[str]:
                 f"{op} / memcpy (median, full slices): {worst['ratio_median']:.2f} ({worst['layout']}, "
                 f"{worst['size_mib']:g} MiB) to {best['ratio_median']:.2f} ({best['layout']}, {best['size_mib']:g} MiB)"
             )
-    for layout in ("CPU", "CPU_KT"):
+    for layout in ("CPU", "CPU_KT", "CPU_AMX"):
         native = [r for r in rows if r["kernel"] == "native" and r["layout"] == layout and r["slice"] == "full"]
         if native:
             low, high = min(r["vs_torch"] for r in native), max(r["vs_torch"] for r in native)

@@ -1,79 +1,74 @@
-"""Which CPU layout vLLM's attention kernels really write: ``CacheLayout.CPU`` or ``CacheLayout.CPU_KT``.
+"""Which CPU layout vLLM's attention kernels really write: ``CPU``, ``CPU_KT`` or ``CPU_AMX``.
 
 The CPU cache tensor is ``[num_blocks, heads, block_size, 2*head_size]`` and,
 per (block, head), holds the keys in the first half and the values in the
-second. The values are ``[block_size, head_size]`` (token-major); the keys are
-token-major too (``CPU``) or transposed, ``[head_size, block_size]``
-(``CPU_KT``), depending on the ISA vLLM picks (``_get_attn_isa``): vLLM 0.32's
-portable kernels (``vec``, ``vec16``) transpose them for every dtype. The shape
-cannot tell the two apart, so :func:`cpu_key_order` writes one block with
-vLLM's own cache-write op and reads back where the keys landed.
+second. Their order inside each half depends on the ISA vLLM picks
+(``_get_attn_isa``): token-major (``CPU``), keys transposed to ``[head_size,
+block_size]`` (``CPU_KT``: vLLM 0.32's portable ``vec`` / ``vec16`` kernels, every
+dtype), or both packed in 16-row AMX tiles (``CPU_AMX``: the ``amx`` kernels,
+bfloat16 with block_size a multiple of 32). The shape cannot tell them apart, so
+:func:`vllm_cpu_layout` writes one block with vLLM's own cache-write op and
+keeps the layout that reads it back.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-from ..paged import CacheLayout
+from ..layout import Span
+from ..paged import CacheLayout, PagedCacheSpec, gather
 
-__all__ = ["cpu_cache_layout", "cpu_key_order"]
+__all__ = ["cpu_cache_layout", "vllm_cpu_layout"]
 
-KeyOrder = Literal["token_major", "transposed"]
-
-_CPU_LAYOUTS = (CacheLayout.CPU, CacheLayout.CPU_KT)
+_CPU_LAYOUTS = (CacheLayout.CPU, CacheLayout.CPU_KT, CacheLayout.CPU_AMX)
 
 
-def cpu_key_order(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> KeyOrder:
-    """Write one block with vLLM's CPU cache op and read back the order of its keys and values.
+def vllm_cpu_layout(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> CacheLayout:
+    """Write one block of random keys and values with vLLM's CPU cache op; the layout whose gather reads them back.
 
-    Raises NotImplementedError naming the ISA when the values are not token-major
-    or the keys neither token-major nor transposed (e.g. AMX's packed tiles).
+    Random bits (not small integers) so that no other order can read back the
+    same values by chance. Raises NotImplementedError naming the ISA when no
+    CPU layout reads what the op wrote.
     """
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     isa = _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
-    tok = torch.arange(block_size).view(block_size, 1, 1).expand(block_size, 1, head_size)
-    dim = torch.arange(head_size).remainder(128).view(1, 1, head_size).expand(block_size, 1, head_size)
-    seen = []
-    for probe in (tok, dim):  # small integers: exact in every float dtype
-        cache = torch.zeros(1, 1, 2 * block_size, head_size, dtype=dtype)
-        keys, values = cache.chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(probe.to(dtype).contiguous(), (probe + 1).to(dtype).contiguous(), keys,
-                                       values, torch.arange(block_size), isa, k_scale=1.0, v_scale=1.0,
-                                       kv_cache_dtype=kv_cache_dtype)
-        seen.append((keys.reshape(-1).float(), values.reshape(-1).float()))
-    token_major = [p[:, 0, :].reshape(-1).float() for p in (tok, dim)]
-    transposed = [p[:, 0, :].t().reshape(-1).float() for p in (tok, dim)]
-    if not all(torch.equal(v, t + 1) for (_, v), t in zip(seen, token_major)):
-        raise NotImplementedError(f"vLLM CPU attention (ISA {isa!r}) stores values in an order ncclkv does not read")
-    if all(torch.equal(k, t) for (k, _), t in zip(seen, token_major)):
-        return "token_major"
-    if all(torch.equal(k, t) for (k, _), t in zip(seen, transposed)):
-        return "transposed"
-    raise NotImplementedError(f"vLLM CPU attention (ISA {isa!r}) stores keys in an order ncclkv does not read")
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, block_size, 1, head_size, generator=gen).to(dtype)
+    cache = torch.zeros(1, 1, block_size, 2 * head_size, dtype=dtype)
+    keys, values = cache.view(1, 1, 2 * block_size, head_size).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(kv[0], kv[1], keys, values, torch.arange(block_size), isa, k_scale=1.0,
+                                   v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
+    for layout in _CPU_LAYOUTS:
+        try:
+            spec = PagedCacheSpec.from_tensor(cache, layout)
+        except ValueError:  # e.g. CPU_AMX with a block size that is no multiple of 16
+            continue
+        out = torch.empty_like(kv)
+        if torch.equal(gather(cache, spec, [0], Span(0, block_size), Span(0, 1), out), kv):
+            return layout
+    raise NotImplementedError(f"vLLM CPU attention (ISA {isa!r}) stores keys and values in an order no ncclkv "
+                              f"CPU layout reads ({dtype}, block_size {block_size}, head_size {head_size})")
 
 
 def cpu_cache_layout(layout: CacheLayout, cache: torch.Tensor, block_size: int, head_size: int,
                      kv_cache_dtype: str = "auto", configured: bool = False) -> CacheLayout:
-    """The layout to read ``cache`` with: for a CPU-shaped cache on the CPU, ``CPU`` or ``CPU_KT``
-    as vLLM's cache op writes it; any other ``layout`` unchanged.
+    """The layout to read ``cache`` with: for a CPU-shaped cache on the CPU, ``CPU``, ``CPU_KT`` or
+    ``CPU_AMX`` as vLLM's cache op writes it; any other ``layout`` unchanged.
 
-    ``layout`` is the one detected from the shape (``CPU`` for both) or, with
-    ``configured``, the one the user named: a configured ``CPU`` / ``CPU_KT`` that
+    ``layout`` is the one detected from the shape (``CPU`` for all three) or, with
+    ``configured``, the one the user named: a configured CPU layout that
     vLLM's op contradicts raises ValueError naming both (reading it would corrupt
     every partial block).
     """
     if layout not in _CPU_LAYOUTS or cache.device.type != "cpu":
         return layout
-    order = cpu_key_order(cache.dtype, block_size, head_size, kv_cache_dtype)
-    found = CacheLayout.CPU_KT if order == "transposed" else CacheLayout.CPU
+    found = vllm_cpu_layout(cache.dtype, block_size, head_size, kv_cache_dtype)
     if configured and layout is not found:
         raise ValueError(
-            f"kv_connector_extra_config['cache_layout']={layout.value!r}, but vLLM's CPU cache op stores keys "
-            f"{order.replace('_', '-')} for {cache.dtype}, block_size {block_size}, head_size {head_size}: "
+            f"kv_connector_extra_config['cache_layout']={layout.value!r}, but vLLM's CPU cache op writes "
+            f"{found.value!r} for {cache.dtype}, block_size {block_size}, head_size {head_size}: "
             f"use {found.value!r} (or leave cache_layout unset)"
         )
     return found

@@ -6,7 +6,7 @@ latent]``), contiguous and independent of either side's block size and layout.
 
 from ._copy import gather, scatter
 from ._slots import BlockRun, SlicePlan, SlotMap
-from ._spec import CacheLayout, PagedCacheSpec, detect_layout, kv_view, part_views, wire_shape
+from ._spec import CacheLayout, PagedCacheSpec, amx_views, detect_layout, kv_view, part_views, wire_shape
 
 __all__ = [
     "BlockRun",
@@ -14,6 +14,7 @@ __all__ = [
     "PagedCacheSpec",
     "SlicePlan",
     "SlotMap",
+    "amx_views",
     "detect_layout",
     "gather",
     "kv_view",

@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from .._env import PAGED_KERNELS, env_settings
 from ..errors import ShapeMismatchError
 from ..layout import Span
-from ._native import move_parts, part_geometry
-from ._slots import SlicePlan, SlotMap
-from ._spec import PagedCacheSpec, part_views
+from ._native import move_amx, move_parts, part_geometry
+from ._slots import BlockRun, SlicePlan, SlotMap
+from ._spec import AMX_PAIR, AMX_TILE_ROWS, CacheLayout, PagedCacheSpec, amx_views, part_views
 
 __all__ = ["gather", "scatter"]
 
@@ -70,8 +70,8 @@ def _default_kernel() -> str:
     return env_settings().paged_kernel  # read once: gather runs per layer
 
 
-def _use_native(kernel: str | None, cache: torch.Tensor) -> bool:
-    """Whether this call takes the native kernel; ValueError names a bad ``kernel``."""
+def _use_native(kernel: str | None, cache: torch.Tensor, spec: PagedCacheSpec) -> bool:
+    """Whether this call takes the native kernel (CPU caches); ValueError names a bad ``kernel``."""
     if kernel is None:
         kernel = _default_kernel()
     elif kernel not in PAGED_KERNELS:
@@ -223,7 +223,14 @@ def gather(
     CUDA caches always take torch ops.
     """
     plan, slot_map = _check(cache, spec, block_ids, tokens, heads, out, "out")
-    native = _use_native(kernel, cache)
+    native = _use_native(kernel, cache, spec)
+    if spec.layout is CacheLayout.CPU_AMX:
+        amx_views(cache, spec)  # checks the cache, even for an empty span
+        if native and len(tokens) and len(heads):
+            move_amx(True, cache, spec, slot_map.ids_cpu, tokens, heads, out)
+        elif not native:
+            _amx_move(True, cache, spec, plan, heads, out)
+        return out
     if native:
         geometry = part_geometry(cache, spec, heads)  # checks the cache, even for an empty span
     else:
@@ -260,8 +267,10 @@ def scatter(
     must be distinct. ``kernel`` as for :func:`gather`.
     """
     plan, slot_map = _check(cache, spec, block_ids, tokens, heads, wire, "wire")
-    native = _use_native(kernel, cache)
-    if native:
+    native = _use_native(kernel, cache, spec)
+    if spec.layout is CacheLayout.CPU_AMX:
+        amx_views(cache, spec)  # checks the cache, even for an empty span
+    elif native:
         geometry = part_geometry(cache, spec, heads)
     else:
         parts = _torch_parts(cache, spec, tokens, heads, wire)
@@ -271,6 +280,12 @@ def scatter(
         used = list(plan.full_block_ids) + [run.block_id for run in plan.edges]
         repeated = sorted({b for b in used if used.count(b) > 1})
         raise ValueError(f"token span {tokens!r} maps to repeated block ids {repeated[:8]}; scatter needs distinct blocks")
+    if spec.layout is CacheLayout.CPU_AMX:
+        if native:
+            move_amx(False, cache, spec, slot_map.ids_cpu, tokens, heads, wire)
+        else:
+            _amx_move(False, cache, spec, plan, heads, wire)
+        return
     if native:
         move_parts(False, cache, geometry, spec, slot_map.ids_cpu, tokens, heads, wire)
         return
@@ -282,3 +297,58 @@ def scatter(
             num_full = len(plan.full_block_ids)
             full = src[plan.full_start : plan.full_start + num_full * spec.block_size]
             _scatter_blocks(full.unflatten(0, (num_full, spec.block_size)), view, plan.block_index)
+
+
+def _amx_move(to_wire: bool, cache: torch.Tensor, spec: PagedCacheSpec, plan: SlicePlan, heads: Span,
+              wire: torch.Tensor) -> None:
+    """Gather (``to_wire``) or scatter one layer's slice of a CPU_AMX cache through its tile views.
+
+    Whole blocks move with one indexed copy per part; a partial block's tokens
+    with one strided copy per 16-token key tile and per run of value token pairs
+    (an odd first or last token alone), so no token outside the span is written.
+    """
+    keys, values = (view[:, :, :, heads.start : heads.stop] for view in amx_views(cache, spec))
+    if len(heads) == 0 or len(plan.tokens) == 0:
+        return
+    wire_keys, wire_values = wire[0], wire[1]  # [tokens, heads, head_size]
+    for run in plan.edges:
+        for cached, wired in _amx_edge(keys, values, wire_keys, wire_values, run, spec.head_size):
+            (wired if to_wire else cached).copy_(cached if to_wire else wired)
+    if plan.block_index is not None:
+        num_full, bs, dim = len(plan.full_block_ids), spec.block_size, spec.head_size
+        rows = slice(plan.full_start, plan.full_start + num_full * bs)
+        full_keys = wire_keys[rows].unflatten(-1, (dim // AMX_PAIR, AMX_PAIR)).unflatten(
+            0, (num_full, bs // AMX_TILE_ROWS, AMX_TILE_ROWS))
+        full_values = wire_values[rows].unflatten(-1, (dim // AMX_TILE_ROWS, AMX_TILE_ROWS)).unflatten(
+            0, (num_full, bs // AMX_PAIR, AMX_PAIR))
+        for part, full in ((keys, full_keys), (values, full_values)):
+            if to_wire:
+                torch.index_select(part, 0, plan.block_index, out=full)
+            else:
+                part.index_copy_(0, plan.block_index, full)
+
+
+def _amx_edge(keys: torch.Tensor, values: torch.Tensor, wire_keys: torch.Tensor, wire_values: torch.Tensor,
+              run: BlockRun, dim: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(cache view, wire view) pairs covering the tokens of one partial-block run, K then V."""
+    block, start, stop = run.block_id, run.offset, run.offset + run.length
+    first_row = run.wire_start - run.offset  # the wire row of the block's token 0
+    token = start
+    while token < stop:
+        tile, low = divmod(token, AMX_TILE_ROWS)
+        high = min(AMX_TILE_ROWS, low + stop - token)
+        at = first_row + token
+        yield keys[block, tile, low:high], wire_keys[at : at + high - low].unflatten(-1, (dim // AMX_PAIR, AMX_PAIR))
+        token += high - low
+    token = start
+    if token % AMX_PAIR:  # the second token of a pair
+        yield values[block, token // AMX_PAIR, 1], wire_values[first_row + token].unflatten(-1, (-1, AMX_TILE_ROWS))
+        token += 1
+    pairs = (stop - token) // AMX_PAIR
+    if pairs:
+        at = first_row + token
+        wired = wire_values[at : at + AMX_PAIR * pairs].unflatten(0, (pairs, AMX_PAIR))
+        yield values[block, token // AMX_PAIR : token // AMX_PAIR + pairs], wired.unflatten(-1, (-1, AMX_TILE_ROWS))
+        token += AMX_PAIR * pairs
+    if token < stop:  # the first token of a pair
+        yield values[block, token // AMX_PAIR, 0], wire_values[first_row + token].unflatten(-1, (-1, AMX_TILE_ROWS))

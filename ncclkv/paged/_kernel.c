@@ -316,6 +316,119 @@ static PyObject *copy_parts(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* CPU_AMX: per (block, head), K is [bs/16][D/2][16][2] and V is [D/16][bs/2][16][2] (elements).
+ * A K tile of 16 tokens is a transposed [D/2][16] matrix of element pairs; a V chunk of
+ * 16 dims of a token pair is a [16][2] matrix whose columns are the two tokens. */
+enum { AMX_ROWS = 16, AMX_PAIR = 2 };
+
+typedef struct {
+    int gather;
+    Py_ssize_t elem, head_size, num_heads, block_size;
+    const int64_t *block_ids;
+    Py_ssize_t token_start, num_tokens;
+    char *keys, *values;          /* block 0's K and V halves of the slice's first head */
+    Py_ssize_t s_block, s_head;   /* bytes */
+    char *wire_keys, *wire_values;
+} AmxJob;
+
+#if HAVE_SIMD_TRANSPOSE
+/* The 16 dims of both tokens of a pair, 2-byte elements: chunk [16 dims][2 tokens] <-> w0[16], w1[16]. */
+static inline void amx_value_pair_u16(int gather, uint16_t *chunk, uint16_t *w0, uint16_t *w1) {
+    for (int half = 0; half < 2; half++) {  /* dims 8 * half .. 8 * half + 7 */
+        __m128i *c = (__m128i *)(chunk + 16 * half);
+        if (gather) {  /* [d t0, d t1, ...] -> [t0 d, d+1 | t1 d, d+1] per 4 dims, then the halves joined */
+            __m128i x0 = _mm_loadu_si128(c), x1 = _mm_loadu_si128(c + 1);
+            x0 = _mm_shuffle_epi32(_mm_shufflehi_epi16(_mm_shufflelo_epi16(x0, 0xD8), 0xD8), 0xD8);
+            x1 = _mm_shuffle_epi32(_mm_shufflehi_epi16(_mm_shufflelo_epi16(x1, 0xD8), 0xD8), 0xD8);
+            _mm_storeu_si128((__m128i *)(w0 + 8 * half), _mm_unpacklo_epi64(x0, x1));
+            _mm_storeu_si128((__m128i *)(w1 + 8 * half), _mm_unpackhi_epi64(x0, x1));
+        } else {
+            __m128i a = _mm_loadu_si128((const __m128i *)(w0 + 8 * half));
+            __m128i b = _mm_loadu_si128((const __m128i *)(w1 + 8 * half));
+            _mm_storeu_si128(c, _mm_unpacklo_epi16(a, b));
+            _mm_storeu_si128(c + 1, _mm_unpackhi_epi16(a, b));
+        }
+    }
+}
+#endif
+
+static void amx_segment(const AmxJob *job, int64_t block_id, Py_ssize_t offset, Py_ssize_t done, Py_ssize_t tokens) {
+    const Py_ssize_t elem = job->elem, dim = job->head_size, pair = AMX_PAIR * elem;
+    const Py_ssize_t token_row = job->num_heads * dim * elem;  /* wire bytes per token */
+    const Py_ssize_t k_tile = dim * AMX_ROWS * elem;           /* bytes per 16-token key tile */
+    const Py_ssize_t v_group = job->block_size * AMX_ROWS * elem;  /* bytes per 16-dim value group */
+    for (Py_ssize_t h = 0; h < job->num_heads; h++) {
+        char *keys = job->keys + block_id * job->s_block + h * job->s_head;
+        char *values = job->values + block_id * job->s_block + h * job->s_head;
+        char *wire_keys = job->wire_keys + done * token_row + h * dim * elem;
+        char *wire_values = job->wire_values + done * token_row + h * dim * elem;
+        for (Py_ssize_t t = offset; t < offset + tokens;) {  /* keys: one transpose per tile (or part of one) */
+            const Py_ssize_t row = t % AMX_ROWS, run = AMX_ROWS - row < offset + tokens - t ? AMX_ROWS - row
+                                                                                           : offset + tokens - t;
+            char *tile = keys + (t / AMX_ROWS) * k_tile + row * pair;
+            move_tile(job->gather, tile, wire_keys + (t - offset) * token_row, run, dim / AMX_PAIR, AMX_ROWS * pair,
+                      token_row, pair);
+            t += run;
+        }
+        for (Py_ssize_t t = offset; t < offset + tokens;) {  /* values: 16 dims at a time, every other element */
+            char *chunk = values + ((t / AMX_PAIR) * AMX_ROWS * AMX_PAIR + t % AMX_PAIR) * elem;
+            char *wired = wire_values + (t - offset) * token_row;
+#if HAVE_SIMD_TRANSPOSE
+            if (elem == 2 && t % AMX_PAIR == 0 && t + 1 < offset + tokens) {  /* both tokens of the pair at once */
+                for (Py_ssize_t group = 0; group < dim / AMX_ROWS; group++)
+                    amx_value_pair_u16(job->gather, (uint16_t *)(chunk + group * v_group),
+                                       (uint16_t *)(wired + group * AMX_ROWS * elem),
+                                       (uint16_t *)(wired + token_row + group * AMX_ROWS * elem));
+                t += AMX_PAIR;
+                continue;
+            }
+#endif
+            for (Py_ssize_t group = 0; group < dim / AMX_ROWS; group++)
+                move_tile(job->gather, chunk + group * v_group, wired + group * AMX_ROWS * elem, 1, AMX_ROWS, pair,
+                          token_row, elem);
+            t++;
+        }
+    }
+}
+
+static PyObject *copy_amx(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    enum { NARGS = 14 };
+    Py_ssize_t v[NARGS];
+    (void)self;
+    if (nargs != NARGS) {
+        PyErr_Format(PyExc_TypeError, "copy_amx takes %d arguments, got %zd", (int)NARGS, nargs);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        if (!as_ssize(args[i], &v[i], i))
+            return NULL;
+    AmxJob job = {
+        .gather = v[0] != 0, .elem = v[1], .head_size = v[2], .num_heads = v[3],
+        .block_ids = (const int64_t *)(uintptr_t)v[4], .block_size = v[5], .token_start = v[6], .num_tokens = v[7],
+        .keys = (char *)(uintptr_t)v[8], .values = (char *)(uintptr_t)v[9], .s_block = v[10], .s_head = v[11],
+        .wire_keys = (char *)(uintptr_t)v[12], .wire_values = (char *)(uintptr_t)v[13],
+    };
+    if (job.elem < 1 || job.head_size < AMX_ROWS || job.head_size % AMX_ROWS || job.num_heads < 0 ||
+        job.block_size < AMX_ROWS || job.block_size % AMX_ROWS || job.token_start < 0 || job.num_tokens < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy_amx: bad geometry elem=%zd head_size=%zd num_heads=%zd block_size=%zd token_start=%zd "
+                     "num_tokens=%zd (head_size and block_size must be multiples of 16)",
+                     job.elem, job.head_size, job.num_heads, job.block_size, job.token_start, job.num_tokens);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t done = 0; done < job.num_tokens;) {
+        const Py_ssize_t pos = job.token_start + done, offset = pos % job.block_size;
+        Py_ssize_t tokens = job.block_size - offset;
+        if (tokens > job.num_tokens - done)
+            tokens = job.num_tokens - done;
+        amx_segment(&job, job.block_ids[pos / job.block_size], offset, done, tokens);
+        done += tokens;
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *isa(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -327,6 +440,9 @@ static PyMethodDef methods[] = {
     {"copy_parts", (PyCFunction)(void (*)(void))copy_parts, METH_FASTCALL,
      "copy_parts(gather, elem, head_size, num_heads, block_ids_ptr, block_size, token_start, num_tokens, "
      "*[cache_ptr, s_block, s_token, s_head, s_dim, wire_ptr] per part): move a token span of one layer."},
+    {"copy_amx", (PyCFunction)(void (*)(void))copy_amx, METH_FASTCALL,
+     "copy_amx(gather, elem, head_size, num_heads, block_ids_ptr, block_size, token_start, num_tokens, keys_ptr, "
+     "values_ptr, s_block, s_head, wire_keys_ptr, wire_values_ptr): move a token span of one CPU_AMX layer."},
     {NULL, NULL, 0, NULL},
 };
 

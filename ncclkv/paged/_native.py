@@ -13,7 +13,7 @@ from ..layout import Span
 from . import _kernel  # type: ignore[attr-defined]  # built by setup.py
 from ._spec import PagedCacheSpec, part_views
 
-__all__ = ["copy_part", "move_parts", "part_geometry"]
+__all__ = ["copy_part", "move_amx", "move_parts", "part_geometry"]
 
 # (byte offset from the cache's data_ptr to the part's first element, byte strides [block, token, head, dim])
 _Geometry = tuple[tuple[int, tuple[int, ...]], ...]
@@ -66,6 +66,21 @@ def move_parts(
     for index, (offset, strides) in enumerate(geometry):
         args += [base + offset, *strides, wire_ptr + index * part_bytes]
     _kernel.copy_parts(*args)
+
+
+def move_amx(gather: bool, cache: torch.Tensor, spec: PagedCacheSpec, block_ids: torch.Tensor, tokens: Span,
+             heads: Span, wire: torch.Tensor) -> None:
+    """One layer's slice of a CPU_AMX cache, cache -> wire (``gather``) or back.
+
+    The caller has checked the cache (``amx_views``: contiguous ``[bs, 2*D]`` rows per
+    block and head, bs and D multiples of 16), the wire and the span's blocks.
+    """
+    elem = cache.element_size()
+    keys = cache.data_ptr() + heads.start * cache.stride(1) * elem
+    wire_part = len(tokens) * len(heads) * spec.head_size * elem
+    _kernel.copy_amx(int(gather), elem, spec.head_size, len(heads), block_ids.data_ptr(), spec.block_size,
+                     tokens.start, len(tokens), keys, keys + spec.block_size * spec.head_size * elem,
+                     cache.stride(0) * elem, cache.stride(1) * elem, wire.data_ptr(), wire.data_ptr() + wire_part)
 
 
 def copy_part(

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ShapeMismatchError
 
-__all__ = ["CacheLayout", "PagedCacheSpec", "detect_layout", "kv_view", "part_views", "wire_shape"]
+__all__ = ["CacheLayout", "PagedCacheSpec", "amx_views", "detect_layout", "kv_view", "part_views", "wire_shape"]
 
 
 class CacheLayout(enum.Enum):
@@ -30,6 +30,11 @@ class CacheLayout(enum.Enum):
       answers ``CPU``). Whole blocks copied byte for byte survive either reading; tokens
       taken out of a block do not.
       Its keys move at transposed-copy speed (a few GB/s on CPU), its values as ``CPU``'s.
+    - ``CPU_AMX``: vLLM CPU with the AMX ISA (bfloat16, block_size a multiple of 32):
+      the same shape and halves, each packed for AMX tiles. K is ``[bs/16, D/2, 16, 2]``
+      (tiles of 16 tokens; per token, pairs of dims), V ``[D/16, bs/2, 16, 2]`` (tiles
+      of 16 dims; per dim, pairs of tokens). Needs ``bs`` and ``D`` multiples of 16;
+      :func:`amx_views` reads it. Like ``CPU_KT``, never detected from the shape.
     - ``MLA``: ``[nb, bs, latent]``, one latent per token (``H`` = 1, ``D`` = latent).
     """
 
@@ -38,10 +43,13 @@ class CacheLayout(enum.Enum):
     FLASHINFER = "flashinfer"
     CPU = "cpu"
     CPU_KT = "cpu_kt"
+    CPU_AMX = "cpu_amx"
     MLA = "mla"
 
 
-_CPU_LAYOUTS = (CacheLayout.CPU, CacheLayout.CPU_KT)
+_CPU_LAYOUTS = (CacheLayout.CPU, CacheLayout.CPU_KT, CacheLayout.CPU_AMX)
+# The AMX tiles: 16 rows (tokens of K, dims of V) of pairs (VNNI: two 16-bit values per 32-bit word).
+AMX_TILE_ROWS, AMX_PAIR = 16, 2
 
 
 _PATTERNS = {
@@ -50,6 +58,7 @@ _PATTERNS = {
     CacheLayout.FLASHINFER: "[num_blocks, 2, block_size, num_kv_heads, head_size]",
     CacheLayout.CPU: "[num_blocks, num_kv_heads, block_size, 2*head_size]",
     CacheLayout.CPU_KT: "[num_blocks, num_kv_heads, block_size, 2*head_size]",
+    CacheLayout.CPU_AMX: "[num_blocks, num_kv_heads, block_size, 2*head_size], block_size and head_size multiples of 16",
     CacheLayout.MLA: "[num_blocks, block_size, latent]",
 }
 
@@ -81,6 +90,9 @@ class PagedCacheSpec:
                 raise ValueError(f"PagedCacheSpec.{name} must be a positive int, got {value!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"PagedCacheSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.layout is CacheLayout.CPU_AMX and (self.block_size % AMX_TILE_ROWS or self.head_size % AMX_TILE_ROWS):
+            raise ValueError(f"a CPU_AMX cache packs 16-row tiles: block_size and head_size must be multiples of "
+                             f"{AMX_TILE_ROWS}, got block_size={self.block_size}, head_size={self.head_size}")
         if self.layout is CacheLayout.MLA and self.num_kv_heads != 1:
             raise ValueError(f"an MLA cache holds one latent per token; num_kv_heads must be 1, got {self.num_kv_heads}")
 
@@ -114,7 +126,7 @@ class PagedCacheSpec:
     def from_tensor(cls, tensor: torch.Tensor, layout: CacheLayout) -> PagedCacheSpec:
         """Read the geometry of ``tensor`` taken as ``layout``; ValueError naming expected vs actual."""
         shape = tuple(tensor.shape)
-        ndim = {CacheLayout.CPU: 4, CacheLayout.CPU_KT: 4, CacheLayout.MLA: 3}.get(layout, 5)
+        ndim = 4 if layout in _CPU_LAYOUTS else 3 if layout is CacheLayout.MLA else 5
         bad = len(shape) != ndim or any(size < 1 for size in shape)
         if not bad and layout in (CacheLayout.FLASH_NHD, CacheLayout.FLASH_HND):
             bad = shape[0] != 2
@@ -167,9 +179,13 @@ def _check_cache(cache: torch.Tensor, spec: PagedCacheSpec) -> None:
 def part_views(cache: torch.Tensor, spec: PagedCacheSpec) -> tuple[torch.Tensor, ...]:
     """One view per part (K, V; MLA: the latent) as ``[num_blocks, block_size, num_kv_heads, head_size]`` (no copy).
 
-    Exists for every layout, CPU_KT included (its keys and values have different
-    strides, so :func:`kv_view` cannot stack them). Raises as :func:`kv_view`.
+    Exists for every layout but CPU_AMX (see :func:`amx_views`), CPU_KT included (its
+    keys and values have different strides, so :func:`kv_view` cannot stack them).
+    Raises as :func:`kv_view`.
     """
+    if spec.layout is CacheLayout.CPU_AMX:
+        raise ValueError("a CPU_AMX cache has no [num_blocks, block_size, heads, head_size] view: its tokens and dims "
+                         "are split across tiles; use amx_views")
     if spec.layout is not CacheLayout.CPU_KT:
         return tuple(kv_view(cache, spec).unbind(0))
     _check_cache(cache, spec)
@@ -178,6 +194,26 @@ def part_views(cache: torch.Tensor, spec: PagedCacheSpec) -> tuple[torch.Tensor,
     halves = cache.view(nb, heads, 2, bs * dim)
     keys = halves[:, :, 0].unflatten(2, (dim, bs)).permute(0, 3, 1, 2)
     values = halves[:, :, 1].unflatten(2, (bs, dim)).permute(0, 2, 1, 3)
+    return keys, values
+
+
+def amx_views(cache: torch.Tensor, spec: PagedCacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of a CPU_AMX cache as token-major tile views (no copy).
+
+    Keys ``[num_blocks, bs/16, 16, heads, D/2, 2]``: token ``16*i + j`` is ``[:, i, j]``,
+    dim ``2*p + e`` is ``[..., p, e]``. Values ``[num_blocks, bs/2, 2, heads, D/16, 16]``:
+    token ``2*i + e`` is ``[:, i, e]``, dim ``16*p + j`` is ``[..., p, j]``. Raises as
+    :func:`kv_view` for a cache that does not match ``spec``.
+    """
+    if spec.layout is not CacheLayout.CPU_AMX:
+        raise ValueError(f"amx_views reads CPU_AMX caches, the spec says {spec.layout.name}")
+    _check_cache(cache, spec)
+    _check_cpu_rows(cache, spec)
+    nb, heads, bs, dim = spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size
+    rows, pair = AMX_TILE_ROWS, AMX_PAIR
+    halves = cache.view(nb, heads, 2, bs * dim)
+    keys = halves[:, :, 0].unflatten(2, (bs // rows, dim // pair, rows, pair)).permute(0, 2, 4, 1, 3, 5)
+    values = halves[:, :, 1].unflatten(2, (dim // rows, bs // pair, rows, pair)).permute(0, 3, 5, 1, 2, 4)
     return keys, values
 
 
@@ -195,6 +231,9 @@ def kv_view(cache: torch.Tensor, spec: PagedCacheSpec) -> torch.Tensor:
             "a CPU_KT cache has no single [parts, ...] view: its keys are [head_size, block_size] per block "
             "and head, its values [block_size, head_size]; use part_views"
         )
+    if layout is CacheLayout.CPU_AMX:
+        raise ValueError("a CPU_AMX cache has no [parts, ...] view: its tokens and dims are split across tiles; "
+                         "use amx_views")
     if layout is CacheLayout.FLASH_HND and cache.dim() == 5 and not _hnd_is_physical(cache):
         view = cache
     elif layout is CacheLayout.FLASH_NHD:
@@ -220,14 +259,14 @@ def detect_layout(
 ) -> CacheLayout:
     """The layout of ``tensor`` when its shape (and, for HND, strides) allows only one reading.
 
-    Never answers CPU_KT: its shape is CPU's, so a ``[num_blocks, num_kv_heads,
+    Never answers CPU_KT or CPU_AMX: their shape is CPU's, so a ``[num_blocks, num_kv_heads,
     block_size, 2*head_size]`` tensor reads as CPU and a caller whose keys may be
     transposed (vLLM's CPU kernels) must choose between the two itself.
     Raises ValueError naming the shape when no layout fits or several read it differently.
     """
     fits: dict[CacheLayout, torch.Tensor] = {}
     for layout in CacheLayout:
-        if layout is CacheLayout.CPU_KT:
+        if layout in (CacheLayout.CPU_KT, CacheLayout.CPU_AMX):
             continue
         try:
             spec = PagedCacheSpec.from_tensor(tensor, layout)

@@ -218,7 +218,7 @@ class EngineSim:
     def __post_init__(self) -> None:
         self._partial: dict[str, list[int]] = {}
         first = next(iter(self.caches.values()))
-        layout = cpu_cache_layout(CacheLayout.CPU, first, BLOCK_SIZE, HEAD_SIZE)  # CPU or CPU_KT, as vLLM writes
+        layout = cpu_cache_layout(CacheLayout.CPU, first, BLOCK_SIZE, HEAD_SIZE)  # the CPU layout vLLM writes
         self._spec = PagedCacheSpec.from_tensor(first, layout)
         self._isa = _get_attn_isa(torch.float32, BLOCK_SIZE, HEAD_SIZE, "auto")
 

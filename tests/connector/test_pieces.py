@@ -14,7 +14,7 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from ncclkv.connector import NcclKVConnector
-from ncclkv.connector._cpu_cache import cpu_cache_layout, cpu_key_order
+from ncclkv.connector._cpu_cache import cpu_cache_layout, vllm_cpu_layout
 from ncclkv.connector._metadata import NcclKVHandshake, NcclKVMetadata, engine_ref_from_handshakes
 from ncclkv.connector._stats import NcclKVPromMetrics, NcclKVStats, stats_delta
 from ncclkv.connector._worker import layer_index
@@ -97,11 +97,12 @@ def test_cpu_layout_choice_reads_what_vllm_writes(dtype: torch.dtype) -> None:
     nb, heads, bs, dim = 6, 4, 32, 64
     cache = torch.zeros(nb, heads, bs, 2 * dim, dtype=dtype)
     layout = cpu_cache_layout(CacheLayout.CPU, cache, bs, dim)  # what register_kv_caches does with a detected CPU
-    order = cpu_key_order(dtype, bs, dim)
-    assert layout is (CacheLayout.CPU_KT if order == "transposed" else CacheLayout.CPU)
+    assert layout is vllm_cpu_layout(dtype, bs, dim)
     isa = _get_attn_isa(dtype, bs, dim, "auto")
     if isa in ("vec", "vec16"):  # vLLM's portable kernels store K column-major ([head_size, block_size])
         assert layout is CacheLayout.CPU_KT
+    if isa == "amx":  # bfloat16 on a CPU with AMX tiles: K and V packed in 16-row tiles
+        assert layout is CacheLayout.CPU_AMX
     tokens = 100
     kv = torch.randn(2, tokens, heads, dim).to(dtype)
     block_ids = [4, 1, 5, 2]

@@ -11,7 +11,7 @@ from ncclkv.layout import Span
 from ncclkv.paged import CacheLayout
 
 # "hnd" is the contiguous physical tensor, "hnd_view" vLLM's permuted view of it.
-VARIANTS = ["nhd", "hnd", "hnd_view", "flashinfer", "cpu", "cpu_kt"]
+VARIANTS = ["nhd", "hnd", "hnd_view", "flashinfer", "cpu", "cpu_kt", "cpu_amx"]
 LAYOUTS = {
     "nhd": CacheLayout.FLASH_NHD,
     "hnd": CacheLayout.FLASH_HND,
@@ -19,9 +19,12 @@ LAYOUTS = {
     "flashinfer": CacheLayout.FLASHINFER,
     "cpu": CacheLayout.CPU,
     "cpu_kt": CacheLayout.CPU_KT,
+    "cpu_amx": CacheLayout.CPU_AMX,
     "mla": CacheLayout.MLA,
 }
-CPU_VARIANTS = ("cpu", "cpu_kt")
+CPU_VARIANTS = ("cpu", "cpu_kt", "cpu_amx")
+# CPU_AMX packs 16-row tiles: its block size and head size are multiples of 16.
+AMX_MIN = 16
 DTYPES = [torch.float32, torch.bfloat16]
 # Every element size the native kernel has a branch for (1, 2, 4, 8 bytes; 2 and 4 take SIMD transposes).
 ALL_SIZES = [torch.uint8, torch.bfloat16, torch.float32, torch.float64]
@@ -46,6 +49,7 @@ def make_cache(variant: str, nb: int, bs: int, heads: int, dim: int, dtype: torc
         "flashinfer": (nb, 2, bs, heads, dim),
         "cpu": (nb, heads, bs, 2 * dim),
         "cpu_kt": (nb, heads, bs, 2 * dim),
+        "cpu_amx": (nb, heads, bs, 2 * dim),
         "mla": (nb, bs, dim),
     }[variant]
     raw = random_bits(shape, dtype, rng)
@@ -53,7 +57,8 @@ def make_cache(variant: str, nb: int, bs: int, heads: int, dim: int, dtype: torc
 
 
 def ref_cell(raw: torch.Tensor, variant: str, part: int, block: int, offset: int, head: int) -> torch.Tensor:
-    """The ``[head_size]`` vector of one (part, block, offset, head), read straight from the layout's definition."""
+    """A view of the ``head_size`` values of one (part, block, offset, head), read straight from the layout's
+    definition: ``[head_size]``, or for cpu_amx ``[D/2, 2]`` (K) / ``[D/16, 16]`` (V), the dims in order."""
     if variant == "nhd":
         return raw[part, block, offset, head]
     if variant in ("hnd", "hnd_view"):
@@ -67,6 +72,13 @@ def ref_cell(raw: torch.Tensor, variant: str, part: int, block: int, offset: int
     half = ((block * num_heads + head) * 2 + part) * bs * dim  # K [bs, D] (cpu_kt: [D, bs]) then V [bs, D]
     if variant == "cpu_kt" and part == 0:
         return raw.reshape(-1)[half + offset : half + dim * bs : bs]
+    if variant == "cpu_amx":  # K [bs/16, D/2, 16, 2], V [D/16, bs/2, 16, 2] per (block, head)
+        base = raw.storage_offset() + half
+        if part == 0:
+            tile, row = divmod(offset, 16)
+            return raw.as_strided((dim // 2, 2), (32, 1), base + (tile * (dim // 2) * 16 + row) * 2)
+        pair, second = divmod(offset, 2)
+        return raw.as_strided((dim // 16, 16), (bs * 16, 2), base + pair * 32 + second)
     return raw.reshape(-1)[half + offset * dim : half + (offset + 1) * dim]
 
 
@@ -75,7 +87,7 @@ def ref_gather(raw, variant, bs, block_ids, tokens: Span, heads: Span) -> torch.
     dim = raw.shape[-1] // 2 if variant in CPU_VARIANTS else raw.shape[-1]
     wire = torch.empty(parts, len(tokens), len(heads), dim, dtype=raw.dtype)
     for part, t, h in itertools.product(range(parts), tokens, heads):
-        wire[part, t - tokens.start, h - heads.start] = ref_cell(raw, variant, part, block_ids[t // bs], t % bs, h)
+        wire[part, t - tokens.start, h - heads.start] = ref_cell(raw, variant, part, block_ids[t // bs], t % bs, h).reshape(-1)
     return wire.view(1, len(tokens) * len(heads), dim) if variant == "mla" else wire
 
 
@@ -83,7 +95,8 @@ def ref_scatter(wire, raw, variant, bs, block_ids, tokens: Span, heads: Span) ->
     parts = 1 if variant == "mla" else 2
     wire = wire.view(parts, len(tokens), len(heads), wire.shape[-1])
     for part, t, h in itertools.product(range(parts), tokens, heads):
-        ref_cell(raw, variant, part, block_ids[t // bs], t % bs, h).copy_(wire[part, t - tokens.start, h - heads.start])
+        cell = ref_cell(raw, variant, part, block_ids[t // bs], t % bs, h)
+        cell.copy_(wire[part, t - tokens.start, h - heads.start].view(cell.shape))
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from ncclkv.errors import ShapeMismatchError
 from ncclkv.layout import Span
 from ncclkv.paged import (
-    CacheLayout, PagedCacheSpec, SlotMap, detect_layout, gather, kv_view, part_views, scatter, wire_shape,
+    CacheLayout, PagedCacheSpec, SlotMap, amx_views, detect_layout, gather, kv_view, part_views, scatter, wire_shape,
 )
 
 from _paged_helpers import (
-    ALL_SIZES, DTYPES, KERNELS, LAYOUTS, VARIANTS, make_cache, ref_cell, ref_gather, ref_scatter, same_bytes,
+    ALL_SIZES, AMX_MIN, DTYPES, KERNELS, LAYOUTS, VARIANTS, make_cache, ref_cell, ref_gather, ref_scatter, same_bytes,
 )
 
 
@@ -26,9 +26,13 @@ def shuffled_blocks(num_blocks: int, count: int, rng: random.Random) -> list[int
 
 
 def round_trip(
-    src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, heads_src, heads_dst_start, rng, dim=8, kernel=None
+    src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, heads_src, heads_dst_start, rng, dim=None, kernel=None
 ):
-    """Gather from one cache, scatter into another (with ``kernel``); check both against the reference."""
+    """Gather from one cache, scatter into another (with ``kernel``); check both against the reference.
+
+    ``dim`` defaults to 8, or 16 where a side is cpu_amx (its tiles are 16 dims)."""
+    if dim is None:
+        dim = AMX_MIN if "cpu_amx" in (src_variant, dst_variant) else 8
     num_heads_src, num_heads_dst = (1, 1) if src_variant == "mla" else (4, 3)
     need_src, need_dst = -(-tokens.stop // bs_src), -(-tokens.stop // bs_dst)
     src, src_raw = make_cache(src_variant, need_src + 3, bs_src, num_heads_src, dim, dtype, rng)
@@ -54,7 +58,7 @@ def round_trip(
     for part, t, h in itertools.product(range(parts), tokens, range(len(heads_src))):
         got = ref_cell(dst_raw, dst_variant, part, dst_ids[t // bs_dst], t % bs_dst, heads_dst.start + h)
         want = ref_cell(src_raw, src_variant, part, src_ids[t // bs_src], t % bs_src, heads_src.start + h)
-        assert same_bytes(got, want), (part, t, h)
+        assert same_bytes(got.reshape(-1), want.reshape(-1)), (part, t, h)
 
 
 BLOCK_PAIRS = list(itertools.product([16, 32, 64], repeat=2))
@@ -97,13 +101,14 @@ def test_round_trip_mla(bs_src: int, bs_dst: int, dtype: torch.dtype, kernel: st
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_span_shapes(variant: str, tokens: Span, heads: Span, kernel: str) -> None:
     rng = random.Random(hash((variant, tokens.start, tokens.stop, heads.start)))
-    src, src_raw = make_cache(variant, 9, 16, 4, 8, torch.bfloat16, rng)
+    dim = AMX_MIN if variant == "cpu_amx" else 8
+    src, src_raw = make_cache(variant, 9, 16, 4, dim, torch.bfloat16, rng)
     spec = PagedCacheSpec.from_tensor(src, LAYOUTS[variant])
     ids = [8, 2, 5, 0]
     out = torch.zeros(spec.wire_shape(len(tokens), len(heads)), dtype=torch.bfloat16)
     gather(src, spec, ids, tokens, heads, out, kernel=kernel)
     assert same_bytes(out, ref_gather(src_raw, variant, 16, ids, tokens, heads))
-    dst, dst_raw = make_cache(variant, 9, 16, 4, 8, torch.bfloat16, rng)
+    dst, dst_raw = make_cache(variant, 9, 16, 4, dim, torch.bfloat16, rng)
     expected = dst_raw.clone()
     ref_scatter(out, expected, variant, 16, ids, tokens, heads)
     scatter(out, dst, spec, ids, tokens, heads, kernel=kernel)
@@ -122,7 +127,7 @@ def test_head_sizes_that_cannot_be_widened(dtype: torch.dtype, dim: int, kernel:
 
 @pytest.mark.parametrize("dtype", ALL_SIZES, ids=str)
 @pytest.mark.parametrize("dim", [8, 16, 13, 64])
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "cpu_amx"])  # 16-row tiles: see the next test
 def test_native_kernel_every_element_size(variant: str, dim: int, dtype: torch.dtype) -> None:
     """Element sizes 1-8 and head sizes off the SIMD block (13), with blocks of 8, 16 and 24 tokens."""
     rng = random.Random(dim * 10 + dtype.itemsize)
@@ -130,6 +135,17 @@ def test_native_kernel_every_element_size(variant: str, dim: int, dtype: torch.d
         tokens = Span(bs // 2 + 1, bs // 2 + 1 + 3 * bs + 5)
         round_trip(variant, "cpu_kt", bs, 16, dtype, tokens, Span(1, 4), 0, rng, dim=dim, kernel="native")
         round_trip("cpu_kt", variant, 16, bs, dtype, tokens, Span(0, 3), 0, rng, dim=dim, kernel="native")
+
+
+@pytest.mark.parametrize("dtype", ALL_SIZES, ids=str)
+@pytest.mark.parametrize("dim", [16, 48])
+def test_native_kernel_cpu_amx_every_element_size(dim: int, dtype: torch.dtype) -> None:
+    """CPU_AMX's key tiles and value pairs, from mid-tile and odd tokens, with blocks of 16, 32 and 48 tokens."""
+    rng = random.Random(dim * 10 + dtype.itemsize)
+    for bs in (16, 32, 48):
+        tokens = Span(bs // 2 + 1, bs // 2 + 1 + 3 * bs + 5)
+        round_trip("cpu_amx", "cpu_kt", bs, 16, dtype, tokens, Span(1, 4), 0, rng, dim=dim, kernel="native")
+        round_trip("cpu_kt", "cpu_amx", 16, bs, dtype, tokens, Span(0, 3), 0, rng, dim=dim, kernel="native")
 
 
 @pytest.mark.parametrize("bounce_blocks", [1, 3])
@@ -189,15 +205,16 @@ def test_round_trip_property(data: st.DataObject) -> None:
     mla = data.draw(st.booleans(), "mla")
     src_variant = "mla" if mla else data.draw(st.sampled_from(VARIANTS), "src")
     dst_variant = "mla" if mla else data.draw(st.sampled_from(VARIANTS), "dst")
-    bs_src = data.draw(st.sampled_from([1, 2, 16, 32, 64]), "bs_src")
-    bs_dst = data.draw(st.sampled_from([1, 3, 16, 32, 64]), "bs_dst")
+    amx = "cpu_amx" in (src_variant, dst_variant)  # 16-row tiles: block and head sizes multiples of 16
+    bs_src = data.draw(st.sampled_from([16, 32, 64] if src_variant == "cpu_amx" else [1, 2, 16, 32, 64]), "bs_src")
+    bs_dst = data.draw(st.sampled_from([16, 32, 64] if dst_variant == "cpu_amx" else [1, 3, 16, 32, 64]), "bs_dst")
     start = data.draw(st.integers(0, 80), "start")
     tokens = Span(start, start + data.draw(st.integers(0, 90), "length"))
     h0 = 0 if mla else data.draw(st.integers(0, 3), "h0")
     heads = Span(h0, data.draw(st.integers(h0, 1 if mla else min(4, h0 + 3)), "h1"))  # dst has 3 heads
     dst_start = data.draw(st.integers(0, 1 - len(heads) if mla else 3 - len(heads)), "dst_h0")
     dtype = data.draw(st.sampled_from(DTYPES), "dtype")
-    dim = data.draw(st.sampled_from([2, 4, 8, 11, 16]), "dim")
+    dim = data.draw(st.sampled_from([16, 32] if amx else [2, 4, 8, 11, 16]), "dim")
     kernel = data.draw(st.sampled_from(KERNELS), "kernel")
     rng = random.Random(data.draw(st.integers(0, 2**16), "seed"))
     round_trip(src_variant, dst_variant, bs_src, bs_dst, dtype, tokens, heads, dst_start, rng, dim=dim, kernel=kernel)
@@ -225,6 +242,19 @@ def test_from_tensor_reads_each_layout() -> None:
                 kv_view(tensor, spec)
         else:
             assert kv_view(tensor, spec).shape == (2, 5, 16, 4, 8)
+    amx_cache = torch.empty(5, 4, 32, 32)
+    amx = PagedCacheSpec.from_tensor(amx_cache, CacheLayout.CPU_AMX)
+    assert (amx.num_blocks, amx.block_size, amx.num_kv_heads, amx.head_size) == (5, 32, 4, 16)
+    keys, values = amx_views(amx_cache, amx)
+    assert (keys.shape, values.shape) == ((5, 2, 16, 4, 8, 2), (5, 16, 2, 4, 1, 16))
+    for read in (kv_view, part_views):
+        with pytest.raises(ValueError, match=r"CPU_AMX cache has no .* use amx_views"):
+            read(amx_cache, amx)
+    with pytest.raises(ValueError, match=r"amx_views reads CPU_AMX caches, the spec says CPU"):
+        amx_views(specs[CacheLayout.CPU], PagedCacheSpec.from_tensor(specs[CacheLayout.CPU], CacheLayout.CPU))
+    with pytest.raises(ValueError, match=r"multiples of 16, got block_size=16, head_size=8"):
+        PagedCacheSpec.from_tensor(specs[CacheLayout.CPU], CacheLayout.CPU_AMX)
+    assert detect_layout(amx_cache, 4, 16) is CacheLayout.CPU  # the shape cannot tell: the caller chooses
     hnd_view = specs[CacheLayout.FLASH_HND].permute(0, 1, 3, 2, 4)
     assert PagedCacheSpec.from_tensor(hnd_view, CacheLayout.FLASH_HND) == PagedCacheSpec.from_tensor(
         specs[CacheLayout.FLASH_HND], CacheLayout.FLASH_HND

@@ -80,12 +80,13 @@ def test_the_c_entry_point_checks_its_arguments() -> None:
 
 
 def test_kernel_choice_and_default() -> None:
-    cache = torch.zeros(PagedCacheSpec(CacheLayout.CPU, 2, 16, 1, 8, torch.float32).shape)
-    assert _copy._use_native(None, cache) == (_copy._default_kernel() == "native")
-    assert _copy._use_native("native", cache) and not _copy._use_native("torch", cache)
+    cache = torch.zeros(PagedCacheSpec(CacheLayout.CPU, 2, 16, 1, 16, torch.float32).shape)
     spec = PagedCacheSpec.from_tensor(cache, CacheLayout.CPU)
+    assert _copy._use_native(None, cache, spec) == (_copy._default_kernel() == "native")
+    assert _copy._use_native("native", cache, spec) and not _copy._use_native("torch", cache, spec)
+
     with pytest.raises(ValueError, match=r"kernel must be one of native, torch or None, got 'fast'"):
-        gather(cache, spec, SlotMap([1], 16), Span(0, 4), Span(0, 1), torch.empty(2, 4, 1, 8), kernel="fast")
+        gather(cache, spec, SlotMap([1], 16), Span(0, 4), Span(0, 1), torch.empty(2, 4, 1, 16), kernel="fast")
 
 
 def test_native_is_the_default_for_cpu_caches(monkeypatch) -> None:

@@ -35,7 +35,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine_proc import EngineProcess, ParallelEngineOptions, RequestResult, session_scheduling
-from tiny_model import make_prompts
+from tiny_model import TINY_SPEC, make_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -160,6 +160,34 @@ def test_pd_through_ncclkv_matches_single_engine(launch_engine, cpu_cores: list[
     assert prefill.drain() == 0
     print(f"pull {pull_s:.2f} s, push {push_s:.2f} s for {len(PROMPT_LENGTHS)} prompts; "
           f"test body {time.monotonic() - t0:.1f} s")
+
+
+def test_pd_in_bfloat16_reads_the_cpu_layout_vllm_writes(launch_engine, cpu_cores: list[int], tmp_path: Path) -> None:
+    """bfloat16 caches: vLLM's CPU kernels pack them in AMX tiles where the CPU has them (CPU_AMX), else keys
+    transposed (CPU_KT); each engine's connector finds which with vLLM's own op (tests/connector/test_pieces.py
+    proves the reading token by token). Pull and push equal one engine, and nothing was recomputed."""
+    import torch
+
+    from ncclkv.connector._cpu_cache import vllm_cpu_layout
+
+    layout = vllm_cpu_layout(torch.bfloat16, BLOCK_SIZE, TINY_SPEC.head_size)  # what register_kv_caches finds
+    ref_path = tmp_path / "decode_ref.json"
+    prefill = launch_engine("prefill", cpu_core=cpu_cores[0], dtype="bfloat16",
+                            kv_transfer_config=_connector("kv_producer"))
+    decode = launch_engine("decode", cpu_core=cpu_cores[-1], dtype="bfloat16",
+                           kv_transfer_config=_connector("kv_consumer", ref_path=str(ref_path)))
+    prefill.wait_ready()
+    decode.wait_ready()
+    expected_pull = _ids(prefill.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS))
+    expected_push = _ids(prefill.generate(PUSH_PROMPTS, max_tokens=MAX_TOKENS))
+    decoded = decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=_prefill(prefill, PULL_PROMPTS))
+    assert _ids(decoded) == expected_pull
+    params = _prefill(prefill, PUSH_PROMPTS, remote_decode=json.loads(ref_path.read_text()))
+    assert all(p["pushed"] for p in params)
+    assert _ids(decode.generate(PUSH_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) == expected_push
+    assert prefill.drain() == 0
+    assert _load_failures(decode) == []  # the KV was loaded, not recomputed
+    print(f"\nbfloat16 caches read as {layout.value}")
 
 
 def _load_failures(engine: Any) -> list[str]:
