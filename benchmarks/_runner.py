@@ -15,8 +15,14 @@ from types import ModuleType
 
 from ._common import BENCH_DIR, DEFAULT_OUT, BenchContext, BenchOptions, BenchResult, format_size, save
 
+# Results measured on machines lent for a session (a GPU, more cores): one folder per machine with the
+# JSON and PNG its runs wrote and a NOTES.md that says what they show. Kept, not rerun: `ncclkv bench`
+# on such a machine reproduces them with the command each section names.
+LENT_DIR = BENCH_DIR / "lent"
+
 __all__ = [
-    "BENCHMARKS", "Outcome", "command_for", "load", "results_path", "run_benchmarks", "run_one", "write_results_md",
+    "BENCHMARKS", "LENT_DIR", "Outcome", "command_for", "load", "results_path", "run_benchmarks", "run_one",
+    "write_results_md",
 ]
 
 # name -> module; each has NAME, TITLE, run(ctx) -> BenchResult and plot(result, path) -> bool
@@ -93,7 +99,7 @@ Times are min and median over the repeats stated in each section.
 """
 
 
-def _machine_line(meta: dict[str, object]) -> str:
+def _machine_line(meta: dict[str, object], shared: bool = True) -> str:
     m = meta.get("machine") or {}
     assert isinstance(m, dict)
     parts = [f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores ({m.get('usable_cores', '?')} usable)",
@@ -101,7 +107,7 @@ def _machine_line(meta: dict[str, object]) -> str:
     if "gpu" in m:
         parts.append(str(m["gpu"]))
     if "loadavg_1m" in m:
-        parts.append(f"load average {m['loadavg_1m']} at the end (shared machine)")
+        parts.append(f"load average {m['loadavg_1m']} at the end" + (" (shared machine)" if shared else ""))
     parts.append(str(m.get("date", "")))
     return "; ".join(p for p in parts if p)
 
@@ -113,12 +119,12 @@ def _sizes(value: object) -> object:
     return format_size(value) if isinstance(value, int) and value > 0 else value
 
 
-def _section(result: BenchResult, figure: str | None) -> str:
+def _section(result: BenchResult, figure: str | None, shared: bool = True) -> str:
     meta = result.meta
     lines = [f"## {result.name}: {result.title}", ""]
     if meta.get("quick"):
         lines += ["*Quick mode: a smoke test, not representative numbers.*", ""]
-    lines += [f"- Machine: {_machine_line(meta)}", f"- Reproduce: `{meta.get('command') or '?'}`"]
+    lines += [f"- Machine: {_machine_line(meta, shared)}", f"- Reproduce: `{meta.get('command') or '?'}`"]
     details = {k: _sizes(v) if k.endswith("_bytes") else v for k, v in meta.items()
                if k not in ("machine", "command", "quick")}
     lines += ["- Setup: " + "; ".join(f"{k} = {v}" for k, v in details.items()), ""]
@@ -132,14 +138,50 @@ def _section(result: BenchResult, figure: str | None) -> str:
     return "\n".join(lines)
 
 
-def write_results_md(path: Path, out: Path, names: Sequence[str] = tuple(BENCHMARKS), redraw: bool = False) -> Path:
+def write_results_md(path: Path, out: Path, names: Sequence[str] = tuple(BENCHMARKS), redraw: bool = False,
+                     lent: Path | None = None) -> Path:
     """(Re)write ``path`` from every ``<out>/<name>.json`` present; figures are copied to ``figures/`` beside it.
 
     ``redraw`` draws each figure again from its JSON with the module's current ``plot``.
+    ``lent``: a folder of per-machine folders (see :data:`LENT_DIR`) presented after
+    this machine's sections, each with its own NOTES.md in place of the modules' analysis.
     """
+    sections, summary = _present(path.parent / "figures", out, names, redraw)
+    for machine in sorted(p for p in (lent.iterdir() if lent and lent.is_dir() else ()) if p.is_dir()):
+        notes = machine / "NOTES.md"
+        found, lines = _present(path.parent / "figures", machine, names, False, prefix=f"lent-{machine.name}-",
+                                lent=True)
+        if found:
+            sections.append(f"# Lent machine: {machine.name}\n\nMeasured on a machine lent for one session "
+                            f"(`{_relative(machine, path.parent)}/`, nothing else running on it); the numbers are "
+                            f"kept, not rerun here.\n")
+            if notes.is_file():
+                sections.append(notes.read_text())
+            sections += found
+            summary += [line.replace("- **", f"- **{machine.name} ", 1) for line in lines]
+    source = _relative(out, path.parent)
+    source = "this folder" if source == "." else f"`{source}/`"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = [_INTRO.format(source=source)] + (["## Summary", "", *summary, ""] if summary else [])
+    path.write_text("\n".join([*head, *sections]))
+    return path
+
+
+def _relative(folder: Path, base: Path) -> str:
+    """``folder`` as written in RESULTS.md: relative to ``base`` where it lies below it, else its name."""
+    try:
+        return folder.resolve().relative_to(base.resolve()).as_posix()
+    except ValueError:
+        return folder.name
+
+
+def _present(figures: Path, out: Path, names: Sequence[str], redraw: bool, prefix: str = "",
+             lent: bool = False) -> tuple[list[str], list[str]]:
+    """The sections and summary lines of every ``<out>/<name>.json``; figures copied as ``<prefix><name>.png``.
+
+    ``lent``: a lent machine's results, without the modules' ANALYSIS (written about this machine's)."""
     sections: list[str] = []
     summary: list[str] = []
-    figures = path.parent / "figures"
     for name in names:
         json_path = out / f"{name}.json"
         if not json_path.is_file():
@@ -156,19 +198,14 @@ def write_results_md(path: Path, out: Path, names: Sequence[str] = tuple(BENCHMA
             load(name).plot(result, png)
         if png.is_file():
             figures.mkdir(parents=True, exist_ok=True)
-            if png.resolve() != (figures / png.name).resolve():
-                shutil.copyfile(png, figures / png.name)
-            figure = f"figures/{png.name}"
-        # The module's current text, so RESULTS.md follows edits without a rerun.
-        result.analysis = getattr(load(name), "ANALYSIS", result.analysis) if name in BENCHMARKS else result.analysis
-        sections.append(_section(result, figure))
+            copy = figures / f"{prefix}{png.name}"
+            if png.resolve() != copy.resolve():
+                shutil.copyfile(png, copy)
+            figure = f"figures/{copy.name}"
+        if lent:
+            result.analysis = ""
+        elif name in BENCHMARKS:  # the module's current text, so RESULTS.md follows edits without a rerun
+            result.analysis = getattr(load(name), "ANALYSIS", result.analysis)
+        sections.append(_section(result, figure, shared=not lent))
         summary.append(f"- **{name}**: {result.headline[0]}" if result.headline else f"- **{name}**: see below")
-    try:
-        source = out.resolve().relative_to(path.parent.resolve()).as_posix()
-    except ValueError:
-        source = out.name
-    source = "this folder" if source == "." else f"`{source}/`"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    head = [_INTRO.format(source=source)] + (["## Summary", "", *summary, ""] if summary else [])
-    path.write_text("\n".join([*head, *sections]))
-    return path
+    return sections, summary

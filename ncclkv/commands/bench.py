@@ -103,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
                 outcome = runner.run_one(name, ctx)
                 ctx.report_to(None)
             _show(outcome)
-    results = runner.write_results_md(args.results or runner.results_path(out, args.quick), out, redraw=args.report_only)
+    path = args.results or runner.results_path(out, args.quick)
+    main_results = path.resolve() == (common.BENCH_DIR / "RESULTS.md").resolve()  # it also presents the lent machines
+    results = runner.write_results_md(path, out, redraw=args.report_only, lent=runner.LENT_DIR if main_results else None)
     print(f"\nwrote {results}")
     return 0

@@ -218,3 +218,24 @@ def test_report_only_redraws_and_flags_unreadable_results(quick_run: tuple[Path,
     assert "## transfer:" in text and "## overlap" not in text
     assert (tmp_path / "transfer.png").read_bytes()[:8] == PNG_MAGIC  # drawn from the JSON alone
     assert (tmp_path / "figures" / "transfer.png").is_file()
+
+
+def test_lent_machines_follow_this_machines_sections_with_their_notes(quick_run: tuple[Path, str],
+                                                                      tmp_path: Path) -> None:
+    """A lent machine's kept JSON is presented after this machine's, under its own heading and NOTES.md."""
+    out, _ = quick_run
+    machine = tmp_path / "lent" / "big-box"
+    machine.mkdir(parents=True)
+    for suffix in (".json", ".png"):
+        (machine / f"paged{suffix}").write_bytes((out / f"paged{suffix}").read_bytes())
+    (machine / "NOTES.md").write_text("What the big box shows.\n")
+    (tmp_path / "lent" / "empty-box").mkdir()  # no results: no heading
+    path = _runner.write_results_md(tmp_path / "RESULTS.md", out, names=["paged", "transfer"], lent=tmp_path / "lent")
+    text = path.read_text()
+    ours, lent = text.split("# Lent machine: big-box\n")
+    assert "## paged:" in ours and "## transfer:" in ours and "empty-box" not in text
+    assert "`lent/big-box/`" in lent and lent.index("What the big box shows.") < lent.index("## paged:")
+    assert "![paged](figures/lent-big-box-paged.png)" in lent and (tmp_path / "figures" / "lent-big-box-paged.png").is_file()
+    assert "(shared machine)" in ours and "(shared machine)" not in lent
+    assert "**Why**" not in lent  # the module's analysis describes this machine, not the lent one
+    assert "- **big-box paged**: " in ours.split("## paged:")[0]  # in the summary
