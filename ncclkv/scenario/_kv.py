@@ -26,14 +26,9 @@ def global_kv(geometry: KVGeometry, seed: int, layer: int, num_tokens: int) -> t
 
 
 def cache_shape(layout: CacheLayout, num_blocks: int, block_size: int, heads: int, head_size: int) -> tuple[int, ...]:
-    return {
-        CacheLayout.FLASH_NHD: (2, num_blocks, block_size, heads, head_size),
-        CacheLayout.FLASH_HND: (2, num_blocks, heads, block_size, head_size),
-        CacheLayout.FLASHINFER: (num_blocks, 2, block_size, heads, head_size),
-        CacheLayout.CPU: (num_blocks, heads, block_size, 2 * head_size),
-        CacheLayout.CPU_KT: (num_blocks, heads, block_size, 2 * head_size),
-        CacheLayout.MLA: (num_blocks, block_size, head_size),
-    }[layout]
+    """The contiguous cache tensor's shape (HND: the physical order); MLA holds one latent per token."""
+    heads = 1 if layout is CacheLayout.MLA else heads
+    return PagedCacheSpec(layout, num_blocks, block_size, heads, head_size, torch.float32).shape
 
 
 def make_cache(layout: CacheLayout, num_blocks: int, block_size: int, heads: int, head_size: int,
