@@ -145,8 +145,8 @@ vLLM 0.32's CPU backend writes: keys transposed per block) needs a real
 transpose of each [head_size, block_size] key tile: 16x16 AVX2 blocks (8x8
 SSE2 on ragged tiles or without AVX2; `native_isa` above says which ran), with
 the next head's tile prefetched, because the transpose's loads otherwise wait
-behind its shuffles. It stays the slowest layout. The torch-op path (`torch`
-rows; what CUDA caches run) moves whole blocks with one index_select /
+behind its shuffles. It and CPU_AMX are the slowest layouts. The torch-op
+path (`torch` rows; what CUDA caches run) moves whole blocks with one index_select /
 index_copy_ and the partial blocks with strided copies; it pays per indexed
 row and about 25 us of Python per call, which is why it trails most on the
 head-major layouts and on small slices. CPU_AMX (what vLLM's CPU backend writes
