@@ -1,9 +1,10 @@
 """Gather a request's slice of one layer's paged cache into the wire format, and scatter it back.
 
 CPU caches go through the native kernel (``_kernel.c``): one memcpy per contiguous
-run, a tiled transpose for CPU_KT keys. It is the default because torch's copy
-kernels pay per indexed row and the vLLM CPU layouts cut slices into rows of one
-head (see benchmarks/bench_paged.py). ``NCCLKV_PAGED_KERNEL=torch`` or
+run, a tiled transpose for CPU_KT keys, and for CPU_AMX (``copy_amx``) a transpose
+of each 16-token key tile of element pairs and a de-interleave of value pairs. It
+is the default because torch's copy kernels pay per indexed row and the vLLM CPU
+layouts cut slices into rows of one head (see benchmarks/bench_paged.py). ``NCCLKV_PAGED_KERNEL=torch`` or
 ``kernel="torch"`` selects the torch-op path below for CPU caches too.
 
 Torch-op path (CUDA caches, or asked for): whole blocks move with
@@ -15,6 +16,8 @@ first and last blocks are one strided ``copy_`` each. CPU_KT keys (``[D, bs]`` p
 block and head) cannot be widened and need a transpose: whole blocks go through
 an L2-sized bounce buffer in their own order (indexed copy of contiguous rows),
 then one batched transposing ``copy_``; that transpose bounds them to a few GB/s.
+CPU_AMX goes through its 6-d tile views (:func:`amx_views`): one indexed copy per
+part for whole blocks, a strided copy per key tile and value pair run at the edges.
 Only torch ops run here, so the same code runs on CUDA tensors, asynchronously on
 the current stream.
 """
@@ -37,8 +40,7 @@ from ._spec import AMX_PAIR, AMX_TILE_ROWS, CacheLayout, PagedCacheSpec, amx_vie
 
 __all__ = ["gather", "scatter"]
 
-# complex128 is only a 16-byte word here: every op below moves it without arithmetic.
-# The widest word per byte size; complex128 is only a 16-byte word here: every op below moves it without arithmetic.
+# The widest word of each size; complex128 is only a 16-byte word here: every op below moves it without arithmetic.
 _WIDE_DTYPES = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16}
 # CPU_KT keys pass through a bounce buffer of about this size (L2-sized: both passes hit cache).
 _BOUNCE_BYTES = 512 * 1024
