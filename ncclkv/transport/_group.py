@@ -162,7 +162,8 @@ def open_group(
         if peer_backend != backend:
             raise HandshakeError(f"{where}: this end uses {backend} on {device}, the peer uses {peer_backend}")
         if gpu and store.get(f"gpu/{peer}").decode() == gpu:
-            # NCCL refuses two ranks of one communicator on one GPU, with a message that names neither.
+            # NCCL refuses two ranks of one communicator on one GPU, but only once both ends started it, and torch's
+            # error gives the cause ("Last error: Duplicate GPU detected") after the line a TransferError keeps.
             raise HandshakeError(f"{where}: both ends are on the same GPU ({device}, {gpu}); NCCL needs one GPU "
                                  "per rank: give each rank its own device (CUDA_VISIBLE_DEVICES, LOCAL_RANK)")
         pg = _make_group(store, link_rank, device, deadline, op_timeout_s, gloo_device)
