@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from ncclkv.layout import Span
-from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, _kernel, amx_views, gather, part_views, scatter
+from ncclkv.paged import (
+    CacheLayout, PagedCacheSpec, SlotMap, _kernel, amx_views, cache_views, gather, part_views, scatter,
+)
 
 from ._common import (
     DEFAULT_OUT, MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, save, standalone_command,
@@ -55,9 +57,14 @@ def _case(
     wire2 = torch.empty_like(wire)
     kernels = ("native", "torch") if device.type == "cpu" else ("torch",)
     ops: dict[str, Callable[[], object]] = {"memcpy": lambda: wire2.copy_(wire)}
+    # The torch ops with the cache-side views made once, as the engine keeps them per registered layer.
+    views = None if layout is CacheLayout.CPU_AMX else cache_views(cache, spec, take)
     for kernel in kernels:
-        ops[f"gather/{kernel}"] = lambda k=kernel: gather(cache, spec, slot_map, tokens, take, wire, kernel=k)
-        ops[f"scatter/{kernel}"] = lambda k=kernel: scatter(wire, cache, spec, slot_map, tokens, take, kernel=k)
+        v = views if kernel == "torch" else None
+        ops[f"gather/{kernel}"] = lambda k=kernel, v=v: gather(cache, spec, slot_map, tokens, take, wire, kernel=k,
+                                                               views=v)
+        ops[f"scatter/{kernel}"] = lambda k=kernel, v=v: scatter(wire, cache, spec, slot_map, tokens, take, kernel=k,
+                                                                 views=v)
     times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(args.warmup):
         for fn in ops.values():
@@ -146,7 +153,8 @@ transpose of each [head_size, block_size] key tile: 16x16 AVX2 blocks (8x8
 SSE2 on ragged tiles or without AVX2; `native_isa` above says which ran), with
 the next head's tile prefetched, because the transpose's loads otherwise wait
 behind its shuffles. It and CPU_AMX are the slowest layouts. The torch-op
-path (`torch` rows; what CUDA caches run) moves whole blocks with one index_select /
+path (`torch` rows; what CUDA caches run, with the cache-side views made once as
+the engine keeps them) moves whole blocks with one index_select /
 index_copy_ and the partial blocks with strided copies; it pays per indexed
 row and about 25 us of Python per call, which is why it trails most on the
 head-major layouts and on small slices. CPU_AMX (what vLLM's CPU backend writes

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import ShapeMismatchError
 from ..layout import KVGeometry, ParallelLayout, Roi, Span, shard_roi
-from ..paged import CacheLayout, PagedCacheSpec, SlotMap, gather, scatter
+from ..paged import CacheLayout, CacheViews, PagedCacheSpec, SlotMap, cache_views, gather, scatter
 from ._buffers import WireBuffers
 
 __all__ = ["RankCaches", "torch_dtype"]
@@ -29,6 +29,16 @@ def torch_dtype(name: str) -> torch.dtype:
 class _Layer:
     cache: torch.Tensor
     spec: PagedCacheSpec
+    # CUDA: the torch ops' cache-side views per local head span, made at the first slice (see cache_views).
+    views: dict[Span, CacheViews] | None = None
+
+    def views_for(self, heads: Span) -> CacheViews | None:
+        if self.views is None:
+            return None
+        found = self.views.get(heads)
+        if found is None:  # two threads may both make it: the same views either way
+            found = self.views[heads] = cache_views(self.cache, self.spec, heads)
+        return found
 
 
 class RankCaches:
@@ -64,7 +74,9 @@ class RankCaches:
                 )
             if cache.dtype != self.wire_dtype:
                 raise ShapeMismatchError(f"layer {index}: cache dtype {cache.dtype}, geometry says {self.wire_dtype}")
-            layers[index] = _Layer(cache, spec)
+            # CPU caches take the native kernel, which needs no views; CPU_AMX has none.
+            keep_views = cache.device.type == "cuda" and spec.layout is not CacheLayout.CPU_AMX
+            layers[index] = _Layer(cache, spec, {} if keep_views else None)
         device = next(iter(layers.values())).cache.device if layers else torch.device("cpu")
         with self._lock:
             self._layers = layers
@@ -132,12 +144,12 @@ class RankCaches:
             raise ShapeMismatchError(f"{what} {roi!r} lies outside this rank's shard {self.shard!r}")
 
     def gather(self, layer: int, slots: SlotMap, tokens: Span, heads: Span, out: torch.Tensor) -> torch.Tensor:
-        entry = self._layer(layer)
-        return gather(entry.cache, entry.spec, slots, tokens, self._local(heads), out)
+        entry, local = self._layer(layer), self._local(heads)
+        return gather(entry.cache, entry.spec, slots, tokens, local, out, views=entry.views_for(local))
 
     def scatter(self, layer: int, wire: torch.Tensor, slots: SlotMap, tokens: Span, heads: Span) -> None:
-        entry = self._layer(layer)
-        scatter(wire, entry.cache, entry.spec, slots, tokens, self._local(heads))
+        entry, local = self._layer(layer), self._local(heads)
+        scatter(wire, entry.cache, entry.spec, slots, tokens, local, views=entry.views_for(local))
 
     def _local(self, heads: Span) -> Span:
         start = self.shard.heads.start

@@ -4,17 +4,19 @@ The wire format is ``[2, tokens, heads, head_size]`` (K then V; MLA ``[1, tokens
 latent]``), contiguous and independent of either side's block size and layout.
 """
 
-from ._copy import gather, scatter
+from ._copy import CacheViews, cache_views, gather, scatter
 from ._slots import BlockRun, SlicePlan, SlotMap
 from ._spec import CacheLayout, PagedCacheSpec, amx_views, detect_layout, kv_view, part_views, wire_shape
 
 __all__ = [
     "BlockRun",
     "CacheLayout",
+    "CacheViews",
     "PagedCacheSpec",
     "SlicePlan",
     "SlotMap",
     "amx_views",
+    "cache_views",
     "detect_layout",
     "gather",
     "kv_view",

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from ncclkv.errors import ShapeMismatchError
 from ncclkv.layout import Span
 from ncclkv.paged import (
-    CacheLayout, PagedCacheSpec, SlotMap, amx_views, detect_layout, gather, kv_view, part_views, scatter, wire_shape,
+    CacheLayout, PagedCacheSpec, SlotMap, amx_views, cache_views, detect_layout, gather, kv_view, part_views, scatter,
+    wire_shape,
 )
 
 from _paged_helpers import (
@@ -135,6 +136,30 @@ def test_native_kernel_every_element_size(variant: str, dim: int, dtype: torch.d
         tokens = Span(bs // 2 + 1, bs // 2 + 1 + 3 * bs + 5)
         round_trip(variant, "cpu_kt", bs, 16, dtype, tokens, Span(1, 4), 0, rng, dim=dim, kernel="native")
         round_trip("cpu_kt", variant, 16, bs, dtype, tokens, Span(0, 3), 0, rng, dim=dim, kernel="native")
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "cpu_amx"])  # CPU_AMX has no part views
+def test_cached_views_move_the_same_bytes(variant: str) -> None:
+    """cache_views made once serve every slice of that cache and head span, with a wire at any address."""
+    rng = random.Random(len(variant))
+    cache, raw = make_cache(variant, 12, 16, 4, 8, torch.bfloat16, rng)
+    spec = PagedCacheSpec.from_tensor(cache, LAYOUTS[variant])
+    heads, ids = Span(1, 3), [9, 2, 6, 0, 11]
+    views = cache_views(cache, spec, heads)
+    for tokens in (Span(0, 80), Span(5, 70), Span(17, 18)):
+        shape = spec.wire_shape(len(tokens), len(heads))
+        store = torch.zeros(torch.Size(shape).numel() + 1, dtype=torch.bfloat16)
+        for wire in (store[:-1].view(shape), store[1:].view(shape)):  # a wire on a 2-byte boundary cannot widen
+            gather(cache, spec, ids, tokens, heads, wire, kernel="torch", views=views)
+            assert same_bytes(wire, ref_gather(raw, variant, 16, ids, tokens, heads))
+            expected = raw.clone()
+            ref_scatter(wire, expected, variant, 16, ids, tokens, heads)
+            scatter(wire, cache, spec, ids, tokens, heads, kernel="torch", views=views)
+            assert same_bytes(raw, expected)
+    other = cache_views(cache, spec, Span(0, 2))
+    with pytest.raises(ValueError, match="views were made for"):
+        gather(cache, spec, ids, Span(0, 16), heads, torch.empty(spec.wire_shape(16, 2), dtype=torch.bfloat16),
+               kernel="torch", views=other)
 
 
 @pytest.mark.parametrize("dtype", ALL_SIZES, ids=str)
