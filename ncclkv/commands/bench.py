@@ -96,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     common = importlib.import_module("benchmarks._common")
     out = args.out or common.default_out(args.quick)
+    path = args.results or runner.results_path(out, args.quick)
+    if args.report_only and not any((out / f"{name}.json").is_file() for name in names):
+        # In a fresh clone out/ is empty: rewriting RESULTS.md from nothing would drop every section.
+        raise ValueError(f"--report-only: no results to present in {out} (no {', '.join(f'{n}.json' for n in names)}); "
+                         f"run `ncclkv bench` first; {path} is left as it is")
     with common.BenchContext(common.BenchOptions(args.quick, args.repeats, out)) as ctx:
         for name in [] if args.report_only else names:  # each gets its own status line and prints its table when done
             with _progress(name) as progress:
@@ -103,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
                 outcome = runner.run_one(name, ctx)
                 ctx.report_to(None)
             _show(outcome)
-    path = args.results or runner.results_path(out, args.quick)
     main_results = path.resolve() == (common.BENCH_DIR / "RESULTS.md").resolve()  # it also presents the lent machines
     results = runner.write_results_md(path, out, redraw=args.report_only, lent=runner.LENT_DIR if main_results else None)
     print(f"\nwrote {results}")

@@ -239,3 +239,13 @@ def test_lent_machines_follow_this_machines_sections_with_their_notes(quick_run:
     assert "(shared machine)" in ours and "(shared machine)" not in lent
     assert "**Why**" not in lent  # the module's analysis describes this machine, not the lent one
     assert "- **big-box paged**: " in ours.split("## paged:")[0]  # in the summary
+
+
+def test_report_only_without_results_leaves_results_md_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A fresh clone has no JSON in out/: presenting nothing would empty RESULTS.md."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text("kept\n")
+    assert cli.main(["bench", "--report-only", "--out", str(tmp_path / "empty"), "--results", str(results)]) == 2
+    err = capsys.readouterr().err
+    assert "no results to present" in err and "paged.json" in err and "left as it is" in err
+    assert results.read_text() == "kept\n"
