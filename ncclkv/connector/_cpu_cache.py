@@ -16,12 +16,9 @@ from __future__ import annotations
 import torch
 
 from ..layout import Span
-from ..paged import CacheLayout, PagedCacheSpec, gather
+from ..paged import CPU_LAYOUTS, CacheLayout, PagedCacheSpec, gather
 
 __all__ = ["cpu_cache_layout", "vllm_cpu_layout"]
-
-_CPU_LAYOUTS = (CacheLayout.CPU, CacheLayout.CPU_KT, CacheLayout.CPU_AMX)
-
 
 def vllm_cpu_layout(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> CacheLayout:
     """Write one block of random keys and values with vLLM's CPU cache op; the layout whose gather reads them back.
@@ -40,7 +37,7 @@ def vllm_cpu_layout(dtype: torch.dtype, block_size: int, head_size: int, kv_cach
     keys, values = cache.view(1, 1, 2 * block_size, head_size).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(kv[0], kv[1], keys, values, torch.arange(block_size), isa, k_scale=1.0,
                                    v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
-    for layout in _CPU_LAYOUTS:
+    for layout in CPU_LAYOUTS:
         try:
             spec = PagedCacheSpec.from_tensor(cache, layout)
         except ValueError:  # e.g. CPU_AMX with a block size that is no multiple of 16
@@ -62,7 +59,7 @@ def cpu_cache_layout(layout: CacheLayout, cache: torch.Tensor, block_size: int, 
     vLLM's op contradicts raises ValueError naming both (reading it would corrupt
     every partial block).
     """
-    if layout not in _CPU_LAYOUTS or cache.device.type != "cpu":
+    if layout not in CPU_LAYOUTS or cache.device.type != "cpu":
         return layout
     found = vllm_cpu_layout(cache.dtype, block_size, head_size, kv_cache_dtype)
     if configured and layout is not found:

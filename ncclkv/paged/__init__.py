@@ -6,9 +6,10 @@ latent]``), contiguous and independent of either side's block size and layout.
 
 from ._copy import CacheViews, cache_views, gather, scatter
 from ._slots import BlockRun, SlicePlan, SlotMap
-from ._spec import CacheLayout, PagedCacheSpec, amx_views, detect_layout, kv_view, part_views, wire_shape
+from ._spec import CPU_LAYOUTS, CacheLayout, PagedCacheSpec, amx_views, detect_layout, kv_view, part_views, wire_shape
 
 __all__ = [
+    "CPU_LAYOUTS",
     "BlockRun",
     "CacheLayout",
     "CacheViews",

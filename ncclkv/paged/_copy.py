@@ -264,11 +264,11 @@ def gather(
     plan, slot_map = _check(cache, spec, block_ids, tokens, heads, out, "out")
     native = _use_native(kernel, cache, spec)
     if spec.layout is CacheLayout.CPU_AMX:
-        amx_views(cache, spec)  # checks the cache, even for an empty span
-        if native and len(tokens) and len(heads):
+        tiles = amx_views(cache, spec)  # checks the cache, even for an empty span
+        if not native:
+            _amx_move(True, tiles, spec, plan, heads, out)
+        elif len(tokens) and len(heads):
             move_amx(True, cache, spec, slot_map.ids_cpu, tokens, heads, out)
-        elif not native:
-            _amx_move(True, cache, spec, plan, heads, out)
         return out
     if native:
         geometry = part_geometry(cache, spec, heads)  # checks the cache, even for an empty span
@@ -309,7 +309,7 @@ def scatter(
     plan, slot_map = _check(cache, spec, block_ids, tokens, heads, wire, "wire")
     native = _use_native(kernel, cache, spec)
     if spec.layout is CacheLayout.CPU_AMX:
-        amx_views(cache, spec)  # checks the cache, even for an empty span
+        tiles = amx_views(cache, spec)  # checks the cache, even for an empty span
     elif native:
         geometry = part_geometry(cache, spec, heads)
     else:
@@ -324,7 +324,7 @@ def scatter(
         if native:
             move_amx(False, cache, spec, slot_map.ids_cpu, tokens, heads, wire)
         else:
-            _amx_move(False, cache, spec, plan, heads, wire)
+            _amx_move(False, tiles, spec, plan, heads, wire)
         return
     if native:
         move_parts(False, cache, geometry, spec, slot_map.ids_cpu, tokens, heads, wire)
@@ -339,15 +339,16 @@ def scatter(
             _scatter_blocks(full.unflatten(0, (num_full, spec.block_size)), view, plan.block_index)
 
 
-def _amx_move(to_wire: bool, cache: torch.Tensor, spec: PagedCacheSpec, plan: SlicePlan, heads: Span,
-              wire: torch.Tensor) -> None:
-    """Gather (``to_wire``) or scatter one layer's slice of a CPU_AMX cache through its tile views.
+def _amx_move(to_wire: bool, tiles: tuple[torch.Tensor, torch.Tensor], spec: PagedCacheSpec, plan: SlicePlan,
+              heads: Span, wire: torch.Tensor) -> None:
+    """Gather (``to_wire``) or scatter one layer's slice of a CPU_AMX cache through its tile views (``tiles``:
+    :func:`amx_views` of the cache).
 
     Whole blocks move with one indexed copy per part; a partial block's tokens
     with one strided copy per 16-token key tile and per run of value token pairs
     (an odd first or last token alone), so no token outside the span is written.
     """
-    keys, values = (view[:, :, :, heads.start : heads.stop] for view in amx_views(cache, spec))
+    keys, values = (view[:, :, :, heads.start : heads.stop] for view in tiles)
     if len(heads) == 0 or len(plan.tokens) == 0:
         return
     wire_keys, wire_values = wire[0], wire[1]  # [tokens, heads, head_size]

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ShapeMismatchError
 
-__all__ = ["CacheLayout", "PagedCacheSpec", "amx_views", "detect_layout", "kv_view", "part_views", "wire_shape"]
+__all__ = ["CPU_LAYOUTS", "CacheLayout", "PagedCacheSpec", "amx_views", "detect_layout", "kv_view", "part_views", "wire_shape"]
 
 
 class CacheLayout(enum.Enum):
@@ -47,7 +47,8 @@ class CacheLayout(enum.Enum):
     MLA = "mla"
 
 
-_CPU_LAYOUTS = (CacheLayout.CPU, CacheLayout.CPU_KT, CacheLayout.CPU_AMX)
+# The vLLM CPU layouts: one shape ([num_blocks, heads, block_size, 2*head_size]), three orders inside it.
+CPU_LAYOUTS = (CacheLayout.CPU, CacheLayout.CPU_KT, CacheLayout.CPU_AMX)
 # The AMX tiles: 16 rows (tokens of K, dims of V) of pairs (VNNI: two 16-bit values per 32-bit word).
 AMX_TILE_ROWS, AMX_PAIR = 16, 2
 
@@ -115,7 +116,7 @@ class PagedCacheSpec:
             return (2, nb, heads, bs, dim)
         if layout is CacheLayout.FLASHINFER:
             return (nb, 2, bs, heads, dim)
-        if layout in _CPU_LAYOUTS:
+        if layout in CPU_LAYOUTS:
             return (nb, heads, bs, 2 * dim)
         return (nb, bs, dim)
 
@@ -126,13 +127,13 @@ class PagedCacheSpec:
     def from_tensor(cls, tensor: torch.Tensor, layout: CacheLayout) -> PagedCacheSpec:
         """Read the geometry of ``tensor`` taken as ``layout``; ValueError naming expected vs actual."""
         shape = tuple(tensor.shape)
-        ndim = 4 if layout in _CPU_LAYOUTS else 3 if layout is CacheLayout.MLA else 5
+        ndim = 4 if layout in CPU_LAYOUTS else 3 if layout is CacheLayout.MLA else 5
         bad = len(shape) != ndim or any(size < 1 for size in shape)
         if not bad and layout in (CacheLayout.FLASH_NHD, CacheLayout.FLASH_HND):
             bad = shape[0] != 2
         elif not bad and layout is CacheLayout.FLASHINFER:
             bad = shape[1] != 2
-        elif not bad and layout in _CPU_LAYOUTS:
+        elif not bad and layout in CPU_LAYOUTS:
             bad = shape[3] % 2 != 0
         if bad:
             raise ValueError(f"a {layout.name} cache must be {_PATTERNS[layout]}, got shape {list(shape)}")
@@ -142,7 +143,7 @@ class PagedCacheSpec:
             nb, heads, bs, dim = shape[1:] if _hnd_is_physical(tensor) else (shape[1], shape[3], shape[2], shape[4])
         elif layout is CacheLayout.FLASHINFER:
             nb, _, bs, heads, dim = shape
-        elif layout in _CPU_LAYOUTS:
+        elif layout in CPU_LAYOUTS:
             nb, heads, bs, dim = shape[0], shape[1], shape[2], shape[3] // 2
         else:
             (nb, bs, dim), heads = shape, 1
