@@ -254,17 +254,30 @@ static void move_segment(const Job *job, int64_t block_id, Py_ssize_t offset, Py
     }
 }
 
-static void run_job(const Job *job) {
+/* Cut wire tokens [0, num_tokens), request positions from token_start on, at block boundaries:
+ * segment(job, block id, offset in the block, wire tokens done before, tokens) for each piece. */
+typedef void (*Segment)(const void *job, int64_t block_id, Py_ssize_t offset, Py_ssize_t done, Py_ssize_t tokens);
+
+static void for_each_block(const int64_t *block_ids, Py_ssize_t block_size, Py_ssize_t token_start,
+                           Py_ssize_t num_tokens, Segment segment, const void *job) {
     Py_ssize_t done = 0;
-    while (done < job->num_tokens) {
-        const Py_ssize_t pos = job->token_start + done;
-        const Py_ssize_t offset = pos % job->block_size;
-        Py_ssize_t tokens = job->block_size - offset;
-        if (tokens > job->num_tokens - done)
-            tokens = job->num_tokens - done;
-        move_segment(job, job->block_ids[pos / job->block_size], offset, done, tokens);
+    while (done < num_tokens) {
+        const Py_ssize_t pos = token_start + done;
+        const Py_ssize_t offset = pos % block_size;
+        Py_ssize_t tokens = block_size - offset;
+        if (tokens > num_tokens - done)
+            tokens = num_tokens - done;
+        segment(job, block_ids[pos / block_size], offset, done, tokens);
         done += tokens;
     }
+}
+
+static void job_segment(const void *job, int64_t block_id, Py_ssize_t offset, Py_ssize_t done, Py_ssize_t tokens) {
+    move_segment((const Job *)job, block_id, offset, done, tokens);
+}
+
+static void run_job(const Job *job) {
+    for_each_block(job->block_ids, job->block_size, job->token_start, job->num_tokens, job_segment, job);
 }
 
 static int as_ssize(PyObject *arg, Py_ssize_t *out, Py_ssize_t index) {
@@ -352,7 +365,8 @@ static inline void amx_value_pair_u16(int gather, uint16_t *chunk, uint16_t *w0,
 }
 #endif
 
-static void amx_segment(const AmxJob *job, int64_t block_id, Py_ssize_t offset, Py_ssize_t done, Py_ssize_t tokens) {
+static void amx_segment(const void *amx_job, int64_t block_id, Py_ssize_t offset, Py_ssize_t done, Py_ssize_t tokens) {
+    const AmxJob *job = (const AmxJob *)amx_job;
     const Py_ssize_t elem = job->elem, dim = job->head_size, pair = AMX_PAIR * elem;
     const Py_ssize_t token_row = job->num_heads * dim * elem;  /* wire bytes per token */
     const Py_ssize_t k_tile = dim * AMX_ROWS * elem;           /* bytes per 16-token key tile */
@@ -417,14 +431,7 @@ static PyObject *copy_amx(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t done = 0; done < job.num_tokens;) {
-        const Py_ssize_t pos = job.token_start + done, offset = pos % job.block_size;
-        Py_ssize_t tokens = job.block_size - offset;
-        if (tokens > job.num_tokens - done)
-            tokens = job.num_tokens - done;
-        amx_segment(&job, job.block_ids[pos / job.block_size], offset, done, tokens);
-        done += tokens;
-    }
+    for_each_block(job.block_ids, job.block_size, job.token_start, job.num_tokens, amx_segment, &job);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
