@@ -12,7 +12,7 @@ from ncclkv.paged import CacheLayout
 from ncclkv.scenario._kv import check_landed, fill_shard, global_kv, make_cache
 from ncclkv.transport import LinkFactory
 
-__all__ = ["RankSide", "build_sides", "close_sides", "engine_ref", "global_kv", "make_cache"]
+__all__ = ["RankSide", "build_sides", "close_sides", "engine_ref", "global_kv", "make_cache", "start_pull"]
 
 
 @dataclass
@@ -66,6 +66,17 @@ def build_sides(engine_id: str, layout: ParallelLayout, geometry: KVGeometry, ca
 
 def engine_ref(engine_id: str, layout: ParallelLayout, sides: list[RankSide]) -> EngineRef:
     return EngineRef(engine_id, layout, tuple(side.engine.address for side in sides))
+
+
+def start_pull(request_id: str, prefill: list[RankSide], decode: list[RankSide], seed: int, src_blocks: list[int],
+               dst_blocks: list[int], num_tokens: int) -> None:
+    """Every producer rank holds seed's KV of ``request_id`` for pulling; every consumer rank expects it."""
+    for side in prefill:
+        side.fill(seed=seed, block_ids=src_blocks, num_tokens=num_tokens)
+        side.engine.finish(request_id, src_blocks, num_tokens)
+    ref = engine_ref(prefill[0].engine.config.engine_id, prefill[0].engine.config.layout, prefill)
+    for side in decode:
+        side.engine.expect(request_id, ref, dst_blocks, num_tokens)
 
 
 def close_sides(*groups: list[RankSide]) -> None:

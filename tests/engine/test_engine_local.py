@@ -24,7 +24,7 @@ from ncclkv.protocol import Announce
 
 from link_probes import sleepy_poster
 
-from .kvsim import RankSide, build_sides, close_sides, engine_ref
+from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull
 
 GQA = KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32")
 
@@ -65,12 +65,7 @@ def test_pull_byte_exact(src: tuple[int, int], dst: tuple[int, int], geometry: K
     decode = build_sides("decode", dst_layout, geometry, CacheLayout.MLA if mla else CacheLayout.FLASH_NHD, 32, "consumer")
     try:
         num_tokens, src_blocks, dst_blocks = 45, [5, 2, 9], [3, 0]  # a partial last block on both sides
-        for side in prefill:
-            side.fill(seed=1, block_ids=src_blocks, num_tokens=num_tokens)
-            side.engine.finish("req-1", src_blocks, num_tokens)
-        ref = engine_ref("prefill", src_layout, prefill)
-        for side in decode:
-            side.engine.expect("req-1", ref, dst_blocks, num_tokens)
+        start_pull("req-1", prefill, decode, 1, src_blocks, dst_blocks, num_tokens)
         for side in decode:
             for layer in side.shard.layers:
                 side.engine.wait_layer("req-1", layer, timeout_s=20)
@@ -537,11 +532,7 @@ def test_pull_in_pieces_is_byte_exact(src: tuple[int, int], dst: tuple[int, int]
     decode = build_sides("decode", dst_layout, geometry, CacheLayout.MLA if mla else CacheLayout.FLASH_NHD, 32, "consumer")
     try:
         num_tokens, src_blocks, dst_blocks = 45, [5, 2, 9], [3, 0]
-        for side in prefill:
-            side.fill(seed=21, block_ids=src_blocks, num_tokens=num_tokens)
-            side.engine.finish("pc", src_blocks, num_tokens)
-        for side in decode:
-            side.engine.expect("pc", engine_ref("prefill", src_layout, prefill), dst_blocks, num_tokens)
+        start_pull("pc", prefill, decode, 21, src_blocks, dst_blocks, num_tokens)
         for side in decode:
             side.engine.wait("pc", timeout_s=20)  # Done counted slices, not pieces: else the request failed
             assert side.mismatches(21, dst_blocks, num_tokens, Span(0, num_tokens)) == []

@@ -18,7 +18,7 @@ from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.paged import CacheLayout
 from ncclkv.transport import LoopbackHub, LoopbackTransport
 
-from engine.kvsim import RankSide, build_sides, close_sides, engine_ref
+from engine.kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull
 
 pytestmark = pytest.mark.gpu
 
@@ -57,11 +57,7 @@ def test_pull_lands_byte_exact_in_cuda_caches(src: tuple[int, int], dst: tuple[i
     decode = sides(hub, "decode", dst_layout, geometry, "consumer")
     try:
         num_tokens, src_blocks, dst_blocks = 45, [5, 2, 9], [3, 0, 7]
-        for side in prefill:
-            side.fill(seed=1, block_ids=src_blocks, num_tokens=num_tokens)
-            side.engine.finish("req", src_blocks, num_tokens)
-        for side in decode:
-            side.engine.expect("req", engine_ref("prefill", src_layout, prefill), dst_blocks, num_tokens)
+        start_pull("req", prefill, decode, 1, src_blocks, dst_blocks, num_tokens)
         for side in decode:
             for layer in side.shard.layers:
                 side.engine.wait_layer("req", layer, timeout_s=WAIT_S)
