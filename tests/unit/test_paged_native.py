@@ -79,6 +79,18 @@ def test_the_c_entry_point_checks_its_arguments() -> None:
         _kernel.copy_parts(*fixed[:5], 0, 0, 0, *part)
 
 
+def test_the_amx_entry_point_checks_its_arguments() -> None:
+    # gather, elem, head_size, num_heads, ids, block_size, start, tokens, keys, values, s_block, s_head, wires
+    amx = [1, 2, 16, 1, 0, 32, 0, 0, 0, 0, 0, 0, 0, 0]
+    with pytest.raises(TypeError, match="copy_amx takes 14 arguments, got 13"):
+        _kernel.copy_amx(*amx[:-1])
+    with pytest.raises(TypeError, match="argument 9 must be an int"):
+        _kernel.copy_amx(*amx[:9], "x", *amx[10:])
+    for at, bad, named in ((5, 24, "block_size=24"), (2, 8, "head_size=8"), (7, -1, "num_tokens=-1")):
+        with pytest.raises(ValueError, match=rf"{named} .*multiples of 16"):
+            _kernel.copy_amx(*amx[:at], bad, *amx[at + 1:])
+
+
 def test_kernel_choice_and_default() -> None:
     cache = torch.zeros(PagedCacheSpec(CacheLayout.CPU, 2, 16, 1, 16, torch.float32).shape)
     spec = PagedCacheSpec.from_tensor(cache, CacheLayout.CPU)
