@@ -66,7 +66,9 @@ class WireBuffers:
         self._reuse = self.device.type == "cpu"  # CUDA: the caching allocator reuses already
         self._max = max_cached_bytes
         self._lock = threading.Lock()
-        self._free: dict[int, list[torch.UntypedStorage]] = {}  # capacity -> storages, last given last
+        # capacity -> (storage, the tensor it came back as), last given last: a take of that same shape and
+        # dtype returns the tensor itself, without the two torch calls (each a GIL hand-off) of a new view.
+        self._free: dict[int, list[tuple[torch.UntypedStorage, torch.Tensor | None]]] = {}
         self._order: OrderedDict[int, int] = OrderedDict()  # data_ptr -> capacity, least recently given first
         self._cached = 0
         self._lent: dict[int, int] = {}  # data_ptr -> capacity of each buffer taken and not given back
@@ -100,16 +102,19 @@ class WireBuffers:
         A free buffer of the smallest class that holds it, up to twice its class, is reused."""
         if not self._reuse:
             return torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        shape = tuple(shape)
         capacity = capacity_class(math.prod(shape) * dtype.itemsize)
         storage = None
         with self._lock:
             for fit in _classes_up_to_twice(capacity):
                 stack = self._free.get(fit)
                 if stack:
-                    storage = stack.pop()
+                    storage, last = stack.pop()
                     del self._order[storage.data_ptr()]
                     self._cached -= fit
                     self._lend(storage)
+                    if last is not None and last.shape == shape and last.dtype == dtype:
+                        return last
                     break
         # A normal tensor even under vLLM's inference mode: an inference tensor could not be written outside it.
         with torch.inference_mode(False):
@@ -117,7 +122,7 @@ class WireBuffers:
                 storage = torch.empty(capacity, dtype=torch.uint8, device=self.device).untyped_storage()
                 with self._lock:
                     self._lend(storage)
-            return torch.empty(0, dtype=dtype, device=self.device).set_(storage, 0, tuple(shape))
+            return torch.empty(0, dtype=dtype, device=self.device).set_(storage, 0, shape)
 
     def _lend(self, storage: torch.UntypedStorage) -> None:
         # A buffer dropped without give() counts as out until its memory comes back from an allocation here.
@@ -139,6 +144,8 @@ class WireBuffers:
             return
         storage = tensor.untyped_storage()
         key = storage.data_ptr()  # storage objects are wrappers made per call; the memory is what counts
+        # Kept as it is only if it is as taken: the whole buffer from its start, and not an inference tensor.
+        view = tensor if tensor.data_ptr() == key and tensor.is_contiguous() and not tensor.is_inference() else None
         with self._lock:
             capacity = self._lent.pop(key, None)
             if capacity is None:
@@ -148,13 +155,13 @@ class WireBuffers:
             keep = min(self._max, KEEP_PEAKS * max(self._peaks))
             if capacity > keep:
                 return
-            self._free.setdefault(capacity, []).append(storage)
+            self._free.setdefault(capacity, []).append((storage, view))
             self._order[key] = capacity
             self._cached += capacity
             while self._cached > keep:  # drop the least recently given
                 old_id, old_capacity = self._order.popitem(last=False)
                 stack = self._free[old_capacity]
-                stack.pop(next(i for i, s in enumerate(stack) if s.data_ptr() == old_id))
+                stack.pop(next(i for i, (s, _) in enumerate(stack) if s.data_ptr() == old_id))
                 self._cached -= old_capacity
 
     def clear(self) -> None:

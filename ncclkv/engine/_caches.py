@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -137,7 +138,7 @@ class RankCaches:
 
     def placeholder(self, tokens: Span, heads: Span) -> torch.Tensor:
         """A ``meta`` tensor of one slice's wire shape: what a lazy send is queued with (see ``Link.send``)."""
-        return torch.empty(self.wire_shape(tokens, heads), dtype=self.wire_dtype, device="meta")
+        return _meta(self.wire_shape(tokens, heads), self.wire_dtype)
 
     def check_route(self, roi: Roi, what: str) -> None:
         if not self.shard.with_tokens(roi.tokens).covers(roi):
@@ -160,3 +161,9 @@ class RankCaches:
         if entry is None:
             raise ShapeMismatchError(f"layer {layer} is not registered on this rank (layers {self.shard.layers!r})")
         return entry
+
+
+@functools.lru_cache(maxsize=256)
+def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    # Shared: a placeholder is only read (its shape and dtype), and a torch call per send hands the GIL around.
+    return torch.empty(shape, dtype=dtype, device="meta")

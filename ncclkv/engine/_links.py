@@ -250,6 +250,8 @@ class PeerLinks:
         return self._channel.clock.wait(lambda s: gate.acquire(timeout=s), self._deadline_s)
 
     def _settled(self, link: Future[LinkBase]) -> bool:
+        if link.done():  # the usual case, once per announced tensor: no waiter set up for it
+            return True
         return self._channel.clock.wait(lambda s: not wait_futures([link], timeout=s).not_done, self._deadline_s)
 
 

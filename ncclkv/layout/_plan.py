@@ -11,7 +11,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ._geometry import KVGeometry, ParallelLayout, pp_layer_spans
@@ -39,6 +39,8 @@ class Route:
     layers: Span
     heads: Span
     tokens: Span
+    # A consumer looks each landed tensor's route up in several sets and dicts: hash it once.
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         for name in ("src", "dst"):
@@ -49,6 +51,10 @@ class Route:
             span = getattr(self, name)
             if not isinstance(span, Span) or span.empty:
                 raise ValueError(f"Route.{name} must be a non-empty Span, got {span!r}")
+        object.__setattr__(self, "_hash", hash((self.src, self.dst, self.layers, self.heads, self.tokens)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def roi(self) -> Roi:

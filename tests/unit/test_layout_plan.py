@@ -342,3 +342,14 @@ def test_route_pieces_hold_at_most_max_bytes_per_layer() -> None:
     assert route.pieces(geometry, 100) == tuple(Span(t, t + 1) for t in range(10, 110))  # at least one token
     with pytest.raises(ValueError, match="max_bytes must be an int >= 0, got -1"):
         route.pieces(geometry, -1)
+
+
+def test_route_hash_is_computed_once_and_follows_equality() -> None:
+    a = Route(0, 1, Span(0, 2), Span(0, 4), Span(0, 9))
+    b = Route(0, 1, Span(0, 2), Span(0, 4), Span(0, 9))
+    c = Route(0, 1, Span(0, 2), Span(0, 4), Span(0, 8))
+    assert a == b and hash(a) == hash(b) and a is not b
+    assert a != c and c < a
+    assert {a: 1}[b] == 1 and c not in {a}
+    assert "_hash" not in repr(a) and dataclasses.replace(a, tokens=Span(0, 8)) == c
+    assert hash(dataclasses.replace(a, tokens=Span(0, 8))) == hash(c)

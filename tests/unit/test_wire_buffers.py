@@ -46,6 +46,39 @@ def test_a_given_buffer_is_reused_and_a_taken_one_never_twice() -> None:
     assert third.data_ptr() not in (ptr, second.data_ptr())
 
 
+def test_a_take_of_the_shape_given_back_returns_that_very_tensor() -> None:
+    pool = WireBuffers("cpu", CAP)
+    buf = pool.take((2, 64, 8, 128), torch.bfloat16)
+    pool.give(buf)
+    same = pool.take((2, 64, 8, 128), torch.bfloat16)
+    assert same is buf  # no new view made (two torch calls saved per tensor)
+    pool.give(same)
+    other = pool.take((2, 60, 8, 128), torch.bfloat16)  # the same memory as another shape: a new view
+    assert other is not buf and other.data_ptr() == buf.data_ptr() and other.shape == (2, 60, 8, 128)
+    pool.give(other)
+    as_float = pool.take((2, 60, 8, 64), torch.float32)
+    assert as_float.dtype == torch.float32 and as_float.data_ptr() == buf.data_ptr()
+
+
+@pytest.mark.parametrize("given", ["offset", "strided", "inference"])
+def test_a_buffer_given_back_not_as_taken_comes_back_as_a_fresh_view_of_its_memory(given: str) -> None:
+    pool = WireBuffers("cpu", CAP)
+    buf = pool.take((4, 1024), torch.float32)
+    if given == "offset":
+        back = buf[1:]
+    elif given == "strided":
+        back = buf.t()
+    else:
+        with torch.inference_mode():
+            back = torch.empty(0, dtype=torch.float32).set_(buf.untyped_storage(), 0, (4, 1024))
+        assert back.is_inference()
+    pool.give(back)
+    again = pool.take((4, 1024), torch.float32)
+    assert again is not back and again is not buf
+    assert again.data_ptr() == buf.data_ptr() and again.is_contiguous() and not again.is_inference()
+    again.add_(1.0)  # writable outside inference mode
+
+
 def test_giving_twice_keeps_one_copy() -> None:
     pool = WireBuffers("cpu", CAP)
     buf = pool.take((1000,), torch.float32)
