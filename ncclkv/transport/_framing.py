@@ -39,7 +39,7 @@ from ..errors import ProtocolError, ShapeMismatchError, TransferError, TransferT
 from ._pipe import Pending
 
 __all__ = [
-    "BATCH", "EARLY_FLUSH_BYTES", "FLUSH_BYTES", "FRAME_TAG", "GRACE_S", "Frame", "Framing", "RecvFrames",
+    "AHEAD_BYTES", "BATCH", "EARLY_FLUSH_BYTES", "FLUSH_BYTES", "FRAME_TAG", "GRACE_S", "Frame", "Framing", "RecvFrames",
     "SendFrames", "check", "decode", "encode",
 ]
 
@@ -51,6 +51,9 @@ GRACE_S = 0.00005  # an idle send side waits this long for more sends before it 
 # its header at once, ahead of the fill, so the peer posts its receive while the bytes are written (a 1 MiB gather
 # takes 0.1-0.3 ms here, about a header's trip); smaller ones batch as any send does.
 EARLY_FLUSH_BYTES = 1 << 20
+# A send with a fill describes (and announces) the queued sends after it ahead of their turn, up to BATCH - 1 of
+# them and this many bytes past the first: the peer then posts their receives while this one is on the wire.
+AHEAD_BYTES = FLUSH_BYTES
 _MAGIC = 0x6E636B76_66726D32  # "nckvfrm2"
 _HEAD_WORDS = 4  # magic, first frame index, count, reserved
 _ENTRY_WORDS = 8  # nbytes, dtype code, ndim, up to 5 dims
@@ -149,9 +152,12 @@ class SendFrames:
 
     A tensor may be posted before its header: gloo writes it only once the
     receive is posted, which waits for the header. Headers live in a ring of
-    ``ring`` tensors, each reused only once its send is complete: with at most
-    ``ring - 1`` sends in flight, every tensor described by the header ``ring``
-    headers back has been received, hence that header too.
+    ``ring`` tensors, each reused only once its send is complete: every header
+    describes at least one tensor, and a tensor not yet received is in flight
+    or described ahead of its post (at most ``BATCH`` of those, see
+    ``Link._describe_ahead``), so with ``ring`` above both counts every
+    tensor described by the header ``ring`` headers back has been received,
+    hence that header too.
     """
 
     def __init__(self, framing: Framing, ring: int) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ClosedError, NcclKVError, ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
 from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, LinkStats
-from ._framing import BATCH, EARLY_FLUSH_BYTES, Framing, RecvFrames, SendFrames
+from ._framing import AHEAD_BYTES, BATCH, EARLY_FLUSH_BYTES, Framing, RecvFrames, SendFrames
 from ._pipe import Completed, Op, Pending, Pipe, settle
 
 __all__ = ["Backend", "Link"]
@@ -99,7 +99,8 @@ class Link:
         self._tensors = [0, 0]
         self._bytes = [0, 0]
         framing = backend.framing()
-        self._send_frames = SendFrames(framing, max_in_flight + 2) if framing else None
+        # Headers not yet known received describe sends in flight or described ahead: a ring past both.
+        self._send_frames = SendFrames(framing, max_in_flight + BATCH + 2) if framing else None
         # Header receives posted as far ahead as the peer's send window reaches.
         self._recv_frames = RecvFrames(framing, max_in_flight) if framing else None
         # Which directions the caller's thread may post (see _pipe): sends, and receives
@@ -179,12 +180,13 @@ class Link:
         receive while the payload is written, so the data goes out at once
         instead of waiting a round trip for the receive. The header has
         promised the tensor, so a fill that raises breaks the link (the
-        stream could not stay in step). A send with a fill runs the hook of
-        the next queued send with a fill before its own fill, and sends that
-        send's header with its own (see ``_describe_ahead``): the peer hears
-        of the next tensor while this one is written and on the wire. A hook
-        that raises then still fails its own send only (nothing was described
-        yet), and a header describes the tensor its hook returned.
+        stream could not stay in step). A send with a fill runs the hooks of
+        the queued sends with a fill right after it (up to ``BATCH - 1`` and
+        ``AHEAD_BYTES``) before its own fill, and sends their header with its
+        own (see ``_describe_ahead``): the peer hears of the next tensors
+        while this one is written and on the wire. A hook that raises then
+        still fails its own send only (nothing was described yet), and a
+        header describes the tensor its hook returned.
         """
         placeholder = isinstance(tensor, torch.Tensor) and tensor.device.type == "meta"
         self._check_tensor(tensor, "send", placeholder=placeholder)
@@ -381,8 +383,8 @@ class Link:
         header: Pending | None = None
         if framed_send and op.fill is not None:  # the header first: the peer posts its receive while we fill
             header = self._describe_ahead(op)
-        elif direction == 0 and op.fill is not None:  # no headers: the next send's hook (its announcement) runs ahead
-            self._pipes[0].prepare_next(describe=False)
+        elif direction == 0 and op.fill is not None:  # no headers: the next sends' hooks (announcements) run ahead
+            self._pipes[0].prepare_ahead(False, BATCH - 1, AHEAD_BYTES)
         data: Pending = Completed()
         with self._on_link_stream(op.ready_event):
             if op.fill is not None:
@@ -398,29 +400,34 @@ class Link:
         return data if header is None else header
 
     def _describe_ahead(self, op: Op) -> Pending | None:
-        """Send the frame header of ``op`` (a send with a fill) and of the next queued one, before the fill.
+        """Send the frame header of ``op`` (a send with a fill) and of the queued ones after it, before the fill.
 
-        The header of the next send goes ahead of this one's payload: on one
-        TCP stream it would otherwise reach the peer only after these bytes,
-        and the peer's receive for it, hence gloo's go-ahead for its payload,
-        a round trip later (a bubble per piece of a layer). The next send's
-        hook runs first (``Pipe.prepare_next``): its header then describes
-        the tensor the hook took, which is the tensor posted, and the producer's Announce of it goes out
-        now too, so the peer has both before these bytes. At most two
-        headers go out per post, and only ops next in line are described, so
-        the header ring's reuse rule holds (see ``SendFrames``). Returns the
-        header's pending for an empty ``op`` (which waits for it).
+        The headers of the next sends go ahead of this one's payload: on one
+        TCP stream they would otherwise reach the peer only after these bytes,
+        and the peer's receive for the next one, hence gloo's go-ahead for its payload,
+        a round trip later (a bubble per piece of a layer). Their hooks run
+        first (``Pipe.prepare_ahead``): each header then describes the tensor
+        its hook took, which is the tensor posted, and the producer's
+        Announces go out now too, so the peer has both before these bytes.
+        A run of up to ``BATCH - 1`` queued sends (and ``AHEAD_BYTES`` past
+        the first) is described at once, then posted without headers of
+        their own: with a backlog (many requests pushed at once) that is one
+        header message, and one wake-up of the peer's receive thread, per
+        run instead of per tensor, and the peer posts the run's receives
+        while the first is on the wire. At most two headers go out per post,
+        and only ops next in line are described, so the header ring's reuse
+        rule holds (see ``SendFrames``). Returns the header's pending for an
+        empty ``op`` (which waits for it).
         """
         frames = self._send_frames
         assert frames is not None
         new = [] if op.described else [op.tensor]
-        ahead = self._pipes[0].prepare_next(describe=True)
-        if ahead is not None:
-            new.append(ahead.tensor)
+        ahead = self._pipes[0].prepare_ahead(True, BATCH - len(new), AHEAD_BYTES)
+        new.extend(o.tensor for o in ahead)
         if not new:
             return None
         empty = op.tensor.numel() == 0
-        urgent = (ahead is not None or empty or op.nbytes >= EARLY_FLUSH_BYTES or not self._pipes[0].in_flight())
+        urgent = bool(ahead) or empty or op.nbytes >= EARLY_FLUSH_BYTES or not self._pipes[0].in_flight()
         if frames.pending + len(new) > BATCH:
             frames.flush()
         for tensor in new:

@@ -177,30 +177,42 @@ class Pipe:
         finally:
             self._gate.release()
 
-    def prepare_next(self, describe: bool) -> Op | None:
-        """Take the next queued op ahead of its turn if it has a fill, bytes and no description yet: run its
-        hook now and, with ``describe``, mark it described; return it, else None.
+    def prepare_ahead(self, describe: bool, max_ops: int, max_bytes: int) -> list[Op]:
+        """Take queued ops ahead of their turn: run their hooks now and, with ``describe``, mark them
+        described; return them in queue order.
 
-        Its hook (the producer's take-and-announce) runs here, before the
-        current op's fill, so the peer hears of it, and posts its receive,
-        while this op is filled and on the wire. A hook that fails skips the
-        op as at its turn (nobody was told of it). Only the gate holder calls
-        it (from its post), so the op stays at the head until it takes it.
+        Only a run of ops at the head of the queue that are not described yet,
+        each with a fill and bytes, at most ``max_ops`` of them, and beyond
+        the first no more than ``max_bytes`` in all (their hooks take wire
+        buffers). None while the head is already described: a batch taken
+        earlier is still being posted. Their hooks (the producer's
+        take-and-announce) run here, before the current op's fill, so the
+        peer hears of them, and posts their receives, while this op is filled
+        and on the wire. A hook that fails skips its op as at its turn (nobody
+        was told of it) and ends the run. Only the gate holder calls it (from
+        its post), and only gate holders take ops off the queue, so the run
+        stays at the head until it is posted.
         """
-        with self._lock:
-            op = self._queued[0] if self._queued else None
+        taken: list[Op] = []
+        nbytes = 0
+        while len(taken) < max_ops:
+            with self._lock:
+                op = self._queued[len(taken)] if len(self._queued) > len(taken) else None
             if op is None or op.fill is None or op.described or op.nbytes == 0:  # an empty send waits for its own
-                return None
-        if op.before_send is not None:
-            ran = self._run_hook(op)
-            op.before_send = None  # ran: not again at its turn
-            if not ran:
-                with self._lock:
-                    if self._queued and self._queued[0] is op:
-                        self._queued.popleft()
-                return None
-        op.described = describe
-        return op
+                break
+            if taken and nbytes + op.nbytes > max_bytes:
+                break
+            if op.before_send is not None:
+                ran = self._run_hook(op)
+                op.before_send = None  # ran: not again at its turn
+                if not ran:
+                    with self._lock:
+                        self._queued.remove(op)
+                    break
+            op.described = describe
+            taken.append(op)
+            nbytes += op.nbytes
+        return taken
 
     def in_flight(self) -> int:
         with self._lock:

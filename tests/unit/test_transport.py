@@ -360,8 +360,9 @@ def test_post_queued_sends_runs_hooks_and_fills_on_the_callers_thread(pair: tupl
         sends = [a.send(torch.empty(2, device="meta"), **hooks(seq)) for seq in range(3)]
         assert ran == []  # left to the poster, which sleeps
         a.post_queued_sends(2)
-        # Each send's fill comes after the next send's hook (the look-ahead), so the third's hook ran here too.
-        assert ran == [("hook", 0, me), ("hook", 1, me), ("fill", 0, me), ("hook", 2, me), ("fill", 1, me)]
+        # The first send's fill comes after the hooks of the queued sends behind it (the look-ahead), so the
+        # third's hook ran here too.
+        assert ran == [("hook", 0, me), ("hook", 1, me), ("hook", 2, me), ("fill", 0, me), ("fill", 1, me)]
         got = [b.recv((2,), torch.float32) for _ in range(3)]
         assert [f.result(WAIT_S)[0].item() for f in got[:2]] == [0.0, 1.0] and not got[2].done()
     # Woken, the poster posts the third.
