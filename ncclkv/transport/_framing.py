@@ -52,7 +52,8 @@ GRACE_S = 0.00005  # an idle send side waits this long for more sends before it 
 # takes 0.1-0.3 ms here, about a header's trip); smaller ones batch as any send does.
 EARLY_FLUSH_BYTES = 1 << 20
 # A send with a fill describes (and announces) the queued sends after it ahead of their turn, up to BATCH - 1 of
-# them and this many bytes past the first: the peer then posts their receives while this one is on the wire.
+# them holding at most this many bytes (the first whatever its size): the peer then posts their receives while
+# this one is on the wire.
 AHEAD_BYTES = FLUSH_BYTES
 _MAGIC = 0x6E636B76_66726D32  # "nckvfrm2"
 _HEAD_WORDS = 4  # magic, first frame index, count, reserved

@@ -76,6 +76,7 @@ class Op:
     ready_event: object | None = None
     before_send: Callable[[], torch.Tensor | None] | None = None  # may return the tensor to post instead
     fill: Callable[[torch.Tensor], None] | None = None  # writes the tensor; the backend's post runs it (Link._post)
+    ahead: bool = False  # taken ahead of its turn (Pipe.prepare_ahead): its hook ran
     described: bool = False  # its header went out ahead of its turn (Link._describe_ahead)
     pending: Pending | None = None
     deadline: float = 0.0
@@ -181,10 +182,10 @@ class Pipe:
         """Take queued ops ahead of their turn: run their hooks now and, with ``describe``, mark them
         described; return them in queue order.
 
-        Only a run of ops at the head of the queue that are not described yet,
-        each with a fill and bytes, at most ``max_ops`` of them, and beyond
-        the first no more than ``max_bytes`` in all (their hooks take wire
-        buffers). None while the head is already described: a batch taken
+        Only a run of ops at the head of the queue not taken ahead yet,
+        each with a fill and bytes, at most ``max_ops`` of them holding at
+        most ``max_bytes`` in all, the first whatever its size (their hooks
+        take wire buffers). None while the head was taken ahead: a run taken
         earlier is still being posted. Their hooks (the producer's
         take-and-announce) run here, before the current op's fill, so the
         peer hears of them, and posts their receives, while this op is filled
@@ -198,7 +199,7 @@ class Pipe:
         while len(taken) < max_ops:
             with self._lock:
                 op = self._queued[len(taken)] if len(self._queued) > len(taken) else None
-            if op is None or op.fill is None or op.described or op.nbytes == 0:  # an empty send waits for its own
+            if op is None or op.fill is None or op.ahead or op.nbytes == 0:  # an empty send waits for its own
                 break
             if taken and nbytes + op.nbytes > max_bytes:
                 break
@@ -209,7 +210,7 @@ class Pipe:
                     with self._lock:
                         self._queued.remove(op)
                     break
-            op.described = describe
+            op.ahead, op.described = True, describe
             taken.append(op)
             nbytes += op.nbytes
         return taken
@@ -331,7 +332,7 @@ class Pipe:
                 if not isinstance(sent, torch.Tensor) or sent.device.type == "meta":
                     raise TypeError(f"before_send returned {type(sent).__name__} for a placeholder")
                 op.tensor = sent
-        except Exception as exc:  # the hook runs before the op is described (prepare_next), so nobody was told
+        except Exception as exc:  # the hook runs before the op is described (prepare_ahead), so nobody was told
             settle(op.future, error=TransferError(f"{op.label}: before_send failed, not sent: {exc!r}"))
             _log.warning("%s: before_send failed: %r", op.label, exc)
             return False

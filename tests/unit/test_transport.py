@@ -29,7 +29,7 @@ from ncclkv.transport import (
     loopback_pair,
 )
 from ncclkv.transport._base import check_link_args, split_address
-from ncclkv.transport._framing import EARLY_FLUSH_BYTES
+from ncclkv.transport._framing import BATCH, EARLY_FLUSH_BYTES
 
 from link_probes import sleepy_poster
 
@@ -280,6 +280,40 @@ def test_the_next_sends_hook_runs_before_this_sends_fill(transport: str) -> None
     a, b = loopback_pair(f"hook-ahead-{transport}", timeout_s=WAIT_S, framed=transport == "framed")
     with a, b:
         check_next_hook_before_this_fill(a, b)
+
+
+@pytest.mark.parametrize("transport", ["plain", "framed", "gloo"])
+@pytest.mark.parametrize("mib", [0, 3])
+def test_a_backlog_is_described_ahead_in_runs_up_to_a_batch_and_the_byte_bound(transport: str, mib: int) -> None:
+    """Small queued sends are announced (hooks run) and described BATCH at a time: one header, and one wake-up
+    of the peer, per run. Large ones (3 MiB: two would pass AHEAD_BYTES) still look one send ahead."""
+    count = BATCH + 2
+    shape = (mib << 18, 1) if mib else (2,)
+    events: list[tuple[str, int]] = []
+
+    def check(a: Link, b: Link) -> None:
+        with sleepy_poster(a):  # all queued before the first is posted
+            sends = fill_sends(a, shape, count, lambda seq, out: events.append(("fill", seq)),
+                               lambda seq: events.append(("hook", seq)))
+        got = [b.recv(shape, torch.float32) for _ in range(count)]
+        assert [f.result(WAIT_S).flatten()[0].item() for f in got] == [float(seq) for seq in range(count)]
+        assert [f.result(WAIT_S) for f in sends] == [None] * count
+
+    if transport == "gloo":
+        with DataPlane() as p0, DataPlane() as p1:
+            check(*open_both(p0, p1, f"runs-{mib}", p0.address))
+    else:
+        a, b = loopback_pair(f"runs-{transport}-{mib}", timeout_s=WAIT_S, framed=transport == "framed")
+        with a, b:
+            check(a, b)
+    hook, fill = (lambda seq: ("hook", seq)), (lambda seq: ("fill", seq))
+    if mib:  # one ahead: each fill after the next send's hook
+        expected = [hook(0), hook(1), fill(0)] + [e for seq in range(1, count - 1) for e in (hook(seq + 1), fill(seq))]
+        expected.append(fill(count - 1))
+    else:  # the first post announces the next BATCH - 1; the last of that run announces the rest
+        expected = [hook(seq) for seq in range(BATCH)] + [fill(seq) for seq in range(BATCH - 1)]
+        expected += [hook(BATCH), hook(BATCH + 1), fill(BATCH - 1), fill(BATCH), fill(BATCH + 1)]
+    assert events == expected
 
 
 @pytest.mark.parametrize("framed", [False, True], ids=["plain", "framed"])
