@@ -211,38 +211,42 @@ Where the time goes. gloo over loopback TCP is copy-bound: the sender's
 `write` copies into the kernel and the receiver's `read` copies out of it. The
 ncclkv path adds two more passes over the same bytes: the gather on the sender
 (cache blocks -> wire tensor) and the scatter on the receiver (wire tensor ->
-blocks of another size). Both run in ncclkv's native kernel (see paged), at
-about 0.6x memcpy here (4.7-8.4 GB/s against 9.4-13.3 in this run, 4.6-7.0
-against 7.4-11.0 the evening before, 4.7-7.4 against 8.7-12.6 that afternoon;
-13-15 against 14-20 two days before); before it (torch ops) they ran at 6-11 GB/s on the
-faster day. The gather runs on the caller's thread while earlier layers are
-on the wire, the scatter on the link's receive thread as each tensor lands (as
-the engine does), so they overlap with the transfer, but they need CPU: `CPU
-ncclkv/raw` (CPU seconds of both processes, ncclkv over raw, same bytes) is
-about 1.8-2.6 from 1 MiB up in this run (2.0-2.4 the evening before, 1.7-2.5 that afternoon, 1.4-2.0
-that morning, 1.9-2.7 two days before, when raw gloo ran at 6-7.6 GB/s), about what raw plus the
-`gather` and `scatter` columns predict. So ncclkv/raw is about (ncclkv cores /
+blocks of another size). Both run in ncclkv's native kernel (see paged): in
+this run (2-core Xeon, 2026-11-26) at 3.8-5.6 and 5.0-7.5 GB/s against a
+memcpy of 5.6-7.0; on the 2-core EPYC of the runs before, 4.7-8.4 against
+9.4-13.3 (2026-11-25), 13-15 against 14-20 two days before; before the
+kernel (torch ops) they ran at 6-11 GB/s on that faster day. The gather runs
+on the caller's thread while earlier layers are on the wire, the scatter on
+the link's receive thread as each tensor lands (as the engine does), so they
+overlap with the transfer, but they need CPU: `CPU ncclkv/raw` (CPU seconds
+of both processes, ncclkv over raw, same bytes) is 1.7-3.2 from 1 MiB up in
+this run (1.8-2.6, 2.0-2.4, 1.7-2.5 and 1.4-2.0 in four EPYC runs), about
+what raw plus the `gather` and `scatter` columns predict, more at 1 MiB,
+where raw gloo ran at 5.0 GB/s here (its 256 MiB of buffers fit this host's
+cache; 2.5-3.7 GB/s from 4 MiB up). So ncclkv/raw is about (ncclkv cores /
 raw cores) / (CPU ncclkv/raw): with both cores to itself ncclkv would reach
-the `core-bound ceiling` (0.48-0.82 here, 0.50-0.71 the evening before,
-0.46-0.83 that afternoon, 0.7-1.0 that morning); it measured 0.42-0.61
-(0.44-0.56, 0.41-0.62, 0.6-0.74), because the pipeline keeps only 1.5-1.7
-cores busy (`cores` columns) and, at 1-4 MiB, the link's per-tensor latency
-(`link/raw` 0.74-1.00; the round trips in the findings: a frame header ahead of
-each receive, a reaper thread woken per tensor) is not all hidden. The 0.85 goal needs a third core at this wire
-speed, fewer passes over the bytes (a receive straight into the cache, which
-gloo allows only for contiguous runs of blocks), or a GPU, where gather and
-scatter are device kernels off the host CPU.
+the `core-bound ceiling` (0.35-0.96 here; 0.48-0.82, 0.50-0.71, 0.46-0.83
+and 0.7-1.0 on the EPYC); it measured 0.31-0.76 (0.42-0.61, 0.44-0.56,
+0.41-0.62, 0.6-0.74), because the pipeline keeps only 1.5-1.75 cores busy
+(`cores` columns) and, at 1-4 MiB, the link's per-tensor latency (`link/raw`
+0.69-0.81 here; the round trips in the findings: a frame header ahead of
+each receive, a reaper thread woken per tensor) is not all hidden. The 0.85
+goal needs a third core at this wire speed, fewer passes over the bytes (a
+receive straight into the cache, which gloo allows only for contiguous runs
+of blocks, and vLLM's CPU layouts put a block's heads apart), or a GPU,
+where gather and scatter are device kernels off the host CPU. With 16 cores
+(the lent machine's section below) it reached 0.86 and 0.91 at 4 and 16 MiB.
 
 The engine path is the product: the same caches and bytes between two real
 TransferEngines, a round's slices as requests of L layers, all expected by
 the consumer and then pushed at once (`start_push`, `save_layer` per layer,
-`finish`). It reached 0.60-0.94 of the ncclkv path from 1 MiB up in this run
-(0.59-0.92, 0.67-0.89 and 0.71-0.95 in the three runs before; 0.3-0.4 below
-1 MiB), and 0.25-0.57 of raw gloo, least
-at small slices, because it adds per tensor: an Announce over the ZMQ channel
-(encoded and sent on the thread that posts the tensor, decoded and checked
-on the consumer's dispatcher thread before it posts the receive), the
-gather on the link's poster thread instead of the caller's, and the
+`finish`). It reached 0.85-1.00 of the ncclkv path from 1 MiB up in this run
+(0.48-0.53 below; on the EPYC 0.60-0.94, 0.59-0.92, 0.67-0.89 and
+0.71-0.95 in four runs, 0.3-0.4 below 1 MiB), and 0.26-0.71 of raw gloo,
+least at small slices, because it adds per tensor: an Announce over the ZMQ
+channel (encoded and sent on the thread that posts the tensor, decoded and
+checked on the consumer's dispatcher thread before it posts the receive),
+the gather on the link's poster thread instead of the caller's, and the
 done-callbacks that count slices and complete requests. Since 2026-11-24 the
 producer announces each tensor and sends its frame header before gathering
 it, with the next queued tensor's header, and since 2026-11-25 the next
@@ -275,6 +279,31 @@ of a request's sends each time one completed (quadratic in sends per
 request); a request pushed as 1024 pieces cost its producer 38 ms of CPU per
 slice before the fix and 25 after, its rounds 677-767 ms before and 531-581
 after.
+What the hops cost is mostly the GIL changing hands. `strace -f` of an
+engine push of 64 KiB slices on this Xeon (2026-11-26) counted about 120
+`futex` calls per tensor over both processes: every torch call and blocking
+wait releases the GIL, and with a dozen Python threads per process each
+release can hand it to another thread and cost a wake-up to get it back.
+Two changes since cut that. Per tensor: a wire buffer that comes back as it
+was taken is handed out again as the same tensor (no `torch.empty`/`set_`),
+placeholders are shared per shape, a Route hashes once, and an announcement
+on an open link sets up no futures wait (about 10%: 0.16 GB/s against
+0.14-0.15, three A/B pairs). Per run of tensors: a send with a fill now
+announces and describes the whole run of queued sends behind it (up to 7,
+at most 4 MiB) instead of the next one only, so a backlog of small tensors
+sends one frame header per run, the consumer's receive thread wakes once
+per run, and the consumer posts the run's receives while the first is on
+the wire (docs/ARCHITECTURE.md, Message flow). Engine push, old and new code
+in turn: 64 KiB slices 0.22-0.23 GB/s against 0.15-0.17, 1 MiB 1.25-1.30
+against 1.04-1.07, CPU per tensor about 220 us a side against 300;
+`futex` calls 290K against 516K for the same run. An isolated layer, or 4
+MiB pieces, still look one send ahead, so bench overlap's rows do not move.
+The cyclic GC's full collections are the other stall: in a standalone
+engine process (torch imported, about 174K tracked objects) one ran every
+2000 or so tensors and took 48-57 ms with the GIL held, stopping every
+thread; `gc.freeze()` after start-up (what vLLM's engine core does before
+serving, so inside vLLM ncclkv has it) took them to 5-12 ms. Processes that
+run engines outside vLLM should do the same (docs/LAUNCH.md).
 Two runs before, every tensor also had a freshly allocated wire buffer on each
 side; on this machine a fresh multi-MiB CPU tensor is faulted in and zeroed
 by the kernel on first touch, which held an engine pushing 8-16 MiB layers to

@@ -6,6 +6,7 @@ The scenarios themselves run under real launchers in tests/launchers.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import threading
 import types
@@ -237,3 +238,20 @@ def test_main_maps_outcomes_to_exit_codes(
     assert main(["--kind", "outcome", "--flag"]) == code
     assert seen and seen[0].flag is True
     assert printed in capsys.readouterr().err
+
+
+def test_the_entry_point_freezes_the_imported_heap_before_main() -> None:
+    """Out of the cyclic GC's full collections (each stopped every thread ~50 ms with torch's heap in them)."""
+    probe = (
+        "import gc, runpy, sys\n"
+        "sys.argv = ['ncclkv.scenario', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('ncclkv.scenario', run_name='__main__')\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "assert 'torch' in sys.modules  # its heap is the one worth freezing\n"
+        "print('frozen', gc.get_freeze_count())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True).stdout
+    frozen = int(out.rsplit("frozen", 1)[1])
+    assert frozen > 10_000, out[-500:]
