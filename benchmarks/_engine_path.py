@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ncclkv.engine import EngineConfig, EngineRef, Role, TransferEngine
+from ncclkv.engine import DEFAULT_LAST_PIECE_BYTES, EngineConfig, EngineRef, Role, TransferEngine
 from ncclkv.layout import KVGeometry, ParallelLayout
 from ncclkv.paged import CacheLayout
 
@@ -42,11 +42,11 @@ def round_request_ids(round_index: int, num_requests: int) -> list[str]:
     return [f"round{round_index}-req{i}" for i in range(num_requests)]
 
 
-def _engine(side: PagedSide, engine_id: str, role: Role, piece_bytes: int) -> TransferEngine:
+def _engine(side: PagedSide, engine_id: str, role: Role, piece_bytes: int, last_piece_bytes: int) -> TransferEngine:
     case = side.case
     geometry = KVGeometry(case.num_layers, case.num_kv_heads, case.head_size, case.dtype)
     engine = TransferEngine(EngineConfig(engine_id, 0, _LAYOUT, geometry, role=role, deadline_s=WAIT_S,
-                                         piece_bytes=piece_bytes))
+                                         piece_bytes=piece_bytes, last_piece_bytes=last_piece_bytes))
     try:
         engine.register({layer: side.cache[layer] for layer in range(case.num_layers)}, CacheLayout.CPU)
     except BaseException:
@@ -58,10 +58,11 @@ def _engine(side: PagedSide, engine_id: str, role: Role, piece_bytes: int) -> Tr
 class EngineSender:
     """A producer engine over ``side``'s cache; :meth:`push` streams requests to one consumer engine."""
 
-    def __init__(self, side: PagedSide, engine_id: str, piece_bytes: int = 0) -> None:
+    def __init__(self, side: PagedSide, engine_id: str, piece_bytes: int = 0,
+                 last_piece_bytes: int = DEFAULT_LAST_PIECE_BYTES) -> None:
         self.side = side
         self.engine_id = engine_id
-        self.engine = _engine(side, engine_id, "producer", piece_bytes)
+        self.engine = _engine(side, engine_id, "producer", piece_bytes, last_piece_bytes)
         self._consumer: EngineRef | None = None
 
     @property
@@ -118,7 +119,7 @@ class EngineReceiver:
     def __init__(self, side: PagedSide, engine_id: str) -> None:
         self.side = side
         self.engine_id = engine_id
-        self.engine = _engine(side, engine_id, "consumer", 0)
+        self.engine = _engine(side, engine_id, "consumer", 0, 0)
 
     @property
     def address(self) -> str:

@@ -12,9 +12,11 @@ round). Ideal layer-wise: about 1 (the last layer); baseline: about L.
 Two paths: ``link`` rows time that gather -> Link -> scatter pipeline (with
 ``--chunk-kib`` token chunks); ``engine push`` rows time the product, a real
 producer TransferEngine pushing the request to a consumer engine in the peer
-(``start_push``, ``save_layer`` after each layer's compute, ``finish``), with
-``--piece-kib`` as the producer's ``piece_bytes``; x is then the engine's own
-per-layer time.
+(``start_push``, ``save_layer`` after each layer's compute, ``finish``), one
+row set per ``--engine-pieces P:L`` (KiB): the producer's ``piece_bytes`` P
+(every layer) and ``last_piece_bytes`` L (a route's last layer; the engine's
+default is whole layers with the last in 4 MiB pieces); x is then the
+engine's own per-layer time.
 
     python -m benchmarks.bench_overlap [--quick] [--layers L] [--compute-ms C ...] [--transfer-ms X]
 """
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ncclkv.engine import DEFAULT_LAST_PIECE_BYTES
 from ncclkv.transport import DataPlane
 
 from ._common import (
@@ -56,11 +59,14 @@ class OverlapParams:
     transfer_ms: float = 10.0
     matmul_size: int = 192
     chunk_bytes: tuple[int, ...] = (0, 2 << 20, 4 << 20)  # each layer in token chunks of about this size; 0: whole
-    engine_piece_bytes: tuple[int, ...] = (0, 4 << 20)  # the engine path: its producers' piece_bytes, a row set each
+    # The engine path: (piece_bytes, last_piece_bytes) of its producer, a row set each: whole layers, the default
+    # (whole, the last layer in pieces), every layer in pieces.
+    engine_pieces: tuple[tuple[int, int], ...] = ((0, 0), (0, DEFAULT_LAST_PIECE_BYTES), (4 << 20, 4 << 20))
 
     @classmethod
     def quick(cls) -> OverlapParams:
-        return cls(num_layers=6, compute_ms=(4.0,), transfer_ms=4.0, chunk_bytes=(0,), engine_piece_bytes=(0,))
+        return cls(num_layers=6, compute_ms=(4.0,), transfer_ms=4.0, chunk_bytes=(0,),
+                   engine_pieces=((0, DEFAULT_LAST_PIECE_BYTES),))
 
 
 RunMode = Callable[[str, Callable[[], None]], tuple[float, float, float]]
@@ -83,7 +89,7 @@ def _config(c_ms: float, case: SliceCase, path: str, run_mode: RunMode, modes: S
     single = [(done - start) / x for (start, _, done), x in zip(samples.get("single", []), x_alone)]
     row: dict[str, Any] = {
         "path": path, "layers": layers, "c_target_ms": c_ms, "slice_bytes": case.num_tokens * case.token_bytes,
-        "chunks": f"{len(case.chunks())} x {format_size(len(case.chunks()[0]) * case.token_bytes)}",
+        "chunks": _pieces(case),
         "single_layer_x": statistics.median(single) if single else None,
         "c_ms": 1e3 * statistics.median(c_alone), "x_ms": 1e3 * statistics.median(x_alone),
     }
@@ -207,16 +213,22 @@ copies alongside) the slowdown goes and layer-wise sending saves about (L - 1) x
 """
 
 
+def _group(row: dict[str, Any]) -> str:
+    # Rows of JSON written before the engine's last-layer pieces have no group: whole iff one piece a layer.
+    return row.get("group") or ("whole layers" if row["chunks"].split(" x ")[0] == "1" else "in pieces")
+
+
 def _headline(rows: list[dict[str, Any]]) -> list[str]:
     judged: dict[tuple[str, bool], list[bool]] = {}
     for r in rows:
         if r["c_over_x"] >= 1:
             met = r["layerwise_exposed_median"] <= GOAL_LAYERS
-            judged.setdefault((r.get("path", "link"), r["chunks"].split(" x ")[0] == "1"), []).append(met)
+            judged.setdefault((r.get("path", "link"), _group(r)), []).append(met)
     lines = []
     if judged:
-        parts = [f"{path}, {'whole layers' if whole else 'in pieces'}: met in {sum(v)} of {len(v)} rows"
-                 for (path, whole), v in sorted(judged.items(), key=lambda kv: (kv[0][0] != "link", not kv[0][1]))]
+        order = ("whole layers", "whole, the last layer in pieces", "in pieces")
+        parts = [f"{path}, {group}: met in {sum(v)} of {len(v)} rows"
+                 for (path, group), v in sorted(judged.items(), key=lambda kv: (kv[0][0] != "link", order.index(kv[0][1])))]
         lines.append(f"goal <= {GOAL_LAYERS} layers exposed when c >= x (median): " + "; ".join(parts))
     for r in rows:
         verdict = ""
@@ -296,7 +308,7 @@ def run(ctx: BenchContext, params: OverlapParams | None = None) -> BenchResult:
                 peer.endpoint.send("end")
                 peer.result()
             link.close()
-        if params.engine_piece_bytes:
+        if params.engine_pieces:
             rows += _engine_rows(case, params, busy, repeats, peer, ctx)
     finally:
         torch.set_num_threads(threads)
@@ -305,7 +317,8 @@ def run(ctx: BenchContext, params: OverlapParams | None = None) -> BenchResult:
         "num_layers": params.num_layers, "compute_ms": list(params.compute_ms), "transfer_ms": params.transfer_ms,
         "chunk_bytes": list(params.chunk_bytes),
         "matmul": f"{params.matmul_size}x{params.matmul_size} float32, 1 torch thread",
-        "engine_piece_bytes": list(params.engine_piece_bytes),
+        "engine_pieces": [f"piece_bytes {format_size(p) if p else 0}, last_piece_bytes {format_size(last) if last else 0}"
+                          for p, last in params.engine_pieces],
         "path": "link: gather (CPU layout, block 16) -> Link (gloo) -> scatter (block 32), as bench_transfer's ncclkv "
                 "path; engine push: TransferEngine start_push / save_layer per layer -> TransferEngine in the peer "
                 "(the same caches), every landed layer checked by hash",
@@ -316,15 +329,17 @@ def run(ctx: BenchContext, params: OverlapParams | None = None) -> BenchResult:
 
 def _engine_rows(case: SliceCase, params: OverlapParams, busy: Busy, repeats: int, peer: Any,
                  ctx: BenchContext) -> list[dict[str, Any]]:
-    """The engine path's rows: a producer engine per ``piece_bytes``, one consumer engine in the peer."""
+    """The engine path's rows: a producer engine per (``piece_bytes``, ``last_piece_bytes``), one consumer engine
+    in the peer."""
     rows: list[dict[str, Any]] = []
     peer.start("benchmarks._engine_path:consumer_loop", case={f: getattr(case, f) for f in SliceCase.__slots__})
     try:
         address = peer.endpoint.expect("address", WAIT_S)
-        for piece_bytes in params.engine_piece_bytes:
-            ctx.progress(f"{NAME}: engine push, piece_bytes {piece_bytes}")
+        for piece_bytes, last_piece_bytes in params.engine_pieces:
+            ctx.progress(f"{NAME}: engine push, piece_bytes {piece_bytes}, last_piece_bytes {last_piece_bytes}")
             side = PagedSide(case, case.src_block_size, seed=1)
-            sender = EngineSender(side, f"bench-overlap-producer-{piece_bytes}", piece_bytes)
+            sender = EngineSender(side, f"bench-overlap-producer-{piece_bytes}-{last_piece_bytes}", piece_bytes,
+                                  last_piece_bytes)
             try:
                 sender.connect(CONSUMER_ID, address)
                 peer.endpoint.send("scramble")  # so the check below sees what this row's pushes wrote
@@ -332,21 +347,47 @@ def _engine_rows(case: SliceCase, params: OverlapParams, busy: Busy, repeats: in
                 ids = itertools.count()
 
                 def engine_mode(mode: str, compute: Callable[[], None], sender: EngineSender = sender) -> tuple[float, float, float]:
-                    return engine_scenario(mode, sender, compute, peer, f"overlap-{piece_bytes}-{next(ids)}")
+                    return engine_scenario(mode, sender, compute, peer,
+                                           f"overlap-{piece_bytes}-{last_piece_bytes}-{next(ids)}")
 
                 label = chunked(case, piece_bytes)
-                rows += [_config(c, label, "engine push", engine_mode, ENGINE_MODES, busy, repeats, ctx)
+                sent = _sent_as(label, chunked(case, last_piece_bytes or piece_bytes))
+                rows += [{**_config(c, label, "engine push", engine_mode, ENGINE_MODES, busy, repeats, ctx), **sent}
                          for c in params.compute_ms]
                 peer.endpoint.send("digests")
                 if peer.endpoint.expect("digests") != sender.side.digests():
-                    raise RuntimeError(f"engine path, piece_bytes {piece_bytes}: the consumer's cache does not hold "
-                                       "the producer's KV after the pushes")
+                    raise RuntimeError(f"engine path, piece_bytes {piece_bytes}, last_piece_bytes {last_piece_bytes}: "
+                                       "the consumer's cache does not hold the producer's KV after the pushes")
             finally:
                 sender.close()
     finally:
         peer.endpoint.send("end")
         peer.result()
     return rows
+
+
+def _pieces(case: SliceCase) -> str:
+    """How one layer goes: ``N x SIZE``."""
+    return f"{len(case.chunks())} x {format_size(len(case.chunks()[0]) * case.token_bytes)}"
+
+
+def _sent_as(layer: SliceCase, last: SliceCase) -> dict[str, str]:
+    """The row's ``sent as`` (each layer's pieces, and the last layer's where they differ) and its group."""
+    whole, whole_last = len(layer.chunks()) == 1, len(last.chunks()) == 1
+    if _pieces(last) == _pieces(layer):
+        return {"chunks": _pieces(layer), "group": "whole layers" if whole else "in pieces"}
+    return {"chunks": f"{_pieces(layer)}, last {_pieces(last)}",
+            "group": "whole, the last layer in pieces" if whole and not whole_last else "in pieces"}
+
+
+def _pieces_kib(text: str) -> tuple[int, int]:
+    try:
+        piece, last = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected P:L in KiB (e.g. 0:4096), got {text!r}") from None
+    if piece < 0 or last < 0:
+        raise argparse.ArgumentTypeError(f"piece sizes must be >= 0 KiB, got {text!r}")
+    return piece << 10, last << 10
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[BenchOptions, OverlapParams]:
@@ -358,15 +399,16 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchOptions, OverlapParams]:
     parser.add_argument("--compute-ms", type=float, nargs="+", help="compute per layer, one row each (default 5 10 20 30)")
     parser.add_argument("--transfer-ms", type=float, help="transfer per layer, sets the slice size (default 10)")
     parser.add_argument("--chunk-kib", type=int, nargs="+", help="chunk sizes, 0 = whole layer (default 0 2048 4096)")
-    parser.add_argument("--piece-kib", type=int, nargs="*",
-                        help="engine path: producer piece_bytes, 0 = whole slices (default 0 4096; none: no engine rows)")
+    parser.add_argument("--engine-pieces", type=_pieces_kib, nargs="*", metavar="P:L",
+                        help="engine path, one row set each: the producer's piece_bytes P and last_piece_bytes L in "
+                             "KiB, 0 = whole (default 0:0 0:4096 4096:4096; none: no engine rows)")
     args = parser.parse_args(argv)
     params = OverlapParams.quick() if args.quick else OverlapParams()
     params = replace(
         params, num_layers=args.layers or params.num_layers, transfer_ms=args.transfer_ms or params.transfer_ms,
         compute_ms=tuple(args.compute_ms) if args.compute_ms else params.compute_ms, 
         chunk_bytes=tuple(k << 10 for k in args.chunk_kib) if args.chunk_kib else params.chunk_bytes,
-        engine_piece_bytes=params.engine_piece_bytes if args.piece_kib is None else tuple(k << 10 for k in args.piece_kib),
+        engine_pieces=params.engine_pieces if args.engine_pieces is None else tuple(args.engine_pieces),
     )
     if params.num_layers < 2 or params.transfer_ms <= 0 or min(params.compute_ms) <= 0:
         parser.error(f"need layers >= 2 and positive times, got {params}")

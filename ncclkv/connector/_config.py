@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Literal, Union, get_args, get_origin, get_type_hints
 
-from ..engine import Role
+from ..engine import DEFAULT_LAST_PIECE_BYTES, Role
 from ..paged import CacheLayout
 
 __all__ = ["KVRole", "NcclKVConfig", "engine_role"]
@@ -42,6 +42,12 @@ class NcclKVConfig:
         consumer's scatter of one layer overlap (the last layer's latency after
         prefill). 0 (default): one tensor per layer and route. Consumers accept
         either.
+    last_piece_bytes
+        Producer, push: the same for a route's last layer only, the one whose
+        gather, wire and scatter are left after the forward pass (earlier
+        layers hide behind compute and go whole). Default 4 MiB
+        (``DEFAULT_LAST_PIECE_BYTES``); 0 sends it whole. ``piece_bytes``, when
+        smaller, wins.
     async_load
         Consumer: True (default) loads between scheduler steps (the request
         waits in WAITING_FOR_REMOTE_KVS, nothing blocks the forward pass).
@@ -75,6 +81,7 @@ class NcclKVConfig:
     bind_host: str | None = None
     hold_s: float = 120.0
     piece_bytes: int = 0
+    last_piece_bytes: int = DEFAULT_LAST_PIECE_BYTES
     async_load: bool = True
     idle_wait_ms: float = 2.0
     cache_layout: str | None = None
@@ -91,8 +98,9 @@ class NcclKVConfig:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be > 0, got {value!r}")
         if not 0 <= self.idle_wait_ms <= 1000:
             raise ValueError(f"kv_connector_extra_config['idle_wait_ms'] must be in [0, 1000], got {self.idle_wait_ms!r}")
-        if self.piece_bytes < 0:
-            raise ValueError(f"kv_connector_extra_config['piece_bytes'] must be >= 0, got {self.piece_bytes!r}")
+        for name in ("piece_bytes", "last_piece_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"kv_connector_extra_config[{name!r}] must be >= 0, got {getattr(self, name)!r}")
         if self.staging_bytes is not None and self.staging_bytes < 1:
             raise ValueError(f"kv_connector_extra_config['staging_bytes'] must be >= 1, got {self.staging_bytes!r}")
         if self.cache_layout is not None:

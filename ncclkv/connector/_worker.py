@@ -103,7 +103,7 @@ class WorkerSide:
             info.engine_id, info.rank, info.layout, info.geometry, role=self._role, device=str(first.device),
             bind_host=self._config.bind_host, deadline_s=self._config.deadline_s,
             heartbeat_s=self._config.heartbeat_s, staging_bytes=self._config.staging_bytes, hold_s=self._config.hold_s,
-            piece_bytes=self._config.piece_bytes,
+            piece_bytes=self._config.piece_bytes, last_piece_bytes=self._config.last_piece_bytes,
         ))
         try:
             engine.register(by_index, cache_layout)

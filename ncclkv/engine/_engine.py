@@ -75,7 +75,8 @@ class TransferEngine:
         self._peers = PeerLinks(local, self._channel, self._data_plane, self._link_opener, cfg.device,
                                 cfg.deadline_s)
         self._producer = ProducerSide(cfg.rank, cfg.layout, cfg.geometry, self._caches, self._channel, self._peers,
-                                      self._executor, self._stats, cfg.hold_s, cfg.deadline_s, cfg.piece_bytes)
+                                      self._executor, self._stats, cfg.hold_s, cfg.deadline_s, cfg.piece_bytes,
+                                      cfg.last_piece_bytes)
         self._consumer = ConsumerSide(cfg.engine_id, cfg.rank, cfg.layout, cfg.geometry, self._caches, self._channel,
                                       self._peers, self._executor, self._stats, cfg.deadline_s, cfg.staging_bytes,
                                       cfg.hold_s)

@@ -58,7 +58,7 @@ class _Held:
 class ProducerSide:
     def __init__(self, rank: int, layout: ParallelLayout, geometry: KVGeometry, caches: RankCaches,
                  channel: Channel, peers: PeerLinks, executor: Executor, stats: EngineStats, hold_s: float,
-                 deadline_s: float, piece_bytes: int = 0) -> None:
+                 deadline_s: float, piece_bytes: int = 0, last_piece_bytes: int = 0) -> None:
         self._rank, self._layout, self._geometry = rank, layout, geometry
         self._piece_bytes = piece_bytes  # each (layer, route) slice in pieces of at most this (0: whole)
         self._caches, self._channel, self._peers, self._stats = caches, channel, peers, stats
@@ -69,7 +69,7 @@ class ProducerSide:
         self._finished: dict[str, BaseException | None] = {}
         self._seq: dict[str, itertools.count[int]] = {}  # per link id: the seq the next announce carries
         self._pusher = Pusher(rank, layout, geometry, caches, channel, peers, executor, self._announcer,
-                              self._pushed, deadline_s, stats, piece_bytes)
+                              self._pushed, deadline_s, stats, piece_bytes, last_piece_bytes)
 
     def start_push(self, request_id: str, consumer: EngineRef, block_ids: Sequence[int], num_tokens: int,
                    blocks: BlockTokens | None = None) -> None:

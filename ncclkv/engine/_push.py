@@ -77,12 +77,13 @@ class Pusher:
     def __init__(self, rank: int, layout: ParallelLayout, geometry: KVGeometry, caches: RankCaches, channel: Channel,
                  peers: PeerLinks, executor: Executor, announcer: Announcer,
                  on_complete: Callable[[str, BaseException | None], None], deadline_s: float,
-                 stats: EngineStats | None = None, piece_bytes: int = 0) -> None:
+                 stats: EngineStats | None = None, piece_bytes: int = 0, last_piece_bytes: int = 0) -> None:
         self._rank, self._layout, self._geometry, self._caches = rank, layout, geometry, caches
         self._channel, self._peers, self._executor = channel, peers, executor
         self._announcer, self._on_complete, self._deadline_s = announcer, on_complete, deadline_s
         self._stats = stats
         self._piece_bytes = piece_bytes
+        self._last_piece_bytes = last_piece_bytes
         self._lock = threading.Lock()
         self._pushes: dict[str, PushState] = {}
 
@@ -174,7 +175,7 @@ class Pusher:
             if layer not in route.layers or dst not in state.links:
                 continue
             state.slices[dst] = state.slices.get(dst, 0) + 1
-            for piece in route.pieces(self._geometry, self._piece_bytes):
+            for piece in route.pieces(self._geometry, self._piece_size(layer, route)):
                 # Queued as a placeholder: the hook takes the buffer when the link posts it, so a backlog of
                 # saved layers holds no memory beyond the link's window.
                 placeholder, taken = self._caches.placeholder(piece, route.heads), []
@@ -195,6 +196,14 @@ class Pusher:
                 future.add_done_callback(lambda f, dst=dst: self._sent(state, dst, f))
         if queued:
             state.tail_sends[dst] = queued
+
+    def _piece_size(self, layer: int, route: Route) -> int:
+        """Token pieces of at most this many bytes per layer (0: whole): ``last_piece_bytes`` for the route's last
+        layer, the one whose gather, wire and scatter are left after the forward; ``piece_bytes`` before it."""
+        size, last = self._piece_bytes, self._last_piece_bytes
+        if layer == route.layers.stop - 1 and last and (not size or last < size):
+            return last
+        return size
 
     def _sent(self, state: PushState, dst: str, future: Future[None]) -> None:
         """A send completed: count it (a count, not a scan of every send, per completion)."""

@@ -514,12 +514,15 @@ def test_wait_finished_receiving_sleeps_until_a_request_lands() -> None:
 PIECE_BYTES = 5000  # 4-9 tokens of these geometries per piece: every slice of 45 tokens goes in several
 
 
-def _tensors_per_slice(src: ParallelLayout, dst: ParallelLayout, geometry: KVGeometry, num_tokens: int) -> tuple[int, int]:
-    """(slices, pieces) the producers send for ``num_tokens``: (layer, route) pairs, and tensors."""
+def _tensors_per_slice(src: ParallelLayout, dst: ParallelLayout, geometry: KVGeometry, num_tokens: int,
+                       last_only: bool = False) -> tuple[int, int]:
+    """(slices, pieces) the producers send for ``num_tokens``: (layer, route) pairs, and tensors; ``last_only``:
+    only each route's last layer goes in pieces."""
     routes = plan(src, dst, geometry, num_tokens).routes
     slices = sum(len(r.layers) for r in routes)
-    pieces = sum(len(r.layers) * len(r.pieces(geometry, PIECE_BYTES)) for r in routes)
-    return slices, pieces
+    if last_only:
+        return slices, sum(len(r.layers) - 1 + len(r.pieces(geometry, PIECE_BYTES)) for r in routes)
+    return slices, sum(len(r.layers) * len(r.pieces(geometry, PIECE_BYTES)) for r in routes)
 
 
 @pytest.mark.parametrize(("src", "dst", "geometry"), [LAYOUTS[1], LAYOUTS[4], LAYOUTS[8]],
@@ -545,10 +548,13 @@ def test_pull_in_pieces_is_byte_exact(src: tuple[int, int], dst: tuple[int, int]
         close_sides(prefill, decode)
 
 
+@pytest.mark.parametrize("last_only", [False, True], ids=["every-layer", "last-layer"])
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
-def test_push_in_pieces_is_byte_exact(staged: bool) -> None:
+def test_push_in_pieces_is_byte_exact(staged: bool, last_only: bool) -> None:
+    """piece_bytes cuts every layer; last_piece_bytes (the default: whole layers, the last in pieces) the last."""
     src_layout, dst_layout = ParallelLayout(2, 1), ParallelLayout(1, 1)
-    prefill = build_sides("prefill", src_layout, GQA, CacheLayout.CPU, 16, "producer", piece_bytes=PIECE_BYTES)
+    sizes = {"piece_bytes": 0, "last_piece_bytes": PIECE_BYTES} if last_only else {"piece_bytes": PIECE_BYTES}
+    prefill = build_sides("prefill", src_layout, GQA, CacheLayout.CPU, 16, "producer", **sizes)
     decode = build_sides("decode", dst_layout, GQA, CacheLayout.CPU, 32, "consumer")
     try:
         num_tokens, src_blocks, dst_blocks = 45, [0, 5, 6], [2, 8]
@@ -570,7 +576,7 @@ def test_push_in_pieces_is_byte_exact(staged: bool) -> None:
         assert decode[0].mismatches(22, dst_blocks, num_tokens, Span(0, num_tokens)) == []
         if not staged:
             assert set(_wait_sent(prefill, "pp").values()) == {None}
-        slices, pieces = _tensors_per_slice(src_layout, dst_layout, GQA, num_tokens)
+        slices, pieces = _tensors_per_slice(src_layout, dst_layout, GQA, num_tokens, last_only)
         assert pieces > slices and sum(side.engine.stats().tensors_sent for side in prefill) == pieces
     finally:
         close_sides(prefill, decode)

@@ -24,6 +24,7 @@ def test_extra_config_defaults_and_values() -> None:
     assert cfg.corrupt_for_test is True
     assert NcclKVConfig().idle_wait_ms == 2.0 and NcclKVConfig.from_extra({"idle_wait_ms": 0}).idle_wait_ms == 0
     assert NcclKVConfig().piece_bytes == 0 and NcclKVConfig.from_extra({"piece_bytes": 4 << 20}).piece_bytes == 4 << 20
+    assert NcclKVConfig().last_piece_bytes == 4 << 20 and NcclKVConfig.from_extra({"last_piece_bytes": 0}).last_piece_bytes == 0
     with pytest.raises(AttributeError):
         cfg.hold_s = 1.0  # type: ignore[misc]
 
@@ -46,6 +47,7 @@ def test_unknown_keys_are_named() -> None:
     ({"ref_path": 3}, "'ref_path'.* must be str or None"),
     ({"piece_bytes": -1}, r"'piece_bytes'.* must be >= 0, got -1"),
     ({"piece_bytes": 1.5}, "'piece_bytes'.* must be int"),
+    ({"last_piece_bytes": -4096}, r"'last_piece_bytes'.* must be >= 0, got -4096"),
 ])
 def test_bad_values_are_rejected(extra: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -340,6 +340,9 @@ def test_route_pieces_hold_at_most_max_bytes_per_layer() -> None:
     pieces = route.pieces(geometry, 40 << 10)  # 20 tokens each
     assert pieces == tuple(Span(t, t + 20) for t in range(10, 110, 20))
     assert route.pieces(geometry, 100) == tuple(Span(t, t + 1) for t in range(10, 110))  # at least one token
+    # 30 tokens at most: 4 pieces, as even as 4 allow (25 each), not 30, 30, 30 and a short 10
+    assert route.pieces(geometry, 60 << 10) == tuple(Span(t, t + 25) for t in range(10, 110, 25))
+    assert [len(p) for p in route.pieces(geometry, 68 << 10)] == [34, 34, 32]  # 34 at most: 3 pieces
     with pytest.raises(ValueError, match="max_bytes must be an int >= 0, got -1"):
         route.pieces(geometry, -1)
 
