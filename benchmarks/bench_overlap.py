@@ -15,8 +15,7 @@ producer TransferEngine pushing the request to a consumer engine in the peer
 (``start_push``, ``save_layer`` after each layer's compute, ``finish``), one
 row set per ``--engine-pieces P:L`` (KiB): the producer's ``piece_bytes`` P
 (every layer) and ``last_piece_bytes`` L (a route's last layer; the engine's
-default is whole layers with the last in 4 MiB pieces); x is then the
-engine's own per-layer time.
+default: both 0, whole layers); x is then the engine's own per-layer time.
 
     python -m benchmarks.bench_overlap [--quick] [--layers L] [--compute-ms C ...] [--transfer-ms X]
 """
@@ -59,14 +58,14 @@ class OverlapParams:
     transfer_ms: float = 10.0
     matmul_size: int = 192
     chunk_bytes: tuple[int, ...] = (0, 2 << 20, 4 << 20)  # each layer in token chunks of about this size; 0: whole
-    # The engine path: (piece_bytes, last_piece_bytes) of its producer, a row set each: whole layers, the default
-    # (whole, the last layer in pieces), every layer in pieces.
-    engine_pieces: tuple[tuple[int, int], ...] = ((0, 0), (0, DEFAULT_LAST_PIECE_BYTES), (4 << 20, 4 << 20))
+    # The engine path: (piece_bytes, last_piece_bytes) of its producer, a row set each: whole layers (the default),
+    # whole with the last layer in pieces, every layer in pieces.
+    engine_pieces: tuple[tuple[int, int], ...] = ((0, 0), (0, 4 << 20), (4 << 20, 4 << 20))
 
     @classmethod
     def quick(cls) -> OverlapParams:
         return cls(num_layers=6, compute_ms=(4.0,), transfer_ms=4.0, chunk_bytes=(0,),
-                   engine_pieces=((0, DEFAULT_LAST_PIECE_BYTES),))
+                   engine_pieces=((0, DEFAULT_LAST_PIECE_BYTES),))  # the engine's default
 
 
 RunMode = Callable[[str, Callable[[], None]], tuple[float, float, float]]
@@ -184,9 +183,9 @@ next piece's announcement as well as its header while this piece is on the
 wire: A/B the same hour, old and new code in turn, 20 and 30 ms compute, 4
 MiB pieces, eight rows each: 1.04-1.34 layers exposed, median 1.15, with
 it; 1.13-1.46, median 1.23, without. Full runs that day: 1.14 and 1.14
-(before that change, the 20 and 30 ms rows) and, in this run, 1.13-1.32
-in pieces and 1.42-1.68 whole at c >= x: met in one row of three in
-pieces. So the engine in 4 MiB pieces sits at the goal, within this
+(before that change, the 20 and 30 ms rows) and, in the last EPYC run,
+1.13-1.32 in pieces and 1.42-1.68 whole at c >= x: met in one row of
+three in pieces. So the engine in 4 MiB pieces sits at the goal, within this
 machine's noise, and whole layers do not. A/B of the last layer's latency after its
 compute (a tracing script, the code before these changes and after them run
 in turn, 16 layers of 14 MiB, 20 ms compute, medians of 5-7 requests per
@@ -199,6 +198,28 @@ about 1.3 x before any hop. The engine's x is higher than the link rows'
 (the Announce, the receive posted from the dispatcher, the done-callbacks:
 see bench transfer, engine/ncclkv), which flatters its ratio a little; in
 pieces its x grows more (one Announce and receive per piece).
+
+This run is the 2-core Xeon's (2026-11-26), with the engine's run-ahead of
+announcements (bench transfer): the engine in 4 MiB pieces exposed 1.16 and
+1.24 layers at c >= x (met in one row of two), 1.08-1.12 in a run an hour
+before (three of three), 1.12 and 1.20 in a third with 15 repeats; whole
+layers 1.29-1.44 over the three runs. The engine rows now also send whole
+layers with only the last one in pieces (`last_piece_bytes`): after the
+forward only that layer is left, and the layers before it hide behind
+compute, where pieces cost messages and buy nothing. Here it did worse than
+whole layers: 1.47-1.63 with 4 MiB pieces over two runs, 1.56-1.68 with 2
+MiB. Traced (the last layer's gathers and posts, old and new settings in
+turn, 17 MiB layers, 20 ms compute, medians of 7 requests): done 12.2-12.9
+ms after the last compute with the last layer in pieces, 10.6-12.3 whole,
+10.6-12.1 with every layer in pieces; the last layer's five gathers took
+3.7-4.3 ms in all against 2.6-2.9 for the same bytes when every layer goes
+in pieces. Their wire buffers are the difference: a piece-sized buffer is
+used once a request and comes back cold (in every-layer pieces the same
+ones are reused layer after layer), on the consumer too. On two cores the
+last layer's four copies (gather, gloo's write and read, scatter: about
+10.6 ms of CPU for 17 MiB) cannot take less than half that anyway, so
+`last_piece_bytes` stays 0 (whole) by default; these rows are there to
+measure it where the copies have cores of their own.
 
 Two cores. Compute (one torch thread), the sender's gather and gloo thread, and
 the receiver's gloo thread and scatter share two cores, with other engineers'
@@ -317,8 +338,8 @@ def run(ctx: BenchContext, params: OverlapParams | None = None) -> BenchResult:
         "num_layers": params.num_layers, "compute_ms": list(params.compute_ms), "transfer_ms": params.transfer_ms,
         "chunk_bytes": list(params.chunk_bytes),
         "matmul": f"{params.matmul_size}x{params.matmul_size} float32, 1 torch thread",
-        "engine_pieces": [f"piece_bytes {format_size(p) if p else 0}, last_piece_bytes {format_size(last) if last else 0}"
-                          for p, last in params.engine_pieces],
+        "engine_pieces": ", ".join(f"{format_size(p) if p else 0}/{format_size(last) if last else 0}"
+                                   for p, last in params.engine_pieces) + " (piece_bytes/last_piece_bytes)",
         "path": "link: gather (CPU layout, block 16) -> Link (gloo) -> scatter (block 32), as bench_transfer's ncclkv "
                 "path; engine push: TransferEngine start_push / save_layer per layer -> TransferEngine in the peer "
                 "(the same caches), every landed layer checked by hash",

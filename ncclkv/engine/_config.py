@@ -12,10 +12,12 @@ from ..layout import KVGeometry, ParallelLayout
 
 __all__ = ["DEFAULT_LAST_PIECE_BYTES", "EngineConfig", "EngineRef", "Role", "peer_id"]
 
-# A push sends a route's last layer in token pieces of at most this: only that layer's latency is left after the
-# forward, and pieces overlap its gather, wire and scatter (bench overlap: whole layers left 1.26-1.35 layers
-# exposed at c >= x on 2 cores, 4 MiB pieces 1.08-1.12); earlier layers hide behind compute and go whole.
-DEFAULT_LAST_PIECE_BYTES = 4 << 20
+# A push may send a route's last layer in token pieces (last_piece_bytes): only that layer's latency is left after
+# the forward, and pieces could overlap its gather, wire and scatter while earlier layers, hidden behind compute,
+# go whole. Off by default: on 2 cores it left 1.47-1.68 layers exposed at c >= x against 1.29-1.44 whole (bench
+# overlap: its pieces' wire buffers, idle for a whole request, come back cold, and gather and scatter into them
+# ran 1.4x slower). bench overlap keeps measuring it for machines whose copies have cores of their own.
+DEFAULT_LAST_PIECE_BYTES = 0
 
 Role = Literal["producer", "consumer", "both"]
 _ENGINE_ID = re.compile(r"[A-Za-z0-9._:@+-]{1,128}")
@@ -48,7 +50,7 @@ class EngineConfig:
     staging_bytes: int | None = None
     hold_s: float = 120.0
     piece_bytes: int = 0  # producer: send each (layer, route) slice in token pieces of at most this; 0: whole
-    # push: a route's last layer in pieces of at most this (0: whole): after the forward only its latency is left
+    # push: a route's last layer in pieces of at most this (0: whole), see DEFAULT_LAST_PIECE_BYTES
     last_piece_bytes: int = DEFAULT_LAST_PIECE_BYTES
     wire_cache_bytes: int | None = None  # free CPU wire buffers kept for reuse (0: none); None: environment
     # None: from the environment (NCCLKV_SHARED_SECRET*, NCCLKV_CURVE_*; docs/SECURITY.md).
