@@ -208,7 +208,8 @@ class Pipe:
                 op.before_send = None  # ran: not again at its turn
                 if not ran:
                     with self._lock:
-                        self._queued.remove(op)
+                        if op in self._queued:  # else stopped meanwhile: stop() handed it to the closer
+                            self._queued.remove(op)
                     break
             op.ahead, op.described = True, describe
             taken.append(op)

@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +30,7 @@ from ncclkv.transport import (
 )
 from ncclkv.transport._base import check_link_args, split_address
 from ncclkv.transport._framing import BATCH, EARLY_FLUSH_BYTES
+from ncclkv.transport._pipe import Completed, Op, Pipe
 
 from link_probes import sleepy_poster
 
@@ -880,3 +881,30 @@ def test_garbage_on_the_data_plane_ports_breaks_nothing() -> None:
         assert back.result(WAIT_S).tolist() == [1, 2, 3]
     assert link_threads() == []
 
+
+
+def test_a_hook_run_ahead_that_fails_after_the_pipe_stopped_ends_the_run_quietly() -> None:
+    """A link closed from under the look-ahead (stop() took its queue) must not make the poster raise."""
+    pipe = Pipe("ahead-stop", lambda op: Completed(), lambda op: None, lambda op, exc: None, 8, 1 << 30)
+    try:
+        def hook(seq: int) -> Callable[[], torch.Tensor]:
+            def run() -> torch.Tensor:
+                if seq == 1:
+                    pipe.stop()  # what a close on another thread does meanwhile
+                    raise OSError("no wire buffer left")
+                return torch.empty(4)
+            return run
+
+        ops = [Op(f"op {seq}", torch.empty(4, device="meta"), Future(), WAIT_S, before_send=hook(seq),
+                  fill=lambda out: None) for seq in range(3)]
+        with pipe._gate:  # noqa: SLF001 - only the gate holder looks ahead; the poster must not take the ops
+            for op in ops:
+                pipe.submit(op, wake=False)
+            ahead = pipe.prepare_ahead(True, BATCH - 1, 1 << 20)
+        assert ahead == [ops[0]] and ops[0].ahead and ops[0].described and ops[0].tensor.device.type == "cpu"
+        with pytest.raises(TransferError, match="op 1: before_send failed, not sent.*no wire buffer left"):
+            ops[1].future.result(WAIT_S)
+        assert not ops[2].ahead  # the run ended at the failed hook
+    finally:
+        pipe.stop()
+        assert pipe.join(WAIT_S)
