@@ -5,5 +5,7 @@ from ._engine import TransferEngine
 from ._staging import BlockTokens, StagingEvent
 from ._stats import StatsSnapshot
 
-__all__ = ["DEFAULT_LAST_PIECE_BYTES", "BlockTokens", "EngineConfig", "EngineRef", "Role", "StagingEvent", "StatsSnapshot", "TransferEngine",
-           "peer_id"]
+__all__ = [
+    "DEFAULT_LAST_PIECE_BYTES", "BlockTokens", "EngineConfig", "EngineRef", "Role", "StagingEvent", "StatsSnapshot",
+    "TransferEngine", "peer_id",
+]

@@ -39,8 +39,8 @@ from ..errors import ProtocolError, ShapeMismatchError, TransferError, TransferT
 from ._pipe import Pending
 
 __all__ = [
-    "AHEAD_BYTES", "BATCH", "EARLY_FLUSH_BYTES", "FLUSH_BYTES", "FRAME_TAG", "GRACE_S", "Frame", "Framing", "RecvFrames",
-    "SendFrames", "check", "decode", "encode",
+    "AHEAD_BYTES", "BATCH", "EARLY_FLUSH_BYTES", "FLUSH_BYTES", "FRAME_TAG", "GRACE_S", "Frame", "Framing",
+    "RecvFrames", "SendFrames", "check", "decode", "encode",
 ]
 
 FRAME_TAG = 2  # data uses tag 0, TorchBackend.abort tag 1

@@ -181,8 +181,8 @@ class Link:
         instead of waiting a round trip for the receive. The header has
         promised the tensor, so a fill that raises breaks the link (the
         stream could not stay in step). A send with a fill runs the hooks of
-        the queued sends with a fill right after it (up to ``BATCH - 1`` and
-        ``AHEAD_BYTES``) before its own fill, and sends their header with its
+        the queued sends with a fill right after it (up to ``BATCH - 1``
+        holding ``AHEAD_BYTES``) before its own fill, and sends their header with its
         own (see ``_describe_ahead``): the peer hears of the next tensors
         while this one is written and on the wire. A hook that raises then
         still fails its own send only (nothing was described yet), and a
@@ -409,8 +409,8 @@ class Link:
         first (``Pipe.prepare_ahead``): each header then describes the tensor
         its hook took, which is the tensor posted, and the producer's
         Announces go out now too, so the peer has both before these bytes.
-        A run of up to ``BATCH - 1`` queued sends (and ``AHEAD_BYTES`` past
-        the first) is described at once, then posted without headers of
+        A run of up to ``BATCH - 1`` queued sends (holding at most
+        ``AHEAD_BYTES``, the first whatever its size) is described at once, then posted without headers of
         their own: with a backlog (many requests pushed at once) that is one
         header message, and one wake-up of the peer's receive thread, per
         run instead of per tensor, and the peer posts the run's receives

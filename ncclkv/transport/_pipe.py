@@ -185,8 +185,8 @@ class Pipe:
         Only a run of ops at the head of the queue not taken ahead yet,
         each with a fill and bytes, at most ``max_ops`` of them holding at
         most ``max_bytes`` in all, the first whatever its size (their hooks
-        take wire buffers). None while the head was taken ahead: a run taken
-        earlier is still being posted. Their hooks (the producer's
+        take wire buffers). None while the head was taken ahead (a run taken
+        earlier is still being posted): an empty list. Their hooks (the producer's
         take-and-announce) run here, before the current op's fill, so the
         peer hears of them, and posts their receives, while this op is filled
         and on the wire. A hook that fails skips its op as at its turn (nobody
