@@ -66,7 +66,8 @@ the smallest free buffer up to twice its class, and a pool keeps at most twice
 the most bytes its rank had out at once in the last 5-10 s (the engine's
 `wire_cache_bytes` stays the hard cap). The same hour, three runs each of 1000
 requests alone: before +4.3%, +4.7%, +4.5% (RSS 311 -> 326 MiB); after
-+2.2%, +2.1%, +2.3% (297 -> 304 MiB); this table +1.3%. Capping the pool at
++2.2%, +2.1%, +2.3% (297 -> 304 MiB); this table +2.4% (the 2-core Xeon,
+2026-11-26; +1.3% in the last EPYC run). Capping the pool at
 once (not twice) the recent peak was worse, +3.6-4.1%: dropped buffers are
 allocated again, and that churn grows glibc's arenas instead. A 3000-request
 run after the change: pools 19 -> 23 MiB, RSS 296 -> 304 MiB, flat from

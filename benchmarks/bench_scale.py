@@ -58,9 +58,10 @@ on a shared machine the scheduler gives more runnable threads a larger share of
 the cores against the other jobs. Beyond that the sets only divide the same two
 cores, which is why the ratios stay near 1-2 and move a lot between rounds
 (compare best and median); four processes on two cores can also fall below
-1P1D in a run (2P2D pull: 0.70 here, 0.55 and 0.73 in two runs the day
-before; 0.49, 0.63 and 1.55 in three runs that morning, one of them on the
-code before the link's caller-thread posting). Where each rank has its own cores, or a GPU (gather
+1P1D in a run (2P2D pull: 1.27 in this run, on the 2-core Xeon of
+2026-11-26, where 1P2D pull fell to 0.98; on the EPYC 0.70, 0.55 and 0.73
+in three runs, 0.49, 0.63 and 1.55 in three more, one of them on the code
+before the link's caller-thread posting). Where each rank has its own cores, or a GPU (gather
 and scatter as device kernels, NCCL moving the bytes), each prefill/decode pair
 streams independently and the aggregate grows with the number of pairs until
 the interconnect saturates. `run s` includes starting the processes (importing
