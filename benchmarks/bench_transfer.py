@@ -251,10 +251,11 @@ done-callbacks that count slices and complete requests. Since 2026-11-24 the
 producer announces each tensor and sends its frame header before gathering
 it, with the next queued tensor's header, and since 2026-11-25 the next
 tensor's announcement too (bench overlap, engine rows): that is for
-latency, and costs a header message per tensor where headers batched up to
-8 tensors or 4 MiB before; at 1 MiB engine/ncclkv was 0.59-0.60 in the two
-runs since against 0.67-0.71 in the two before (within this machine's
-run-to-run spread, but the direction is the expected one). Running the
+latency, and cost a header message per tensor where headers batched up to
+8 tensors or 4 MiB before (until the runs ahead of 2026-11-26, below); at 1
+MiB engine/ncclkv was 0.59-0.60 in the two EPYC runs since against 0.67-0.71
+in the two before (within that machine's run-to-run spread, but the
+direction is the expected one). Running the
 next announcement ahead moved nothing measurable: 16 pushed layers of 64 MiB
 in 4 MiB pieces at 1.47-1.91 GB/s with it and 1.54-1.94 without, old and
 new code in turn (whole slices 1.5-2.0 GB/s the same hour).
