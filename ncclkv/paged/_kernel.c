@@ -28,6 +28,7 @@ typedef struct {
     char *wire;             /* the part's contiguous [num_tokens, num_heads, head_size] wire */
 } Part;
 
+/* What both entries are given first (SLICE_ARGS arguments): the slice's geometry and where its tokens sit. */
 typedef struct {
     int gather;             /* 1: cache -> wire, 0: wire -> cache */
     Py_ssize_t elem;        /* element size, bytes */
@@ -37,6 +38,10 @@ typedef struct {
     Py_ssize_t block_size;
     Py_ssize_t token_start; /* request-relative position of the wire's first token */
     Py_ssize_t num_tokens;
+} Slice;
+
+typedef struct {
+    Slice s;
     int num_parts;
     Part parts[MAX_PARTS];
 } Job;
@@ -201,25 +206,25 @@ static inline void prefetch_range(const char *start, Py_ssize_t bytes, int for_r
 
 /* One head of `tokens` tokens of one part: rows, a transposed tile, or elements. */
 static void move_head(const Job *job, const Part *part, char *cache, char *wire, Py_ssize_t tokens) {
-    const Py_ssize_t elem = job->elem, dim = job->head_size;
-    const Py_ssize_t row = dim * elem, token_row = job->num_heads * row;
+    const Py_ssize_t elem = job->s.elem, dim = job->s.head_size;
+    const Py_ssize_t row = dim * elem, token_row = job->s.num_heads * row;
     if (part->s_dim == elem) {                   /* head-major (CPU, FLASH_HND): a row per token */
         for (Py_ssize_t t = 0; t < tokens; t++)
-            move(job->gather, cache + t * part->s_token, wire + t * token_row, (size_t)row);
+            move(job->s.gather, cache + t * part->s_token, wire + t * token_row, (size_t)row);
     } else if (part->s_token == elem) {          /* token-minor keys (CPU_KT) */
-        move_tile(job->gather, cache, wire, tokens, dim, part->s_dim, token_row, elem);
+        move_tile(job->s.gather, cache, wire, tokens, dim, part->s_dim, token_row, elem);
     } else {                                     /* any other strides: element by element */
         for (Py_ssize_t t = 0; t < tokens; t++)
             for (Py_ssize_t d = 0; d < dim; d++)
-                move(job->gather, cache + t * part->s_token + d * part->s_dim, wire + t * token_row + d * elem,
+                move(job->s.gather, cache + t * part->s_token + d * part->s_dim, wire + t * token_row + d * elem,
                      (size_t)elem);
     }
 }
 
 /* Wire tokens [done, done + tokens), which sit in block `block_id` from `offset` on. */
 static void move_segment(const Job *job, int64_t block_id, Py_ssize_t offset, Py_ssize_t done, Py_ssize_t tokens) {
-    const Py_ssize_t elem = job->elem, heads = job->num_heads;
-    const Py_ssize_t row = job->head_size * elem, token_row = heads * row;
+    const Py_ssize_t elem = job->s.elem, heads = job->s.num_heads;
+    const Py_ssize_t row = job->s.head_size * elem, token_row = heads * row;
     char *cache[MAX_PARTS], *wire[MAX_PARTS];
     int head_wise[MAX_PARTS], any_head_wise = 0;
     for (int p = 0; p < job->num_parts; p++) {
@@ -232,10 +237,10 @@ static void move_segment(const Job *job, int64_t block_id, Py_ssize_t offset, Py
             continue;
         /* The slice's heads are adjacent per token (NHD layouts, MLA): a run per token, or one run. */
         if (part->s_token == token_row)
-            move(job->gather, cache[p], wire[p], (size_t)(tokens * token_row));
+            move(job->s.gather, cache[p], wire[p], (size_t)(tokens * token_row));
         else
             for (Py_ssize_t t = 0; t < tokens; t++)
-                move(job->gather, cache[p] + t * part->s_token, wire[p] + t * token_row, (size_t)token_row);
+                move(job->s.gather, cache[p] + t * part->s_token, wire[p] + t * token_row, (size_t)token_row);
     }
     if (!any_head_wise)
         return;
@@ -247,8 +252,8 @@ static void move_segment(const Job *job, int64_t block_id, Py_ssize_t offset, Py
             if (part->s_token == elem && part->s_dim != elem && h + 1 < heads)
                 /* A transpose's loads queue behind its shuffles, so misses would come one tile at a
                  * time; asking for the next head's tile now overlaps them (7 -> 10-11 GB/s here). */
-                prefetch_range(cache[p] + (h + 1) * part->s_head, (job->head_size - 1) * part->s_dim + tokens * elem,
-                               job->gather);
+                prefetch_range(cache[p] + (h + 1) * part->s_head, (job->s.head_size - 1) * part->s_dim + tokens * elem,
+                               job->s.gather);
             move_head(job, part, cache[p] + h * part->s_head, wire[p] + h * row, tokens);
         }
     }
@@ -258,16 +263,16 @@ static void move_segment(const Job *job, int64_t block_id, Py_ssize_t offset, Py
  * segment(job, block id, offset in the block, wire tokens done before, tokens) for each piece. */
 typedef void (*Segment)(const void *job, int64_t block_id, Py_ssize_t offset, Py_ssize_t done, Py_ssize_t tokens);
 
-static void for_each_block(const int64_t *block_ids, Py_ssize_t block_size, Py_ssize_t token_start,
-                           Py_ssize_t num_tokens, Segment segment, const void *job) {
+static void for_each_block(const Slice *slice, Segment segment, const void *job) {
+    const Py_ssize_t block_size = slice->block_size, num_tokens = slice->num_tokens;
     Py_ssize_t done = 0;
     while (done < num_tokens) {
-        const Py_ssize_t pos = token_start + done;
+        const Py_ssize_t pos = slice->token_start + done;
         const Py_ssize_t offset = pos % block_size;
         Py_ssize_t tokens = block_size - offset;
         if (tokens > num_tokens - done)
             tokens = num_tokens - done;
-        segment(job, block_ids[pos / block_size], offset, done, tokens);
+        segment(job, slice->block_ids[pos / block_size], offset, done, tokens);
         done += tokens;
     }
 }
@@ -276,55 +281,65 @@ static void job_segment(const void *job, int64_t block_id, Py_ssize_t offset, Py
     move_segment((const Job *)job, block_id, offset, done, tokens);
 }
 
-static void run_job(const Job *job) {
-    for_each_block(job->block_ids, job->block_size, job->token_start, job->num_tokens, job_segment, job);
-}
+enum { SLICE_ARGS = 8 };
 
-static int as_ssize(PyObject *arg, Py_ssize_t *out, Py_ssize_t index) {
-    *out = PyLong_AsSsize_t(arg);
-    if (*out == -1 && PyErr_Occurred()) {
-        PyErr_Format(PyExc_TypeError, "copy_parts: argument %zd must be an int", index);
+/* Every argument of entry `name` as an int into v, the slice from the first SLICE_ARGS, its geometry checked:
+ * head_size and block_size at least `multiple` and multiples of it. 0 with a Python error set. */
+static int read_slice(const char *name, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t multiple,
+                      Py_ssize_t *v, Slice *slice) {
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        v[i] = PyLong_AsSsize_t(args[i]);
+        if (v[i] == -1 && PyErr_Occurred()) {
+            PyErr_Format(PyExc_TypeError, "%s: argument %zd must be an int", name, i);
+            return 0;
+        }
+    }
+    *slice = (Slice){
+        .gather = v[0] != 0, .elem = v[1], .head_size = v[2], .num_heads = v[3],
+        .block_ids = (const int64_t *)(uintptr_t)v[4], .block_size = v[5], .token_start = v[6], .num_tokens = v[7],
+    };
+    if (slice->elem < 1 || slice->head_size < multiple || slice->head_size % multiple || slice->num_heads < 0 ||
+        slice->block_size < multiple || slice->block_size % multiple || slice->token_start < 0 ||
+        slice->num_tokens < 0) {
+        PyObject *what = PyUnicode_FromFormat(
+            "%s: bad geometry elem=%zd head_size=%zd num_heads=%zd block_size=%zd token_start=%zd num_tokens=%zd",
+            name, slice->elem, slice->head_size, slice->num_heads, slice->block_size, slice->token_start,
+            slice->num_tokens);
+        if (what == NULL)
+            return 0;
+        if (multiple > 1)
+            PyErr_Format(PyExc_ValueError, "%U (head_size and block_size must be multiples of %zd)", what, multiple);
+        else
+            PyErr_SetObject(PyExc_ValueError, what);
+        Py_DECREF(what);
         return 0;
     }
     return 1;
 }
 
-enum { FIXED_ARGS = 8, PART_ARGS = 6 };
+enum { PART_ARGS = 6 };
 
 static PyObject *copy_parts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t v[FIXED_ARGS + MAX_PARTS * PART_ARGS];
+    Py_ssize_t v[SLICE_ARGS + MAX_PARTS * PART_ARGS];
     (void)self;
-    const Py_ssize_t num_parts = (nargs - FIXED_ARGS) / PART_ARGS;
-    if (nargs < FIXED_ARGS + PART_ARGS || (nargs - FIXED_ARGS) % PART_ARGS || num_parts > MAX_PARTS) {
+    const Py_ssize_t num_parts = (nargs - SLICE_ARGS) / PART_ARGS;
+    if (nargs < SLICE_ARGS + PART_ARGS || (nargs - SLICE_ARGS) % PART_ARGS || num_parts > MAX_PARTS) {
         PyErr_Format(PyExc_TypeError, "copy_parts takes %d arguments and %d per part (1 or %d parts), got %zd",
-                     (int)FIXED_ARGS, (int)PART_ARGS, (int)MAX_PARTS, nargs);
+                     (int)SLICE_ARGS, (int)PART_ARGS, (int)MAX_PARTS, nargs);
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < nargs; i++)
-        if (!as_ssize(args[i], &v[i], i))
-            return NULL;
-    Job job = {
-        .gather = v[0] != 0, .elem = v[1], .head_size = v[2], .num_heads = v[3],
-        .block_ids = (const int64_t *)(uintptr_t)v[4], .block_size = v[5], .token_start = v[6], .num_tokens = v[7],
-        .num_parts = (int)num_parts,
-    };
-    if (job.elem < 1 || job.head_size < 1 || job.num_heads < 0 || job.block_size < 1 || job.token_start < 0 ||
-        job.num_tokens < 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "copy_parts: bad geometry elem=%zd head_size=%zd num_heads=%zd block_size=%zd "
-                     "token_start=%zd num_tokens=%zd",
-                     job.elem, job.head_size, job.num_heads, job.block_size, job.token_start, job.num_tokens);
+    Job job = {.num_parts = (int)num_parts};
+    if (!read_slice("copy_parts", args, nargs, 1, v, &job.s))
         return NULL;
-    }
     for (Py_ssize_t p = 0; p < num_parts; p++) {
-        const Py_ssize_t *a = v + FIXED_ARGS + p * PART_ARGS;
+        const Py_ssize_t *a = v + SLICE_ARGS + p * PART_ARGS;
         job.parts[p] = (Part){
             .cache = (char *)(uintptr_t)a[0], .s_block = a[1], .s_token = a[2], .s_head = a[3], .s_dim = a[4],
             .wire = (char *)(uintptr_t)a[5],
         };
     }
     Py_BEGIN_ALLOW_THREADS
-    run_job(&job);
+    for_each_block(&job.s, job_segment, &job);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -335,10 +350,7 @@ static PyObject *copy_parts(PyObject *self, PyObject *const *args, Py_ssize_t na
 enum { AMX_ROWS = 16, AMX_PAIR = 2 };
 
 typedef struct {
-    int gather;
-    Py_ssize_t elem, head_size, num_heads, block_size;
-    const int64_t *block_ids;
-    Py_ssize_t token_start, num_tokens;
+    Slice s;
     char *keys, *values;          /* block 0's K and V halves of the slice's first head */
     Py_ssize_t s_block, s_head;   /* bytes */
     char *wire_keys, *wire_values;
@@ -367,11 +379,11 @@ static inline void amx_value_pair_u16(int gather, uint16_t *chunk, uint16_t *w0,
 
 static void amx_segment(const void *amx_job, int64_t block_id, Py_ssize_t offset, Py_ssize_t done, Py_ssize_t tokens) {
     const AmxJob *job = (const AmxJob *)amx_job;
-    const Py_ssize_t elem = job->elem, dim = job->head_size, pair = AMX_PAIR * elem;
-    const Py_ssize_t token_row = job->num_heads * dim * elem;  /* wire bytes per token */
+    const Py_ssize_t elem = job->s.elem, dim = job->s.head_size, pair = AMX_PAIR * elem;
+    const Py_ssize_t token_row = job->s.num_heads * dim * elem;  /* wire bytes per token */
     const Py_ssize_t k_tile = dim * AMX_ROWS * elem;           /* bytes per 16-token key tile */
-    const Py_ssize_t v_group = job->block_size * AMX_ROWS * elem;  /* bytes per 16-dim value group */
-    for (Py_ssize_t h = 0; h < job->num_heads; h++) {
+    const Py_ssize_t v_group = job->s.block_size * AMX_ROWS * elem;  /* bytes per 16-dim value group */
+    for (Py_ssize_t h = 0; h < job->s.num_heads; h++) {
         char *keys = job->keys + block_id * job->s_block + h * job->s_head;
         char *values = job->values + block_id * job->s_block + h * job->s_head;
         char *wire_keys = job->wire_keys + done * token_row + h * dim * elem;
@@ -380,7 +392,7 @@ static void amx_segment(const void *amx_job, int64_t block_id, Py_ssize_t offset
             const Py_ssize_t row = t % AMX_ROWS, run = AMX_ROWS - row < offset + tokens - t ? AMX_ROWS - row
                                                                                            : offset + tokens - t;
             char *tile = keys + (t / AMX_ROWS) * k_tile + row * pair;
-            move_tile(job->gather, tile, wire_keys + (t - offset) * token_row, run, dim / AMX_PAIR, AMX_ROWS * pair,
+            move_tile(job->s.gather, tile, wire_keys + (t - offset) * token_row, run, dim / AMX_PAIR, AMX_ROWS * pair,
                       token_row, pair);
             t += run;
         }
@@ -390,7 +402,7 @@ static void amx_segment(const void *amx_job, int64_t block_id, Py_ssize_t offset
 #if HAVE_SIMD_TRANSPOSE
             if (elem == 2 && t % AMX_PAIR == 0 && t + 1 < offset + tokens) {  /* both tokens of the pair at once */
                 for (Py_ssize_t group = 0; group < dim / AMX_ROWS; group++)
-                    amx_value_pair_u16(job->gather, (uint16_t *)(chunk + group * v_group),
+                    amx_value_pair_u16(job->s.gather, (uint16_t *)(chunk + group * v_group),
                                        (uint16_t *)(wired + group * AMX_ROWS * elem),
                                        (uint16_t *)(wired + token_row + group * AMX_ROWS * elem));
                 t += AMX_PAIR;
@@ -398,7 +410,7 @@ static void amx_segment(const void *amx_job, int64_t block_id, Py_ssize_t offset
             }
 #endif
             for (Py_ssize_t group = 0; group < dim / AMX_ROWS; group++)
-                move_tile(job->gather, chunk + group * v_group, wired + group * AMX_ROWS * elem, 1, AMX_ROWS, pair,
+                move_tile(job->s.gather, chunk + group * v_group, wired + group * AMX_ROWS * elem, 1, AMX_ROWS, pair,
                           token_row, elem);
             t++;
         }
@@ -406,32 +418,24 @@ static void amx_segment(const void *amx_job, int64_t block_id, Py_ssize_t offset
 }
 
 static PyObject *copy_amx(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    enum { NARGS = 14 };
+    enum { NARGS = SLICE_ARGS + 6 };
     Py_ssize_t v[NARGS];
     (void)self;
     if (nargs != NARGS) {
         PyErr_Format(PyExc_TypeError, "copy_amx takes %d arguments, got %zd", (int)NARGS, nargs);
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < nargs; i++)
-        if (!as_ssize(args[i], &v[i], i))
-            return NULL;
-    AmxJob job = {
-        .gather = v[0] != 0, .elem = v[1], .head_size = v[2], .num_heads = v[3],
-        .block_ids = (const int64_t *)(uintptr_t)v[4], .block_size = v[5], .token_start = v[6], .num_tokens = v[7],
-        .keys = (char *)(uintptr_t)v[8], .values = (char *)(uintptr_t)v[9], .s_block = v[10], .s_head = v[11],
-        .wire_keys = (char *)(uintptr_t)v[12], .wire_values = (char *)(uintptr_t)v[13],
-    };
-    if (job.elem < 1 || job.head_size < AMX_ROWS || job.head_size % AMX_ROWS || job.num_heads < 0 ||
-        job.block_size < AMX_ROWS || job.block_size % AMX_ROWS || job.token_start < 0 || job.num_tokens < 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "copy_amx: bad geometry elem=%zd head_size=%zd num_heads=%zd block_size=%zd token_start=%zd "
-                     "num_tokens=%zd (head_size and block_size must be multiples of 16)",
-                     job.elem, job.head_size, job.num_heads, job.block_size, job.token_start, job.num_tokens);
+    AmxJob job;
+    if (!read_slice("copy_amx", args, nargs, AMX_ROWS, v, &job.s))
         return NULL;
-    }
+    job.keys = (char *)(uintptr_t)v[SLICE_ARGS];
+    job.values = (char *)(uintptr_t)v[SLICE_ARGS + 1];
+    job.s_block = v[SLICE_ARGS + 2];
+    job.s_head = v[SLICE_ARGS + 3];
+    job.wire_keys = (char *)(uintptr_t)v[SLICE_ARGS + 4];
+    job.wire_values = (char *)(uintptr_t)v[SLICE_ARGS + 5];
     Py_BEGIN_ALLOW_THREADS
-    for_each_block(job.block_ids, job.block_size, job.token_start, job.num_tokens, amx_segment, &job);
+    for_each_block(&job.s, amx_segment, &job);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -73,9 +73,9 @@ def test_the_c_entry_point_checks_its_arguments() -> None:
     for count in (2, len(fixed), len(fixed) + 5, len(fixed) + 3 * len(part)):
         with pytest.raises(TypeError, match=f"copy_parts takes 8 arguments and 6 per part .*, got {count}"):
             _kernel.copy_parts(*(fixed + part * 3)[:count])
-    with pytest.raises(TypeError, match="argument 10 must be an int"):
+    with pytest.raises(TypeError, match="copy_parts: argument 10 must be an int"):
         _kernel.copy_parts(*fixed, 0, 0, "x", 0, 2, 0)
-    with pytest.raises(ValueError, match="block_size=0"):
+    with pytest.raises(ValueError, match=r"^copy_parts: bad geometry .*block_size=0 .*num_tokens=0$"):
         _kernel.copy_parts(*fixed[:5], 0, 0, 0, *part)
 
 
@@ -84,10 +84,10 @@ def test_the_amx_entry_point_checks_its_arguments() -> None:
     amx = [1, 2, 16, 1, 0, 32, 0, 0, 0, 0, 0, 0, 0, 0]
     with pytest.raises(TypeError, match="copy_amx takes 14 arguments, got 13"):
         _kernel.copy_amx(*amx[:-1])
-    with pytest.raises(TypeError, match="argument 9 must be an int"):
+    with pytest.raises(TypeError, match="copy_amx: argument 9 must be an int"):  # named by its own entry
         _kernel.copy_amx(*amx[:9], "x", *amx[10:])
     for at, bad, named in ((5, 24, "block_size=24"), (2, 8, "head_size=8"), (7, -1, "num_tokens=-1")):
-        with pytest.raises(ValueError, match=rf"{named} .*multiples of 16"):
+        with pytest.raises(ValueError, match=rf"^copy_amx: bad geometry .*{named}.* multiples of 16\)$"):
             _kernel.copy_amx(*amx[:at], bad, *amx[at + 1:])
 
 
