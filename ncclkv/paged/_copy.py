@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -262,31 +262,9 @@ def gather(
     ``heads``, for a caller that moves many slices of one cache (the torch ops only).
     """
     plan, slot_map = _check(cache, spec, block_ids, tokens, heads, out, "out")
-    native = _use_native(kernel, cache, spec)
-    if spec.layout is CacheLayout.CPU_AMX:
-        tiles = amx_views(cache, spec)  # checks the cache, even for an empty span
-        if not native:
-            _amx_move(True, tiles, spec, plan, heads, out)
-        elif len(tokens) and len(heads):
-            move_amx(True, cache, spec, slot_map.ids_cpu, tokens, heads, out)
-        return out
-    if native:
-        geometry = part_geometry(cache, spec, heads)  # checks the cache, even for an empty span
-    else:
-        parts = _torch_parts(cache, spec, tokens, heads, out, views)
-    if len(tokens) == 0 or len(heads) == 0:
-        return out
-    if native:
-        move_parts(True, cache, geometry, spec, slot_map.ids_cpu, tokens, heads, out)
-        return out
-    for view, wire in parts:
-        for run in plan.edges:
-            at = slice(run.wire_start, run.wire_start + run.length)
-            wire[at].copy_(view[run.block_id, run.offset : run.offset + run.length])
-        if plan.block_index is not None:
-            num_full = len(plan.full_block_ids)
-            dst = wire[plan.full_start : plan.full_start + num_full * spec.block_size]
-            _gather_blocks(view, plan.block_index, dst.unflatten(0, (num_full, spec.block_size)))
+    move = _mover(cache, spec, plan, slot_map, tokens, heads, out, kernel, views)
+    if len(tokens) and len(heads):
+        move(True)
     return out
 
 
@@ -307,36 +285,51 @@ def scatter(
     must be distinct. ``kernel`` and ``views`` as for :func:`gather`.
     """
     plan, slot_map = _check(cache, spec, block_ids, tokens, heads, wire, "wire")
-    native = _use_native(kernel, cache, spec)
-    if spec.layout is CacheLayout.CPU_AMX:
-        tiles = amx_views(cache, spec)  # checks the cache, even for an empty span
-    elif native:
-        geometry = part_geometry(cache, spec, heads)
-    else:
-        parts = _torch_parts(cache, spec, tokens, heads, wire, views)
+    move = _mover(cache, spec, plan, slot_map, tokens, heads, wire, kernel, views)
     if len(tokens) == 0 or len(heads) == 0:
         return
     if not plan.distinct:
         used = list(plan.full_block_ids) + [run.block_id for run in plan.edges]
         repeated = sorted({b for b in used if used.count(b) > 1})
         raise ValueError(f"token span {tokens!r} maps to repeated block ids {repeated[:8]}; scatter needs distinct blocks")
+    move(False)
+
+
+def _mover(cache: torch.Tensor, spec: PagedCacheSpec, plan: SlicePlan, slot_map: SlotMap, tokens: Span, heads: Span,
+           wire: torch.Tensor, kernel: str | None, views: CacheViews | None) -> Callable[[bool], None]:
+    """Check ``cache`` for this call (even for an empty span) and return ``move(to_wire)``: the gather
+    (``to_wire``) or scatter of the span through the layout's and the kernel's path."""
+    native = _use_native(kernel, cache, spec)
     if spec.layout is CacheLayout.CPU_AMX:
+        tiles = amx_views(cache, spec)
         if native:
-            move_amx(False, cache, spec, slot_map.ids_cpu, tokens, heads, wire)
-        else:
-            _amx_move(False, tiles, spec, plan, heads, wire)
-        return
+            return lambda to_wire: move_amx(to_wire, cache, spec, slot_map.ids_cpu, tokens, heads, wire)
+        return lambda to_wire: _amx_move(to_wire, tiles, spec, plan, heads, wire)
     if native:
-        move_parts(False, cache, geometry, spec, slot_map.ids_cpu, tokens, heads, wire)
-        return
-    for view, src in parts:
+        geometry = part_geometry(cache, spec, heads)
+        return lambda to_wire: move_parts(to_wire, cache, geometry, spec, slot_map.ids_cpu, tokens, heads, wire)
+    parts = _torch_parts(cache, spec, tokens, heads, wire, views)
+    return lambda to_wire: _torch_move(to_wire, parts, spec, plan)
+
+
+def _torch_move(to_wire: bool, parts: list[_Part], spec: PagedCacheSpec, plan: SlicePlan) -> None:
+    """Torch ops, per part: a copy per partial-block run, one indexed copy of the whole blocks."""
+    for view, wire in parts:
         for run in plan.edges:
             at = slice(run.wire_start, run.wire_start + run.length)
-            view[run.block_id, run.offset : run.offset + run.length].copy_(src[at])
+            cached = view[run.block_id, run.offset : run.offset + run.length]
+            if to_wire:
+                wire[at].copy_(cached)
+            else:
+                cached.copy_(wire[at])
         if plan.block_index is not None:
             num_full = len(plan.full_block_ids)
-            full = src[plan.full_start : plan.full_start + num_full * spec.block_size]
-            _scatter_blocks(full.unflatten(0, (num_full, spec.block_size)), view, plan.block_index)
+            full = wire[plan.full_start : plan.full_start + num_full * spec.block_size]
+            full = full.unflatten(0, (num_full, spec.block_size))
+            if to_wire:
+                _gather_blocks(view, plan.block_index, full)
+            else:
+                _scatter_blocks(full, view, plan.block_index)
 
 
 def _amx_move(to_wire: bool, tiles: tuple[torch.Tensor, torch.Tensor], spec: PagedCacheSpec, plan: SlicePlan,
@@ -349,8 +342,6 @@ def _amx_move(to_wire: bool, tiles: tuple[torch.Tensor, torch.Tensor], spec: Pag
     (an odd first or last token alone), so no token outside the span is written.
     """
     keys, values = (view[:, :, :, heads.start : heads.stop] for view in tiles)
-    if len(heads) == 0 or len(plan.tokens) == 0:
-        return
     wire_keys, wire_values = wire[0], wire[1]  # [tokens, heads, head_size]
     for run in plan.edges:
         for cached, wired in _amx_edge(keys, values, wire_keys, wire_values, run, spec.head_size):
