@@ -90,7 +90,7 @@ class RankCaches:
 
     @property
     def device(self) -> torch.device:
-        return next(iter(self._layers.values())).cache.device
+        return self._any_layer().cache.device
 
     def ready_event(self) -> torch.cuda.Event | None:
         """CUDA: an event on the calling thread's current stream, after what the caller queued there (its
@@ -100,10 +100,17 @@ class RankCaches:
         return torch.cuda.current_stream(self.device).record_event()
 
     def block_size(self) -> int:
-        return next(iter(self._layers.values())).spec.block_size
+        return self._any_layer().spec.block_size
 
     def slot_map(self, block_ids: Sequence[int]) -> SlotMap:
-        return SlotMap(list(block_ids), self.block_size())
+        """The block table of a request, its ids checked against the caches: a bad id fails the call here, not
+        a gather or scatter on a link's thread (which would break the link for every request on it)."""
+        num_blocks = min(entry.spec.num_blocks for entry in self._registered().values())
+        slots = SlotMap(list(block_ids), self.block_size())
+        outside = [b for b in slots.block_ids if b >= num_blocks]
+        if outside:
+            raise ValueError(f"block ids {outside[:8]} are outside the {num_blocks} blocks of this rank's caches")
+        return slots
 
     def wire_shape(self, tokens: Span, heads: Span) -> tuple[int, ...]:
         g = self.geometry
@@ -113,8 +120,8 @@ class RankCaches:
 
     def wire_buffer(self, tokens: Span, heads: Span) -> torch.Tensor:
         """A buffer for one slice on the wire (reused on the CPU: see ``_buffers``); :meth:`recycle` it after."""
-        if self._buffers is None:
-            raise ShapeMismatchError("no caches registered on this rank")
+        self._registered()
+        assert self._buffers is not None  # made by register()
         return self._buffers.take(self.wire_shape(tokens, heads), self.wire_dtype)
 
     @property
@@ -151,6 +158,16 @@ class RankCaches:
     def scatter(self, layer: int, wire: torch.Tensor, slots: SlotMap, tokens: Span, heads: Span) -> None:
         entry, local = self._layer(layer), self._local(heads)
         scatter(wire, entry.cache, entry.spec, slots, tokens, local, views=entry.views_for(local))
+
+    def _registered(self) -> dict[int, _Layer]:
+        layers = self._layers
+        if not layers:
+            raise ValueError(f"no KV caches registered on this rank (layers {self.shard.layers!r}): call register() "
+                             "before moving any request")
+        return layers
+
+    def _any_layer(self) -> _Layer:
+        return next(iter(self._registered().values()))
 
     def _local(self, heads: Span) -> Span:
         start = self.shard.heads.start

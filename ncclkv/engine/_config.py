@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -21,6 +22,15 @@ DEFAULT_LAST_PIECE_BYTES = 0
 
 Role = Literal["producer", "consumer", "both"]
 _ENGINE_ID = re.compile(r"[A-Za-z0-9._:@+-]{1,128}")
+
+
+def _check_engine_id(engine_id: object) -> None:
+    if not isinstance(engine_id, str) or not _ENGINE_ID.fullmatch(engine_id):
+        raise ValueError(f"engine_id must be 1-128 chars of [A-Za-z0-9._:@+-], got {engine_id!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def peer_id(engine_id: str, rank: int) -> str:
@@ -57,23 +67,28 @@ class EngineConfig:
     auth: ChannelAuth | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.engine_id, str) or not _ENGINE_ID.fullmatch(self.engine_id):
-            raise ValueError(f"engine_id must be 1-128 chars of [A-Za-z0-9._:@+-], got {self.engine_id!r}")
+        _check_engine_id(self.engine_id)
         if self.role not in ("producer", "consumer", "both"):
             raise ValueError(f"role must be producer, consumer or both, got {self.role!r}")
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.layout.world_size:
+        if not _is_int(self.rank) or not 0 <= self.rank < self.layout.world_size:
             raise ValueError(f"rank={self.rank!r} outside the layout's world_size={self.layout.world_size}")
         self.layout.check(self.geometry)
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("deadline_s", "heartbeat_s", "hold_s"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value!r}")
+            # Finite: an infinite deadline is no deadline, and thread waits overflow on it.
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if self.staging_bytes is not None and not (_is_int(self.staging_bytes) and self.staging_bytes >= 1):
+            raise ValueError(f"staging_bytes must be an int >= 1, got {self.staging_bytes!r}")
         for name in ("piece_bytes", "last_piece_bytes"):
             value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            if not (_is_int(value) and value >= 0):
                 raise ValueError(f"{name} must be an int >= 0 (0: whole slices), got {value!r}")
         cache = self.wire_cache_bytes
-        if cache is not None and not (isinstance(cache, int) and not isinstance(cache, bool) and cache >= 0):
+        if cache is not None and not (_is_int(cache) and cache >= 0):
             raise ValueError(f"wire_cache_bytes must be an int >= 0 (0: keep none), got {cache!r}")
         settings = env_settings()
         if self.deadline_s is None:
@@ -105,6 +120,7 @@ class EngineRef:
     control_addrs: tuple[str, ...]
 
     def __post_init__(self) -> None:
+        _check_engine_id(self.engine_id)
         object.__setattr__(self, "control_addrs", tuple(self.control_addrs))
         if len(self.control_addrs) != self.layout.world_size:
             raise ValueError(

@@ -40,6 +40,7 @@ __all__ = ["ConsumerSide"]
 log = logging.getLogger("ncclkv.engine")
 
 _Key = tuple[int, int, Route]  # (src rank, layer, route)
+_MAX_REFUSALS = 4096  # failed pushes remembered for a later expect(), each at most hold_s
 
 
 @lru_cache(maxsize=256)
@@ -116,6 +117,10 @@ class ConsumerSide:
         self._recv_seq: dict[str, int] = {}  # link id -> seq the next announcement must carry
         self._hold_s = hold_s
         self._staged: dict[str, _Staged] = {}
+        # Pushes that failed before this rank expected them (refused here for room, or the producer's error),
+        # by request id: (when, producer engine id, why). The producer gave up, so an expect() of one from
+        # that producer fails at once instead of waiting hold_s for tensors that never come.
+        self._refused: dict[str, tuple[float, str, NcclKVError]] = {}
         self._reserved = 0  # staging bytes promised to accepted push offers
         self._store = KVStoreBuffer(staging_bytes, evict=False)
         self._staging_log = StagingLog()
@@ -148,6 +153,10 @@ class ConsumerSide:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected")
             self._requests[request_id] = req
+            refused = self._refused.pop(request_id, None) if push else None
+            if refused is not None and refused[1] == producer.engine_id:
+                req.error = type(refused[2])(f"request {request_id!r}: its push failed before it was expected: "
+                                             f"{refused[2]}")
             staged = self._staged.pop(request_id, None) if push else None
             if staged is not None:
                 self._reserved -= staged.reserved
@@ -207,6 +216,9 @@ class ConsumerSide:
                     out[request_id] = req.error
                     del self._requests[request_id]
                     self._stats.record_request(req.error is not None)
+            for request_id, (since, _, _) in list(self._refused.items()):
+                if now - since > self._hold_s:  # never expected here: forget it
+                    del self._refused[request_id]
             for request_id, staged in list(self._staged.items()):
                 if now - staged.since > self._hold_s:  # pushed, but never expected here: free its staging
                     log.warning("dropping pushed request %s: not expected within %ss", request_id, self._hold_s)
@@ -229,10 +241,14 @@ class ConsumerSide:
             limit = time.monotonic() + self._deadline_s
             while req is not None and req.applying and time.monotonic() < limit:
                 self._cond.wait(limit - time.monotonic())
+            if req is not None and req.applying:  # never silent: the caller is about to reuse these blocks
+                log.error("request %s aborted, but %d scatter(s) into its blocks still ran after %ss",
+                          request_id, req.applying, self._deadline_s)
 
     def close(self) -> None:
         with self._cond:
             self._staged.clear()
+            self._refused.clear()
             self._reserved = 0
             self._cond.notify_all()
         self._store.close()
@@ -270,7 +286,12 @@ class ConsumerSide:
         with self._cond:
             req = self._requests.get(ann.request_id)
             staged = self._staged.get(ann.request_id) if req is None else None
-            if piece.empty or not route.tokens.covers(piece):
+            # Only the request's producer can fail it: any handshaken engine can announce (its tensor is drained).
+            owner = req.producer.engine_id if req is not None else staged.producer_engine_id if staged else None
+            own = owner == peer.remote.engine_id
+            if owner is not None and not own:
+                problem = f"{what()} for request {ann.request_id!r}, whose producer is {owner!r}"
+            elif piece.empty or not route.tokens.covers(piece):
                 problem = f"{what()}: the piece is empty or outside the route's tokens"
             elif staged is not None:
                 if staged.error is not None or key not in staged.keys:
@@ -281,7 +302,7 @@ class ConsumerSide:
                     problem = f"{what()} of push {ann.request_id!r} again"
             elif req is None or req.error is not None:
                 problem = f"request {ann.request_id!r} is not expected (finished, failed or aborted)"
-            elif req.producer.engine_id != peer.remote.engine_id or key not in req.pending:
+            elif key not in req.pending:
                 problem = f"{what()} which request {ann.request_id!r} does not expect"
             elif tuple(ann.shape) != shape or ann.dtype != self._geometry.dtype:
                 problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
@@ -289,13 +310,16 @@ class ConsumerSide:
                 problem = f"{what()} of request {ann.request_id!r} again"
             else:
                 req.progress = self._clock.now()  # an announcement is progress: its tensor is on the way
+            if problem is not None and own and staged is not None and staged.error is None:
+                staged.error = ShapeMismatchError(problem)  # its expect() fails at once, not after a stall
+                self._report_removed(staged, "failed")
         if problem is None:
             buf = self._caches.wire_buffer(piece, route.heads)
             link.recv(shape, self._caches.wire_dtype, out=buf).add_done_callback(
                 lambda fut: self._landed(ann.request_id, key, piece, buf, fut))
             return
         log.warning("dropping announced tensor from %s: %s", sender, problem)
-        if req is not None and req.error is None:
+        if own and req is not None and req.error is None:
             self._fail(req, ShapeMismatchError(problem))
         self._drain(sender, link, ann)
 
@@ -304,6 +328,8 @@ class ConsumerSide:
         peer = self._peers.known(sender)
         if peer is None:
             raise ProtocolError(f"push offer for {offer.request_id!r} from {sender!r} before any handshake")
+        if not self._caches.registered:  # its tensors could not be received: refuse it now
+            raise TransferError(f"push of {offer.request_id!r} from {sender!r}: this rank has no KV caches registered")
         src = peer.remote.rank
         routes = sorted(Route(m.src, m.dst, *m.spans()) for m in offer.routes)
         want = _cached_plan(peer.remote.layout.to_layout(), self._layout, self._geometry,
@@ -325,9 +351,11 @@ class ConsumerSide:
                 return Ack(offer.request_id, None)
             free = self._store.capacity_bytes - self._reserved
             if nbytes > free:
-                raise CapacityError(
+                refusal = CapacityError(
                     f"push of {offer.request_id!r} from {sender!r} needs {nbytes} B of staging; capacity "
                     f"{self._store.capacity_bytes} B, {self._reserved} B already reserved")
+                self._remember_refusal(offer.request_id, offer.producer_engine_id, refusal)
+                raise refusal
             staged = self._staged.get(offer.request_id)
             if staged is None:
                 staged = self._staged[offer.request_id] = _Staged(
@@ -361,8 +389,17 @@ class ConsumerSide:
         if err.request_id is None:
             log.error("error from %s: %s %s", sender, err.code.value, err.text)
             return
+        peer = self._peers.known(sender)
         with self._cond:
             req = self._requests.get(err.request_id)
+            if req is None and peer is not None:  # a push that failed before it was expected here
+                staged = self._staged.get(err.request_id)
+                if staged is None:
+                    self._remember_refusal(err.request_id, peer.remote.engine_id, err.to_exception(sender))
+                elif staged.producer_engine_id == peer.remote.engine_id and staged.error is None:
+                    staged.error = err.to_exception(sender)
+                    self._report_removed(staged, "failed")
+                return
             if req is None or req.error is not None:
                 return
             if sender not in {req.producer.peer_id(r) for r in range(req.producer.layout.world_size)}:
@@ -490,6 +527,12 @@ class ConsumerSide:
                     raise TransferTimeout(f"request {request_id!r}: {what} not landed within {timeout_s}s")
                 self._cond.wait(min(stall_at, limit if limit is not None else stall_at) - now)
 
+    def _remember_refusal(self, request_id: str, producer_engine_id: str, error: NcclKVError) -> None:
+        """Under ``self._cond``: what an expect() of this pushed request will fail with (see ``_refused``)."""
+        if len(self._refused) >= _MAX_REFUSALS and request_id not in self._refused:  # bounded: drop the oldest
+            del self._refused[next(iter(self._refused))]
+        self._refused[request_id] = (self._clock.now(), producer_engine_id, error)
+
     def _report_stored(self, request_id: str, staged: _Staged) -> None:
         """Under ``self._cond``: one "stored" event once every tensor of the push landed in staging."""
         if staged.reported is None and staged.blocks is not None and staged.error is None \
@@ -519,8 +562,10 @@ class ConsumerSide:
 
     def _stall_error(self, req: _Expected) -> TransferTimeout:
         missing = sorted({(src, layer) for src, layer, _ in req.pending})[:8]
+        limit = self._stall_at(req) - req.progress
+        which = "hold_s, a push not yet announced" if limit == self._hold_s != self._deadline_s else "deadline_s"
         return TransferTimeout(
-            f"request {req.request_id!r}: no progress for {self._deadline_s}s; still missing "
+            f"request {req.request_id!r}: no progress for {limit:g}s ({which}); still missing "
             f"{len(req.pending)} tensors, e.g. (src rank, layer) {missing}")
 
     def _fail(self, req: _Expected, error: BaseException) -> None:

@@ -56,30 +56,33 @@ class TransferEngine:
         self._link_opener = ThreadPoolExecutor(max_workers=_LINK_OPENERS,
                                                thread_name_prefix=f"ncclkv-link-open[{cfg.peer_id}]")
         data_plane: LinkFactory | None = None
+        channel: Channel | None = None
         try:  # a failure half-way leaves no thread or socket behind
             data_plane = transport if transport is not None else DataPlane(cfg.bind_host)
-            self._channel = Channel(
+            self._data_plane: LinkFactory = data_plane
+            self._channel = channel = Channel(
                 cfg.peer_id, bind_host=cfg.bind_host, on_message=self._on_message,
                 on_peer_lost=self._on_peer_lost, heartbeat_s=cfg.heartbeat_s, deadline_s=cfg.deadline_s,
                 auth=cfg.auth,
             )
+            local = Handshake.create(cfg.engine_id, cfg.role, cfg.rank, cfg.layout, cfg.geometry,
+                                     self._channel.address, self._data_plane.address)
+            self._peers = PeerLinks(local, self._channel, self._data_plane, self._link_opener, cfg.device,
+                                    cfg.deadline_s)
+            self._producer = ProducerSide(cfg.rank, cfg.layout, cfg.geometry, self._caches, self._channel,
+                                          self._peers, self._executor, self._stats, cfg.hold_s, cfg.deadline_s,
+                                          cfg.piece_bytes, cfg.last_piece_bytes)
+            self._consumer = ConsumerSide(cfg.engine_id, cfg.rank, cfg.layout, cfg.geometry, self._caches,
+                                          self._channel, self._peers, self._executor, self._stats, cfg.deadline_s,
+                                          cfg.staging_bytes, cfg.hold_s)
         except BaseException:
+            if channel is not None:
+                channel.close()
             if data_plane is not None and transport is None:
                 data_plane.close()
             self._executor.shutdown(wait=True)
             self._link_opener.shutdown(wait=True)
             raise
-        self._data_plane: LinkFactory = data_plane
-        local = Handshake.create(cfg.engine_id, cfg.role, cfg.rank, cfg.layout, cfg.geometry,
-                                 self._channel.address, self._data_plane.address)
-        self._peers = PeerLinks(local, self._channel, self._data_plane, self._link_opener, cfg.device,
-                                cfg.deadline_s)
-        self._producer = ProducerSide(cfg.rank, cfg.layout, cfg.geometry, self._caches, self._channel, self._peers,
-                                      self._executor, self._stats, cfg.hold_s, cfg.deadline_s, cfg.piece_bytes,
-                                      cfg.last_piece_bytes)
-        self._consumer = ConsumerSide(cfg.engine_id, cfg.rank, cfg.layout, cfg.geometry, self._caches, self._channel,
-                                      self._peers, self._executor, self._stats, cfg.deadline_s, cfg.staging_bytes,
-                                      cfg.hold_s)
 
     @property
     def address(self) -> str:

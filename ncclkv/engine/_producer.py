@@ -13,12 +13,11 @@ gather, wire and scatter of one slice overlap (the last layer's latency).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 import torch
@@ -67,7 +66,7 @@ class ProducerSide:
         self._held: dict[str, _Held] = {}
         self._early: dict[str, list[tuple[str, PullRequest, float]]] = {}  # pulls before finish()
         self._finished: dict[str, BaseException | None] = {}
-        self._seq: dict[str, itertools.count[int]] = {}  # per link id: the seq the next announce carries
+        self._seq: dict[str, int] = {}  # per link id: the seq the next announce carries
         self._pusher = Pusher(rank, layout, geometry, caches, channel, peers, executor, self._announcer,
                               self._pushed, deadline_s, stats, piece_bytes, last_piece_bytes)
 
@@ -108,8 +107,6 @@ class ProducerSide:
                 parked = (sender, pull, self._channel.clock.now() + self._deadline_s)
                 self._early.setdefault(pull.request_id, []).append(parked)
                 return Ack(pull.request_id, None)
-        if held.released:
-            raise TransferError(f"request {pull.request_id!r} was released by the producer")
         self._serve(sender, pull, held, routes)
         return Ack(pull.request_id, None)
 
@@ -197,46 +194,44 @@ class ProducerSide:
         peer = self._peers.get(sender)
         assert peer is not None
         consumer_layout = peer.remote.layout.to_layout()
-        with self._lock:
-            if held.expected is None:
-                held.expected = {peer_id(pull.consumer_engine_id, r) for r in range(consumer_layout.world_size)}
         if any(r.tokens.stop > held.num_tokens for r in routes):
             raise ShapeMismatchError(f"pull for {pull.request_id!r} asks tokens beyond the {held.num_tokens} held")
+        with self._lock:
+            # Checked and counted at once: once released (or reported), its blocks may be reused.
+            if self._held.get(pull.request_id) is not held or held.released:
+                raise TransferError(f"request {pull.request_id!r} was released by the producer")
+            if held.expected is None:
+                held.expected = {peer_id(pull.consumer_engine_id, r) for r in range(consumer_layout.world_size)}
+            held.serving += int(bool(routes))  # released by _mark_served(..., sending=True) once every send ended
         if not routes:
             self._mark_served(held, sender, None)
             return
-        link = self._peers.link(sender)
-        with self._lock:
-            held.serving += 1  # released by _mark_served(..., sending=True) once every send completed
         layers = sorted({layer for r in routes for layer in r.layers})
-        futures = []
+        futures: list[Future[None]] = []
+        errors: list[BaseException] = []
         nbytes = 0
         slices = 0  # (layer, route) slices: what Done counts, whatever pieces they go in
         started = time.monotonic()
-        for layer in layers:
-            for route in routes:
-                if layer not in route.layers:
-                    continue
-                slices += 1
-                for piece in route.pieces(self._geometry, self._piece_bytes):
-                    placeholder, taken = self._caches.placeholder(piece, route.heads), []  # see Pusher._send_layer
-                    nbytes += placeholder.nbytes
-                    hooks = self._announcer(link, sender, pull.request_id, layer, route, held.slots, piece, taken)
-                    futures.append(link.send(placeholder, before_send=hooks.announce, fill=hooks.gather,
-                                             ready_event=held.ready))
-                    futures[-1].add_done_callback(self._caches.recycle_after(taken))
+        try:
+            link = self._peers.link(sender)
+            for layer in layers:
+                for route in routes:
+                    if layer not in route.layers:
+                        continue
+                    slices += 1
+                    for piece in route.pieces(self._geometry, self._piece_bytes):
+                        placeholder, taken = self._caches.placeholder(piece, route.heads), []  # see Pusher._send_layer
+                        nbytes += placeholder.nbytes
+                        hooks = self._announcer(link, sender, pull.request_id, layer, route, held.slots, piece, taken)
+                        futures.append(link.send(placeholder, before_send=hooks.announce, fill=hooks.gather,
+                                                 ready_event=held.ready))
+                        futures[-1].add_done_callback(self._caches.recycle_after(taken))
+        except Exception as err:  # the link closed or broke while queueing: the sends queued still end
+            errors.append(err)
         remaining = [len(futures)]
-        errors: list[BaseException] = []
         gate = threading.Lock()
 
-        def on_sent(future) -> None:  # type: ignore[no-untyped-def]
-            with gate:
-                if future.exception() is not None:
-                    errors.append(future.exception())
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if not last:
-                return
+        def end() -> None:
             error = errors[0] if errors else None
             if error is None:
                 self._stats.record_send(nbytes, len(futures), time.monotonic() - started)
@@ -245,6 +240,17 @@ class ProducerSide:
                 self._send_error(sender, error, pull.request_id)
             self._mark_served(held, sender, error, sending=True)
 
+        def on_sent(future: Future[None]) -> None:
+            with gate:
+                if future.exception() is not None:
+                    errors.append(future.exception())
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                end()
+
+        if not futures:
+            end()
         for future in futures:
             future.add_done_callback(on_sent)
 
@@ -255,16 +261,17 @@ class ProducerSide:
         The Announce goes out before the gather, so the consumer's receive is
         posted while the bytes are gathered, not a control round trip after.
         """
-        seq = self._seq.setdefault(link.link_id, itertools.count())
         piece_msg = None if piece == route.tokens else (piece.start, piece.stop)
 
         def take_and_announce() -> torch.Tensor:  # on the link's send thread, in send order, as it posts
             buf = self._caches.wire_buffer(piece, route.heads)
             taken.append(buf)
+            seq = self._seq.get(link.link_id, 0)
             self._channel.send(sender, Announce(
                 request_id, layer, RouteMsg.from_route(route), tuple(buf.shape), self._geometry.dtype,
-                buf.numel() * buf.element_size(), next(seq), link.link_id, piece_msg,
+                buf.numel() * buf.element_size(), seq, link.link_id, piece_msg,
             ))
+            self._seq[link.link_id] = seq + 1  # only once announced: a send that failed leaves no gap
             return buf
 
         def gather(buf: torch.Tensor) -> None:

@@ -60,6 +60,7 @@ class PushState:
     sends: dict[str, int] = field(default_factory=dict)  # sends queued per consumer rank
     open_sends: int = 0  # queued sends not completed yet, over every consumer rank
     failed: dict[str, BaseException] = field(default_factory=dict)  # first failed send per consumer rank
+    unsaved: dict[str, BaseException] = field(default_factory=dict)  # consumer ranks whose layers finish() lacked
     nbytes: dict[str, int] = field(default_factory=dict)
     slices: dict[str, int] = field(default_factory=dict)  # (layer, route) slices sent per consumer rank: Done's count
     tail_sends: dict[str, int] = field(default_factory=dict)  # sends queued by the latest layer, per consumer rank
@@ -116,6 +117,8 @@ class Pusher:
         with state.lock:
             if state.finishing:
                 raise ValueError(f"request {request_id!r}: save_layer({layer}) after finish()")
+            if any(saved == layer for saved, _ in state.saved):  # its slices would go twice
+                raise ValueError(f"request {request_id!r}: layer {layer} was already saved")
             # Recorded here, on the caller's stream: a backlog is sent later from another thread.
             ready = self._caches.ready_event()
             state.saved.append((layer, ready))
@@ -127,6 +130,12 @@ class Pusher:
         state = self._state(request_id)
         with state.lock:
             state.finishing = True
+            saved = {layer for layer, _ in state.saved}
+            for dst, routes in state.by_dst.items():  # a layer never saved would leave the consumer waiting
+                missing = sorted({layer for r in routes for layer in r.layers} - saved)
+                if missing:
+                    state.unsaved[dst] = TransferError(
+                        f"push of {request_id!r}: finish() before layers {missing} were saved")
             tails = [(link, state.tail_sends.get(dst, 0)) for dst, link in state.links.items()]
         # Nothing computes behind the last layer's sends: the caller (the end of a forward) posts them, hooks
         # and gathers included, instead of returning and leaving them to each link's poster to be scheduled.
@@ -219,7 +228,8 @@ class Pusher:
             if state.completed or not state.finishing or not state.resolved or state.open_sends:
                 return
             state.completed = True
-            outcome = {dst: state.errors.get(dst) or state.failed.get(dst) for dst in state.by_dst}
+            outcome = {dst: state.errors.get(dst) or state.failed.get(dst) or state.unsaved.get(dst)
+                       for dst in state.by_dst}
         with self._lock:
             self._pushes.pop(state.request_id, None)
         first_error: BaseException | None = None

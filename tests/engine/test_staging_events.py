@@ -137,7 +137,8 @@ def test_incomplete_or_refused_push_is_never_reported() -> None:
         # More than the staging left (256 KiB): refused before any tensor is sent.
         _push(prefill, ref, "big", [2, 3, 4, 5], 64, 8, BlockTokens.of_prompt(prompt, BLOCK))
         outcomes = _wait_sent(prefill, "half", "big")
-        assert outcomes[0] is None and isinstance(outcomes[1], CapacityError)
+        assert isinstance(outcomes[0], TransferError) and "finish() before layers [2, 3]" in str(outcomes[0])
+        assert isinstance(outcomes[1], CapacityError)
         # A complete push after them is reported: the consumer did see what came before it.
         _push(prefill, ref, "whole", [6], 16, 9, BlockTokens.of_prompt(prompt[:16], BLOCK))
         # Wait past hold_s: "half" is dropped from staging unreported, "whole" stored then expired.

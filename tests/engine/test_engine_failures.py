@@ -1,0 +1,235 @@
+"""Failures that must stay with one request, and bad input refused where it is given (loopback links).
+
+Each case is a race or a mistake a serving engine meets: a request released
+while its pull waits for a link, a link that closes while a pull is queued,
+a block id outside the caches, a push refused for room, an engine announcing
+for a request it does not produce, a push finished before every layer was
+saved. Order is forced with events, never sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from ncclkv.engine import EngineConfig, EngineRef, TransferEngine
+from ncclkv.errors import CapacityError, ClosedError, TransferError
+from ncclkv.layout import KVGeometry, ParallelLayout, Span
+from ncclkv.paged import CacheLayout
+from ncclkv.protocol import Announce, RouteMsg
+from ncclkv.transport import LoopbackHub, LoopbackTransport
+
+from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull
+
+GQA = KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32")
+ONE = ParallelLayout(1, 1)
+WAIT_S = 20.0
+
+
+def _sides(hub: LoopbackHub, engine_id: str, role: str, **config: object) -> list[RankSide]:
+    return build_sides(engine_id, ONE, GQA, CacheLayout.CPU, 16, role, transports=[LoopbackTransport(hub)], **config)
+
+
+def _until(poll: Any, what: str, timeout_s: float = WAIT_S) -> Any:
+    """Call ``poll`` until it returns something truthy, at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = poll()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s}s"
+        threading.Event().wait(0.01)
+
+
+def _sent(side: RankSide, request_id: str) -> BaseException | None:
+    finished: dict[str, BaseException | None] = {}
+
+    def poll() -> bool:
+        finished.update(side.engine.take_finished_sending())
+        return request_id in finished
+    _until(poll, f"producer's report of {request_id!r}")
+    return finished[request_id]
+
+
+def test_a_release_while_the_pull_waits_for_its_link_keeps_the_blocks_until_the_sends_end() -> None:
+    hub = LoopbackHub()
+    prefill, decode = _sides(hub, "prefill", "producer", hold_s=30.0), _sides(hub, "decode", "consumer")
+    try:
+        peers = prefill[0].engine._peers  # noqa: SLF001 - a link that takes its time to open
+        opening, opened = threading.Event(), threading.Event()
+        link = peers.link
+
+        def slow_link(sender: str) -> Any:
+            opening.set()
+            assert opened.wait(WAIT_S)
+            return link(sender)
+        peers.link = slow_link  # type: ignore[method-assign]
+        start_pull("r", prefill, decode, 1, [1, 2], [1, 2], 20)
+        assert opening.wait(WAIT_S)
+        assert prefill[0].engine.release("r")
+        # The pull is being served: its blocks are not the caller's to reuse yet.
+        assert "r" not in prefill[0].engine.take_finished_sending()
+        opened.set()
+        decode[0].engine.wait("r", timeout_s=WAIT_S)
+        assert decode[0].mismatches(1, [1, 2], 20, Span(0, 20)) == []
+        assert isinstance(_sent(prefill[0], "r"), TransferError)  # released: reported with that error
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_a_link_closing_while_a_pull_is_queued_fails_that_request_and_reports_it() -> None:
+    hub = LoopbackHub()
+    prefill, decode = _sides(hub, "prefill", "producer", hold_s=30.0), _sides(hub, "decode", "consumer")
+    try:
+        peers = prefill[0].engine._peers  # noqa: SLF001 - the link closes after the pull's first send was queued
+        link_of = peers.link
+
+        def closing_link(sender: str) -> Any:
+            link = link_of(sender)
+            send, calls = link.send, [0]
+
+            def send_then_close(*args: Any, **kwargs: Any) -> Any:
+                calls[0] += 1
+                if calls[0] == 2:
+                    raise ClosedError("link closed while the pull was queued (test)")
+                return send(*args, **kwargs)
+            link.send = send_then_close
+            return link
+        peers.link = closing_link  # type: ignore[method-assign]
+        start_pull("r", prefill, decode, 2, [1, 2], [1, 2], 20)
+        error = _sent(prefill[0], "r")  # before the fix: held for ever, its blocks never given back
+        assert isinstance(error, ClosedError) and "while the pull was queued" in str(error)
+        assert prefill[0].engine.num_in_flight == 0
+        with pytest.raises(ClosedError, match="while the pull was queued"):
+            decode[0].engine.wait("r", timeout_s=WAIT_S)
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_block_ids_outside_the_caches_are_refused_where_they_are_given() -> None:
+    hub = LoopbackHub()
+    prefill, decode = _sides(hub, "prefill", "producer"), _sides(hub, "decode", "consumer")
+    try:
+        message = r"block ids \[16, 99\] are outside the 16 blocks of this rank's caches"
+        with pytest.raises(ValueError, match=message):
+            prefill[0].engine.finish("r", [1, 16, 99], 40)
+        with pytest.raises(ValueError, match=message):
+            prefill[0].engine.start_push("p", engine_ref("decode", ONE, decode), [1, 16, 99], 40)
+        with pytest.raises(ValueError, match=message):
+            decode[0].engine.expect("r", engine_ref("prefill", ONE, prefill), [1, 16, 99], 40)
+        # Nothing half-started: the same ids, in range, go through.
+        start_pull("r", prefill, decode, 3, [1, 15], [1, 15], 20)
+        decode[0].engine.wait("r", timeout_s=WAIT_S)
+        assert decode[0].mismatches(3, [1, 15], 20, Span(0, 20)) == []
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_an_expect_of_a_refused_push_fails_at_once_with_the_refusal() -> None:
+    hub = LoopbackHub()
+    prefill = _sides(hub, "prefill", "producer")
+    decode = _sides(hub, "decode", "consumer", staging_bytes=4096, hold_s=60.0)
+    try:
+        prefill[0].engine.start_push("big", engine_ref("decode", ONE, decode), [0, 1], 32)
+        for layer in range(GQA.num_layers):
+            prefill[0].engine.save_layer("big", layer)
+        prefill[0].engine.finish("big")
+        assert isinstance(_sent(prefill[0], "big"), CapacityError)
+        decode[0].engine.expect("big", engine_ref("prefill", ONE, prefill), [0, 1], 32, push=True)
+        started = time.monotonic()
+        with pytest.raises(CapacityError, match=r"'big': its push failed before it was expected: .*needs 131072 B of staging"):
+            decode[0].engine.wait("big", timeout_s=WAIT_S)
+        assert time.monotonic() - started < 10  # not hold_s (60 s)
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_an_announcement_from_another_engine_does_not_fail_a_request(caplog: pytest.LogCaptureFixture) -> None:
+    hub = LoopbackHub()
+    prefill, decode = _sides(hub, "prefill", "producer"), _sides(hub, "decode", "consumer")
+    other = _sides(hub, "other", "producer")
+    try:
+        decode[0].engine.expect("r", engine_ref("prefill", ONE, prefill), [1, 2], 20)  # its pull is parked
+        peer = other[0].engine._peers.ensure("decode.r0", decode[0].engine.address, need_link=True)  # noqa: SLF001
+        with caplog.at_level(logging.WARNING, logger="ncclkv.engine"):
+            other[0].engine._channel.send("decode.r0", Announce(  # noqa: SLF001
+                "r", 0, RouteMsg(0, 0, (0, 4), (0, 4), (0, 20)), (2, 20, 4, 32), "float32", 2 * 20 * 4 * 32 * 4,
+                0, peer.link_id, None))
+            _until(lambda: [r for r in caplog.records if "whose producer is 'prefill'" in r.getMessage()],
+                   "the consumer's refusal of the foreign announcement")
+        assert decode[0].engine.take_finished_receiving() == {}
+        prefill[0].fill(seed=4, block_ids=[1, 2], num_tokens=20)
+        prefill[0].engine.finish("r", [1, 2], 20)
+        decode[0].engine.wait("r", timeout_s=WAIT_S)
+        assert decode[0].mismatches(4, [1, 2], 20, Span(0, 20)) == []
+    finally:
+        close_sides(prefill, decode, other)
+
+
+def test_a_push_must_save_each_of_its_layers_once() -> None:
+    hub = LoopbackHub()
+    prefill, decode = _sides(hub, "prefill", "producer"), _sides(hub, "decode", "consumer")
+    try:
+        decode_ref = engine_ref("decode", ONE, decode)
+        prefill[0].engine.start_push("p", decode_ref, [0, 1], 20)
+        prefill[0].engine.save_layer("p", 0)
+        with pytest.raises(ValueError, match="request 'p': layer 0 was already saved"):
+            prefill[0].engine.save_layer("p", 0)
+        prefill[0].engine.save_layer("p", 1)
+        prefill[0].engine.finish("p")  # layers 2 and 3 never saved
+        error = _sent(prefill[0], "p")
+        assert isinstance(error, TransferError) and r"finish() before layers [2, 3] were saved" in str(error)
+        decode[0].engine.expect("p", engine_ref("prefill", ONE, prefill), [2, 3], 20, push=True)
+        with pytest.raises(TransferError, match=r"layers \[2, 3\] were saved"):
+            decode[0].engine.wait("p", timeout_s=WAIT_S)
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_an_engine_without_caches_says_so() -> None:
+    hub = LoopbackHub()
+    bare = TransferEngine(EngineConfig("bare", 0, ONE, GQA, role="both"), transport=LoopbackTransport(hub))
+    prefill = _sides(hub, "prefill", "producer")
+    try:
+        with pytest.raises(ValueError, match="no KV caches registered on this rank"):
+            bare.finish("r", [0], 8)
+        with pytest.raises(ValueError, match="no KV caches registered on this rank"):
+            bare.expect("r", engine_ref("prefill", ONE, prefill), [0], 8)
+        # A push to it is refused up front, not accepted and then out of step.
+        prefill[0].engine.start_push("p", EngineRef("bare", ONE, (bare.address,)), [0], 8)
+        for layer in range(GQA.num_layers):
+            prefill[0].engine.save_layer("p", layer)
+        prefill[0].engine.finish("p")
+        error = _sent(prefill[0], "p")
+        assert isinstance(error, TransferError) and "has no KV caches registered" in str(error)
+    finally:
+        bare.close()
+        close_sides(prefill)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("staging_bytes", 0, "staging_bytes must be an int >= 1, got 0"),
+    ("staging_bytes", 1.5, "staging_bytes must be an int >= 1, got 1.5"),
+    ("deadline_s", math.inf, "deadline_s must be a finite number of seconds > 0, got inf"),
+    ("hold_s", True, "hold_s must be a finite number of seconds > 0, got True"),
+    ("heartbeat_s", math.nan, "heartbeat_s must be a finite number of seconds > 0, got nan"),
+    ("device", "tpu", "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    ("rank", True, "rank=True outside"),
+])
+def test_engine_config_refuses_bad_values_naming_them(field: str, value: object, message: str) -> None:
+    kwargs: dict[str, Any] = {"engine_id": "e", "rank": 0, "layout": ONE, "geometry": GQA, field: value}
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(**kwargs)
+    assert not {t.name for t in threading.enumerate()} - before
+
+
+def test_engine_ref_checks_its_engine_id_like_the_config() -> None:
+    with pytest.raises(ValueError, match=r"engine_id must be 1-128 chars of .*got 'a b'"):
+        EngineRef("a b", ONE, ("tcp://127.0.0.1:1",))
