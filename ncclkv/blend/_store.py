@@ -91,7 +91,9 @@ class ChunkStore:
         """Store a chunk's K and V (each ``[num_tokens, num_kv_heads, head_size]`` per layer)
         computed at ``positions``; replaces a chunk of the same tokens. Returns its key.
 
-        Raises CapacityError (storing nothing) if the chunk is larger than the buffer.
+        Raises CapacityError, storing nothing, if the chunk is larger than the buffer or
+        (``evict=False``) does not fit beside what it holds; any earlier copy of the
+        chunk is then gone too.
         """
         ids = as_token_ids(token_ids, "chunk token_ids")
         key, num_tokens = self.chunk_key(ids), len(ids)
@@ -100,12 +102,24 @@ class ChunkStore:
         nbytes = sum(t.nbytes for t in kv) + pos.nbytes
         if nbytes > self.buffer.capacity_bytes:
             # Its own layers would evict each other: the chunk could never be found.
-            raise CapacityError(f"chunk of {num_tokens} tokens needs {nbytes} bytes, the buffer holds "
+            raise CapacityError(f"chunk {key} of {num_tokens} tokens needs {nbytes} bytes, the buffer holds "
                                 f"{self.buffer.capacity_bytes}")
         self.buffer.put(self._key(key, "pos"), None)  # not findable while half written
-        for layer, tensor in enumerate(kv):
-            self.buffer.put(self._key(key, f"L{layer}"), tensor)
-        self.buffer.put(self._key(key, "pos"), pos)
+        part = "pos"
+        try:
+            for layer, tensor in enumerate(kv):
+                part = f"L{layer}"
+                self.buffer.put(self._key(key, part), tensor)
+            part = "pos"
+            self.buffer.put(self._key(key, part), pos)
+        except CapacityError as error:
+            # Without pos the layers already put could never be found, yet they would hold capacity
+            # for good with eviction off: drop them (and any older copy's layers, equally unreachable).
+            self._drop(key)
+            raise CapacityError(
+                f"chunk {key} of {num_tokens} tokens (positions {int(pos.min())}..{int(pos.max())}) did not fit "
+                f"at {part}; nothing of it is stored: {error}"
+            ) from error
         return key
 
     def lookup(self, token_ids: Sequence[int] | torch.Tensor) -> StoredChunk | None:
@@ -124,8 +138,10 @@ class ChunkStore:
 
     def drop_chunk(self, token_ids: Sequence[int] | torch.Tensor) -> None:
         """Remove a chunk (no error if absent)."""
-        key = self.chunk_key(token_ids)
-        self.buffer.put(self._key(key, "pos"), None)
+        self._drop(self.chunk_key(token_ids))
+
+    def _drop(self, key: str) -> None:
+        self.buffer.put(self._key(key, "pos"), None)  # first: never findable with layers missing
         for layer in range(self.num_layers):
             self.buffer.put(self._key(key, f"L{layer}"), None)
 

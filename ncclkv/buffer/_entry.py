@@ -67,8 +67,13 @@ def to_roi(
         flags = roi.tolist() if isinstance(roi, torch.Tensor) else list(roi)
         if isinstance(roi, torch.Tensor) and roi.dtype != torch.bool:
             raise TypeError(f"{what}: a token-mask roi must have dtype torch.bool, got {roi.dtype}")
-        if len(flags) != num_tokens or not all(isinstance(f, bool) for f in flags):
-            raise ValueError(f"{what}: a token-mask roi needs {num_tokens} bools, got {len(flags)} values")
+        if len(flags) != num_tokens:
+            raise ValueError(f"{what}: a token-mask roi needs {num_tokens} bools (one per token), got {len(flags)}")
+        # 0/1 ints are refused too: an int list reads as token ids or positions as easily as a mask
+        for index, flag in enumerate(flags):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{what}: a token-mask roi must hold bools, got {type(flag).__name__} {flag!r} "
+                                f"at index {index}")
         roi = Roi(SpanSet.from_mask(flags), Span(0, geometry.num_layers), Span(0, geometry.num_kv_heads))
     if roi.empty:
         raise ValueError(f"{what}: roi {roi!r} is empty")

@@ -6,10 +6,8 @@ Examples::
     ncclkv bench transfer overlap        # full runs of two benchmarks
     ncclkv bench control --repeats 200   # fewer requests
 
-Benchmarks: paged (gather/scatter against memcpy), transfer (gather -> link ->
-scatter between two processes against raw gloo send/recv and memcpy), overlap
-(layer-wise sending during a synthetic prefill), control (control-plane time
-per request, link creation per peer pair). Results go to ``--out`` (default
+The benchmarks are those of the registry, ``benchmarks._runner.BENCHMARKS``:
+``--list`` and ``--help`` name each with its title. Results go to ``--out`` (default
 benchmarks/out/, quick runs benchmarks/out/quick/); full runs into the default
 folder also rewrite benchmarks/RESULTS.md, other runs write RESULTS.md into
 their output folder. The benchmarks live in the source checkout's
@@ -29,13 +27,28 @@ from typing import Any
 
 __all__ = ["add_parser", "run"]
 
+_LIST_MARK = "<the benchmark registry>"  # replaced in --help by the registry's names and titles
+
+
+class _HelpWithBenchmarks(argparse.RawDescriptionHelpFormatter):
+    """Lists the benchmarks in the description from the registry, so the help cannot drift from ``--list``.
+
+    Read when help is shown, not when the parser is built: the registry imports torch, and every
+    ``ncclkv`` command (``plan`` included) builds this parser.
+    """
+
+    def add_text(self, text: str | None) -> None:
+        if text is not None and _LIST_MARK in text:
+            text = text.replace(_LIST_MARK, _benchmark_lines("  "))
+        super().add_text(text)
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="run the benchmarks (tables, JSON, PNG, RESULTS.md)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=f"{__doc__}\nBenchmarks:\n\n{_LIST_MARK}\n",
+        formatter_class=_HelpWithBenchmarks,
     )
     parser.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats: a smoke test")
@@ -46,6 +59,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing: redraw the figures and rewrite RESULTS.md from the JSON in --out")
     parser.set_defaults(run=run)
+
+
+def _benchmark_lines(indent: str) -> str:
+    """``NAME  TITLE`` per benchmark of the registry; in help without the checkout, why there are none."""
+    try:
+        runner = _runner()
+    except ValueError as err:
+        if indent:  # --help still shows the options; --list has nothing else to say, so it fails
+            return f"{indent}(none: {err})"
+        raise
+    return "\n".join(f"{indent}{name:10} {runner.load(name).TITLE}" for name in runner.BENCHMARKS)
 
 
 def _runner() -> ModuleType:
@@ -83,11 +107,10 @@ def _show(outcome: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    runner = _runner()
     if args.list:
-        for name in runner.BENCHMARKS:
-            print(f"{name:10} {runner.load(name).TITLE}")
+        print(_benchmark_lines(""))
         return 0
+    runner = _runner()
     names = list(dict.fromkeys(args.names)) or list(runner.BENCHMARKS)
     unknown = [n for n in names if n not in runner.BENCHMARKS]
     if unknown:

@@ -69,15 +69,16 @@ class Route:
 
     def pieces(self, geometry: KVGeometry, max_bytes: int) -> tuple[Span, ...]:
         """This route's tokens cut into the fewest pieces of which one layer holds at most ``max_bytes`` (at
-        least one token each), of even length but the last (a pipeline's fill and drain are its largest
-        piece); ``max_bytes`` 0: one piece, all the tokens."""
+        least one token each), their lengths differing by at most one token (a pipeline's fill and drain
+        are its largest piece); ``max_bytes`` 0: one piece, all the tokens."""
         if not (isinstance(max_bytes, int) and max_bytes >= 0):
             raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
         if max_bytes == 0:
             return (self.tokens,)
         most = max(1, max_bytes // (len(self.heads) * geometry.cell_bytes))  # tokens per piece at most
         count = -(-len(self.tokens) // most)
-        return self.tokens.split(-(-len(self.tokens) // count))  # as even as that count allows: no short tail
+        # Evening out never lengthens a piece: each is at most ceil(n / count) <= most tokens.
+        return self.tokens.split_even(count)
 
     def to_json(self) -> dict[str, int | list[int]]:
         return {

@@ -50,6 +50,15 @@ class Span:
             raise ValueError(f"Span.split needs a size >= 1, got {size!r}")
         return tuple(Span(start, min(start + size, self.stop)) for start in range(self.start, self.stop, size))
 
+    def split_even(self, count: int) -> tuple[Span, ...]:
+        """``count`` consecutive non-empty spans covering this one whose lengths differ by at most one (the
+        first ``len % count`` are the longer): no short tail."""
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= len(self):
+            raise ValueError(f"Span.split_even needs 1 <= count <= {len(self)} (the span's length), got {count!r}")
+        base, longer = divmod(len(self), count)
+        starts = [self.start + i * base + min(i, longer) for i in range(count + 1)]
+        return tuple(Span(a, b) for a, b in zip(starts, starts[1:]))
+
     def __repr__(self) -> str:
         return f"[{self.start},{self.stop})"
 

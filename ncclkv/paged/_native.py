@@ -1,8 +1,10 @@
 """The native CPU kernel (``_kernel.c``): one call moves a token span of every part of one layer.
 
-Every argument is checked here or by the caller (``_copy._check`` and
-:func:`part_geometry`) before a raw pointer reaches C: the cache matches its
-spec, the wire is contiguous, and the plan has proved every block id in range.
+Every argument is checked before a raw pointer reaches C: for
+:func:`move_parts` and :func:`move_amx` by the caller (``_copy._check`` and
+:func:`part_geometry`: the cache matches its spec, the wire is contiguous, and
+every block id the span uses is in range); :func:`copy_part` checks its own,
+block ids included.
 """
 
 from __future__ import annotations
@@ -98,19 +100,37 @@ def copy_part(
     of the same dtype, ``block_ids`` the request's int64 block table on the CPU.
     ``gather`` copies cache -> wire, else wire -> cache.
     """
+    if part.dim() != 4:
+        raise ValueError(f"part must be [num_blocks, block_size, heads, head_size], got {list(part.shape)}")
+    if block_size != part.size(1) or block_size < 1:
+        # the kernel indexes blocks by block_size; any other value walks off the part's blocks
+        raise ValueError(f"block_size must be the part's {part.size(1)} (at least 1), got {block_size}")
+    if token_start < 0:
+        raise ValueError(f"token_start must be >= 0, got {token_start}")
     if part.device.type != "cpu" or wire.device.type != "cpu":
         raise ValueError(f"the native kernel runs on CPU tensors, got {part.device} and {wire.device}")
     if part.dtype != wire.dtype:
         raise ValueError(f"part is {part.dtype}, wire is {wire.dtype}")
     if not wire.is_contiguous() or wire.dim() != 3 or tuple(wire.shape[1:]) != tuple(part.shape[2:]):
         raise ValueError(f"wire part must be contiguous [tokens, {part.size(2)}, {part.size(3)}], got {list(wire.shape)}")
-    if block_ids.dtype != torch.int64 or block_ids.device.type != "cpu" or not block_ids.is_contiguous():
-        raise ValueError(f"block_ids must be a contiguous int64 CPU tensor, got {block_ids.dtype} on {block_ids.device}")
+    if (block_ids.dtype != torch.int64 or block_ids.device.type != "cpu" or not block_ids.is_contiguous()
+            or block_ids.dim() != 1):
+        raise ValueError(f"block_ids must be a contiguous 1-D int64 CPU tensor, got {block_ids.dtype} "
+                         f"{list(block_ids.shape)} on {block_ids.device}")
     num_tokens = wire.size(0)
     if token_start + num_tokens > block_ids.numel() * block_size:
         raise ValueError(
             f"tokens [{token_start}, {token_start + num_tokens}) run past {block_ids.numel()} blocks of {block_size}"
         )
+    if num_tokens:
+        # only the span's blocks are read; C trusts them, so an id outside the part would be a wild pointer
+        used = block_ids[token_start // block_size:(token_start + num_tokens - 1) // block_size + 1]
+        bad = ((used < 0) | (used >= part.size(0))).nonzero()
+        if bad.numel():
+            index = token_start // block_size + int(bad[0])
+            raise ValueError(
+                f"block_ids[{index}] = {int(block_ids[index])} is outside the part's {part.size(0)} blocks"
+            )
     elem = part.element_size()
     _kernel.copy_parts(
         int(gather), elem, part.size(3), part.size(2), block_ids.data_ptr(), block_size, token_start, num_tokens,

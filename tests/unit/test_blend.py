@@ -283,6 +283,28 @@ def test_chunk_store_keys_eviction_and_input_checks() -> None:
         store.store_chunk([1, 2], [torch.zeros(2, 2, 8)] * 2, [torch.zeros(2, 2, 8)] * 2, [0])
 
 
+def test_chunk_store_refused_part_way_leaves_nothing_behind() -> None:
+    """With eviction off, a chunk whose last layer does not fit takes back the layers it put."""
+    buffer = KVStoreBuffer(4096, evict=False)
+    store = ChunkStore(buffer, 4)
+
+    def layers(num_tokens: int) -> list[torch.Tensor]:  # 2 * num_tokens * 8 * 4 bytes per layer (K and V)
+        return [torch.randn(num_tokens, 1, 8) for _ in range(4)]
+
+    store.store_chunk(range(8), layers(8), layers(8), range(8))  # 4 * 512 + 64 = 2112 bytes
+    used, entries = buffer.used_bytes, len(buffer)
+    tokens = list(range(100, 108))
+    key = store.chunk_key(tokens)
+    with pytest.raises(CapacityError, match=rf"^chunk {key} of 8 tokens \(positions 5..12\) did not fit at L3; "
+                                            r"nothing of it is stored: KVStoreBuffer: full"):
+        store.store_chunk(tokens, layers(8), layers(8), range(5, 13))
+    assert (buffer.used_bytes, len(buffer)) == (used, entries)
+    assert not any(f"blend/{key}/{part}" in buffer for part in ("pos", "L0", "L1", "L2", "L3"))
+    assert store.lookup(tokens) is None
+    store.store_chunk(range(200, 204), layers(4), layers(4), range(4))  # 1056 bytes: fits in what is free
+    assert store.lookup(range(200, 204)) is not None and store.lookup(range(8)) is not None
+
+
 # --- executor -------------------------------------------------------------------------------
 
 def _layer(num_tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

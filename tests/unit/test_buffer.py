@@ -260,8 +260,13 @@ def test_boolean_token_mask_roi_with_geometry() -> None:
     buf.insert(tokens, torch.tensor([True] * 6), blob(4), blob(4))
     assert buf.select(tokens, box(0, 6)) is not None  # a full mask is every layer and head
     assert buf.select(tokens, torch.tensor([False, True, True, False, True, False])) is not None
-    with pytest.raises(ValueError, match="needs 6 bools, got 5"):
+    with pytest.raises(ValueError, match=r"needs 6 bools \(one per token\), got 5$"):
         buf.select(tokens, torch.tensor([True] * 5))
+    with pytest.raises(TypeError, match=r"^insert: a token-mask roi must hold bools, got int 0 at index 2$"):
+        buf.insert(tokens, [True, True, 0, 1, True, True], blob(4), blob(4))
+    with pytest.raises(TypeError, match=r"^select: a token-mask roi must hold bools, got str 'x' at index 0$"):
+        buf.select(tokens, ["x"] * 6)
+    assert len(buf) == 1
 
 
 @settings(max_examples=60, deadline=None)

@@ -333,6 +333,23 @@ def test_span_split_needs_a_positive_size() -> None:
         Span(0, 4).split(0)
 
 
+@given(st.integers(0, 60), st.integers(1, 60), st.data())
+def test_span_split_even_covers_the_span_in_order(start: int, length: int, data: st.DataObject) -> None:
+    span = Span(start, start + length)
+    count = data.draw(st.integers(1, length))
+    parts = span.split_even(count)
+    assert len(parts) == count and [p.start for p in parts[1:]] == [p.stop for p in parts[:-1]]
+    assert SpanSet(parts) == SpanSet([span])
+    lengths = [len(p) for p in parts]
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] - lengths[-1] <= 1 and lengths[-1] >= 1
+
+
+@pytest.mark.parametrize("count", [0, 5, True, 2.0])
+def test_span_split_even_needs_a_count_within_the_length(count: object) -> None:
+    with pytest.raises(ValueError, match=rf"needs 1 <= count <= 4 \(the span's length\), got {count!r}"):
+        Span(3, 7).split_even(count)  # type: ignore[arg-type]
+
+
 def test_route_pieces_hold_at_most_max_bytes_per_layer() -> None:
     geometry = KVGeometry(num_layers=4, num_kv_heads=8, head_size=128, dtype="bfloat16")  # 512 B per token and head
     route = Route(0, 1, Span(0, 4), Span(2, 6), Span(10, 110))  # 4 heads: 2 KiB per token and layer
@@ -342,9 +359,25 @@ def test_route_pieces_hold_at_most_max_bytes_per_layer() -> None:
     assert route.pieces(geometry, 100) == tuple(Span(t, t + 1) for t in range(10, 110))  # at least one token
     # 30 tokens at most: 4 pieces, as even as 4 allow (25 each), not 30, 30, 30 and a short 10
     assert route.pieces(geometry, 60 << 10) == tuple(Span(t, t + 25) for t in range(10, 110, 25))
-    assert [len(p) for p in route.pieces(geometry, 68 << 10)] == [34, 34, 32]  # 34 at most: 3 pieces
+    assert [len(p) for p in route.pieces(geometry, 68 << 10)] == [34, 33, 33]  # 34 at most: 3 pieces, no short tail
     with pytest.raises(ValueError, match="max_bytes must be an int >= 0, got -1"):
         route.pieces(geometry, -1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 4), st.integers(1, 400))
+def test_route_pieces_are_even_and_as_few_as_max_bytes_allows(num_tokens: int, num_heads: int, most: int) -> None:
+    """Lengths differ by at most one (no short tail), the count is the fewest pieces of at most ``most``
+    tokens, and each piece's layer stays within max_bytes: producers cut with this, consumers accept it."""
+    geometry = KVGeometry(num_layers=2, num_kv_heads=4, head_size=8, dtype="float32")
+    route = Route(0, 0, Span(0, 2), Span(0, num_heads), Span(5, 5 + num_tokens))
+    max_bytes = most * num_heads * geometry.cell_bytes
+    pieces = route.pieces(geometry, max_bytes)
+    lengths = [len(p) for p in pieces]
+    assert len(pieces) == -(-num_tokens // most)
+    assert max(lengths) - min(lengths) <= 1 and min(lengths) >= 1
+    assert all(len(p) * num_heads * geometry.cell_bytes <= max_bytes for p in pieces)
+    assert SpanSet(pieces) == SpanSet([route.tokens]) and list(pieces) == sorted(pieces)
 
 
 def test_route_hash_is_computed_once_and_follows_equality() -> None:

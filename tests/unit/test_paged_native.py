@@ -63,8 +63,33 @@ def test_copy_part_refuses_mismatched_arguments(cpu_kt) -> None:
         copy_part(True, keys, wire.transpose(1, 2), ids, 16, 0)
     with pytest.raises(ValueError, match=r"int64 CPU tensor, got torch.int32"):
         copy_part(True, keys, wire, ids.int(), 16, 0)
+    with pytest.raises(ValueError, match=r"1-D int64 CPU tensor, got torch.int64 \[1, 2\] on cpu"):
+        copy_part(True, keys, wire, ids[None], 16, 0)
     with pytest.raises(ValueError, match=r"tokens \[1, 33\) run past 2 blocks of 16"):
         copy_part(True, keys, wire, ids, 16, 1)
+
+
+@pytest.mark.parametrize("bad_id", [4, -1, 1 << 40])
+def test_copy_part_refuses_block_ids_outside_the_part(cpu_kt, bad_id: int) -> None:
+    """A used id outside [0, num_blocks) is named before C sees it (it wrote out of bounds, 2**40 crashed)."""
+    keys, wire, _ = cpu_kt
+    ids = torch.tensor([0, bad_id, 1], dtype=torch.int64)
+    with pytest.raises(ValueError, match=rf"^block_ids\[1\] = {bad_id} is outside the part's 4 blocks$"):
+        copy_part(False, keys, wire, ids, 16, 8)  # tokens [8, 40): blocks 0, 1 and 2 of the table
+    before = keys.clone()
+    copy_part(False, keys, wire[:8] + 1, ids, 16, 8)  # tokens [8, 16) use block 0 only: the bad id is never read
+    assert not torch.equal(keys, before)
+    copy_part(False, keys, wire[:0], ids, 16, 40)  # no tokens, no block used
+
+
+def test_copy_part_refuses_a_bad_geometry(cpu_kt) -> None:
+    keys, wire, ids = cpu_kt
+    with pytest.raises(ValueError, match=r"block_size must be the part's 16 \(at least 1\), got 64"):
+        copy_part(True, keys, torch.empty(40, 2, 8), ids, 64, 0)
+    with pytest.raises(ValueError, match=r"token_start must be >= 0, got -16"):
+        copy_part(True, keys, wire[:16], ids, 16, -16)
+    with pytest.raises(ValueError, match=r"part must be \[num_blocks, block_size, heads, head_size\], got \[4, 16, 2\]"):
+        copy_part(True, keys[..., 0], wire, ids, 16, 0)
 
 
 def test_the_c_entry_point_checks_its_arguments() -> None:
