@@ -34,8 +34,9 @@ class NcclKVConfig:
     deadline_s, heartbeat_s, staging_bytes, bind_host
         Transfer-engine settings; unset ones come from ``NCCLKV_*`` (ncclkv._env).
     hold_s
-        How long a producer keeps a finished request's blocks for a consumer
-        that has not pulled them; then they are freed and the pull fails.
+        How long a producer keeps a request's blocks for a consumer that has
+        not pulled them, from the step that completed its prompt; then they
+        are freed and the pull fails.
     piece_bytes
         Producer: send each layer's slice of a route in token pieces of at most
         this many bytes, each announced alone, so the gather, the wire and the

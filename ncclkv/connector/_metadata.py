@@ -20,7 +20,8 @@ __all__ = ["HoldJob", "LoadJob", "NcclKVHandshake", "NcclKVMetadata", "PushJob",
 class LoadJob:
     """Consumer: receive ``tokens`` of a prefilled request into ``block_ids`` (all the request's blocks).
 
-    ``push``: the producer streamed it on its own (all ``num_tokens`` tokens);
+    ``push``: the producer streamed it on its own (all ``num_tokens`` tokens; those before ``tokens``
+    are this engine's own prefix hit, not written);
     ``sync``: loaded inside this step's forward pass, layer by layer.
     """
 

@@ -68,6 +68,9 @@ class SchedulerSide:
         self._verified: dict[str, bool] = {}
         self._asked: dict[str, int] = {}  # req -> num_computed_tokens of the last positive answer
         self._issued: set[str] = set()  # loads handed to the workers: never load again
+        # transfer id -> the request loading it, until that request finishes: the children of an n > 1
+        # request (or a client's retry) carry the same params, and one transfer fills one request's blocks.
+        self._claims: dict[str, str] = {}
         self._loading: set[str] = set()  # async loads not yet reported finished
         self._held: set[str] = set()  # producer: blocks kept until finished_sending
         self._produce: dict[str, _Produce] = {}
@@ -104,6 +107,12 @@ class SchedulerSide:
             return 0, False
         if not self._verify(request, remote):
             return 0, False
+        owner = self._claims.get(remote.transfer_id)
+        if owner is not None and owner != req_id:
+            log.warning("ncclkv: request %s names transfer %s, which request %s loads; computing it locally",
+                        req_id, remote.transfer_id, owner)
+            self._params[req_id] = None  # decided once: later lookups find no remote KV
+            return 0, False
         if remote.pushed or self._config.async_load:
             num_new, load_async = remote.num_tokens - num_computed_tokens, True
         else:  # loaded in the forward pass that computes the rest: at least one token must be computed
@@ -127,10 +136,12 @@ class SchedulerSide:
                                f"without a positive get_num_new_matched_tokens answer")
         (block_ids, *_) = blocks.get_block_ids()
         sync = not (params.pushed or self._config.async_load)
-        tokens = ((0, params.num_tokens),) if params.pushed else ((start, start + num_external_tokens),)
+        # A push brings every token, but only those past this engine's own prefix hit are loaded (see LoadJob).
+        tokens = ((start, params.num_tokens),) if params.pushed else ((start, start + num_external_tokens),)
         self._loads.append(LoadJob(req_id, params.transfer_id, params.producer, tuple(block_ids), tokens,
                                    params.num_tokens, params.pushed, sync))
         self._issued.add(req_id)
+        self._claims[params.transfer_id] = req_id
         if not sync:
             self._loading.add(req_id)
 
@@ -169,11 +180,15 @@ class SchedulerSide:
             self._events.add(output.kv_cache_events.get_all_events(), workers)
         if output.invalid_block_ids:
             self.num_load_errors += 1
-            log.warning("ncclkv: %d blocks failed to load; vLLM recomputes them", len(output.invalid_block_ids))
+            log.warning("ncclkv: %d blocks failed to load; vLLM's kv_load_failure_policy decides what follows",
+                        len(output.invalid_block_ids))
 
     # -- finishing ------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        params = self._params.get(req_id)
+        if isinstance(params, RemotePrefill) and self._claims.get(params.transfer_id) == req_id:
+            del self._claims[params.transfer_id]
         for table in (self._params, self._verified, self._asked):
             table.pop(req_id, None)
         self._issued.discard(req_id)
@@ -198,7 +213,8 @@ class SchedulerSide:
     @property
     def num_tracked_requests(self) -> int:
         """Requests this role still keeps state for (0 once every request finished and was freed)."""
-        tables = (self._params, self._verified, self._asked, self._issued, self._loading, self._held, self._produce)
+        tables = (self._params, self._verified, self._asked, self._issued, self._loading, self._held, self._produce,
+                  set(self._claims.values()))
         return len(set().union(*tables)) + len(self._loads) + len(self._releases)
 
     # -- internals ---------------------------------------------------------------------------

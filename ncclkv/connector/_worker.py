@@ -136,10 +136,17 @@ class WorkerSide:
             engine.release(transfer_id)  # False: already reported (pulled or expired)
         for job in meta.loads:
             load = _Load(job, time.monotonic())
+            if job.transfer_id in self._loads:  # another request loads it (the scheduler prevents this)
+                self._fail(load, ValueError(f"transfer {job.transfer_id!r} is already being loaded for request "
+                                            f"{self._loads[job.transfer_id].job.req_id!r}"), owned=False)
+                continue
             self._loads[job.transfer_id] = load
             try:
+                # A push sends every token; those before the first to load are this engine's own prefix hit
+                # (blocks other requests share): they land but are not written.
                 engine.expect(job.transfer_id, job.producer, job.block_ids,
-                              job.num_tokens if job.push else job.token_set(), push=job.push)
+                              job.num_tokens if job.push else job.token_set(), push=job.push,
+                              keep_tokens=job.token_set().bounds.start if job.push else 0)
             except Exception as err:
                 self._fail(load, err)
 
@@ -199,6 +206,10 @@ class WorkerSide:
         for tid in busy:
             self.engine.release(tid)
         self._dropped |= busy
+        # An earlier transfer of theirs that completed counts no more: the recomputed prompt is held (or
+        # pushed) anew, and a request aborted before that was never returned as held by the scheduler.
+        self._sent -= meta.preempted
+        self._finished -= meta.preempted
         deadline = time.monotonic() + float(self.engine.config.deadline_s or 0)
         while busy and time.monotonic() < deadline:
             self._collect_sent()
@@ -299,20 +310,24 @@ class WorkerSide:
                 log.warning("ncclkv: %s (%s) released without a complete transfer: %s", req_id, tid, error)
             self._sent.add(req_id)
 
-    def _fail(self, load: _Load, error: BaseException) -> None:
-        """Stop the load and report the blocks it was to fill; vLLM recomputes from the first of them."""
+    def _fail(self, load: _Load, error: BaseException, owned: bool = True) -> None:
+        """Stop the load and report the blocks it was to fill (vLLM then acts on its
+        ``kv_load_failure_policy``: recompute from the first of them, or fail the request). ``owned``: the
+        engine transfer is this load's (not another request's that names the same transfer)."""
         if load.failed:
             return
         load.failed = True
         job = load.job
-        self.engine.abort(job.transfer_id)  # no write into these blocks after this returns
-        self._loads.pop(job.transfer_id, None)
+        if owned:
+            self.engine.abort(job.transfer_id)  # no write into these blocks after this returns
+            self._loads.pop(job.transfer_id, None)
         if not job.sync:
             self._done_recv.add(job.req_id)
         size = self._info.block_size
         for span in job.token_set():
             self._load_errors.update(job.block_ids[i] for i in range(span.start // size, (span.stop - 1) // size + 1))
-        log.warning("ncclkv: load of %s (%s) failed, vLLM recomputes it: %s", job.req_id, job.transfer_id, error)
+        log.warning("ncclkv: load of %s (%s) failed; its blocks are reported to vLLM, whose kv_load_failure_policy "
+                    "recomputes or fails it: %s", job.req_id, job.transfer_id, error)
 
     @staticmethod
     def _try(push: PushJob, action: Callable[[], None]) -> None:

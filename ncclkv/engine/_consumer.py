@@ -64,6 +64,7 @@ class _Expected:
     landed: dict[_Key, SpanSet] = field(default_factory=dict)  # tokens of each slice scattered so far
     push: bool = False  # pushed: nothing arrives before the producer's prefill runs
     applying: int = 0  # scatters into the request's blocks running right now
+    keep: int = 0  # tokens below this are already in the blocks (shared with other requests): never written
 
 
 @dataclass(slots=True)
@@ -126,14 +127,18 @@ class ConsumerSide:
         self._staging_log = StagingLog()
 
     def expect(self, request_id: str, producer: EngineRef, block_ids: Sequence[int], tokens: SpanSet | int,
-               push: bool = False) -> None:
+               push: bool = False, keep_tokens: int = 0) -> None:
         """Start receiving ``tokens`` of ``request_id`` from ``producer`` into ``block_ids``; returns at once.
 
         Pull (default): ask every producer rank. Push: the producer streams on
-        its own; tensors that landed before this call are taken from staging.
+        its own; tensors that landed before this call are taken from staging;
+        the first ``keep_tokens`` are not written (see ``TransferEngine.expect``).
         """
         if push and not isinstance(tokens, int):
             raise ValueError(f"request {request_id!r}: a pushed request carries all its tokens; pass their count")
+        if keep_tokens and not (push and isinstance(keep_tokens, int) and 0 <= keep_tokens <= tokens):  # type: ignore[operator]
+            raise ValueError(f"request {request_id!r}: keep_tokens={keep_tokens!r} needs a push of at least that "
+                             f"many tokens (push={push}, tokens={tokens!r}); a pull asks only for what it lacks")
         token_set = SpanSet.range(0, tokens) if isinstance(tokens, int) else tokens
         slots = self._caches.slot_map(block_ids)
         if token_set.bounds.stop > slots.num_tokens:
@@ -147,7 +152,8 @@ class ConsumerSide:
             per_src[src] = per_src.get(src, 0) + 1
             remaining[layer] += 1
         now = self._clock.now()
-        req = _Expected(request_id, producer, slots, pending, per_src, remaining, time.monotonic(), now, push=push)
+        req = _Expected(request_id, producer, slots, pending, per_src, remaining, time.monotonic(), now, push=push,
+                        keep=keep_tokens)
         staged_tensors: list[tuple[_Key, Span, torch.Tensor]] = []
         with self._cond:
             if request_id in self._requests:
@@ -459,7 +465,7 @@ class ConsumerSide:
         if error is None:
             _, layer, route = key
             try:
-                self._caches.scatter(layer, buf, req.slots, piece, route.heads)
+                self._scatter(req, layer, buf, piece, route.heads)
             except Exception as err:  # reported on the request
                 error = err
             else:
@@ -485,6 +491,14 @@ class ConsumerSide:
                     self._stats.record_layer(layer, time.monotonic() - req.started)
             self._cond.notify_all()
         self._stats.record_tensor(buf.numel() * buf.element_size())
+
+    def _scatter(self, req: _Expected, layer: int, buf: torch.Tensor, piece: Span, heads: Span) -> None:
+        """Write a landed piece into the request's blocks, leaving out the tokens it keeps (``_Expected.keep``)."""
+        if piece.start >= req.keep:
+            self._caches.scatter(layer, buf, req.slots, piece, heads)
+        elif piece.stop > req.keep:  # straddles: its tail only, copied out (the wire dim 1 is the token)
+            tail = buf[:, req.keep - piece.start:].contiguous()
+            self._caches.scatter(layer, tail, req.slots, Span(req.keep, piece.stop), heads)
 
     def _drain(self, sender: str, link, ann: Announce) -> None:  # type: ignore[no-untyped-def]
         """Receive an unwanted tensor into scratch to keep the link in step, or break the link if implausible."""

@@ -126,17 +126,19 @@ class TransferEngine:
 
     # -- consumer ---------------------------------------------------------------------
     def expect(self, request_id: str, producer: EngineRef, block_ids: Sequence[int], tokens: SpanSet | int,
-               *, push: bool = False) -> None:
+               *, push: bool = False, keep_tokens: int = 0) -> None:
         """Receive ``request_id`` into ``block_ids``; returns at once.
 
         Pull (default): ask the producer for ``tokens`` (all, or a set that
         leaves out the ones already cached here). Push: the producer streams
-        every token on its own; ``tokens`` is their count.
+        every token on its own; ``tokens`` is their count, and the first
+        ``keep_tokens`` of them, already in this engine's blocks (a local
+        prefix hit, blocks other requests share), land but are not written.
         """
         self._check_open()
         if producer.engine_id == self.config.engine_id:
             raise ValueError(f"request {request_id!r}: producer engine {producer.engine_id!r} is this engine")
-        self._consumer.expect(request_id, producer, block_ids, tokens, push)
+        self._consumer.expect(request_id, producer, block_ids, tokens, push, keep_tokens)
 
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
         """Block until ``layer`` of ``request_id`` is in this rank's cache (that layer only)."""

@@ -270,3 +270,91 @@ def test_prefill_sends_slices_in_pieces(engines: list[EngineSim], model_dir: Pat
     pieces = NUM_LAYERS * sum(-(-n // 16) for n in LENGTHS)  # every prompt token moves, in both modes
     assert _bytes(prefill, "tensors_sent") == _bytes(decode, "tensors_received") == pieces
     assert pieces > NUM_LAYERS * len(LENGTHS)
+
+
+def test_two_requests_naming_one_transfer_both_finish(engines: list[EngineSim], model_dir: Path) -> None:
+    expected = _reference(engines, model_dir, PROMPTS[1:2])
+    prefill, decode = _pair(engines, model_dir)
+    (params,) = _prefill(prefill, PROMPTS[1:2])
+    # vLLM's n > 1 sampling gives each child the parent's params, and a client may retry: one transfer, two
+    # requests. One loads it; the other computes locally (before: one of them waited for ever).
+    ids = ["d-a", "d-b"]
+    for req_id in ids:
+        decode.add(req_id, PROMPTS[1], MAX_TOKENS, params)
+    decode.run(lambda: all(r in decode.finished for r in ids), also=(prefill,))
+    assert decode.outputs(ids) == expected * 2 and decode.mismatches == []
+    assert sorted(decode.computed[r] for r in ids) == [MAX_TOKENS, LENGTHS[1] + MAX_TOKENS - 1]
+    _settle(prefill, decode)
+
+
+def _freed_only_when_sent(prefill: EngineSim, req_id: str) -> None:
+    """Step until vLLM freed ``req_id``, checking at each step that no transfer of it was still running then."""
+    engine = prefill.worker._work().engine
+
+    def freed() -> bool:
+        if req_id in prefill.scheduler.requests:
+            return False
+        assert engine.num_in_flight == 0, f"{req_id}'s blocks were freed while a transfer of them ran"
+        return True
+    prefill.run(freed)
+    prefill.run(lambda: prefill.idle)
+
+
+def test_a_prefill_request_preempted_after_its_first_transfer_ended(engines: list[EngineSim],
+                                                                    model_dir: Path) -> None:
+    # It keeps decoding on the prefill side (max_tokens > 1); its first hold ends, then it is preempted:
+    # the recomputed prompt is held anew, and vLLM must keep its blocks while that hold stands.
+    prefill = EngineSim.build("prefill", model_dir, "kv_producer", FAST)
+    engines.append(prefill)
+    prefill.add("p-0", PROMPTS[1], 50, {"do_remote_decode": True})
+    worker = prefill.worker._work()
+    prefill.run(lambda: "p-0" in worker._sends.values())  # the prompt is held
+    (first,) = worker._sends
+    assert worker.engine.release(first)  # as hold_s would: nobody pulled
+    prefill.run(lambda: "p-0" in worker._sent)
+    prefill.preempt("p-0")
+    prefill.run(lambda: "p-0" in prefill.finished)
+    for _ in range(3):  # the workers learn of the finish a step later: the second hold stands, vLLM keeps it
+        prefill.step()
+        assert worker.engine.num_in_flight == 1 and "p-0" in prefill.scheduler.requests
+    (second,) = worker._sends
+    assert second != first and worker.engine.release(second)
+    _freed_only_when_sent(prefill, "p-0")
+
+
+def test_a_pushing_request_preempted_then_aborted_is_not_reported_sent(engines: list[EngineSim],
+                                                                       model_dir: Path) -> None:
+    prefill, decode = _pair(engines, model_dir)
+    prefill.add("p-0", PROMPTS[1], 200, {"do_remote_decode": True, "remote_decode": decode.ref})
+    worker = prefill.worker._work()
+    prefill.run(lambda: "p-0" in worker._sent, also=(decode,))  # pushed while it still decodes
+    prefill.preempt("p-0")
+    prefill.step()  # preempted: its transfer is forgotten, its prompt waits to be recomputed
+    prefill.abort("p-0")  # vLLM frees it at once: nothing was held for it since
+    assert "p-0" not in prefill.scheduler.requests
+    prefill.run(lambda: prefill.idle)  # before: the worker reported p-0 sent and vLLM's scheduler asserted
+
+
+@pytest.mark.parametrize("arrives", [True, False], ids=["lands", "fails"])
+def test_a_pushed_load_leaves_the_local_prefix_hit_alone(engines: list[EngineSim], model_dir: Path,
+                                                         arrives: bool) -> None:
+    (prompt,) = make_prompts([130], seed=5)
+    expected = _reference(engines, model_dir, [prompt])
+    # "fail": a load failure that reported a shared block would fail the request sharing it too.
+    # The decode side gives up on a push that never comes after hold_s.
+    prefill, decode = _pair(engines, model_dir, decode_extra=None if arrives else {"hold_s": 0.5}, policy="fail")
+    decode.add("local", prompt[:64] + [7] * 10, 40)  # shares the prompt's first two blocks
+    decode.run(lambda: decode.computed.get("local", 0) >= 76)
+    (params,) = _prefill(prefill, [prompt], {"remote_decode": decode.ref})
+    if not arrives:
+        params = {**params, "transfer_id": "xfer-never-pushed"}
+    decode.add("d-0", prompt, MAX_TOKENS, params)
+    decode.run(lambda: {"local", "d-0"} <= set(decode.finished), also=(prefill,))
+    shared = {b for b in range(64 // BLOCK_SIZE)}  # the cached prefix: what "local" reads too
+    assert decode.finished["local"].finish_reason == "length" and decode.mismatches == []
+    if arrives:
+        assert decode.outputs(["d-0"]) == expected and not decode.load_errors
+    else:
+        assert decode.load_errors and decode.finished["d-0"].finish_reason == "error"
+        assert len(decode.load_errors) == -(-130 // BLOCK_SIZE) - len(shared)  # its own blocks only
+    _settle(prefill, decode)
