@@ -13,14 +13,20 @@ Sealed frame (shared-secret mode)::
 
     stamp (8 bytes, big-endian) | HMAC-SHA256 (32 bytes) | payload
 
-The MAC covers a version label, the sender id, the receiver id, the stamp and
-the payload, so a frame cannot be re-attributed, redirected or altered. The
-stamp is the sender's wall clock in ns, forced to increase by at least one per
-frame; the receiver keeps the last stamp per (sender, path) and refuses
-anything not newer (a replay). Frames on one path are FIFO, so a legitimate
-stamp is always newer. A sender seen for the first time must be within
-``max_clock_skew_s`` of the receiver's clock, so an old capture cannot be
-replayed to a receiver that restarted.
+The MAC covers a version label, the path (sent from the sender's DEALER or
+from its ROUTER), the sender id, the receiver id, the stamp and the payload,
+so a frame cannot be re-attributed, redirected, moved to the other path or
+altered. The stamp is the sender's wall clock in ns, forced to increase by at
+least one per frame; the receiver keeps the last stamp per (sender, path) and
+refuses anything not newer (a replay). Frames on one path are FIFO, so a
+legitimate stamp is always newer; the two paths keep separate stamps, which
+is why the MAC must name the path. A sender seen for the first time must be
+within ``max_clock_skew_s`` of the receiver's clock, so an old capture cannot
+be replayed to a receiver that restarted.
+
+With CURVE, a peer this channel connected to proved the server key it was
+given; its DEALER holds the same key pair, so frames reaching the ROUTER under
+that peer's id must come from a client with that key (``FrameGate.admit``).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import zmq
 from zmq.auth import Authenticator
@@ -46,7 +52,8 @@ __all__ = ["MAC_OVERHEAD", "FrameAuth", "FrameGate", "ZapGuard", "configure_curv
 
 log = logging.getLogger("ncclkv.channel")
 
-_LABEL = b"ncclkv-hmac-sha256-v1"
+_LABEL = b"ncclkv-hmac-sha256-v2"  # v2: the MAC names the path
+_FROM_DEALER, _FROM_ROUTER = b"D", b"R"  # which of the sender's sockets sent the frame
 _STAMP_BYTES = 8
 _MAC_BYTES = 32
 MAC_OVERHEAD = _STAMP_BYTES + _MAC_BYTES
@@ -58,7 +65,8 @@ _WARNINGS_PER_S, _WARNING_BURST = 1.0, 5.0
 
 
 def _ident(name: bytes) -> bytes:
-    assert len(name) <= 255, "peer ids and routing ids are at most 255 bytes"
+    if len(name) > 255:  # Channel refuses such ids; not an assert, which -O would drop
+        raise ValueError(f"peer ids are at most 255 UTF-8 bytes, got {len(name)}")
     return bytes([len(name)]) + name
 
 
@@ -72,25 +80,28 @@ class FrameAuth:
         self._last_sent = 0
         self._last_seen: OrderedDict[tuple[bytes, bool], int] = OrderedDict()
 
-    def _mac(self, sender: bytes, receiver: bytes, stamp: bytes, payload: bytes) -> bytes:
+    def _mac(self, path: bytes, sender: bytes, receiver: bytes, stamp: bytes, payload: bytes) -> bytes:
         mac = hmac.new(self._secret, _LABEL, hashlib.sha256)
-        for part in (sender, receiver, stamp, payload):
+        for part in (path, sender, receiver, stamp, payload):
             mac.update(part)
         return mac.digest()
 
-    def seal(self, receiver: bytes, payload: bytes) -> bytes:
-        """``payload`` as a frame for peer ``receiver`` (its peer id, UTF-8)."""
+    def seal(self, receiver: bytes, payload: bytes, *, from_router: bool) -> bytes:
+        """``payload`` as a frame for peer ``receiver`` (its peer id, UTF-8), sent from our ROUTER or a DEALER."""
         self._last_sent = max(self._last_sent + 1, time.time_ns())
         stamp = self._last_sent.to_bytes(_STAMP_BYTES, "big")
-        return stamp + self._mac(self._me, _ident(receiver), stamp, payload) + payload
+        path = _FROM_ROUTER if from_router else _FROM_DEALER
+        return stamp + self._mac(path, self._me, _ident(receiver), stamp, payload) + payload
 
     def open(self, sender: bytes, frame: bytes, via_router: bool) -> bytes:
-        """The payload of ``frame`` from ``sender``; :class:`AuthenticationError` if it is not authentic or not new."""
+        """The payload of ``frame`` from ``sender``, received on our ROUTER (``via_router``) or a DEALER;
+        :class:`AuthenticationError` if it is not authentic, not new, or sealed for the other path."""
         if len(frame) < MAC_OVERHEAD:
             raise AuthenticationError(f"frame of {len(frame)} bytes is shorter than a MAC header ({MAC_OVERHEAD})")
         stamp, mac, payload = frame[:_STAMP_BYTES], frame[_STAMP_BYTES:MAC_OVERHEAD], frame[MAC_OVERHEAD:]
-        if len(sender) > 255 or not hmac.compare_digest(mac, self._mac(_ident(sender), self._me, stamp, payload)):
-            raise AuthenticationError("bad MAC: not signed with the shared secret, or altered")
+        path = _FROM_DEALER if via_router else _FROM_ROUTER  # our ROUTER hears the peer's DEALER, and vice versa
+        if len(sender) > 255 or not hmac.compare_digest(mac, self._mac(path, _ident(sender), self._me, stamp, payload)):
+            raise AuthenticationError("bad MAC: not signed with the shared secret, altered, or sent on the other path")
         value = int.from_bytes(stamp, "big")
         key = (sender, via_router)
         last = self._last_seen.get(key)
@@ -201,8 +212,11 @@ class FrameGate:
         auth: ChannelAuth,
         counters: Counters,
         next_msg_id: Callable[[], int],
+        peer_keys: Mapping[str, str] | None = None,
     ) -> None:
         self._peer_id = peer_id
+        # CURVE: peer id -> the Z85 public key it proved as a server (read on the I/O thread only).
+        self._peer_keys: Mapping[str, str] = {} if peer_keys is None else peer_keys
         self._max_frame_bytes = max_frame_bytes
         self._sealer = FrameAuth(auth.shared_secret, peer_id, auth.max_clock_skew_s) if auth.shared_secret else None
         self._counters = counters
@@ -210,12 +224,23 @@ class FrameGate:
         self._replies = Budget(_REPLIES_PER_S, _REPLY_BURST)
         self._warnings = Budget(_WARNINGS_PER_S, _WARNING_BURST)
 
-    def seal(self, receiver: bytes, frame: bytes) -> bytes:
-        return frame if self._sealer is None else self._sealer.seal(receiver, frame)
+    def seal(self, receiver: bytes, frame: bytes, *, from_router: bool) -> bytes:
+        return frame if self._sealer is None else self._sealer.seal(receiver, frame, from_router=from_router)
 
-    def admit(self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, payload: list[bytes]) -> Envelope | None:
+    def admit(self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, payload: list[bytes],
+              client_key: str | None = None) -> Envelope | None:
         """The envelope of a good frame from ``origin``; None for a bad one, which was counted,
-        logged and (if authentic, or with no auth configured) answered on ``sock``."""
+        logged and (if authentic, or with no auth configured) answered on ``sock``.
+
+        ``client_key``: the CURVE key (Z85) of the client that sent a frame to our ROUTER."""
+        if client_key is not None:
+            name = origin.decode("utf-8", "replace")
+            expected = self._peer_keys.get(name)
+            if expected is not None and client_key != expected:  # an allowed client claiming another peer's id
+                self._counters.auth_failures += 1
+                self.reject(sock, routing_id, origin, AuthenticationError(
+                    f"CURVE client key {client_key} is not {expected}, the key of peer {name!r}"), authentic=False)
+                return None
         if len(payload) != 1 and self._sealer is None:
             self.reject(sock, routing_id, origin, ProtocolError(f"expected 1 payload frame, got {len(payload)}"))
             return None
@@ -252,7 +277,7 @@ class FrameGate:
         # <= 4 UTF-8 bytes a char: the reply fits any max_frame_bytes >= 1024
         text = str(exc)[: min(MAX_TEXT_CHARS, (self._max_frame_bytes - 512) // 4)]
         envelope = Envelope(self._peer_id, self._next_msg_id(), None, ErrorMsg(None, ErrorCode.PROTOCOL, text))
-        frame = self.seal(origin, encode(envelope, self._max_frame_bytes))
+        frame = self.seal(origin, encode(envelope, self._max_frame_bytes), from_router=routing_id is not None)
         try:
             if routing_id is None:
                 sock.send(frame, zmq.NOBLOCK)

@@ -11,11 +11,13 @@ while it is alive, so everything sent to it travels on one ordered pipe.
 
 Authentication (:mod:`ncclkv.auth`): with CURVE the ROUTER is a CURVE server
 guarded by a ZAP thread (started before the bind, joined on close) and every
-DEALER a CURVE client; with a shared secret every frame is sealed on the way
-out and opened on the way in, before decoding, and a frame that fails is
-dropped unanswered. Hostile input costs bounded work: rejection replies and
-warning lines are token-bucketed, and frames over twice ``max_frame_bytes``
-make ZMQ drop the connection before buffering them.
+DEALER a CURVE client; a peer we connected to is bound to the server key it
+proved, and the ROUTER drops frames under its id from any other client key.
+With a shared secret every frame is sealed on the way out (naming the path:
+from a DEALER or from the ROUTER) and opened on the way in, before decoding,
+and a frame that fails is dropped unanswered. Hostile input costs bounded
+work: rejection replies and warning lines are token-bucketed, and frames over
+twice ``max_frame_bytes`` make ZMQ drop the connection before buffering them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ._auth import FrameGate, ZapGuard, configure_curve_client
 from ._clock import ActiveClock
 from ._peers import Counters, PeerTable
 from .auth import ChannelAuth
+from .errors import TransferTimeout
 from .protocol import Bye, Envelope, Heartbeat, encode
 
 __all__ = ["IoLoop"]
@@ -83,8 +86,12 @@ class IoLoop:
         self._lost = lost
         self._auth = auth
         self._clock = clock  # liveness runs on time this process could run; it sets the loop's tick
+        # CURVE: peer id -> the key (Z85) it proved as a server when we connected; its DEALER holds the same pair.
+        # Kept after a loss, so a lost peer's id stays bound; grows only with the ids connect() was called for.
+        self._keys: dict[str, str] = {}
         self._gate = FrameGate(
-            peer_id=peer_id, max_frame_bytes=max_frame_bytes, auth=auth, counters=counters, next_msg_id=peers.next_msg_id
+            peer_id=peer_id, max_frame_bytes=max_frame_bytes, auth=auth, counters=counters,
+            next_msg_id=peers.next_msg_id, peer_keys=self._keys,
         )
         self._zap: ZapGuard | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -104,7 +111,10 @@ class IoLoop:
     def start(self, timeout_s: float) -> str:
         self._thread.start()
         if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"channel I/O thread did not start within {timeout_s}s")
+            # No owner will ever stop it: stop it now (it leaves at its first turn, if it ever gets there).
+            stopped = self.stop(timeout_s)
+            still = "" if stopped else "; it has not stopped yet, and will once it starts"
+            raise TransferTimeout(f"channel I/O thread did not start within {timeout_s}s{still}")
         if self._start_error is not None:
             self._thread.join(timeout_s)
             raise self._start_error
@@ -179,9 +189,14 @@ class IoLoop:
         finally:
             self._clock.stop()
             linger_ms = 0
-            if self._stop.is_set() and self._links:  # closing, not failing: tell the peers, and let it leave
-                self._say_bye()
-                linger_ms = _BYE_LINGER_MS
+            if self._stop.is_set():  # closing, not failing: send what send() accepted, tell the peers, let it leave
+                try:  # the last turn may have drained the queue before the caller's last frames came
+                    self._run_commands(False)
+                except Exception:  # the sockets must still close
+                    log.exception("channel %r: failed to send the frames queued at close", self._peer_id)
+                if self._links:
+                    self._say_bye()
+                    linger_ms = _BYE_LINGER_MS
             for peer_id in list(self._links):
                 self._drop_link(peer_id, linger_ms)
             self._router.close(linger=linger_ms)
@@ -269,6 +284,7 @@ class IoLoop:
         dealer.setsockopt(zmq.ROUTING_ID, self._peer_id.encode())  # the peer's ROUTER knows us by name
         if self._auth.curve is not None:
             configure_curve_client(dealer, self._auth, server_key)
+            self._keys[peer_id] = (server_key or self._auth.curve.server_key).decode("ascii")
         try:
             dealer.connect(address)
         except zmq.ZMQError as exc:
@@ -291,10 +307,15 @@ class IoLoop:
             if counted:
                 self._counters.sent -= 1
             self._declare_lost(peer_id, f"send failed: {exc}")
+        except Exception as exc:  # a bug with this one frame: lose its peer, keep serving the others
+            if counted:
+                self._counters.sent -= 1
+            log.exception("channel %r: cannot send a frame to %r", self._peer_id, peer_id)
+            self._declare_lost(peer_id, f"send failed: {type(exc).__name__}: {exc}")
 
     def _write(self, peer_id: str, link: _Link, frame: bytes) -> None:
         """Seal ``frame`` and hand it to ZMQ on the peer's path; raises ``zmq.ZMQError``."""
-        frame = self._gate.seal(peer_id.encode(), frame)
+        frame = self._gate.seal(peer_id.encode(), frame, from_router=link.dealer is None)
         if link.dealer is not None:
             link.dealer.send(frame, zmq.NOBLOCK)
         else:
@@ -309,17 +330,27 @@ class IoLoop:
                 self._write(peer_id, link, self._frame(Bye(), None))
             except zmq.ZMQError:
                 log.debug("channel %r: no Bye to %r: it is gone", self._peer_id, peer_id)
+            except Exception:  # a bug: the other peers still get theirs, and the sockets still close
+                log.exception("channel %r: cannot send a Bye to %r", self._peer_id, peer_id)
 
     def _drain(self, sock: zmq.Socket, dealer_peer: str | None) -> None:
         # Ask the socket whether a frame is there instead of reading until zmq.Again: building
         # that exception (and any OSError) calls strerror(), which takes a process-wide glibc lock
         # while this thread holds the GIL. Seen in a vLLM engine: this thread waited there for that
         # lock, GIL held, for a whole deadline, and every Python thread of the engine stopped with it.
+        # With CURVE the ROUTER's frames carry the client's key (User-Id, from our ZAP handler's reply).
+        with_key = dealer_peer is None and self._auth.curve is not None
         for _ in range(_BATCH):
             if not sock.get(zmq.EVENTS) & zmq.POLLIN:
                 return
+            client_key: str | None = None
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK)
+                if with_key:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    client_key = frames[-1].get("User-Id")
+                    parts = [frame.bytes for frame in frames]
+                else:
+                    parts = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if dealer_peer is None:
@@ -327,14 +358,15 @@ class IoLoop:
             else:
                 routing_id, payload, origin = None, parts, dealer_peer.encode()
             try:
-                self._handle(sock, routing_id, origin, payload)
+                self._handle(sock, routing_id, origin, payload, client_key)
             except Exception:  # a bug handling one frame must not stop the channel
                 self._gate.count_failure(origin)
             if sock.closed:  # that frame dropped this dealer's peer (a Bye, a failed echo): nothing more to read
                 return
 
-    def _handle(self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, payload: list[bytes]) -> None:
-        envelope = self._gate.admit(sock, routing_id, origin, payload)
+    def _handle(self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, payload: list[bytes],
+                client_key: str | None = None) -> None:
+        envelope = self._gate.admit(sock, routing_id, origin, payload, client_key)
         if envelope is None:  # rejected: counted, logged, answered if authentic
             return
         sender = envelope.sender

@@ -18,6 +18,7 @@ next turn, so a deadline is judged only after the pause is on the books.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -46,7 +47,7 @@ class ActiveClock:
 
     def __init__(self, tick_s: float, threshold_s: float = PAUSE_THRESHOLD_S,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
-        if tick_s <= 0 or threshold_s <= tick_s:
+        if not (math.isfinite(tick_s) and math.isfinite(threshold_s) and 0 < tick_s < threshold_s):
             raise ValueError(f"need 0 < tick_s < threshold_s, got tick_s={tick_s}, threshold_s={threshold_s}")
         self._tick_s = tick_s
         self._threshold_s = threshold_s
@@ -118,6 +119,8 @@ class ActiveClock:
 
         ``attempt`` is e.g. ``event.wait`` or ``lambda s: lock.acquire(timeout=s)``.
         """
+        if not (math.isfinite(timeout_s) and timeout_s >= 0):  # nan never expires: this would spin forever
+            raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
         deadline = self.now() + timeout_s
         while True:
             if attempt(max(0.0, deadline - self.now())):

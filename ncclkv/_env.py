@@ -7,6 +7,7 @@ listed here, parsed once into a typed value.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,8 +23,8 @@ def _float(environ: Mapping[str, str], name: str, default: float) -> float:
         value = float(text)
     except ValueError:
         raise ValueError(f"{name}={text!r} is not a number") from None
-    if value <= 0:
-        raise ValueError(f"{name}={text!r} must be > 0")
+    if not (math.isfinite(value) and value > 0):  # nan/inf would disable deadlines or break the poll loop
+        raise ValueError(f"{name}={text!r} must be a finite number > 0")
     return value
 
 

@@ -8,13 +8,16 @@ Two mechanisms, each optional, usable together:
   DEALER is a CURVE client with the same key pair that expects the server
   key ``server_key`` (default: this rank's own public key, for a deployment
   that shares one key pair). An unknown client never completes the ZMQ
-  handshake, so none of its bytes reach the decoder.
+  handshake, so none of its bytes reach the decoder. The id of a peer the
+  channel connected to is bound to the key that peer proved; the allow-list
+  binds no other id to a key (docs/SECURITY.md, "One key pair per rank").
 * **Shared secret** (``ChannelAuth.shared_secret``): every frame carries an
-  HMAC-SHA256 over the sender id, the receiver id, a time-based stamp that
-  increases per sender, and the payload. A frame without a valid MAC, or with
-  a stamp not newer than the last one from that sender, is dropped before
-  decoding and never answered. It authenticates frames, not connections, and
-  does not encrypt.
+  HMAC-SHA256 over the path it takes (DEALER to ROUTER or back), the sender
+  id, the receiver id, a time-based stamp that increases per sender, and the
+  payload. A frame without a valid MAC, or with a stamp not newer than the
+  last one from that sender on that path, is dropped before decoding and
+  never answered. It authenticates frames, not connections, and does not
+  encrypt.
 
 :func:`load_channel_auth` builds a :class:`ChannelAuth` from the environment
 (read in :mod:`ncclkv._env`); ``Channel(..., auth=None)`` does that itself.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import os
 import re
 import stat
@@ -131,8 +135,8 @@ class ChannelAuth:
                     f"ChannelAuth.shared_secret has {len(self.shared_secret)} bytes; use at least {MIN_SECRET_BYTES}"
                 )
             object.__setattr__(self, "shared_secret", bytes(self.shared_secret))
-        if not self.max_clock_skew_s > 0:
-            raise ValueError(f"ChannelAuth.max_clock_skew_s must be > 0, got {self.max_clock_skew_s}")
+        if not (math.isfinite(self.max_clock_skew_s) and self.max_clock_skew_s > 0):  # inf: no replay bound
+            raise ValueError(f"ChannelAuth.max_clock_skew_s must be a finite number > 0, got {self.max_clock_skew_s}")
 
     @property
     def enabled(self) -> bool:

@@ -14,7 +14,10 @@ Threads (all named ``ncclkv-channel-*``, all joined by :meth:`Channel.close`):
   thread-safe); callers enqueue frames and wake it, so :meth:`~Channel.send`
   never blocks on the network. It also sends heartbeats, echoes the peers'
   heartbeats (for RTT), declares peers lost, and resolves replies to
-  :meth:`~Channel.request` at once, even while a handler is busy;
+  :meth:`~Channel.request` at once, even while a handler is busy. A reply
+  that no request waits for (it timed out, its peer was lost, or it was a
+  ``send``) is counted in ``late_replies`` and dropped, never dispatched: two
+  handlers that answer in kind would otherwise ping-pong it forever;
 * the dispatcher thread calls ``on_message(sender, body)`` for every other
   message, in arrival order, and ``on_peer_lost(peer_id, error)`` (a
   :class:`PeerClosedError` for a peer that closed its channel and said so, a
@@ -28,29 +31,32 @@ and answered with an ``ErrorMsg(code="protocol")`` on the connection they came
 in on; the channel keeps serving. Logs and answers about bad frames are rate
 limited, so a flood of them costs bounded work. Each channel has its own
 ``zmq.Context``, terminated on close after every socket was closed. Close
-first sends every peer a ``Bye``, so they drop this channel at once (logged as
-expected, not as a failure), and gives the frames still queued up to
-0.2 s to leave; so close does not hang.
+sends the frames ``send`` accepted, then every peer a ``Bye``, so they drop
+this channel at once (logged as expected, not as a failure), and gives all of
+it up to 0.2 s to leave; so close does not hang.
 
 Authentication (``auth=``, a :class:`ncclkv.auth.ChannelAuth`; default: from
 the environment, off if nothing is set): CURVE keys and a ZAP handler thread
 (``ncclkv-channel-zap``, joined on close) admit only allowed clients to the
-ROUTER; a shared secret adds an HMAC to every frame and drops frames without a
+ROUTER, and a peer id this channel connected to only from the key that peer
+proved; a shared secret adds an HMAC to every frame and drops frames without a
 valid one unanswered, before decoding. See docs/SECURITY.md.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ._channel_io import IoLoop
 from ._clock import ActiveClock
 from ._dispatch import Dispatcher, MessageHandler, PeerLostHandler, ReplyThen
 from ._env import env_settings
-from ._peers import Counters, PeerTable
+from ._peers import Budget, Counters, PeerTable
 from .auth import ChannelAuth, curve_key, load_channel_auth
 from .errors import ClosedError, PeerClosedError, PeerLostError, TransferTimeout
 from .protocol import Envelope, ErrorMsg, Message, encode
@@ -62,7 +68,8 @@ log = logging.getLogger("ncclkv.channel")
 THREAD_PREFIX = "ncclkv-channel"
 
 _JOIN_S = 5.0  # how long close() waits for each thread
-_EXPIRED_KEEP = 4096  # msg ids of timed-out requests remembered, to drop their late replies quietly
+_EXPIRED_KEEP = 4096  # msg ids of requests that ended unanswered, remembered to drop their late replies quietly
+_WARNINGS_PER_S, _WARNING_BURST = 1.0, 5.0  # warnings about unexpected replies (a peer controls how many come)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +78,10 @@ class ChannelStats:
 
     ``rejected`` counts every frame refused (malformed, oversized, misnamed or
     unauthenticated); ``auth_failures`` the frames refused for a missing, bad
-    or replayed MAC plus the CURVE clients refused by the allow-list.
+    or replayed MAC, the CURVE clients refused by the allow-list, and the
+    frames from a CURVE client whose key is not the one bound to the peer id
+    it claims. ``late_replies`` counts the replies no request waited for
+    (dropped, never dispatched).
     """
 
     sent: int
@@ -129,6 +139,7 @@ class Channel:
         self._closed = False
         self._pending: dict[int, _Pending] = {}
         self._expired: OrderedDict[int, None] = OrderedDict()
+        self._reply_warnings = Budget(_WARNINGS_PER_S, _WARNING_BURST)  # I/O thread only
         self._peers = PeerTable()
         self._counters = Counters()
         # Deadlines here leave out the time this process could not run (see ncclkv._clock).
@@ -185,12 +196,13 @@ class Channel:
         ``deadline_s`` it is declared lost. Non-blocking; frames sent before
         the TCP connection is up are queued. With CURVE, ``server_key`` is the
         peer's public key (Z85), default ``auth.curve.server_key``; a peer
-        that cannot prove it holds the matching secret is never talked to.
+        that cannot prove it holds the matching secret is never talked to,
+        and from then on frames under ``peer_id`` are accepted on this
+        channel's ROUTER only from a client with that key.
         """
         self._check_open()
-        if not isinstance(peer_id, str) or not peer_id:
-            raise ValueError(f"peer_id must be a non-empty str, got {peer_id!r}")
-        if not address.startswith(("tcp://", "ipc://")):
+        _check_peer_id(peer_id)
+        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
             raise ValueError(f"address must be tcp://host:port or ipc://path, got {address!r}")
         key = curve_key(server_key, "server_key") if server_key is not None else None
         if key is not None and self.auth.curve is None:
@@ -217,20 +229,22 @@ class Channel:
         (``timeout`` -> TransferTimeout, ``capacity`` -> CapacityError, ...,
         other codes -> TransferError), naming the peer, code, request and text.
         """
-        wait_s = self.deadline_s if timeout_s is None else timeout_s
+        wait_s = self.deadline_s if timeout_s is None else _check_timeout(timeout_s)
         pending = _Pending(peer_id)
         msg_id = self._send(peer_id, body, None, pending)
         if not self.clock.wait(pending.done.wait, wait_s):
             with self._lock:
                 still_pending = self._pending.pop(msg_id, None) is not None
                 if still_pending:
-                    self._expired[msg_id] = None
-                    while len(self._expired) > _EXPIRED_KEEP:
-                        self._expired.popitem(last=False)
+                    self._expire_locked((msg_id,))
             if still_pending:
                 raise TransferTimeout(
                     f"no reply from peer {peer_id!r} to {type(body).__name__} (msg_id {msg_id}) within {wait_s}s"
                 )
+            # Another thread took the entry just now and is about to finish it: wait for that.
+            if not pending.done.wait(_JOIN_S):
+                raise TransferTimeout(f"the outcome of {type(body).__name__} (msg_id {msg_id}) to peer {peer_id!r} "
+                                      f"was not recorded within {_JOIN_S}s")
         if pending.error is not None:
             raise pending.error
         assert pending.reply is not None
@@ -239,9 +253,10 @@ class Channel:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every frame sent before this call is with ZMQ, whose own threads deliver it even
         while this process's Python threads cannot run; False after ``timeout_s`` (default ``deadline_s``)."""
+        wait_s = self.deadline_s if timeout_s is None else _check_timeout(timeout_s)
         self._check_open()
         done = self._io.submit_flush()
-        return self.clock.wait(done.wait, self.deadline_s if timeout_s is None else timeout_s)
+        return self.clock.wait(done.wait, wait_s)
 
     def peer_alive(self, peer_id: str) -> bool:
         """True if ``peer_id`` is known and was heard from within ``deadline_s``."""
@@ -252,9 +267,12 @@ class Channel:
         return self._peers.rtt(peer_id)
 
     def close(self) -> None:
-        """Stop and join both threads, close every socket (linger 0); idempotent.
+        """Stop and join both threads, close every socket; idempotent.
 
-        Pending requests fail with :class:`ClosedError`, and so does any later
+        Every frame ``send`` accepted goes out, then a ``Bye`` to each peer;
+        they get up to 0.2 s to leave (the sockets' linger), after which the
+        rest is dropped (linger 0 if the I/O thread had failed). Pending
+        requests fail with :class:`ClosedError`, and so does any later
         ``connect``/``send``/``request``.
         """
         with self._lock:
@@ -262,6 +280,7 @@ class Channel:
                 return
             self._closed = True
             pending, self._pending = self._pending, {}
+            self._expire_locked(pending)
         for entry in pending.values():
             self._finish(entry, None, ClosedError(f"channel {self.peer_id!r} closed while waiting for a reply"))
         if not self._io.stop(_JOIN_S):
@@ -299,8 +318,20 @@ class Channel:
                 with self._lock:
                     self._pending.pop(msg_id, None)
                 raise PeerLostError(f"peer {peer_id!r} was lost before {type(body).__name__} could be sent")
-        self._io.submit_send(peer_id, frame)
+        # Queued under the lock that close() takes to mark the channel closed: a frame accepted here is
+        # in the queue before close() stops the I/O thread, whose last act is to send the queue.
+        with self._lock:
+            self._check_open()
+            self._io.submit_send(peer_id, frame)
         return msg_id
+
+    def _expire_locked(self, msg_ids: Iterable[int]) -> None:
+        """Under ``self._lock``: remember request ids that ended unanswered, so their late replies are
+        dropped quietly (the oldest forgotten past :data:`_EXPIRED_KEEP`)."""
+        for msg_id in msg_ids:
+            self._expired[msg_id] = None
+        while len(self._expired) > _EXPIRED_KEEP:
+            self._expired.popitem(last=False)
 
     @staticmethod
     def _finish(entry: _Pending, reply: Message | None, error: BaseException | None) -> None:
@@ -308,25 +339,33 @@ class Channel:
         entry.done.set()
 
     def _on_envelope(self, envelope: Envelope) -> None:
-        """On the I/O thread: resolve a reply to a pending request, else queue for the handler."""
-        if envelope.reply_to is not None:
-            with self._lock:
-                entry = self._pending.get(envelope.reply_to)
-                if entry is not None and entry.peer_id == envelope.sender:
-                    del self._pending[envelope.reply_to]
-                late = entry is None and envelope.reply_to in self._expired
+        """On the I/O thread: resolve a reply to a pending request, drop any other reply, queue the rest
+        for the handler."""
+        if envelope.reply_to is None:
+            self._dispatcher.put_message(envelope)
+            return
+        with self._lock:
+            entry = self._pending.get(envelope.reply_to)
             if entry is not None and entry.peer_id == envelope.sender:
-                body = envelope.body
-                if isinstance(body, ErrorMsg):
-                    self._finish(entry, None, body.to_exception(envelope.sender))
-                else:
-                    self._finish(entry, body, None)
-                return
-            if late:
-                self._counters.late_replies += 1
-                log.debug("channel %r: late reply from %r to msg_id %s", self.peer_id, envelope.sender, envelope.reply_to)
-                return
-        self._dispatcher.put_message(envelope)
+                del self._pending[envelope.reply_to]
+            else:
+                entry = None
+            expired = envelope.reply_to in self._expired
+        if entry is not None:
+            body = envelope.body
+            if isinstance(body, ErrorMsg):
+                self._finish(entry, None, body.to_exception(envelope.sender))
+            else:
+                self._finish(entry, body, None)
+            return
+        # Never dispatched: a handler answering it would send a reply the peer cannot match either.
+        self._counters.late_replies += 1
+        if expired:  # its request timed out or failed: expected after a deadline or a loss
+            log.debug("channel %r: late reply from %r to msg_id %s dropped", self.peer_id, envelope.sender,
+                      envelope.reply_to)
+        elif self._reply_warnings.take(self.clock.now()):  # a reply to a send(), e.g. an error; or a confused peer
+            log.warning("channel %r: dropped a reply from %r to msg_id %s, which no request waits for: %s",
+                        self.peer_id, envelope.sender, envelope.reply_to, envelope.body)
 
     def _on_lost(self, peer_id: str, reason: str, closed: bool) -> None:
         """On the I/O thread: fail the requests waiting on ``peer_id`` and schedule ``on_peer_lost``
@@ -335,17 +374,32 @@ class Channel:
         with self._lock:
             mine = [k for k, v in self._pending.items() if v.peer_id == peer_id]
             entries = [self._pending.pop(k) for k in mine]
+            self._expire_locked(mine)  # a peer that was only stalled may still answer
         for entry in entries:
             self._finish(entry, None, kind(f"peer {peer_id!r} lost while waiting for a reply: {reason}"))
         self._dispatcher.put_lost(peer_id, kind(f"peer {peer_id!r} lost: {reason}"))
 
 
-def _check_args(peer_id: str, port: int, heartbeat_s: float, deadline_s: float, max_frame_bytes: int) -> None:
+def _check_peer_id(peer_id: str) -> None:
+    """A peer id is a ZMQ routing id: at most 255 bytes, and one starting with NUL is reserved by ZMQ."""
     if not isinstance(peer_id, str) or not peer_id or peer_id.startswith("\x00") or len(peer_id.encode()) > 255:
         raise ValueError(f"peer_id must be a non-empty str of at most 255 UTF-8 bytes, not starting with NUL; got {peer_id!r}")
+
+
+def _check_timeout(timeout_s: float) -> float:
+    """``timeout_s`` if it is a finite number > 0: nan never expires, inf is no deadline."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+        raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def _check_args(peer_id: str, port: int, heartbeat_s: float, deadline_s: float, max_frame_bytes: int) -> None:
+    _check_peer_id(peer_id)
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an int in [0, 65535] (0: a free port), got {port!r}")
-    if heartbeat_s <= 0 or deadline_s <= heartbeat_s:
-        raise ValueError(f"need 0 < heartbeat_s < deadline_s, got heartbeat_s={heartbeat_s}, deadline_s={deadline_s}")
+    if not (math.isfinite(heartbeat_s) and math.isfinite(deadline_s) and 0 < heartbeat_s < deadline_s):
+        raise ValueError(f"need finite 0 < heartbeat_s < deadline_s, got heartbeat_s={heartbeat_s}, deadline_s={deadline_s}")
     if max_frame_bytes < 1024:
         raise ValueError(f"max_frame_bytes must be >= 1024, got {max_frame_bytes}")

@@ -8,7 +8,8 @@ Wire format, version 1. One ZMQ frame holds one msgpack map, an
 ``msg_id`` is unique per sender; a reply carries the request's ``msg_id`` in
 ``reply_to``. ``body`` is one of the tagged messages of :data:`Message`
 (tags: ``hs hs_ack pull push ann ack ready done err hb bye``). Every field is required
-on the wire, unknown fields are refused, and :func:`decode` checks the frame
+on the wire except ``Announce.piece`` (absent: nil, the whole route; :func:`encode`
+always writes it), unknown fields are refused, and :func:`decode` checks the frame
 size before it parses a byte. What the decoder enforces, beyond types:
 
 * every count, rank, index, size, sequence number and id is an int ``>= 0``

@@ -17,11 +17,14 @@ import msgspec
 import pytest
 import zmq
 
+from ncclkv import channel as channel_module
 from ncclkv import errors
+from ncclkv._channel_io import IoLoop
 from ncclkv.channel import THREAD_PREFIX, Channel, ReplyThen
 from ncclkv.protocol import (
     Ack,
     Announce,
+    Bye,
     Done,
     Envelope,
     ErrorCode,
@@ -463,3 +466,210 @@ def test_a_failing_follow_up_is_counted_and_the_channel_keeps_serving(make_chann
     assert a.request("B", Ready("r1"), timeout_s=WAIT_S) == Ack("r1", None)
     wait_until(lambda: b.stats.handler_errors == 1, WAIT_S)
     assert a.request("B", Ready("r2"), timeout_s=WAIT_S) == Ack("r2", None)
+
+
+# -- review fixes: replies no request waits for, close, bad times and ids, start, the reply race ---------------
+
+def test_a_reply_no_request_waits_for_is_dropped_not_dispatched(
+        make_channel: Callable[..., Channel], caplog: pytest.LogCaptureFixture) -> None:
+    """Handlers that answer in kind (as the engine answers a Handshake with one) must not see a reply:
+    answering it would send a reply the other side cannot match either, back and forth forever."""
+    seen: dict[str, list[Message]] = {"a": [], "b": []}
+    marker = threading.Event()
+
+    def answer_in_kind(me: str) -> Callable[[str, Message], Message | None]:
+        def handle(sender: str, body: Message) -> Message | None:
+            seen[me].append(body)
+            if body == Ready("marker"):
+                marker.set()
+                return None
+            return Ready(body.request_id)  # type: ignore[union-attr]
+        return handle
+
+    a = make_channel("a", on_message=answer_in_kind("a"))
+    b = make_channel("b", on_message=answer_in_kind("b"))
+    a.connect("b", b.address)
+    a.send("b", Ready("hs"), reply_to=999)  # a reply to a request b never made, or one that failed long ago
+    a.send("b", Ready("marker"))  # same path, so handled after the reply was dealt with
+    assert marker.wait(WAIT_S)
+    assert seen == {"a": [], "b": [Ready("marker")]}
+    assert b.stats.late_replies == 1 and b.stats.received == 2
+    assert any("which no request waits for" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_a_reply_to_a_request_failed_by_peer_loss_is_dropped_quietly(
+        make_channel: Callable[..., Channel], caplog: pytest.LogCaptureFixture) -> None:
+    """A request failed because its peer was lost (here: it said Bye; in life: it stalled past the
+    deadline); the peer's reply comes after all: counted late, logged at debug, never dispatched."""
+    caplog.set_level(logging.DEBUG, logger="ncclkv")
+    seen: list[Message] = []
+    marker = threading.Event()
+
+    def record(sender: str, body: Message) -> None:
+        seen.append(body)
+        if body == Ready("marker"):
+            marker.set()
+
+    client = make_channel("client", on_message=record, heartbeat_s=0.05, deadline_s=30.0)
+    context = zmq.Context()
+    peer = context.socket(zmq.DEALER)
+    try:
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.setsockopt(zmq.ROUTING_ID, b"peer")
+        peer.connect(client.address)
+        peer.send(encode(Envelope("peer", 1, None, Ready("hello"))))
+        wait_until(lambda: client.peer_alive("peer"), WAIT_S)
+        outcome: list[BaseException] = []
+        waiter = threading.Thread(target=lambda: _capture(outcome, lambda: client.request("peer", Ready("r"), timeout_s=20)))
+        waiter.start()
+        request = None
+        while request is None:
+            assert peer.poll(5000), "the request never reached the peer"
+            envelope = decode(peer.recv())
+            request = envelope if envelope.body == Ready("r") else None
+        peer.send(encode(Envelope("peer", 2, None, Bye())))
+        waiter.join(WAIT_S)
+        assert len(outcome) == 1 and isinstance(outcome[0], errors.PeerClosedError), outcome
+        peer.send(encode(Envelope("peer", 3, request.msg_id, Ack("r", None))))  # the late reply
+        peer.send(encode(Envelope("peer", 4, None, Ready("marker"))))
+        assert marker.wait(WAIT_S)
+        assert seen == [Ready("hello"), Ready("marker")] and client.stats.late_replies == 1
+        dropped = [r for r in caplog.records if "reply from 'peer'" in r.getMessage()]
+        assert [r.levelno for r in dropped] == [logging.DEBUG]
+    finally:
+        peer.close(linger=0)
+        context.term()
+
+
+def test_close_sends_the_frames_send_accepted_before_the_bye(make_channel: Callable[..., Channel]) -> None:
+    """A frame queued after the I/O loop's last look at its queue (here: while that turn sends
+    heartbeats) still leaves before the Bye."""
+    got: list[Message] = []
+    lost = threading.Event()
+    b = make_channel("b", on_message=lambda sender, body: got.append(body), on_peer_lost=lambda p, e: lost.set(),
+                     heartbeat_s=0.05, deadline_s=30.0)
+    a = make_channel("a", **FAST)
+    a.connect("b", b.address)
+    a.send("b", Ready("first"))
+    wait_until(lambda: got == [Ready("first")], WAIT_S)
+    io = a._io
+    beat = io._beat
+    in_beat = threading.Event()
+
+    def held_beat() -> None:  # hold one turn, past its queue drain, until close() stops the loop
+        if not in_beat.is_set():
+            in_beat.set()
+            io._stop.wait(WAIT_S)
+        beat()
+
+    io._beat = held_beat  # type: ignore[method-assign]
+    assert in_beat.wait(WAIT_S)
+    a.send("b", Ready("last"))
+    a.close()
+    assert lost.wait(WAIT_S)  # the Bye: handled after every message before it
+    assert got == [Ready("first"), Ready("last")]
+
+
+@pytest.mark.parametrize(("heartbeat_s", "deadline_s"), [(float("nan"), 10.0), (1.0, float("inf")),
+                                                         (float("inf"), float("inf")), (0.1, float("nan"))])
+def test_channel_times_must_be_finite(heartbeat_s: float, deadline_s: float) -> None:
+    with pytest.raises(ValueError, match=rf"finite 0 < heartbeat_s < deadline_s, got heartbeat_s={heartbeat_s}, "
+                                         rf"deadline_s={deadline_s}"):
+        Channel("x", heartbeat_s=heartbeat_s, deadline_s=deadline_s)
+
+
+def test_request_and_flush_refuse_timeouts_that_never_expire(make_channel: Callable[..., Channel]) -> None:
+    b = make_channel("b", on_message=ack_ready)
+    a = make_channel("a")
+    a.connect("b", b.address)
+    for bad in (float("nan"), float("inf"), 0.0, -1.0):
+        for call in (lambda: a.request("b", Ready("never"), timeout_s=bad), lambda: a.flush(bad)):
+            outcome: list[BaseException] = []
+            caller = threading.Thread(target=lambda: _capture(outcome, call), daemon=True)  # nan used to spin forever
+            caller.start()
+            caller.join(WAIT_S)
+            assert not caller.is_alive(), f"timeout_s={bad} still waits"
+            assert len(outcome) == 1 and isinstance(outcome[0], ValueError), (bad, outcome)
+            assert f"timeout_s must be a finite number > 0, got {bad!r}" in str(outcome[0])
+    with pytest.raises(TypeError, match="timeout_s must be a number of seconds, got str"):
+        a.request("b", Ready("never"), timeout_s="5")  # type: ignore[arg-type]
+    assert a.request("b", Ready("ok"), timeout_s=5) == Ack("ok", None)
+    assert b.stats.received == 1  # the refused requests were never sent
+
+
+def test_a_peer_id_over_255_bytes_is_refused_and_a_failing_frame_loses_only_its_peer(
+        make_channel: Callable[..., Channel]) -> None:
+    lost: list[tuple[str, str]] = []
+    bad_lost = threading.Event()
+    a = make_channel("a", on_peer_lost=lambda p, e: (lost.append((p, str(e))), bad_lost.set()),
+                     heartbeat_s=0.05, deadline_s=30.0)
+    b = make_channel("b", on_message=ack_ready)
+    bad = make_channel("bad", on_message=ack_ready)
+    with pytest.raises(ValueError, match="at most 255 UTF-8 bytes"):
+        a.connect("\u00e9" * 128, b.address)  # 128 characters, 256 bytes
+    a.connect("b", b.address)
+    a.connect("bad", bad.address)
+    assert a.request("b", Ready("before"), timeout_s=5) == Ack("before", None)
+    gate = a._io._gate
+    seal = gate.seal
+
+    def failing_seal(receiver: bytes, frame: bytes, **kwargs: bool) -> bytes:
+        if receiver == b"bad":
+            raise RuntimeError("a bug sealing this frame")
+        return seal(receiver, frame, **kwargs)
+
+    gate.seal = failing_seal  # type: ignore[method-assign]
+    assert bad_lost.wait(WAIT_S)  # at its next heartbeat
+    assert lost == [("bad", "peer 'bad' lost: send failed: RuntimeError: a bug sealing this frame")]
+    assert a.request("b", Ready("after"), timeout_s=5) == Ack("after", None)
+    assert a.peer_alive("b") and not a.peer_alive("bad")
+
+
+def test_a_start_that_times_out_stops_the_io_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(channel_module, "_JOIN_S", 0.2)
+    opened = IoLoop._open
+
+    def late_open(self: IoLoop, context: zmq.Context) -> None:
+        self._stop.wait(WAIT_S)  # not ready before start() gives up (it then stops the loop)
+        opened(self, context)
+
+    monkeypatch.setattr(IoLoop, "_open", late_open)
+    with pytest.raises(TimeoutError, match="did not start within 0.2s"):
+        Channel("late")
+    wait_until(lambda: channel_threads() == [], WAIT_S)
+
+
+def test_a_reply_taken_just_as_the_request_times_out_is_returned(
+        make_channel: Callable[..., Channel], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The I/O thread took the pending entry (the reply came) but had not finished it when the waiter's
+    deadline passed: the waiter waits for that and gets the reply, not an AssertionError or None."""
+    b = make_channel("b", on_message=ack_ready)
+    a = make_channel("a")
+    a.connect("b", b.address)
+    assert a.request("b", Ready("warm-up"), timeout_s=5) == Ack("warm-up", None)
+    taken, waiting = threading.Event(), threading.Event()
+    finish, make_pending = Channel._finish, channel_module._Pending
+
+    class WatchedDone(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            waiting.set()
+            return super().wait(timeout)
+
+    def watched_pending(peer_id: str) -> object:
+        pending = make_pending(peer_id)
+        pending.done = WatchedDone()
+        return pending
+
+    def late_finish(entry: object, reply: Message | None, error: BaseException | None) -> None:
+        taken.set()
+        waiting.wait(WAIT_S)  # finish only once the waiter waits for it (before the fix it never did)
+        finish(entry, reply, error)  # type: ignore[arg-type]
+
+    def deadline_passes_after_take(attempt: Callable[[float], bool], timeout_s: float) -> bool:
+        assert taken.wait(WAIT_S)
+        return False
+
+    monkeypatch.setattr(channel_module, "_Pending", watched_pending)
+    monkeypatch.setattr(Channel, "_finish", staticmethod(late_finish))
+    monkeypatch.setattr(a.clock, "wait", deadline_passes_after_take)
+    assert a.request("b", Ready("r"), timeout_s=1.0) == Ack("r", None)

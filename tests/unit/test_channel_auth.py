@@ -187,6 +187,31 @@ def test_curve_raw_socket_never_gets_a_byte_through(make: Channels, certs: dict[
         context.term()
 
 
+def test_curve_binds_a_connected_peer_id_to_its_key(make: Channels) -> None:
+    """Per-rank keys: the server (r0's keys) connected to r1 with r1's key, so r2, an allowed client too,
+    cannot send under r1's id to its ROUTER; an id it never connected to is bound to no key (SECURITY.md)."""
+    keys = {name: zmq.curve_keypair() for name in ("r0", "r1", "r2")}
+    allowed = frozenset(public for public, _ in keys.values())
+
+    def rank(name: str, server: str = "r0") -> ChannelAuth:
+        public, secret = keys[name]
+        return ChannelAuth(curve=CurveConfig(public, secret, keys[server][0], allowed))
+
+    server = make.server(rank("r0"))
+    r1 = make.client("r1", rank("r1"), on_message=lambda sender, body: None)
+    server.channel.connect("r1", r1.address, server_key=keys["r1"][0])
+    r1.connect("server", server.channel.address)
+    assert r1.request("server", Ready("real"), timeout_s=10) == Ack("real", None)
+    forger = make.client("r1", rank("r2"))  # r2's key pair, r1's name
+    forger.connect("server", server.channel.address)
+    forger.send("server", Ready("forged"))
+    wait_until(lambda: server.channel.stats.auth_failures >= 1, WAIT_S)
+    unbound = make.client("r9", rank("r2"))
+    unbound.connect("server", server.channel.address)
+    assert unbound.request("server", Ready("unbound"), timeout_s=10) == Ack("unbound", None)
+    assert [(sender, body) for sender, body in server.seen] == [("r1", Ready("real")), ("r9", Ready("unbound"))]
+
+
 def test_curve_and_secret_together_and_a_failed_bind_leaves_no_thread(make: Channels,
                                                                      certs: dict[str, Path]) -> None:
     both = ChannelAuth(curve=curve(certs, "server").curve, shared_secret=SECRET)
@@ -238,13 +263,14 @@ def test_hmac_drops_replays_alterations_and_misattributed_frames(make: Channels)
         legit = FrameAuth(SECRET, "legit", 300.0)  # a peer that knows the secret, driven by hand
 
         def sealed(request_id: str, receiver: bytes = b"server") -> bytes:
-            return legit.seal(receiver, encode(Envelope("legit", 1, None, Ready(request_id))))
+            return legit.seal(receiver, encode(Envelope("legit", 1, None, Ready(request_id))), from_router=False)
 
         first = sealed("first")
         altered = bytearray(sealed("altered"))
         altered[-2] ^= 0x01
         with mock.patch("ncclkv._auth.time.time_ns", return_value=time.time_ns() - 3600 * 10**9):
-            stale = FrameAuth(SECRET, "mallory", 300.0).seal(b"server", encode(Envelope("mallory", 1, None, Ready("stale"))))
+            stale = FrameAuth(SECRET, "mallory", 300.0).seal(b"server", encode(Envelope("mallory", 1, None, Ready("stale"))),
+                                                             from_router=False)
         socks["legit"].send(first)
         socks["legit"].send(first)  # replayed
         socks["legit"].send(bytes(altered))
@@ -271,17 +297,68 @@ def test_hmac_drops_replays_alterations_and_misattributed_frames(make: Channels)
 
 def test_frame_auth_seal_and_open() -> None:
     alice, bob = FrameAuth(SECRET, "alice", 300.0), FrameAuth(SECRET, "bob", 300.0)
-    frames = [alice.seal(b"bob", b"payload %d" % i) for i in range(3)]
+    frames = [alice.seal(b"bob", b"payload %d" % i, from_router=False) for i in range(3)]  # alice's DEALER -> bob's ROUTER
     assert all(len(f) == MAC_OVERHEAD + 9 for f in frames)
     assert [bob.open(b"alice", f, via_router=True) for f in frames] == [b"payload 0", b"payload 1", b"payload 2"]
     with pytest.raises(AuthenticationError, match="replayed or reordered"):
         bob.open(b"alice", frames[1], via_router=True)
-    assert bob.open(b"alice", alice.seal(b"bob", b"x"), via_router=False) == b"x"  # another path keeps its own order
+    # alice's ROUTER -> bob's DEALER: another path, which keeps its own order
+    assert bob.open(b"alice", alice.seal(b"bob", b"x", from_router=True), via_router=False) == b"x"
     for bad in (frames[0][:10], b"", frames[0][:-1] + b"?"):
         with pytest.raises(AuthenticationError):
             FrameAuth(SECRET, "bob", 300.0).open(b"alice", bad, via_router=True)
     with pytest.raises(AuthenticationError, match="bad MAC"):
-        FrameAuth(SECRET[::-1], "bob", 300.0).open(b"alice", alice.seal(b"bob", b"x"), via_router=True)
+        FrameAuth(SECRET[::-1], "bob", 300.0).open(b"alice", alice.seal(b"bob", b"x", from_router=False), via_router=True)
+
+
+@pytest.mark.parametrize("from_router", [False, True], ids=["dealer-frame-to-dealer", "router-frame-to-router"])
+def test_frame_auth_refuses_a_frame_moved_to_the_other_path(from_router: bool) -> None:
+    """Each path keeps its own replay state, so the MAC names the path: a frame captured on one path
+    opens on it once, and never on the other one, where its stamp could still look new."""
+    alice, bob = FrameAuth(SECRET, "alice", 300.0), FrameAuth(SECRET, "bob", 300.0)
+    frame = alice.seal(b"bob", b"hello", from_router=from_router)
+    with pytest.raises(AuthenticationError, match="bad MAC.*other path"):
+        bob.open(b"alice", frame, via_router=from_router)  # the wrong path, before the right one saw it
+    assert bob.open(b"alice", frame, via_router=not from_router) == b"hello"
+    with pytest.raises(AuthenticationError, match="bad MAC.*other path"):
+        bob.open(b"alice", frame, via_router=from_router)  # and after
+
+
+def test_hmac_frame_captured_on_one_path_does_not_replay_on_the_other(make: Channels) -> None:
+    """B answers A through B's ROUTER (A connected to B); a host without the secret that captured such a
+    frame and sends it to A's ROUTER under B's routing id gets nothing dispatched, and B stays bound to
+    its deadline (replayed heartbeats would otherwise keep a dead peer alive)."""
+    seen: list[tuple[str, Message]] = []
+    captured: list[bytes] = []
+    a = make.client("A", ChannelAuth(shared_secret=SECRET), on_message=lambda sender, body: seen.append((sender, body)))
+    b = make.client("B", ChannelAuth(shared_secret=SECRET), on_message=lambda sender, body: None)
+    gate = a._io._gate
+    admit = gate.admit
+
+    def spy(sock: zmq.Socket, routing_id: bytes | None, origin: bytes, payload: list[bytes], *rest: object) -> object:
+        if routing_id is None:  # what reaches A's DEALER: what a sniffer on the wire sees
+            captured.append(bytes(payload[0]))
+        return admit(sock, routing_id, origin, payload, *rest)  # type: ignore[arg-type]
+
+    gate.admit = spy  # type: ignore[method-assign]
+    a.connect("B", b.address)
+    a.send("B", Ready("hello"))  # B learns A through its ROUTER, and answers on that connection
+    wait_until(lambda: b.peer_alive("A"), WAIT_S)
+    b.send("A", Ready("req-1"))
+    wait_until(lambda: len(seen) == 1, WAIT_S)
+    frame = next(f for f in captured if b"req-1" in f)
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    try:
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.ROUTING_ID, b"B")
+        raw.connect(a.address)
+        raw.send(frame)
+        wait_until(lambda: a.stats.auth_failures == 1, WAIT_S)
+        assert seen == [("B", Ready("req-1"))] and a.stats.received == 1
+    finally:
+        raw.close(linger=0)
+        context.term()
 
 
 # -- configuration --------------------------------------------------------------------------
@@ -340,6 +417,9 @@ def test_bad_auth_values_are_refused(certs: dict[str, Path], tmp_path: Path) -> 
         CurveConfig(other_public, secret, public, frozenset({public}))
     with pytest.raises(ValueError, match="allowed_clients is empty"):
         CurveConfig(public, secret, public, frozenset())
+    for skew in (float("inf"), float("nan"), 0.0):  # inf would admit a capture of any age after a restart
+        with pytest.raises(ValueError, match=f"max_clock_skew_s must be a finite number > 0, got {skew}"):
+            ChannelAuth(shared_secret=SECRET, max_clock_skew_s=skew)
     with pytest.raises(TypeError, match="auth must be a ChannelAuth"):
         Channel("x", auth="secret")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no CURVE auth"):

@@ -85,6 +85,32 @@ def test_bad_ticks_are_refused() -> None:
         ActiveClock(0)
     with pytest.raises(ValueError, match="threshold_s=0.1"):
         ActiveClock(0.5, threshold_s=0.1)
+    with pytest.raises(ValueError, match="tick_s=nan"):
+        ActiveClock(float("nan"))
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -1.0])
+def test_a_wait_without_a_deadline_is_refused(timeout_s: float) -> None:
+    """nan never expires (the wait used to spin on a zero-second attempt forever), inf is no deadline."""
+    clock = ActiveClock(0.05)
+    release = threading.Event()
+    outcome: list[BaseException | bool] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(clock.wait(release.wait, timeout_s))
+        except ValueError as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    try:
+        waiter.join(5)
+        assert len(outcome) == 1 and isinstance(outcome[0], ValueError), outcome
+        assert f"timeout_s must be a finite number >= 0, got {timeout_s!r}" in str(outcome[0])
+    finally:
+        release.set()  # frees a waiter that did not refuse
+        waiter.join(5)
 
 
 def test_a_pause_counted_late_still_extends_a_deadline_read_during_it() -> None:

@@ -29,7 +29,8 @@ def test_variables_override() -> None:
     ("name", "value"),
     [("NCCLKV_DEADLINE_S", "soon"), ("NCCLKV_DEADLINE_S", "0"), ("NCCLKV_STAGING_BYTES", "1.5"),
      ("NCCLKV_STAGING_BYTES", "-1"), ("NCCLKV_MAX_FRAME_BYTES", "big"), ("NCCLKV_PAGED_KERNEL", "fast"),
-     ("NCCLKV_WIRE_CACHE_BYTES", "lots")],
+     ("NCCLKV_WIRE_CACHE_BYTES", "lots"), ("NCCLKV_HEARTBEAT_S", "nan"), ("NCCLKV_DEADLINE_S", "inf"),
+     ("NCCLKV_DEADLINE_S", "-inf")],
 )
 def test_bad_values_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(ValueError) as err:
