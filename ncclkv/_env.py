@@ -28,7 +28,7 @@ def _float(environ: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
-def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+def _int(environ: Mapping[str, str], name: str, default: int, least: int = 1) -> int:
     text = environ.get(name)
     if text is None or text == "":
         return default
@@ -36,8 +36,8 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
         value = int(text)
     except ValueError:
         raise ValueError(f"{name}={text!r} is not an integer") from None
-    if value <= 0:
-        raise ValueError(f"{name}={text!r} must be > 0")
+    if value < least:
+        raise ValueError(f"{name}={text!r} must be >= {least}")
     return value
 
 
@@ -62,7 +62,7 @@ class EnvSettings:
     NCCLKV_BIND_HOST         address control and data sockets bind to (default 127.0.0.1)
     NCCLKV_STAGING_BYTES     receive staging capacity per engine (default 1 GiB)
     NCCLKV_WIRE_CACHE_BYTES  most free wire buffers an engine rank keeps for reuse, CPU (default 256 MiB;
-                             below it, at most twice the most bytes out at once lately)
+                             below it, at most twice the most bytes out at once lately; 0: none)
     NCCLKV_MAX_FRAME_BYTES   largest control frame accepted (default 1 MiB)
     NCCLKV_FUZZ_EXAMPLES     messages the protocol fuzz tests generate in all (default 10000)
     NCCLKV_SOAK_REQUESTS     requests the soak test (tests/soak) sends (default 200; the full soak: 1000)
@@ -108,7 +108,7 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
         heartbeat_s=_float(env, "NCCLKV_HEARTBEAT_S", default.heartbeat_s),
         bind_host=env.get("NCCLKV_BIND_HOST") or default.bind_host,
         staging_bytes=_int(env, "NCCLKV_STAGING_BYTES", default.staging_bytes),
-        wire_cache_bytes=_int(env, "NCCLKV_WIRE_CACHE_BYTES", default.wire_cache_bytes),
+        wire_cache_bytes=_int(env, "NCCLKV_WIRE_CACHE_BYTES", default.wire_cache_bytes, least=0),  # 0: keep none
         max_frame_bytes=_int(env, "NCCLKV_MAX_FRAME_BYTES", default.max_frame_bytes),
         fuzz_examples=_int(env, "NCCLKV_FUZZ_EXAMPLES", default.fuzz_examples),
         soak_requests=_int(env, "NCCLKV_SOAK_REQUESTS", default.soak_requests),

@@ -23,6 +23,7 @@ def test_variables_override() -> None:
                              "NCCLKV_WIRE_CACHE_BYTES": "8192"})
     assert (settings.deadline_s, settings.bind_host, settings.staging_bytes, settings.heartbeat_s,
             settings.wire_cache_bytes) == (2.5, "10.1.2.3", 4096, 0.25, 8192)
+    assert env_settings({"NCCLKV_WIRE_CACHE_BYTES": "0"}).wire_cache_bytes == 0  # keep no free buffer
 
 
 @pytest.mark.parametrize(
@@ -30,7 +31,7 @@ def test_variables_override() -> None:
     [("NCCLKV_DEADLINE_S", "soon"), ("NCCLKV_DEADLINE_S", "0"), ("NCCLKV_STAGING_BYTES", "1.5"),
      ("NCCLKV_STAGING_BYTES", "-1"), ("NCCLKV_MAX_FRAME_BYTES", "big"), ("NCCLKV_PAGED_KERNEL", "fast"),
      ("NCCLKV_WIRE_CACHE_BYTES", "lots"), ("NCCLKV_HEARTBEAT_S", "nan"), ("NCCLKV_DEADLINE_S", "inf"),
-     ("NCCLKV_DEADLINE_S", "-inf")],
+     ("NCCLKV_DEADLINE_S", "-inf"), ("NCCLKV_WIRE_CACHE_BYTES", "-1"), ("NCCLKV_STAGING_BYTES", "0")],
 )
 def test_bad_values_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(ValueError) as err:
