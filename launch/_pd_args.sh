@@ -50,6 +50,6 @@ pd_parse_args() {
         --prefill "$prefill" --prefill-tp "$prefill_tp" --prefill-pp "$prefill_pp"
         --decode "$decode" --decode-tp "$decode_tp" --decode-pp "$decode_pp"
         --bind-host "${NCCLKV_BIND_HOST:-auto}"
-        "${extra[@]}"
+        ${extra[@]+"${extra[@]}"}  # bash < 4.4: "${extra[@]}" of an empty array fails under set -u
     )
 }

@@ -13,7 +13,7 @@ pd_parse_args "$@"
 
 gpus=${GPUS_PER_TASK:-1}
 [[ $gpus =~ ^[0-9]+$ ]] || pd_die "GPUS_PER_TASK must be a non-negative integer, got '$gpus'"
-gpu_args=()
+gpu_args=()  # expanded as ${gpu_args[@]+...}: bash < 4.4 under set -u rejects an empty "${gpu_args[@]}"
 ((gpus == 0)) || gpu_args=(--gpus-per-task "$gpus")
-exec srun --ntasks "$WORLD_SIZE" "${gpu_args[@]}" --mpi "${SRUN_MPI:-pmix}" \
+exec srun --ntasks "$WORLD_SIZE" ${gpu_args[@]+"${gpu_args[@]}"} --mpi "${SRUN_MPI:-pmix}" \
     "${PYTHON:-python}" -m ncclkv.scenario "${SCENARIO_ARGS[@]}"

@@ -3,7 +3,9 @@
 :func:`discover` reads the launcher's variables from a mapping (``os.environ``
 by default) and returns one :class:`LaunchInfo`. When several launchers are
 nested (torchrun inside an srun step, mpiexec inside an sbatch script) the
-innermost one wins: torchrun, then Open MPI, then MPICH, then Slurm.
+innermost one wins: torchrun, then Open MPI, then MPICH, then Slurm. ``srun
+--mpi=pmi2`` sets MPICH's PMI_RANK/PMI_SIZE too; it counts as Slurm (whose
+variables also say where the task sits on its node).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchInfo", "derived_master_port", "discover", "first_slurm_host", "free_port"]
+__all__ = ["LaunchInfo", "derived_master_port", "discover", "first_slurm_host", "free_port", "slurm_tasks_per_node"]
 
 # Ports derived from a Slurm job id land here: above the well-known and
 # registered-service ranges and below Linux's default ephemeral range.
@@ -36,6 +38,10 @@ class LaunchInfo:
     # The launcher itself serves a TCPStore at master_addr:master_port (torchrun's
     # agent store): every rank, rank 0 included, connects to it as a client.
     store_hosted: bool = False
+    # GPUs Slurm gave this task for itself alone (srun/sbatch --gpus-per-task): each
+    # task then sees only its own GPUs, so fewer than the node's ranks. None: the
+    # launcher did not give each task its own (or is not Slurm).
+    gpus_per_task: int | None = None
 
     @property
     def is_master(self) -> bool:
@@ -79,13 +85,23 @@ def _require(env: Mapping[str, str], launcher: str, names: tuple[str, ...]) -> N
         raise ValueError(f"{launcher} launch is missing {', '.join(missing)} (found {', '.join(present) or 'none'})")
 
 
+def _is_slurm_pmi(env: Mapping[str, str]) -> bool:
+    """PMI_RANK/PMI_SIZE come from srun's own PMI plugin (``--mpi=pmi2``), not from Hydra."""
+    if "MPI_LOCALRANKID" in env:  # Hydra (MPICH, Intel MPI) sets it; Slurm's PMI plugins do not
+        return False
+    # The srun step's own rank and size: a batch script's mpiexec children inherit the
+    # batch step's SLURM_PROCID=0, but it has no SLURM_STEP_NUM_TASKS.
+    procid, tasks = env.get("SLURM_PROCID"), env.get("SLURM_STEP_NUM_TASKS")
+    return procid is not None and procid == env.get("PMI_RANK") and tasks is not None and tasks == env.get("PMI_SIZE")
+
+
 def _detect(env: Mapping[str, str]) -> str:
     if "TORCHELASTIC_RUN_ID" in env:
         return "torchrun"
     if "OMPI_COMM_WORLD_RANK" in env or "OMPI_COMM_WORLD_SIZE" in env:
         return "openmpi"
     if "PMI_RANK" in env or "PMI_SIZE" in env:
-        return "mpich"
+        return "slurm" if _is_slurm_pmi(env) else "mpich"
     if "SLURM_PROCID" in env and ("SLURM_NTASKS" in env or "SLURM_NPROCS" in env or "SLURM_STEP_NUM_TASKS" in env):
         return "slurm"
     if "RANK" in env or "WORLD_SIZE" in env:
@@ -103,14 +119,75 @@ _VARS: dict[str, tuple[str, str, str | None, str | None]] = {
 }
 
 
+_TASKS_ITEM = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
+
+def slurm_tasks_per_node(text: str) -> list[int]:
+    """Slurm's compressed tasks-per-node list, one count per node: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``."""
+    counts: list[int] = []
+    for item in text.split(","):
+        match = _TASKS_ITEM.match(item.strip())
+        if not match:
+            raise ValueError(f"cannot read tasks per node from {text!r}: {item!r} is not N or N(xM)")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
 def _slurm_local_size(env: Mapping[str, str]) -> int | None:
-    # SLURM_TASKS_PER_NODE looks like "4(x2),3"; the node's own count is in
-    # SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE only for homogeneous steps.
-    text = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    """This node's task count, or None when the variables do not say which entry is this node's."""
+    # The step's list where srun set one; a batch script's own step has only the job's.
+    if env.get("SLURM_STEP_TASKS_PER_NODE"):
+        list_var, nodes_var = "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NUM_NODES"
+    elif env.get("SLURM_TASKS_PER_NODE"):
+        list_var, nodes_var = "SLURM_TASKS_PER_NODE", "SLURM_NNODES"
+    else:
+        return None
+    try:
+        counts = slurm_tasks_per_node(env[list_var])
+    except ValueError as exc:
+        raise ValueError(f"{list_var}: {exc}") from None
+    if len(set(counts)) == 1:
+        return counts[0]  # every node runs as many: which one this is does not matter
+    # Uneven ("4,2"): SLURM_NODEID indexes the list only if it covers exactly the step's nodes.
+    if not env.get("SLURM_NODEID") or not env.get(nodes_var) or _int_var(env, nodes_var) != len(counts):
+        return None
+    node = _int_var(env, "SLURM_NODEID")
+    if node >= len(counts):
+        raise ValueError(f"slurm: SLURM_NODEID={node} is outside {list_var}={env[list_var]!r} ({len(counts)} nodes)")
+    return counts[node]
+
+
+_PER_TASK_GPU_BIND = re.compile(r"(?:^|[;/])gpu:(?:verbose,)?per_task:(\d+)")
+
+
+def _slurm_gpus_per_task(env: Mapping[str, str]) -> int | None:
+    """GPUs Slurm gave this task alone (see LaunchInfo.gpus_per_task), or None."""
+    bind = env.get("SLURMD_TRES_BIND")
+    if bind is not None:
+        # slurmd's record of the step's binding: "gpu:per_task:1" (22.05), "gres/gpu:per_task:1" (later);
+        # --gpus-per-task implies it, and --gpu-bind=none/closest/map_gpu replace it (tasks may share).
+        match = _PER_TASK_GPU_BIND.search(bind)
+        return int(match.group(1)) if match else None
+    text = env.get("SLURM_GPUS_PER_TASK")  # sbatch sets it; srun alone does not
     if not text:
         return None
-    match = re.match(r"^(\d+)(?:\(x\d+\))?$", text)
-    return int(match.group(1)) if match else None
+    # "[type:]N[,[type:]N...]": without a binding each task still owns its count,
+    # and sees every GPU of its node's tasks (one per local rank, at least).
+    total = 0
+    for item in text.split(","):
+        match = re.match(r"^(?:[^:]+:)?(\d+)$", item.strip())
+        if not match:
+            raise ValueError(f"SLURM_GPUS_PER_TASK={text!r} is not [type:]count[,[type:]count...]")
+        total += int(match.group(1))
+    return total or None
+
+
+def _slurm_node_count(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """(variable, nodes) of the Slurm step this process runs in, else of its job; None outside Slurm."""
+    for name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES"):
+        if env.get(name):
+            return name, _int_var(env, name)
+    return None
 
 
 def derived_master_port(job_id: int) -> int:
@@ -168,9 +245,19 @@ def discover(environ: Mapping[str, str] | None = None) -> LaunchInfo:
         local_size = _slurm_local_size(env)
     if launcher == "torchrun":
         _require(env, launcher, (local_var, local_size_var))  # torchrun always sets both
+    # Slurm's node size comes from a list, not one variable: name the step's in messages.
+    size_name = local_size_var or "SLURM_STEP_TASKS_PER_NODE"
     if local_rank is None:
         if local_size is not None and local_size != world_size:
-            raise ValueError(f"{launcher}: {local_size_var}={local_size} is set but {local_var} is missing")
+            raise ValueError(f"{launcher}: {size_name}={local_size} is set but {local_var} is missing")
+        nodes = _slurm_node_count(env)
+        if world_size > 1 and nodes is not None and nodes[1] > 1:
+            # Taking every rank as local would pick the wrong GPU and 127.0.0.1 as MASTER_ADDR.
+            raise ValueError(
+                f"{launcher}: {local_var} is not set and {nodes[0]}={nodes[1]} says the job spans several nodes: "
+                f"cannot take all {world_size} ranks as local; start them with a launcher that sets "
+                f"{local_var} and {size_name} (or set both)"
+            )
         # No local information at all: the whole job is on this node.
         local_rank, local_size = rank, world_size
     if local_size is not None:
@@ -183,4 +270,7 @@ def discover(environ: Mapping[str, str] | None = None) -> LaunchInfo:
 
     addr, port = _master(env, launcher, world_size, all_local=local_size == world_size)
     store_hosted = launcher == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return LaunchInfo(launcher, rank, world_size, local_rank, local_size, addr, port, store_hosted)
+    # Only a Slurm task owns its GPUs: under torchrun or mpiexec inside a job, the
+    # processes of one task would share them.
+    gpus_per_task = _slurm_gpus_per_task(env) if launcher == "slurm" else None
+    return LaunchInfo(launcher, rank, world_size, local_rank, local_size, addr, port, store_hosted, gpus_per_task)

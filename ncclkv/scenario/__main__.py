@@ -8,8 +8,8 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import ClosedError, PeerLostError, TransferError
-from ..launch import discover
-from ._common import add_common_arguments
+from ..launch import LaunchInfo, discover
+from ._common import add_common_arguments, topology_from_args
 from ._registry import EXIT_CHECK_FAILED, EXIT_OK, EXIT_PEER_FAILURE, SCENARIOS, ScenarioError, load_scenario, report
 
 __all__ = ["build_parser", "main"]
@@ -35,13 +35,25 @@ def build_parser(kind: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def _check_pd_set(parser: argparse.ArgumentParser, args: argparse.Namespace, info: LaunchInfo) -> None:
+    """Exit 2 (a usage error, like argparse's own) unless the P/D options agree with each other and the launcher."""
+    try:
+        topology = topology_from_args(args)
+        if topology is not None:
+            topology.check_world(info.world_size, info.launcher)
+    except ValueError as exc:
+        parser.error(str(exc))  # prints usage and the message naming the values, exits 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--kind")
     known, _ = pre.parse_known_args(argv)
-    args = build_parser(known.kind).parse_args(argv)
+    parser = build_parser(known.kind)
+    args = parser.parse_args(argv)
     module = load_scenario(args.kind)
     info = discover()
+    _check_pd_set(parser, args, info)
     try:
         module.run(info, args)
     except PEER_FAILURES as exc:

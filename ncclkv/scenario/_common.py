@@ -44,7 +44,11 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--small", action="store_true",
         help="a smoke-test size (CI, a laptop, a test cluster): each kind shrinks its own sizes",
     )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto: cuda when every local rank gets a GPU")
+    parser.add_argument(
+        "--device", default="auto",
+        help="cpu, cuda, or auto: cuda when every local rank gets its own GPU (one visible per local rank, "
+        "or Slurm's --gpus-per-task), else cpu",
+    )
     parser.add_argument(
         "--bind-host", default=None,
         help="address the data plane binds to and publishes; 'auto': this host's address on the route to "
@@ -76,8 +80,11 @@ def resolve_device(spec: str, info: LaunchInfo) -> torch.device:
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     local_size = info.local_world_size or info.world_size
     if spec == "auto":
-        # Two ranks of one NCCL link cannot share a GPU: fall back to gloo on the CPU.
-        spec = "cuda" if num_gpus >= local_size else "cpu"
+        # Two ranks of one NCCL link cannot share a GPU: CUDA only when each local rank has its
+        # own, either seen here (one per local rank) or bound to each task by Slurm
+        # (--gpus-per-task, where every task sees just its own); else gloo on the CPU.
+        own_gpu = num_gpus >= local_size or (num_gpus >= 1 and info.gpus_per_task is not None)
+        spec = "cuda" if own_gpu else "cpu"
     if spec == "cpu":
         return torch.device("cpu")
     if spec == "cuda":

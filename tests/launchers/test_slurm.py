@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -29,6 +30,31 @@ def template_topology(text: str) -> tuple[int, PDTopology]:
         sizes["decode"], ParallelLayout(sizes["decode-tp"], sizes["decode-pp"]),
     )
     return ntasks, topology
+
+
+# Each task prints what discover() made of the variables this Slurm really sets.
+PRINT_DISCOVERY = (
+    "import json; from ncclkv.launch import discover; i = discover(); "
+    "print('DISCOVERED', json.dumps([i.rank, i.launcher, i.local_rank, i.local_world_size, i.gpus_per_task]))"
+)
+
+
+@pytest.mark.parametrize(
+    ("options", "launcher", "gpus_per_task"),
+    [
+        (["--gpus-per-task=1"], "slurm", 1),  # sets no SLURM_GPUS_PER_TASK, only the binding
+        (["--gpus-per-task=1", "--gpu-bind=none"], "slurm", None),  # the tasks share the node's GPUs
+        (["--mpi=pmi2"], "slurm", None),  # PMI_RANK/PMI_SIZE without MPICH's local variables
+    ],
+    ids=["gpus-per-task", "gpu-bind-none", "pmi2"],
+)
+def test_discover_reads_what_srun_sets(slurm: SlurmCluster, options: list[str], launcher: str,
+                                       gpus_per_task: int | None) -> None:
+    command = ["srun", "-n", "3", *options, f"--time={SLURM_TIME_LIMIT}", sys.executable, "-c", PRINT_DISCOVERY]
+    done = run(command, env=slurm.env, timeout_s=TIMEOUT_S)
+    assert done.returncode == 0, done.describe()
+    seen = sorted(json.loads(line) for line in re.findall(r"^DISCOVERED (.*)$", done.output, re.M))
+    assert seen == [[rank, launcher, rank, 3, gpus_per_task] for rank in range(3)], done.describe()
 
 
 def test_srun_pmix_runs_the_ring(slurm: SlurmCluster) -> None:
@@ -81,16 +107,16 @@ def test_srun_pmix_runs_the_transfer_scenario(slurm: SlurmCluster) -> None:
 def test_sbatch_template_small(slurm: SlurmCluster, template: Path, tmp_path: Path) -> None:
     ntasks, topology = template_topology(template.read_text())
     assert ntasks == topology.world_size, f"{template.name}: --ntasks={ntasks}, its P/D set has {topology.world_size} ranks"
-    out = tmp_path / "job.out"
+    out, summary = tmp_path / "job.out", tmp_path / "summary.json"
     env = {**slurm.env, "MASTER_PORT": str(unused_port()), "NCCLKV_SMALL": "1", "PYTHON": sys.executable}
-    command = ["sbatch", "--wait", f"--output={out}", f"--time={SLURM_TIME_LIMIT}", str(template.relative_to(REPO))]
+    command = ["sbatch", "--wait", f"--output={out}", f"--time={SLURM_TIME_LIMIT}", str(template.relative_to(REPO)),
+               "--json-out", str(summary)]  # the template passes its arguments on to the scenario
     done = run(command, env=env, timeout_s=TIMEOUT_S)
     output = out.read_text() if out.exists() else "(no job output)"
     print(f"sbatch --wait {template.name} ({ntasks} tasks): {done.elapsed_s:.1f} s")
     assert done.returncode == 0, f"{done.describe()}\n--- job output\n{output[-6000:]}"
-    # The templates run the transfer scenario: rank 0's table has one row per decode rank.
+    # The templates run the transfer scenario: rank 0's table has one row per decode rank, and
+    # its JSON summary every rank's own report of its place, in rank order, prefill ranks too.
     assert "every landed byte checked against the producer's KV: OK" in output, output
-    for rank in range(ntasks):
-        place = topology.place(rank)
-        if place.role == "decode":
-            assert str(place) in output, f"{place} missing from rank 0's table:\n{output}"
+    places = [row["place"] for row in json.loads(summary.read_text())["ranks"]]
+    assert places == [str(topology.place(rank)) for rank in range(ntasks)], f"{places}\n{output}"

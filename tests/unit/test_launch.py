@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from ncclkv.launch import LaunchInfo, discover, first_slurm_host, free_port
+from ncclkv.launch import LaunchInfo, derived_master_port, discover, first_slurm_host, free_port, slurm_tasks_per_node
 
 TORCHRUN = {
     "TORCHELASTIC_RUN_ID": "abc",
@@ -32,6 +32,18 @@ OPENMPI = {
     "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
 }
 MPICH = {"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "4000"}
+# Task 5 of `srun -N 2 -n 8 --mpi=pmi2` as Slurm 22.05 starts it (the variables as the real
+# srun sets them in tests/launchers): PMI_RANK/PMI_SIZE, but no MPI_LOCALRANKID.
+SRUN_PMI2 = {
+    "PMI_RANK": "5", "PMI_SIZE": "8", "PMI_FD": "11", "PMI_JOBID": "4242.0", "SLURM_MPI_TYPE": "pmi2",
+    "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_NPROCS": "8", "SLURM_STEP_NUM_TASKS": "8",
+    "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NNODES": "2", "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+    "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242",
+}
+# A two-node sbatch script's own variables (its step has SLURM_PROCID=0, no SLURM_STEP_*).
+SBATCH_2_NODES = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "4(x2)",
+                  "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242", "SLURM_NODEID": "0", "SLURM_LOCALID": "0"}
 
 
 def test_torchrun() -> None:
@@ -54,6 +66,101 @@ def test_openmpi_single_node_defaults_to_loopback_with_port_given() -> None:
 
 def test_mpich() -> None:
     assert discover(MPICH) == LaunchInfo("mpich", 2, 3, 0, 1, "h0", 4000)
+
+
+def test_srun_pmi2_is_slurm_with_its_local_rank_and_first_node() -> None:
+    """PMI_RANK alone made this "mpich" with no local information: one node, MASTER_ADDR 127.0.0.1."""
+    assert discover(SRUN_PMI2) == LaunchInfo("slurm", 5, 8, 1, 4, "gpu07", derived_master_port(4242))
+
+
+def test_hydra_inside_sbatch_stays_mpich() -> None:
+    # Hydra's ranks inherit the batch step's Slurm variables; MPI_LOCALRANKID says Hydra started them.
+    hydra = {**SBATCH_2_NODES, "PMI_RANK": "0", "PMI_SIZE": "8", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "4",
+             "MASTER_ADDR": "gpu07", "MASTER_PORT": "4000"}
+    assert discover(hydra) == LaunchInfo("mpich", 0, 8, 0, 4, "gpu07", 4000)
+    assert discover({**hydra, "PMI_RANK": "3", "MPI_LOCALRANKID": "3"}).launcher == "mpich"
+    # Hydra inside an srun step whose task number and size happen to match: MPI_LOCALRANKID decides.
+    step = {**SRUN_PMI2, "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4", "MASTER_ADDR": "gpu07", "MASTER_PORT": "4000"}
+    assert discover(step) == LaunchInfo("mpich", 5, 8, 1, 4, "gpu07", 4000)
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        # A PMI launcher without local ranks under a Slurm job of two nodes (SLURM_PROCID is not this rank's).
+        ({**SBATCH_2_NODES, "PMI_RANK": "3", "PMI_SIZE": "8", "MASTER_ADDR": "h0", "MASTER_PORT": "1"},
+         ["mpich: MPI_LOCALRANKID is not set", "SLURM_NNODES=2", "all 8 ranks"]),
+        ({**SRUN_PMI2, "PMI_RANK": "4"}, ["MPI_LOCALRANKID", "SLURM_STEP_NUM_NODES=2"]),  # not the task's own rank
+        # Rank 0 matches the batch step's SLURM_PROCID=0 and SLURM_NTASKS=8, but that is no srun step.
+        ({**SBATCH_2_NODES, "PMI_RANK": "0", "PMI_SIZE": "8", "MASTER_ADDR": "h0", "MASTER_PORT": "1"},
+         ["mpich: MPI_LOCALRANKID is not set", "SLURM_NNODES=2"]),
+        ({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h0", "MASTER_PORT": "1", "SLURM_STEP_NUM_NODES": "2",
+          "SLURM_NNODES": "3"}, ["env: LOCAL_RANK is not set", "SLURM_STEP_NUM_NODES=2", "LOCAL_WORLD_SIZE"]),
+    ],
+)
+def test_no_local_info_in_a_multi_node_slurm_job_is_refused(env: dict[str, str], names: list[str]) -> None:
+    with pytest.raises(ValueError) as err:
+        discover(env)
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_no_local_info_in_a_one_node_slurm_job_is_one_node() -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "5555", "SLURM_NNODES": "1"}
+    assert discover(env) == LaunchInfo("env", 1, 2, 1, 2, "127.0.0.1", 5555)
+
+
+@pytest.mark.parametrize(
+    ("text", "counts"),
+    [("4", [4]), ("4(x2)", [4, 4]), ("4,2", [4, 2]), ("2(x3),1", [2, 2, 2, 1]), ("1, 3(x2)", [1, 3, 3])],
+)
+def test_slurm_tasks_per_node_expands_the_compressed_list(text: str, counts: list[int]) -> None:
+    assert slurm_tasks_per_node(text) == counts
+
+
+@pytest.mark.parametrize("text", ["", "4(2)", "x4", "4(x2", "4,,2", "four"])
+def test_slurm_tasks_per_node_names_a_malformed_list(text: str) -> None:
+    with pytest.raises(ValueError, match=r"cannot read tasks per node from"):
+        slurm_tasks_per_node(text)
+
+
+@pytest.mark.parametrize(
+    ("tasks_per_node", "node_id", "nodes", "local_size"),
+    [
+        ("4,2", "1", "2", 2),  # uneven: this node's own count
+        ("4,2", "0", "2", 4),
+        ("2(x3),1", "3", "4", 1),
+        ("2(x3),1", "1", "4", 2),
+        ("4,2", "1", "3", None),  # the list does not cover the step's nodes: cannot tell which is this one
+        ("4(x2)", "1", "5", 4),  # every node alike: no need to know which
+    ],
+)
+def test_slurm_local_size_of_uneven_steps(tasks_per_node: str, node_id: str, nodes: str, local_size: int | None) -> None:
+    env = {**SLURM, "SLURM_PROCID": "5", "SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": tasks_per_node,
+           "SLURM_NODEID": node_id, "SLURM_STEP_NUM_NODES": nodes}
+    assert discover(env).local_world_size == local_size
+
+
+@pytest.mark.parametrize(
+    ("extra", "gpus"),
+    [
+        ({}, None),
+        ({"SLURMD_TRES_BIND": "gpu:per_task:1"}, 1),  # srun --gpus-per-task=1 (Slurm 22.05, as tests/launchers sees it)
+        ({"SLURMD_TRES_BIND": "gres/gpu:per_task:2"}, 2),  # later Slurm's spelling
+        ({"SLURMD_TRES_BIND": "gpu:verbose,per_task:1"}, 1),
+        ({"SLURMD_TRES_BIND": "gpu:none", "SLURM_GPUS_PER_TASK": "1"}, None),  # --gpu-bind=none: tasks share
+        ({"SLURMD_TRES_BIND": "gpu:closest"}, None),
+        ({"SLURM_GPUS_PER_TASK": "1"}, 1),  # sbatch --gpus-per-task, no binding recorded
+        ({"SLURM_GPUS_PER_TASK": "a100:2"}, 2),
+    ],
+)
+def test_slurm_records_gpus_bound_per_task(extra: dict[str, str], gpus: int | None) -> None:
+    assert discover({**SLURM, **extra}).gpus_per_task == gpus
+
+
+def test_gpus_per_task_is_slurms_alone() -> None:
+    # torchrun's workers inside one task share that task's GPUs.
+    assert discover({**SLURM, "SLURMD_TRES_BIND": "gpu:per_task:1", **TORCHRUN}).gpus_per_task is None
 
 
 def test_plain_env_without_local_info_is_one_node() -> None:
@@ -91,6 +198,10 @@ def test_innermost_launcher_wins() -> None:
         ({"RANK": "0", "WORLD_SIZE": "2"}, ["MASTER_PORT"]),
         ({**MPICH, "MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "5"}, ["local size 5", "PMI_SIZE=3"]),
         ({**SLURM, "SLURM_PROCID": "-1"}, ["SLURM_PROCID='-1'"]),
+        ({**SLURM, "SLURM_TASKS_PER_NODE": "4(2)"}, ["SLURM_TASKS_PER_NODE", "'4(2)'"]),
+        ({**SLURM, "SLURM_TASKS_PER_NODE": "4,4,2", "SLURM_NNODES": "3", "SLURM_NODEID": "3"},
+         ["SLURM_NODEID=3", "'4,4,2'"]),
+        ({**SLURM, "SLURM_GPUS_PER_TASK": "lots"}, ["SLURM_GPUS_PER_TASK='lots'"]),
     ],
 )
 def test_missing_or_conflicting_values_are_named(env: dict[str, str], names: list[str]) -> None:

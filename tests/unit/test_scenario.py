@@ -27,9 +27,11 @@ from ncclkv.scenario._ring import RingConfig, check_payload, ring_payload
 WAIT_S = 20.0
 
 
-def info(rank: int, world_size: int, port: int = 29500, local_world_size: int | None = None) -> LaunchInfo:
+def info(rank: int, world_size: int, port: int = 29500, local_world_size: int | None = None,
+         gpus_per_task: int | None = None) -> LaunchInfo:
     local = world_size if local_world_size is None else local_world_size
-    return LaunchInfo("env", rank, world_size, rank % local, local, "127.0.0.1", port)
+    launcher = "env" if gpus_per_task is None else "slurm"
+    return LaunchInfo(launcher, rank, world_size, rank % local, local, "127.0.0.1", port, gpus_per_task=gpus_per_task)
 
 
 # -- topology ------------------------------------------------------------------
@@ -60,6 +62,25 @@ def test_topology_options_come_together_or_not_at_all() -> None:
     assert topo == PDTopology(1, ParallelLayout(1, 1), 2, ParallelLayout(2, 1))
     with pytest.raises(ValueError, match=r"--prefill=1, --decode=None"):
         topology_from_args(parser.parse_args(["--kind", "ring", "--prefill", "1"]))
+
+
+@pytest.mark.parametrize(
+    ("gpus", "local_world_size", "gpus_per_task", "device"),
+    [
+        (1, 4, 1, "cuda:0"),  # srun --gpus-per-task=1: each task sees its own one GPU ...
+        (2, 4, 2, "cuda:1"),  # ... or its own two (local rank 3 takes 3 % 2)
+        (1, 4, None, "cpu"),  # one GPU for four local ranks, none bound per task: they would share it
+        (4, 4, None, "cuda:3"),  # one visible per local rank
+        (0, 4, 1, "cpu"),  # bound per task, but this torch sees no GPU
+    ],
+)
+def test_auto_device_takes_the_gpus_slurm_bound_to_each_task(
+    gpus: int, local_world_size: int, gpus_per_task: int | None, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    rank_info = info(7, 8, local_world_size=local_world_size, gpus_per_task=gpus_per_task)  # local rank 3
+    assert resolve_device("auto", rank_info) == torch.device(device)
 
 
 # -- ring payloads and configuration --------------------------------------------
@@ -238,6 +259,40 @@ def test_main_maps_outcomes_to_exit_codes(
     assert main(["--kind", "outcome", "--flag"]) == code
     assert seen and seen[0].flag is True
     assert printed in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--prefill", "2"], "give both --prefill and --decode (got --prefill=2, --decode=None)"),
+        (["--decode", "1", "--decode-tp", "2"], "--prefill=None, --decode=1"),
+        (["--prefill", "1", "--decode", "1", "--decode-tp", "2"], "1P(tp=1,pp=1)+1D(tp=2,pp=1) needs 3 ranks, env started 2"),
+    ],
+)
+def test_main_reports_bad_pd_options_as_usage_errors(
+    options: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 2 with argparse's usage line and the values, before the scenario runs (was exit 1 with a traceback)."""
+    ran: list[LaunchInfo] = []
+    module = types.ModuleType("ncclkv_test_usage")
+    module.HELP = "records that it ran"  # type: ignore[attr-defined]
+    module.add_arguments = lambda parser: None  # type: ignore[attr-defined]
+    module.run = lambda launch, args: ran.append(launch)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(SCENARIOS, "usage", module.__name__)
+    for name in ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
+                 "SLURM_PROCID", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_STEP_NUM_NODES", "SLURM_NNODES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--kind", "usage", *options])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: python -m ncclkv.scenario" in err and "scenario: error: " in err and message in err, err
+    assert not ran
 
 
 def test_the_entry_point_freezes_the_imported_heap_before_main() -> None:
