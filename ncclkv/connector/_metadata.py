@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandsha
 from ..engine import BlockTokens, EngineRef
 from ..layout import ParallelLayout, SpanSet
 
-__all__ = ["HoldJob", "LoadJob", "NcclKVHandshake", "NcclKVMetadata", "PushJob", "engine_ref_from_handshakes"]
+__all__ = ["DeclineJob", "HoldJob", "LoadJob", "NcclKVHandshake", "NcclKVMetadata", "PushJob", "engine_ref_from_handshakes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +64,15 @@ class PushJob:
     blocks: BlockTokens | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class DeclineJob:
+    """Consumer: a request that named ``transfer_id`` ended here without loading it; every worker tells
+    the producer's ranks, which free the held blocks instead of keeping them ``hold_s``."""
+
+    transfer_id: str
+    producer: EngineRef
+
+
 @dataclass(frozen=True)
 class NcclKVMetadata(KVConnectorMetadata):
     """One step's jobs; always built, possibly empty (vLLM binds it every step)."""
@@ -74,10 +83,11 @@ class NcclKVMetadata(KVConnectorMetadata):
     releases: tuple[str, ...] = ()  # transfer ids of holds whose request ended without a remote decode
     preempted: frozenset[str] = frozenset()
     idle: bool = False  # vLLM scheduled no tokens this step: it steps only to poll the connector
+    declines: tuple[DeclineJob, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not (self.loads or self.holds or self.pushes or self.releases or self.preempted)
+        return not (self.loads or self.holds or self.pushes or self.releases or self.preempted or self.declines)
 
 
 @dataclass(frozen=True)

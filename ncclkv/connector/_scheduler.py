@@ -23,6 +23,7 @@ import logging
 import os
 import tempfile
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from ..engine import BlockTokens, EngineRef
 from ..hashing import ExtraKeys
 from ._config import NcclKVConfig
 from ._events import EventGatherer, NcclKVEvents
-from ._metadata import HoldJob, LoadJob, NcclKVMetadata, PushJob, engine_ref_from_handshakes
+from ._metadata import DeclineJob, HoldJob, LoadJob, NcclKVMetadata, PushJob, engine_ref_from_handshakes
 from ._params import PrefillIntent, RemotePrefill, parse_params, token_hash
 
 __all__ = ["SchedulerSide"]
@@ -44,6 +45,7 @@ __all__ = ["SchedulerSide"]
 log = logging.getLogger("ncclkv.connector")
 
 _SENT_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+_LOADED_KEEP = 4096  # transfer ids of recent loads remembered, so a later request naming one does not decline it
 
 
 @dataclass(slots=True)
@@ -71,6 +73,8 @@ class SchedulerSide:
         # transfer id -> the request loading it, until that request finishes: the children of an n > 1
         # request (or a client's retry) carry the same params, and one transfer fills one request's blocks.
         self._claims: dict[str, str] = {}
+        self._loaded: OrderedDict[str, None] = OrderedDict()  # transfer ids loads were issued for, lately
+        self._declines: list[DeclineJob] = []
         self._loading: set[str] = set()  # async loads not yet reported finished
         self._held: set[str] = set()  # producer: blocks kept until finished_sending
         self._produce: dict[str, _Produce] = {}
@@ -142,6 +146,9 @@ class SchedulerSide:
                                    params.num_tokens, params.pushed, sync))
         self._issued.add(req_id)
         self._claims[params.transfer_id] = req_id
+        self._loaded[params.transfer_id] = None
+        while len(self._loaded) > _LOADED_KEEP:
+            self._loaded.popitem(last=False)
         if not sync:
             self._loading.add(req_id)
 
@@ -168,8 +175,8 @@ class SchedulerSide:
                 blocks = BlockTokens.of_prompt(request.all_token_ids[:num], self._block_size, extra_keys(request))
                 pushes.append(PushJob(req_id, produce.transfer_id, produce.push_to, tuple(block_ids), num, blocks))
         meta = NcclKVMetadata(tuple(self._loads), tuple(holds), tuple(pushes), tuple(self._releases), preempted,
-                              idle=scheduler_output.total_num_scheduled_tokens == 0)
-        self._loads, self._releases = [], []
+                              idle=scheduler_output.total_num_scheduled_tokens == 0, declines=tuple(self._declines))
+        self._loads, self._releases, self._declines = [], [], []
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -186,9 +193,12 @@ class SchedulerSide:
     # -- finishing ------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        params = self._params.get(req_id)
-        if isinstance(params, RemotePrefill) and self._claims.get(params.transfer_id) == req_id:
-            del self._claims[params.transfer_id]
+        params = self._params_of(request) if self._consumer else None
+        if isinstance(params, RemotePrefill):
+            if self._claims.get(params.transfer_id) == req_id:
+                del self._claims[params.transfer_id]
+            elif self._declining(req_id, params):
+                self._declines.append(DeclineJob(params.transfer_id, params.producer))
         for table in (self._params, self._verified, self._asked):
             table.pop(req_id, None)
         self._issued.discard(req_id)
@@ -215,9 +225,16 @@ class SchedulerSide:
         """Requests this role still keeps state for (0 once every request finished and was freed)."""
         tables = (self._params, self._verified, self._asked, self._issued, self._loading, self._held, self._produce,
                   set(self._claims.values()))
-        return len(set().union(*tables)) + len(self._loads) + len(self._releases)
+        return len(set().union(*tables)) + len(self._loads) + len(self._releases) + len(self._declines)
 
     # -- internals ---------------------------------------------------------------------------
+    def _declining(self, req_id: str, remote: RemotePrefill) -> bool:
+        """Whether ``req_id``, finished, should tell its producer it will not pull: it never loaded, and no
+        other request here loads or loaded that transfer (a decline would count as this engine's pull).
+        A pushed request needs none: its producer does not wait (staged KV here expires after hold_s)."""
+        return (req_id not in self._issued and not remote.pushed and remote.transfer_id not in self._claims
+                and remote.transfer_id not in self._loaded)
+
     def _params_of(self, request: Request) -> PrefillIntent | RemotePrefill | None:
         req_id = request.request_id
         if req_id not in self._params:

@@ -134,6 +134,12 @@ class WorkerSide:
         engine = self.engine
         for transfer_id in meta.releases:
             engine.release(transfer_id)  # False: already reported (pulled or expired)
+        for decline in meta.declines:
+            try:
+                engine.decline(decline.transfer_id, decline.producer)
+            except Exception as err:  # the producer frees the blocks after its hold_s anyway
+                log.warning("ncclkv: cannot decline transfer %s of %s: %s", decline.transfer_id,
+                            decline.producer.engine_id, err)
         for job in meta.loads:
             load = _Load(job, time.monotonic())
             if job.transfer_id in self._loads:  # another request loads it (the scheduler prevents this)

@@ -187,6 +187,16 @@ class ConsumerSide:
         for src, src_routes in by_src.items():
             self._executor.submit(self._pull, request_id, producer, src, src_routes, token_set)
 
+    def decline(self, request_id: str, producer: EngineRef) -> None:
+        """Tell every rank of ``producer`` that this rank will not pull ``request_id`` (a pull of nothing,
+        what a rank the plan gives nothing sends): once every consumer rank said so or pulled, the
+        producer frees its blocks instead of holding them ``hold_s``. Returns at once."""
+        with self._cond:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} is expected here: abort() it instead of declining it")
+        for src in range(producer.layout.world_size):
+            self._executor.submit(self._pull, request_id, producer, src, [], SpanSet(()))
+
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
         """Block until ``layer`` of ``request_id`` has landed; raise the request's error if it failed."""
         if layer not in self._caches.shard.layers:
@@ -429,7 +439,8 @@ class ConsumerSide:
                 request_id, self._rank, self._engine_id, tuple(RouteMsg.from_route(r) for r in routes),
                 tokens.bounds.stop), self._deadline_s)
         except Exception as err:  # the request fails; the error names the producer rank
-            log.error("pull of %s from %s failed: %s", request_id, peer_id, err)
+            log.log(logging.ERROR if routes else logging.WARNING, "%s of %s from %s failed: %s",
+                    "pull" if routes else "empty pull (nothing to receive, or declined)", request_id, peer_id, err)
             with self._cond:
                 req = self._requests.get(request_id)
                 if req is not None and req.error is None and routes:

@@ -358,3 +358,18 @@ def test_a_pushed_load_leaves_the_local_prefix_hit_alone(engines: list[EngineSim
         assert decode.load_errors and decode.finished["d-0"].finish_reason == "error"
         assert len(decode.load_errors) == -(-130 // BLOCK_SIZE) - len(shared)  # its own blocks only
     _settle(prefill, decode)
+
+
+def test_decode_requests_that_never_load_free_the_prefill_blocks_at_once(engines: list[EngineSim],
+                                                                         model_dir: Path) -> None:
+    # hold_s far beyond the test's deadlines: only the decode side's declines can free the holds in time.
+    prefill, decode = _pair(engines, model_dir, prefill_extra={"hold_s": 600.0})
+    params = _prefill(prefill, PROMPTS[:2])
+    decode.add("d-0", PROMPTS[0], MAX_TOKENS, params[0])
+    decode.abort("d-0")  # aborted before it was ever scheduled
+    (other,) = make_prompts([LENGTHS[1]], seed=9)
+    decode.add("d-1", other, MAX_TOKENS, params[1])  # another prompt: the block hashes differ, computed locally
+    decode.run(lambda: "d-1" in decode.finished, also=(prefill,))
+    assert decode.computed["d-1"] == LENGTHS[1] + MAX_TOKENS - 1 and decode.mismatches == []
+    _settle(prefill, decode)
+    assert _bytes(prefill, "bytes_sent") == 0

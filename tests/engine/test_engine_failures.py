@@ -233,3 +233,25 @@ def test_engine_config_refuses_bad_values_naming_them(field: str, value: object,
 def test_engine_ref_checks_its_engine_id_like_the_config() -> None:
     with pytest.raises(ValueError, match=r"engine_id must be 1-128 chars of .*got 'a b'"):
         EngineRef("a b", ONE, ("tcp://127.0.0.1:1",))
+
+
+def test_a_request_every_consumer_rank_declines_is_freed_before_hold_s() -> None:
+    hub = LoopbackHub()
+    prefill = _sides(hub, "prefill", "producer", hold_s=600.0)
+    two = ParallelLayout(2, 1)
+    decode = build_sides("decode", two, GQA, CacheLayout.CPU, 16, "consumer",
+                         transports=[LoopbackTransport(hub), LoopbackTransport(hub)])
+    try:
+        prefill[0].fill(seed=6, block_ids=[1, 2], num_tokens=20)
+        prefill[0].engine.finish("r", [1, 2], 20)
+        ref = engine_ref("prefill", ONE, prefill)
+        for side in decode:  # neither will pull it (the decode request was aborted, or computed locally)
+            side.engine.decline("r", ref)
+        assert _sent(prefill[0], "r") is None  # served by a pull of nothing from each: freed, not expired
+        assert prefill[0].engine.stats().tensors_sent == 0
+        decode[0].engine.expect("s", ref, [3], 8)
+        with pytest.raises(ValueError, match="request 's' is expected here: abort"):
+            decode[0].engine.decline("s", ref)
+        decode[0].engine.abort("s")
+    finally:
+        close_sides(prefill, decode)
