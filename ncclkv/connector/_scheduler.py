@@ -55,6 +55,13 @@ class _Produce:
     transfer_id: str | None = None  # set in the step that completes the prompt (hold or push issued)
 
 
+def _prefilled_for(request: Request, remote: RemotePrefill) -> bool:
+    """Whether the remote KV is for exactly this request's first ``num_tokens`` tokens (block hashes agree)."""
+    tokens = list(request.prompt_token_ids or ())[:remote.num_tokens]
+    return len(tokens) == remote.num_tokens and \
+        token_hash(tokens, remote.hash_block_size, extra_keys(request)) == remote.token_hash
+
+
 def extra_keys(request: Request) -> ExtraKeys:
     """What besides the tokens makes KV differ: the LoRA adapter and the cache salt."""
     lora = request.lora_request.lora_name if request.lora_request is not None else None
@@ -197,7 +204,7 @@ class SchedulerSide:
         if isinstance(params, RemotePrefill):
             if self._claims.get(params.transfer_id) == req_id:
                 del self._claims[params.transfer_id]
-            elif self._declining(req_id, params):
+            elif self._declining(request, params):
                 self._declines.append(DeclineJob(params.transfer_id, params.producer))
         for table in (self._params, self._verified, self._asked):
             table.pop(req_id, None)
@@ -228,12 +235,18 @@ class SchedulerSide:
         return len(set().union(*tables)) + len(self._loads) + len(self._releases) + len(self._declines)
 
     # -- internals ---------------------------------------------------------------------------
-    def _declining(self, req_id: str, remote: RemotePrefill) -> bool:
-        """Whether ``req_id``, finished, should tell its producer it will not pull: it never loaded, and no
-        other request here loads or loaded that transfer (a decline would count as this engine's pull).
-        A pushed request needs none: its producer does not wait (staged KV here expires after hold_s)."""
-        return (req_id not in self._issued and not remote.pushed and remote.transfer_id not in self._claims
-                and remote.transfer_id not in self._loaded)
+    def _declining(self, request: Request, remote: RemotePrefill) -> bool:
+        """Whether ``request``, finished, should tell its producer it will not pull: it is the request the
+        transfer was prefilled for (its tokens hash alike: another prompt carrying these params must not
+        cancel them), it never loaded, and no other request here loads or loaded that transfer (a decline
+        counts as this engine's pull). A pushed request needs none: its producer does not wait (staged
+        KV here expires after hold_s)."""
+        req_id = request.request_id
+        if req_id in self._issued or remote.pushed or remote.transfer_id in self._claims \
+                or remote.transfer_id in self._loaded:
+            return False
+        verified = self._verified.get(req_id)
+        return _prefilled_for(request, remote) if verified is None else verified
 
     def _params_of(self, request: Request) -> PrefillIntent | RemotePrefill | None:
         req_id = request.request_id
@@ -250,9 +263,7 @@ class SchedulerSide:
         """The remote KV is for exactly this request's first ``num_tokens`` tokens (block hashes agree)."""
         req_id = request.request_id
         if req_id not in self._verified:
-            tokens = list(request.prompt_token_ids or ())[:remote.num_tokens]
-            same = len(tokens) == remote.num_tokens and \
-                token_hash(tokens, remote.hash_block_size, extra_keys(request)) == remote.token_hash
+            same = _prefilled_for(request, remote)
             if not same:
                 log.error("ncclkv: request %s: its first %d tokens do not hash to the prefilled ones of transfer %s; "
                           "computing it locally", req_id, remote.num_tokens, remote.transfer_id)
