@@ -10,6 +10,7 @@ from typing import Literal
 from .._env import env_settings
 from ..auth import ChannelAuth, load_channel_auth
 from ..layout import KVGeometry, ParallelLayout
+from ..transport import MAX_TIMEOUT_S
 
 __all__ = ["DEFAULT_LAST_PIECE_BYTES", "EngineConfig", "EngineRef", "Role", "peer_id"]
 
@@ -79,8 +80,9 @@ class EngineConfig:
             value = getattr(self, name)
             # Finite: an infinite deadline is no deadline, and thread waits overflow on it.
             if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                          and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+                                          and math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+                raise ValueError(f"{name} must be a finite number of seconds > 0 (at most {MAX_TIMEOUT_S:g}), "
+                                 f"got {value!r}")
         if self.staging_bytes is not None and not (_is_int(self.staging_bytes) and self.staging_bytes >= 1):
             raise ValueError(f"staging_bytes must be an int >= 1, got {self.staging_bytes!r}")
         for name in ("piece_bytes", "last_piece_bytes"):

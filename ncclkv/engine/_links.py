@@ -13,9 +13,11 @@ the n-th receive on the other side.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from ..channel import Channel, ReplyThen
 from ..errors import ClosedError, HandshakeError, PeerClosedError, PeerLostError, ProtocolError, TransferTimeout
 from ..protocol import Handshake, check_compatible
 from ..transport import LinkBase, LinkFactory
+from ..transport._pipe import settle
 
 __all__ = ["Peer", "PeerLinks"]
 
@@ -40,6 +43,14 @@ class Peer:
     remote: Handshake
     link: Future[LinkBase] | None  # None: control only (no tensors flow between these two ranks yet)
     link_id: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Gate:
+    """Serializes our handshakes with one peer; ``users``: the ensure() calls holding or awaiting it."""
+
+    lock: threading.Lock
+    users: int = 0
 
 
 class PeerLinks:
@@ -62,7 +73,7 @@ class PeerLinks:
         # may send on a different one, so a receiver finds the link an
         # announcement names, not just the newest.
         self._links: dict[str, Peer] = {}
-        self._connecting: dict[str, threading.Lock] = {}
+        self._connecting: dict[str, _Gate] = {}  # only peers with an ensure() in progress
         self._closed = False
 
     def get(self, peer_id: str) -> Peer | None:
@@ -78,8 +89,8 @@ class PeerLinks:
         with self._lock:
             peer = self._peers.get(peer_id)
             gate = self._connecting.get(peer_id)
-        if peer is None and gate is not None and self._acquire(gate):
-            gate.release()
+        if peer is None and gate is not None and self._acquire(gate.lock):
+            gate.lock.release()
             peer = self.get(peer_id)
         return peer
 
@@ -90,10 +101,7 @@ class PeerLinks:
             peer = self._peers.get(peer_id)
             if peer is not None and _usable(peer, need_link):
                 return peer
-            gate = self._connecting.setdefault(peer_id, threading.Lock())
-        if not self._acquire(gate):
-            raise TransferTimeout(f"handshake with {peer_id!r} still in progress after {self._deadline_s}s")
-        try:
+        with self._handshaking(peer_id):
             with self._lock:
                 peer = self._peers.get(peer_id)
                 if peer is not None and _usable(peer, need_link):
@@ -108,16 +116,24 @@ class PeerLinks:
             if not need_link:
                 return self._install(peer_id, reply, None, None)
             link: Future[LinkBase] = Future()
-            peer = self._install(peer_id, reply, link, self._link_id(peer_id, session))
+            link.set_running_or_notify_cancel()  # not cancellable: close() and drop() close what it brings instead
+            link_id = self._link_id(peer_id, session)
+            peer = self._install(peer_id, reply, link, link_id)
             try:
-                link.set_result(self._open_link(peer_id, reply.data_addr, session))
+                opened = self._open_link(peer_id, reply.data_addr, session)
             except BaseException as err:
-                link.set_exception(err)
+                settle(link, error=err)
                 self._discard(peer)  # only ours: a link the peer opened meanwhile stays
                 raise
+            settle(link, result=opened)  # runs the closing callback of a drop() or close() that came meanwhile
+            with self._lock:
+                closed, current = self._closed, self._links.get(link_id) is peer
+            if closed or not current:
+                opened.close()  # idempotent: the callback may have closed it already
+                if closed:
+                    raise ClosedError(f"engine peers were closed while link {link_id!r} to {peer_id!r} was opening")
+                raise PeerLostError(f"peer {peer_id!r} was dropped while link {link_id!r} to it was opening")
             return peer
-        finally:
-            gate.release()
 
     def on_handshake(self, sender: str, remote: Handshake) -> Handshake | ReplyThen:
         """Responder side (dispatcher thread): check, reply at once, then open the link in the background.
@@ -139,15 +155,17 @@ class PeerLinks:
         self._install(sender, remote, link, self._link_id(sender, remote.session))
 
         def open_link() -> None:
-            if not link.set_running_or_notify_cancel():
+            if not link.set_running_or_notify_cancel():  # close() came first: nothing to open
                 return
             try:
                 if not self._channel.flush():
                     raise TransferTimeout(f"handshake reply to {sender!r} not sent within {self._deadline_s}s")
-                link.set_result(self._open_link(sender, self._data_plane.address, remote.session))
+                opened = self._open_link(sender, self._data_plane.address, remote.session)
             except BaseException as err:  # recorded in the future, seen by whoever waits for the link
                 log.error("link to %s failed to open: %s", sender, err)
-                link.set_exception(err)
+                settle(link, error=err)
+                return
+            settle(link, result=opened)  # a drop() or close() that came meanwhile closes it (its callback)
 
         reply = replace(self._local, session=remote.session, open_link=True)
         return ReplyThen(reply, lambda: self._link_opener.submit(open_link))
@@ -174,7 +192,8 @@ class PeerLinks:
         return peer.link.result()
 
     def drop(self, peer_id: str, reason: BaseException | str) -> None:
-        """Forget ``peer_id`` and close every link to it; the next ``ensure`` shakes hands anew."""
+        """Forget ``peer_id`` and close every link to it, a link still opening once it opens; the next ``ensure``
+        shakes hands anew."""
         with self._lock:
             self._peers.pop(peer_id, None)
             gone = [p for p in self._links.values() if p.peer_id == peer_id]
@@ -187,13 +206,14 @@ class PeerLinks:
             _close_link(peer)
 
     def close(self) -> None:
+        """Forget every peer and close every link, a link still opening once it opens; later calls raise ClosedError."""
         with self._lock:
             self._closed = True
             peers = list(self._links.values())
             self._peers, self._links = {}, {}
         for peer in peers:
             if peer.link is not None:
-                peer.link.cancel()
+                peer.link.cancel()  # a responder's open not started yet never starts
             _close_link(peer)
 
     def _install(self, peer_id: str, remote: Handshake, link: Future[LinkBase] | None, link_id: str | None) -> Peer:
@@ -228,6 +248,25 @@ class PeerLinks:
                 del self._peers[peer.peer_id]
             if peer.link_id is not None and self._links.get(peer.link_id) is peer:
                 del self._links[peer.link_id]
+
+    @contextlib.contextmanager
+    def _handshaking(self, peer_id: str) -> Iterator[None]:
+        """Hold the gate of our handshakes with ``peer_id``; it is forgotten once no ensure() needs it."""
+        with self._lock:
+            gate = self._connecting.setdefault(peer_id, _Gate(threading.Lock()))
+            gate.users += 1
+        try:
+            if not self._acquire(gate.lock):
+                raise TransferTimeout(f"handshake with {peer_id!r} still in progress after {self._deadline_s}s")
+            try:
+                yield
+            finally:
+                gate.lock.release()
+        finally:
+            with self._lock:
+                gate.users -= 1
+                if gate.users == 0 and self._connecting.get(peer_id) is gate:
+                    del self._connecting[peer_id]
 
     def _link_id(self, peer_id: str, session: str) -> str:
         return self._channel.auth.link_id(self._channel.peer_id, peer_id, session)
@@ -267,5 +306,12 @@ def _usable(peer: Peer, need_link: bool) -> bool:
 
 
 def _close_link(peer: Peer) -> None:
-    if peer.link is not None and peer.link.done() and not peer.link.cancelled() and peer.link.exception() is None:
-        peer.link.result().close()
+    """Close ``peer``'s link now, or once it opens if it is still opening (it would otherwise outlive every
+    reference to it, with its threads and connection, until the data plane closes)."""
+    if peer.link is not None:
+        peer.link.add_done_callback(_close_opened)
+
+
+def _close_opened(link: Future[LinkBase]) -> None:
+    if not link.cancelled() and link.exception() is None:
+        link.result().close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -13,10 +15,13 @@ import torch
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
     "DEFAULT_MAX_IN_FLIGHT_BYTES",
+    "MAX_TIMEOUT_S",
     "LinkBase",
     "LinkFactory",
     "LinkStats",
     "check_link_args",
+    "check_timeout",
+    "check_window",
     "join_address",
     "split_address",
 ]
@@ -28,6 +33,12 @@ __all__ = [
 # which count from posting, meaningful for large tensors.
 DEFAULT_MAX_IN_FLIGHT = 64
 DEFAULT_MAX_IN_FLIGHT_BYTES = 256 << 20
+
+# The longest timeout a link takes (about 31 years). Python's waits stop at
+# threading.TIMEOUT_MAX (9.2e9 s), but gloo's do earlier: a link whose ops had
+# 8e9 s timed out at once (a nanosecond deadline that overflows), at 4e9 s it
+# worked.
+MAX_TIMEOUT_S = 1e9
 
 _LINK_ID = re.compile(r"[A-Za-z0-9._:@+-]{1,200}")
 
@@ -55,8 +66,12 @@ class LinkStats:
 class LinkBase(Protocol):
     """Ordered asynchronous point-to-point between the two ranks of a link.
 
-    The n-th ``send`` on one end matches the n-th ``recv`` on the other, and
-    every future completes in call order (per direction).
+    The n-th ``send`` posted on one end matches the n-th ``recv`` on the
+    other, and the futures of posted operations complete in call order (per
+    direction). A send whose ``before_send`` hook raises is never posted: its
+    future fails at once, possibly ahead of earlier sends, and the sends
+    after it keep their places. When the link breaks or closes, every
+    pending future fails.
     """
 
     @property
@@ -139,11 +154,31 @@ def check_link_args(link_id: str, link_rank: int, device: torch.device | str, ti
         raise ValueError(f"link_id must be 1-200 chars of [A-Za-z0-9._:@+-], got {link_id!r}")
     if link_rank not in (0, 1) or isinstance(link_rank, bool):
         raise ValueError(f"link_rank must be 0 or 1, got {link_rank!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    check_timeout("timeout_s", timeout_s)
     dev = torch.device(device)
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"links carry cpu or cuda tensors, got device {dev}")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def check_timeout(name: str, timeout_s: float) -> None:
+    """Refuse a timeout that a wait cannot take: not a number, <= 0, nan, inf or above :data:`MAX_TIMEOUT_S`.
+
+    Checked up front because the waits (locks, events, c10d work) fail only
+    when they run (OverflowError, or gloo's instant timeout), on a link's
+    thread, which would break the link instead of refusing the call.
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {type(timeout_s).__name__} {timeout_s!r}")
+    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"{name} must be > 0 and finite (at most {MAX_TIMEOUT_S:g} s), got {timeout_s!r}")
+
+
+def check_window(max_in_flight: int, max_in_flight_bytes: int) -> None:
+    """Refuse a send/receive window that is not a positive int (ops, bytes)."""
+    if isinstance(max_in_flight, bool) or not (isinstance(max_in_flight, int) and max_in_flight >= 1):
+        raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+    if isinstance(max_in_flight_bytes, bool) or not (isinstance(max_in_flight_bytes, int) and max_in_flight_bytes >= 1):
+        raise ValueError(f"max_in_flight_bytes must be an int >= 1, got {max_in_flight_bytes!r}")

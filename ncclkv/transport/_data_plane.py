@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .._env import env_settings
-from ..errors import TransferTimeout
+from ..errors import ClosedError, HandshakeError, TransferTimeout
 from ._base import join_address, split_address
 from ._group import TorchBackend, open_group
 from ._opener import LinkOpener
@@ -43,10 +43,13 @@ class DataPlane(LinkOpener):
     def __init__(self, bind_host: str | None = None) -> None:
         settings = env_settings()
         self._bind_host = bind_host or settings.bind_host
+        # Blocking store calls (NCCL reads its unique id with a get) wait this long, on our store and on the
+        # long-lived connections to peers' stores alike.
+        self._store_timeout = timedelta(seconds=settings.deadline_s)
         fd, port = _listen(self._bind_host)
         try:
             self._server: dist.TCPStore | None = dist.TCPStore(
-                self._bind_host, port, is_master=True, timeout=timedelta(seconds=settings.deadline_s),
+                self._bind_host, port, is_master=True, timeout=self._store_timeout,
                 wait_for_workers=False, master_listen_fd=fd, use_libuv=True,
             )
         except Exception:
@@ -67,6 +70,8 @@ class DataPlane(LinkOpener):
         super().close()
         with self._lock:
             self._clients.clear()
+            self._client_gates.clear()
+            self._gloo_device = None  # its listening socket and loop go with the links' groups
         self._server = None  # the server and its socket go with the last reference
 
     def __enter__(self) -> DataPlane:
@@ -83,12 +88,15 @@ class DataPlane(LinkOpener):
 
     def _connect(self, link_id: str, link_rank: int, store_addr: str, device: torch.device, deadline: float,
                  op_timeout_s: float) -> TorchBackend:
+        client = self._client(store_addr, deadline)
         try:
-            client = self._client(store_addr, deadline)
             return open_group(link_id, link_rank, store_addr, client, device, deadline, op_timeout_s, self._gloo)
+        except (HandshakeError, ValueError):  # the store answered: the peer is incompatible, or the id reused
+            raise
         except BaseException:
             with self._lock:  # the peer (or its store) may be gone: the next link to it connects afresh
-                self._clients.pop(store_addr, None)
+                if self._clients.get(store_addr) is client:
+                    del self._clients[store_addr]
             raise
 
     def _client(self, store_addr: str, deadline: float) -> dist.Store:
@@ -102,31 +110,47 @@ class DataPlane(LinkOpener):
         each peer's own end uses its own connection (see ``open_group``).
         """
         if store_addr == self._address:
-            assert self._server is not None
-            return self._server
+            server = self._server
+            if server is None:
+                raise ClosedError(f"data plane {self._address} is closed")
+            return server
         with self._lock:
+            client = self._clients.get(store_addr)
+            if client is not None:
+                return client
             gate = self._client_gates.setdefault(store_addr, threading.Lock())
         if not gate.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise TransferTimeout(f"data plane {self._address}: connecting to store {store_addr} took too long")
         try:
-            client = self._clients.get(store_addr)
+            with self._lock:
+                client = self._clients.get(store_addr)
             if client is None:
                 host, port = split_address(store_addr)
+                # The connect is bounded by this link's deadline; the connection's later blocking calls
+                # (other links' rendezvous) by the store timeout, not by what this link had left.
                 left = timedelta(seconds=max(0.001, deadline - time.monotonic()))
                 try:
                     client = dist.TCPStore(host, port, is_master=False, timeout=left)
+                    client.set_timeout(self._store_timeout)
                 except Exception as exc:  # torch raises DistError subclasses and plain RuntimeErrors
                     raise TransferTimeout(f"data plane {self._address}: cannot reach store {store_addr}: "
                                           f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
                 with self._lock:
+                    if self._closed:  # close() cleared the cache: keep nothing alive past it
+                        raise ClosedError(f"data plane {self._address} was closed while connecting to {store_addr}")
                     self._clients[store_addr] = client
             return client
         finally:
             gate.release()
+            with self._lock:  # one gate per address being connected, not per address ever seen
+                if self._client_gates.get(store_addr) is gate:
+                    del self._client_gates[store_addr]
 
     def _gloo(self) -> object:
         # One gloo device (listening socket + event loop) per data plane, shared by its links.
         with self._lock:
+            if self._closed:  # close() dropped ours: a link still opening must not make another
+                raise ClosedError(f"data plane {self._address} was closed while a link was opening")
             if self._gloo_device is None:
                 self._gloo_device = dist.ProcessGroupGloo.create_device(hostname=self._bind_host, lazy_init=False)
             return self._gloo_device

@@ -8,6 +8,7 @@ was not registered through ``init_process_group``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -19,6 +20,8 @@ from ..errors import HandshakeError, NcclKVError, TransferError, TransferTimeout
 from ._framing import FRAME_TAG, Framing
 
 __all__ = ["TorchBackend", "open_group"]
+
+_log = logging.getLogger(__name__)
 
 _TAG = 0  # NCCL has no tags; gloo gets the same semantics: one ordered stream per direction
 _ABORT_TAG = 1  # never used for data, see TorchBackend.abort
@@ -144,6 +147,14 @@ def open_group(
     the peer's, so a peer that never joins is a :class:`TransferTimeout` we
     control, a gloo end facing an NCCL end is a :class:`HandshakeError`, and
     the group's own (blocking) rendezvous starts only once the peer is there.
+
+    Once a gloo group is up, each end deletes its own ``gpu`` and ``backend``
+    keys: the peer read them before it started its group, and ours connects
+    only with a peer that did (a store lives as long as its engine, and
+    would otherwise keep them for every link). ``joined`` stays: it is what
+    refuses a link id used before. gloo's own keys stay (its naming), and so
+    do an NCCL end's (a non-blocking NCCL init may return before the peer
+    joined).
     """
     peer = 1 - link_rank
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -167,6 +178,8 @@ def open_group(
             raise HandshakeError(f"{where}: both ends are on the same GPU ({device}, {gpu}); NCCL needs one GPU "
                                  "per rank: give each rank its own device (CUDA_VISIBLE_DEVICES, LOCAL_RANK)")
         pg = _make_group(store, link_rank, device, deadline, op_timeout_s, gloo_device)
+        if device.type != "cuda":
+            _forget_own_keys(store, link_rank, where)
     except (NcclKVError, ValueError):
         raise
     except Exception as exc:  # torch raises DistError subclasses and plain RuntimeErrors
@@ -175,3 +188,12 @@ def open_group(
             raise TransferTimeout(f"{where}: peer (link rank {peer}) not connected within {timeout_s:.3g} s: {text}") from exc
         raise TransferError(f"{where}: cannot connect to peer (link rank {peer}): {text}") from exc
     return TorchBackend(pg, link_rank, device, store)
+
+
+def _forget_own_keys(store: dist.Store, link_rank: int, where: str) -> None:
+    """Delete this end's ``gpu`` and ``backend`` keys; only housekeeping, so a failure is logged, not raised."""
+    for key in (f"gpu/{link_rank}", f"backend/{link_rank}"):
+        try:
+            store.delete_key(key)
+        except Exception as exc:  # noqa: BLE001 - the link is up; a key left behind costs a few bytes
+            _log.debug("%s: could not delete store key %r: %r", where, key, exc)

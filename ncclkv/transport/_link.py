@@ -23,9 +23,9 @@ from typing import Protocol
 import torch
 
 from ..errors import ClosedError, NcclKVError, ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
-from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, LinkStats
+from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, LinkStats, check_timeout, check_window
 from ._framing import AHEAD_BYTES, BATCH, EARLY_FLUSH_BYTES, Framing, RecvFrames, SendFrames
-from ._pipe import Completed, Op, Pending, Pipe, settle
+from ._pipe import Completed, HookResultRefused, Op, Pending, Pipe, settle
 
 __all__ = ["Backend", "Link"]
 
@@ -57,11 +57,16 @@ class Backend(Protocol):
 class Link:
     """One end of a link; see :class:`ncclkv.transport.LinkBase` for the contract.
 
-    A failed or timed-out operation breaks the link (the backend's stream of
-    matched operations can no longer be trusted): that future fails with a
-    typed error, every other pending future fails with :class:`TransferError`,
-    and later calls raise :class:`ClosedError`. Open a new link (new id) to
-    carry on. Future callbacks run on the link's threads: keep them short.
+    What breaks the link (the backend's stream of matched operations can
+    no longer be trusted): a posted operation that fails or passes its
+    deadline, a receive whose frame header does not match it, a ``fill``
+    that raises, and a ``before_send`` hook whose returned tensor is refused
+    (see :meth:`send`). That future fails with a typed error, every other
+    pending future fails with :class:`TransferError`, and later calls raise
+    :class:`ClosedError`. Open a new link (new id) to carry on. A
+    ``before_send`` hook that raises fails its own send alone: nothing was
+    posted or described. Future callbacks run on the link's threads or the
+    caller's, with no lock of the link held: keep them short.
     """
 
     def __init__(
@@ -77,12 +82,8 @@ class Link:
         peer: str = "",
         on_close: Callable[[Link], None] | None = None,
     ) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if not (isinstance(max_in_flight, int) and max_in_flight >= 1):
-            raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
-        if not (isinstance(max_in_flight_bytes, int) and max_in_flight_bytes >= 1):
-            raise ValueError(f"max_in_flight_bytes must be an int >= 1, got {max_in_flight_bytes!r}")
+        check_timeout("timeout_s", timeout_s)
+        check_window(max_in_flight, max_in_flight_bytes)
         self._link_id = link_id
         self._link_rank = link_rank
         self._device = device
@@ -171,8 +172,15 @@ class Link:
         ``before_send`` returns the tensor to send (same shape and dtype, on
         this link's device, contiguous): that buffer then exists only from the
         moment the send is posted, so a sender with many sends queued holds
-        buffers for the window's sends alone. A hook that returns anything else
-        fails that send only, like a hook that raises.
+        buffers for the window's sends alone. A hook that raises fails that
+        send only: it is skipped, and its error keeps its type when it is an
+        :class:`~ncclkv.errors.NcclKVError` (else :class:`TransferError`). A
+        hook that returns anything else (another shape, dtype or device, not
+        contiguous, not a tensor) breaks the link with a
+        :class:`ShapeMismatchError` (:class:`TransferError` for a non-tensor)
+        naming both: it returned, so it may have told the peer of the tensor
+        (the producer's hook announces it), and the peer's receive for it
+        would take the next tensor instead.
 
         ``fill(tensor)`` writes the payload (the producer's gather) after the
         hook, once the tensor's frame header is on its way (gloo), right
@@ -204,14 +212,20 @@ class Link:
 
     def _materializing(self, placeholder: torch.Tensor,
                        hook: Callable[[], torch.Tensor | None]) -> Callable[[], torch.Tensor]:
+        # What the hook raises skips its send (Pipe._run_hook); what it returns was perhaps announced, so a
+        # refused result is a HookResultRefused, which breaks the link.
+        want = f"the placeholder is {tuple(placeholder.shape)} {placeholder.dtype} (link on {self._device})"
+
         def materialize() -> torch.Tensor:
             sent = hook()
             if not isinstance(sent, torch.Tensor):
-                raise TypeError(f"before_send returned {type(sent).__name__}, not the tensor for the placeholder")
-            if sent.shape != placeholder.shape or sent.dtype != placeholder.dtype:
-                raise ShapeMismatchError(f"before_send returned {tuple(sent.shape)} {sent.dtype}, the placeholder is "
-                                         f"{tuple(placeholder.shape)} {placeholder.dtype}")
-            self._check_tensor(sent, "send")
+                raise HookResultRefused(TransferError(f"before_send returned {type(sent).__name__}, not the tensor "
+                                                      f"for the placeholder; {want}"))
+            if (sent.shape != placeholder.shape or sent.dtype != placeholder.dtype or sent.device != self._device
+                    or not sent.is_contiguous()):
+                layout = "" if sent.is_contiguous() else ", not contiguous"
+                raise HookResultRefused(ShapeMismatchError(
+                    f"before_send returned {tuple(sent.shape)} {sent.dtype} on {sent.device}{layout}; {want}"))
             return sent
         return materialize
 
@@ -337,8 +351,7 @@ class Link:
         fill: Callable[[torch.Tensor], None] | None = None,
     ) -> Future:
         timeout = self._timeout_s if timeout_s is None else timeout_s
-        if not timeout > 0:
-            raise ValueError(f"link {self._link_id!r}: timeout_s must be > 0, got {timeout_s!r}")
+        check_timeout(f"link {self._link_id!r}: timeout_s", timeout)
         future: Future = Future()
         future.set_running_or_notify_cancel()  # a posted transfer cannot be cancelled
         with self._lock:  # seq order == queue order

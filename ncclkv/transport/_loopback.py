@@ -158,6 +158,15 @@ def loopback_pair(
     return ends[0], ends[1]
 
 
+class _Waiter:
+    """The first end of a link at the hub, until the second comes (or refuses it: ``refused``)."""
+
+    def __init__(self, link_rank: int) -> None:
+        self.link_rank = link_rank
+        self.wire = _Wire()
+        self.refused: str | None = None
+
+
 class LoopbackHub:
     """Where the :class:`LoopbackTransport` objects of one process (or one test) meet."""
 
@@ -165,7 +174,7 @@ class LoopbackHub:
         self._cond = threading.Condition()
         self._counter = itertools.count()
         self._addresses: set[str] = set()
-        self._waiting: dict[tuple[str, str], tuple[int, _Wire]] = {}
+        self._waiting: dict[tuple[str, str], _Waiter] = {}
         self._used: set[tuple[str, str]] = set()
 
     def new_address(self) -> str:
@@ -184,23 +193,27 @@ class LoopbackHub:
         where = f"link {link_id!r} (link rank {link_rank}, store {store_addr})"
         with self._cond:
             self._check(store_addr, link_id, link_rank)
-            if key in self._waiting:
-                rank, wire = self._waiting.pop(key)
-                if rank == link_rank:
-                    raise ValueError(f"{where}: both ends claim link rank {link_rank}")
+            first = self._waiting.pop(key, None)
+            if first is not None:
                 self._used.add(key)
+                if first.link_rank == link_rank:  # the waiting end fails too, at once, not at its deadline
+                    first.refused = f"{where}: both ends claim link rank {link_rank}"
                 self._cond.notify_all()
-                return wire
-            wire = _Wire()
-            self._waiting[key] = (link_rank, wire)
-            while key in self._waiting:
+                if first.refused is not None:
+                    raise ValueError(first.refused)
+                return first.wire
+            me = _Waiter(link_rank)
+            self._waiting[key] = me
+            while self._waiting.get(key) is me:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     del self._waiting[key]
                     self._used.add(key)
                     raise TransferTimeout(f"{where}: peer (link rank {1 - link_rank}) did not join in time")
                 self._cond.wait(left)
-            return wire
+            if me.refused is not None:
+                raise ValueError(me.refused)
+            return me.wire
 
     def _check(self, store_addr: str, link_id: str, link_rank: int) -> None:
         where = f"link {link_id!r} (link rank {link_rank}, store {store_addr})"

@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import ClosedError
-from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, check_link_args
+from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, check_link_args, check_timeout, check_window
 from ._link import Backend, Link
 
 __all__ = ["LinkOpener"]
@@ -59,11 +59,13 @@ class LinkOpener(ABC):
         ``op_timeout_s`` (default ``timeout_s``) is the default deadline of each
         send and receive.
         """
+        # Every argument Link() checks is checked here, before we meet the peer: a refusal after that
+        # would leave the peer with a link whose other end never exists.
         dev = check_link_args(link_id, link_rank, device, timeout_s)
         self._check_peer(link_id, link_rank, store_addr)
         op_timeout = timeout_s if op_timeout_s is None else op_timeout_s
-        if not op_timeout > 0:
-            raise ValueError(f"op_timeout_s must be > 0, got {op_timeout_s!r}")
+        check_timeout("op_timeout_s", op_timeout)
+        check_window(max_in_flight, max_in_flight_bytes)
         deadline = time.monotonic() + timeout_s
         with self._lock:
             if self._closed:
@@ -77,15 +79,23 @@ class LinkOpener(ABC):
             with self._lock:
                 self._links.pop(link_id, None)
             raise
-        link = Link(
-            link_id, link_rank, dev, backend,
-            timeout_s=op_timeout, max_in_flight=max_in_flight, max_in_flight_bytes=max_in_flight_bytes,
-            peer=store_addr, on_close=self._forget,
-        )
+        try:
+            link = Link(
+                link_id, link_rank, dev, backend,
+                timeout_s=op_timeout, max_in_flight=max_in_flight, max_in_flight_bytes=max_in_flight_bytes,
+                peer=store_addr, on_close=self._forget,
+            )
+        except BaseException:  # checked above, so unexpected (a CUDA stream, a thread): the peer must learn now
+            backend.abort()
+            backend.release()
+            with self._lock:
+                self._links.pop(link_id, None)
+            raise
         with self._lock:
             if not self._closed:
                 self._links[link_id] = link
                 return link
+            self._links.pop(link_id, None)
         link.close()
         raise ClosedError(f"{self.kind} {self._address} was closed while link {link_id!r} was opening")
 

@@ -1,5 +1,14 @@
 """One direction of a link: ops posted in call order, a bounded number in flight, completed in order.
 
+The futures of posted ops complete in call order. An op whose
+``before_send`` hook raises is never posted: its future fails at once,
+possibly ahead of earlier ops (see :meth:`Pipe._run_hook`). When the link
+breaks or closes, every pending op fails. Futures are settled with no lock
+of the pipe held, so their done-callbacks may call back into the link
+(stats, send) or take locks of their own. The posting gate may be held
+(a failed hook or post settles on the posting thread): a callback must not
+wait for the link's threads.
+
 A pipe owns two threads. The poster takes queued ops in order, runs an op's
 ``before_send`` hook and posts it to the backend without waiting for earlier
 ops to finish, up to ``max_in_flight`` ops and ``max_in_flight_bytes`` bytes
@@ -43,9 +52,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import ClosedError, TransferError
+from ..errors import ClosedError, NcclKVError, TransferError
 
-__all__ = ["Completed", "Op", "Pending", "Pipe", "settle"]
+__all__ = ["Completed", "HookResultRefused", "Op", "Pending", "Pipe", "settle"]
 
 _log = logging.getLogger(__name__)
 _MIN_WAIT_S = 0.001  # backends read a zero timeout as "no timeout"
@@ -86,8 +95,25 @@ class Op:
         return self.tensor.numel() * self.tensor.element_size()
 
 
+class HookResultRefused(Exception):
+    """Raised by a ``before_send`` wrapper whose hook returned a tensor that cannot be posted.
+
+    The hook returned, so it may have told the peer of the tensor (the
+    producer's hook announces it): unlike a hook that raised, its send cannot
+    just be skipped, since the peer's receive for it would take the next
+    tensor. The pipe breaks the link with ``error``.
+    """
+
+    def __init__(self, error: NcclKVError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def settle(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> bool:
-    """Complete ``future`` unless it already is; return whether this call completed it."""
+    """Complete ``future`` unless it already is; return whether this call completed it.
+
+    Its done-callbacks run here: call it with no lock held that they might need.
+    """
     try:
         if error is None:
             future.set_result(result)
@@ -189,8 +215,9 @@ class Pipe:
         earlier is still being posted): an empty list. Their hooks (the producer's
         take-and-announce) run here, before the current op's fill, so the
         peer hears of them, and posts their receives, while this op is filled
-        and on the wire. A hook that fails skips its op as at its turn (nobody
-        was told of it) and ends the run. Only the gate holder calls it (from
+        and on the wire. A hook that raises skips its op as at its turn (nobody
+        was told of it) and ends the run; one whose result is refused breaks
+        the link (see :meth:`_run_hook`). Only the gate holder calls it (from
         its post), and only gate holders take ops off the queue, so the run
         stays at the head until it is posted.
         """
@@ -290,13 +317,14 @@ class Pipe:
             self._fail(op, exc)
             return True
         with self._lock:
-            if self._stopping:  # stopped while posting: stop() did not see this op
-                settle(op.future, error=ClosedError(f"{op.label}: the link is closed"))
-                return False
-            self._in_flight.append(op)
-            self._bytes_in_flight += op.nbytes
-            self._reaping.notify()
-        return True
+            stopped = self._stopping  # stopped while posting: stop() did not see this op
+            if not stopped:
+                self._in_flight.append(op)
+                self._bytes_in_flight += op.nbytes
+                self._reaping.notify()
+        if stopped:  # settled after the lock: its callbacks may call into the link (stats, send)
+            settle(op.future, error=ClosedError(f"{op.label}: the link is closed"))
+        return not stopped
 
     def _idle(self, full: bool) -> float | None:
         """Run ``on_idle`` (with the gate held) before the poster waits: it returns how long to wait at most.
@@ -323,20 +351,35 @@ class Pipe:
         return len(self._in_flight) < self._max_in_flight and self._bytes_in_flight + op.nbytes <= self._max_in_flight_bytes
 
     def _run_hook(self, op: Op) -> bool:
-        # A failed hook means the tensor was never announced: skip it, the data
-        # stream stays aligned because nothing was posted. An op queued with a
-        # meta placeholder posts what its hook returns (checked by Link.send's wrapper).
+        """Run ``op``'s hook; False: the op is not to be posted (its future is settled, or the link broke).
+
+        A hook that raises told nobody of its tensor (the producer announces
+        only once it holds the buffer, and the hook runs before the op is
+        described, see prepare_ahead): skip the op; nothing was posted, so the
+        stream stays in step. Its error keeps its type when it is ours
+        (CapacityError, ShapeMismatchError), else it is a TransferError. A
+        hook that returned a tensor that cannot be posted may have announced
+        it: the link breaks (``fail``), as for a failed fill. An op queued
+        with a meta placeholder posts what its hook returns (checked by
+        Link.send's wrapper, which raises HookResultRefused).
+        """
         assert op.before_send is not None
         try:
             sent = op.before_send()
-            if op.tensor.device.type == "meta":
-                if not isinstance(sent, torch.Tensor) or sent.device.type == "meta":
-                    raise TypeError(f"before_send returned {type(sent).__name__} for a placeholder")
-                op.tensor = sent
-        except Exception as exc:  # the hook runs before the op is described (prepare_ahead), so nobody was told
-            settle(op.future, error=TransferError(f"{op.label}: before_send failed, not sent: {exc!r}"))
+        except HookResultRefused as refused:
+            self._fail(op, refused.error)
+            return False
+        except Exception as exc:
+            settle(op.future, error=_not_sent(op, exc))
             _log.warning("%s: before_send failed: %r", op.label, exc)
             return False
+        if op.tensor.device.type == "meta":
+            if not isinstance(sent, torch.Tensor) or sent.device.type == "meta":
+                what = f"a meta tensor {tuple(sent.shape)}" if isinstance(sent, torch.Tensor) else type(sent).__name__
+                self._fail(op, TransferError(f"before_send returned {what} for the placeholder "
+                                             f"{tuple(op.tensor.shape)} {op.tensor.dtype}"))
+                return False
+            op.tensor = sent
         return True
 
     def _reap_loop(self) -> None:
@@ -361,3 +404,12 @@ class Pipe:
                 if self._queued or not self._in_flight:  # a poster waiting for room, or wait_drained
                     self._posting.notify_all()
             self._finish(op)
+
+
+def _not_sent(op: Op, exc: Exception) -> NcclKVError:
+    """The error of an op whose hook raised: ours keep their type (a CapacityError stays one), others are
+    TransferErrors."""
+    text = f"{op.label}: before_send failed, not sent: {exc!r}"
+    error = type(exc)(text) if isinstance(exc, NcclKVError) else TransferError(text)
+    error.__cause__ = exc
+    return error

@@ -216,9 +216,10 @@ def test_an_engine_without_caches_says_so() -> None:
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("staging_bytes", 0, "staging_bytes must be an int >= 1, got 0"),
     ("staging_bytes", 1.5, "staging_bytes must be an int >= 1, got 1.5"),
-    ("deadline_s", math.inf, "deadline_s must be a finite number of seconds > 0, got inf"),
-    ("hold_s", True, "hold_s must be a finite number of seconds > 0, got True"),
-    ("heartbeat_s", math.nan, "heartbeat_s must be a finite number of seconds > 0, got nan"),
+    ("deadline_s", math.inf, "deadline_s must be a finite number of seconds > 0 (at most 1e+09), got inf"),
+    ("hold_s", True, "hold_s must be a finite number of seconds > 0 (at most 1e+09), got True"),
+    ("heartbeat_s", math.nan, "heartbeat_s must be a finite number of seconds > 0 (at most 1e+09), got nan"),
+    ("hold_s", 2e9, "hold_s must be a finite number of seconds > 0 (at most 1e+09), got 2000000000.0"),
     ("device", "tpu", "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
     ("rank", True, "rank=True outside"),
 ])

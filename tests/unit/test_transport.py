@@ -132,17 +132,18 @@ def test_a_placeholder_send_takes_its_buffer_only_when_posted() -> None:
     """A meta tensor queues the shape; the hook makes the real tensor when the link posts it (window of 1)."""
     a, b = loopback_pair("lazy", timeout_s=WAIT_S, max_in_flight=1)
     made: list[int] = []
-    second_made = threading.Event()
+    made_events = [threading.Event() for _ in range(3)]
 
     def make(seq: int) -> torch.Tensor:
         made.append(seq)
-        if seq == 1:
-            second_made.set()
+        made_events[seq].set()
         return torch.full((3, 2), float(seq))
 
     try:
         sends = [a.send(torch.empty((3, 2), device="meta"), before_send=lambda seq=seq: make(seq)) for seq in range(3)]
-        assert not second_made.wait(0.3), "the second buffer was made while the first send was still in flight"
+        # The poster makes the first buffer on its own thread: wait for it, or the check below races it.
+        assert made_events[0].wait(WAIT_S), "the first buffer was never made"
+        assert not made_events[1].wait(0.3), "the second buffer was made while the first send was still in flight"
         assert made == [0]
         got = [b.recv((3, 2), torch.float32).result(WAIT_S) for _ in range(3)]
         assert [t[0, 0].item() for t in got] == [0.0, 1.0, 2.0] and made == [0, 1, 2]
@@ -152,21 +153,46 @@ def test_a_placeholder_send_takes_its_buffer_only_when_posted() -> None:
         a.close(), b.close()
 
 
-@pytest.mark.parametrize("returned", ["wrong shape", "wrong dtype", "nothing", "meta"])
-def test_a_placeholder_hook_that_returns_the_wrong_tensor_fails_only_its_send(
-        pair: tuple[Link, Link], returned: str) -> None:
-    a, b = pair
-    bad = {"wrong shape": lambda: torch.ones(3), "wrong dtype": lambda: torch.ones(2, dtype=torch.int32),
-           "nothing": lambda: None, "meta": lambda: torch.empty(2, device="meta")}[returned]
-    first = a.send(torch.empty(2, device="meta"), before_send=lambda: torch.full((2,), 1.0))
-    skipped = a.send(torch.empty(2, device="meta"), before_send=bad)
-    third = a.send(torch.full((2,), 3.0))
-    r0, r1 = b.recv((2,), torch.float32), b.recv((2,), torch.float32)
-    with pytest.raises(TransferError, match="seq 1.*before_send failed"):
-        skipped.result(WAIT_S)
-    assert r0.result(WAIT_S).tolist() == [1.0, 1.0] and r1.result(WAIT_S).tolist() == [3.0, 3.0]
-    first.result(WAIT_S), third.result(WAIT_S)
-    assert a.broken is None and a.stats().tensors_sent == 2
+@pytest.mark.parametrize("framed", [False, True], ids=["plain", "framed"])
+@pytest.mark.parametrize("returned", ["wrong shape", "wrong dtype", "not contiguous", "nothing", "meta"])
+def test_a_placeholder_hook_that_returns_the_wrong_tensor_breaks_the_link(returned: str, framed: bool) -> None:
+    """The hook returned, so it may have announced its tensor (the producer's does) and the peer posted a
+    receive for it: skipping the send would land the next tensor in that receive. The link breaks instead,
+    with a typed error naming what the hook returned and what the placeholder promised."""
+    bad, kind, what = {
+        "wrong shape": (lambda: torch.ones(3), ShapeMismatchError, r"\(3,\) torch.float32 on cpu"),
+        "wrong dtype": (lambda: torch.ones(2, dtype=torch.int32), ShapeMismatchError, r"\(2,\) torch.int32 on cpu"),
+        "not contiguous": (lambda: torch.ones(4)[::2], ShapeMismatchError, r"\(2,\) torch.float32 on cpu, not contig"),
+        "nothing": (lambda: None, TransferError, "NoneType"),
+        "meta": (lambda: torch.empty(2, device="meta"), ShapeMismatchError, r"\(2,\) torch.float32 on meta"),
+    }[returned]
+    a, b = loopback_pair(f"bad-result-{framed}", timeout_s=WAIT_S, framed=framed)
+    with a, b:
+        announced: list[int] = []
+
+        def announcing(seq: int, make: Callable[[], Any]) -> Callable[[], Any]:
+            def hook() -> Any:
+                announced.append(seq)  # what the producer's hook does before it returns its buffer
+                return make()
+            return hook
+
+        # All asked for before the break, which would make a later call raise ClosedError itself: the peer's
+        # receives (one per announcement, + one), then the sends, queued while the poster sleeps.
+        got = [b.recv((2,), torch.float32) for _ in range(3)]
+        with sleepy_poster(a):
+            a.send(torch.empty(2, device="meta"), before_send=announcing(0, lambda: torch.full((2,), 1.0)))  # may land
+            refused = a.send(torch.empty(2, device="meta"), before_send=announcing(1, bad))
+            behind = a.send(torch.full((2,), 3.0))
+        with pytest.raises(kind, match=rf"seq 1.*before_send returned {what}.*placeholder is \(2,\) torch.float32"):
+            refused.result(WAIT_S)
+        with pytest.raises(TransferError, match="seq 2.*the link broke"):
+            behind.result(WAIT_S)
+        start = time.monotonic()
+        for receive in got[1:]:  # never the tensor behind the refused one; and the peer learns now, not at its deadline
+            with pytest.raises((TransferError, ClosedError)):
+                receive.result(WAIT_S)
+        assert time.monotonic() - start < WAIT_S / 2
+        assert announced == [0, 1] and isinstance(a.broken, kind) and a.closed
 
 
 class PostedReceives:
@@ -489,18 +515,19 @@ def test_a_header_left_for_the_poster_is_flushed_when_the_caller_posts_as_the_po
 def test_bounded_number_of_posted_sends() -> None:
     a, b = loopback_pair("bounded", timeout_s=WAIT_S, max_in_flight=2)
     hooks: list[int] = []
-    third_posted = threading.Event()
+    posted = [threading.Event() for _ in range(5)]
 
     def hook(seq: int) -> None:
         hooks.append(seq)
-        if seq == 2:
-            third_posted.set()
+        posted[seq].set()
 
     sends = [a.send(torch.full((1,), float(seq)), before_send=lambda seq=seq: hook(seq)) for seq in range(5)]
-    assert not third_posted.wait(0.3), "a third send was posted while two were unmatched"
+    # The poster posts the first two on its own thread: wait for them, or the check below races it.
+    assert posted[0].wait(WAIT_S) and posted[1].wait(WAIT_S), "the first two sends were never posted"
+    assert not posted[2].wait(0.3), "a third send was posted while two were unmatched"
     assert hooks == [0, 1]
     b.recv((1,), torch.float32).result(WAIT_S)  # completes send 0, which frees one slot
-    assert third_posted.wait(WAIT_S) and hooks == [0, 1, 2]
+    assert posted[2].wait(WAIT_S) and hooks == [0, 1, 2]
     for _ in range(4):
         b.recv((1,), torch.float32)
     assert [f.result(WAIT_S) for f in sends] == [None] * 5
@@ -690,7 +717,7 @@ def test_loopback_transport_meets_by_store_address_and_id() -> None:
 def test_both_transports_check_open_link_the_same_way(make: Callable[[], DataPlane | LoopbackTransport]) -> None:
     transport = make()
     try:
-        with pytest.raises(ValueError, match="op_timeout_s must be > 0, got 0"):
+        with pytest.raises(ValueError, match="op_timeout_s must be > 0 and finite .*, got 0"):
             transport.open_link("t1", 0, transport.address, "cpu", 1.0, op_timeout_s=0)
         assert transport.links() == []
     finally:

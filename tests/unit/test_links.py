@@ -1,0 +1,153 @@
+"""ncclkv.engine._links.PeerLinks with a stand-in channel and data plane: links that finish opening after
+the peer was dropped or the engine closed, and the per-peer handshake gates."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from msgspec.structs import replace
+
+from ncclkv.auth import ChannelAuth
+from ncclkv.channel import ReplyThen
+from ncclkv.engine._links import PeerLinks
+from ncclkv.errors import ClosedError, PeerLostError, TransferTimeout
+from ncclkv.layout import KVGeometry, ParallelLayout
+from ncclkv.protocol import Handshake
+
+WAIT_S = 10.0
+ME, PEER = "local.r0", "remote.r0"
+
+
+def handshake(engine_id: str) -> Handshake:
+    return Handshake.create(engine_id, "both", 0, ParallelLayout(1, 1), KVGeometry(2, 2, 64), "tcp://h:1", "h:2")
+
+
+class _Clock:
+    def wait(self, attempt: Callable[[float], bool], timeout_s: float) -> bool:
+        return attempt(timeout_s)
+
+
+class _Channel:
+    """Answers every handshake at once with the peer's, echoing the session."""
+
+    peer_id = ME
+    auth = ChannelAuth()
+    clock = _Clock()
+
+    def __init__(self) -> None:
+        self.refuse: BaseException | None = None
+
+    def connect(self, peer_id: str, address: str) -> None:
+        return None
+
+    def request(self, peer_id: str, hello: Handshake, timeout_s: float) -> Handshake:
+        if self.refuse is not None:
+            raise self.refuse
+        return replace(handshake("remote"), session=hello.session)
+
+    def flush(self) -> bool:
+        return True
+
+
+class _Link:
+    def __init__(self, link_id: str) -> None:
+        self.link_id = link_id
+        self.broken = None
+        self.closed_event = threading.Event()
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_event.is_set()
+
+    def close(self) -> None:
+        self.closed_event.set()
+
+
+class _DataPlane:
+    """open_link blocks until ``release`` is set; ``opening`` says one is under way; ``opened``: what it made."""
+
+    address = "h:2"
+
+    def __init__(self) -> None:
+        self.opening, self.release = threading.Event(), threading.Event()
+        self.opened: list[_Link] = []
+
+    def open_link(self, link_id: str, link_rank: int, store_addr: str, device: str, timeout_s: float) -> _Link:
+        self.opening.set()
+        assert self.release.wait(WAIT_S)
+        self.opened.append(_Link(link_id))
+        return self.opened[-1]
+
+
+@pytest.fixture
+def parts() -> Iterator[tuple[PeerLinks, _Channel, _DataPlane, ThreadPoolExecutor]]:
+    channel, plane = _Channel(), _DataPlane()
+    with ThreadPoolExecutor(2) as pool:
+        peers = PeerLinks(handshake("local"), channel, plane, pool, "cpu", WAIT_S)  # type: ignore[arg-type]
+        yield peers, channel, plane, pool
+        plane.release.set()
+        peers.close()
+
+
+def ensure_in_background(peers: PeerLinks, pool: ThreadPoolExecutor) -> Future[Any]:
+    return pool.submit(peers.ensure, PEER, "tcp://remote:1", True)
+
+
+def test_closing_while_the_initiator_opens_its_link_is_a_closed_error_and_closes_the_link(parts: Any) -> None:
+    peers, _, plane, pool = parts
+    ensured = ensure_in_background(peers, pool)
+    assert plane.opening.wait(WAIT_S)
+    peers.close()
+    plane.release.set()
+    with pytest.raises(ClosedError, match=f"closed while link .* to '{PEER}' was opening"):
+        ensured.result(WAIT_S)
+    assert len(plane.opened) == 1 and plane.opened[0].closed
+
+
+def test_dropping_the_peer_while_the_initiator_opens_its_link_is_peer_lost_and_closes_the_link(parts: Any) -> None:
+    peers, _, plane, pool = parts
+    ensured = ensure_in_background(peers, pool)
+    assert plane.opening.wait(WAIT_S)
+    peers.drop(PEER, "peer lost (heartbeat)")
+    plane.release.set()
+    with pytest.raises(PeerLostError, match=f"'{PEER}' was dropped while link .* was opening"):
+        ensured.result(WAIT_S)
+    assert len(plane.opened) == 1 and plane.opened[0].closed
+    assert peers.get(PEER) is None
+
+
+@pytest.mark.parametrize("how", ["drop", "close"])
+def test_a_link_the_responder_is_opening_is_closed_once_it_opens_after_a_drop_or_close(parts: Any, how: str) -> None:
+    peers, _, plane, _ = parts
+    remote = replace(handshake("remote"), session="s" * 32, open_link=True)
+    reply = peers.on_handshake(PEER, remote)
+    assert isinstance(reply, ReplyThen)
+    reply.then()  # what the dispatcher does once the reply is with ZMQ: the open starts on the link opener
+    assert plane.opening.wait(WAIT_S)
+    link_future = peers.get(PEER).link
+    if how == "drop":
+        peers.drop(PEER, "peer lost (heartbeat)")
+    else:
+        peers.close()
+    plane.release.set()
+    assert link_future.result(WAIT_S) is plane.opened[0]
+    assert plane.opened[0].closed_event.wait(WAIT_S), "the link opened after its peer was forgotten stays open"
+
+
+def test_a_handshake_gate_lives_only_while_a_handshake_is_under_way(parts: Any) -> None:
+    peers, channel, plane, pool = parts
+    ensured = ensure_in_background(peers, pool)
+    assert plane.opening.wait(WAIT_S)
+    assert set(peers._connecting) == {PEER}  # noqa: SLF001 - the gate of the handshake in flight
+    plane.release.set()
+    peer = ensured.result(WAIT_S)
+    assert peer.link.result(WAIT_S) is plane.opened[0] and not plane.opened[0].closed
+    assert peers._connecting == {}  # noqa: SLF001
+    channel.refuse = TransferTimeout("no answer")
+    with pytest.raises(TransferTimeout, match="no answer"):
+        peers.ensure("other.r0", "tcp://other:1", True)
+    assert peers._connecting == {}  # noqa: SLF001 - a failed handshake leaves none either

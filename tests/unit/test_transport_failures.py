@@ -1,0 +1,290 @@
+"""ncclkv.transport when things go wrong: callbacks, refused hooks, bad timeouts and windows, peers that clash."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from contextlib import closing
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ncclkv._env import env_settings
+from ncclkv.errors import CapacityError, ClosedError, HandshakeError, ShapeMismatchError, TransferError
+from ncclkv.transport import DataPlane, Link, LoopbackHub, LoopbackTransport, loopback_pair
+from ncclkv.transport import _opener
+from ncclkv.transport._base import MAX_TIMEOUT_S, split_address
+from ncclkv.transport._pipe import Completed
+
+from link_probes import sleepy_poster
+
+WAIT_S = 10.0
+
+
+class _PostsAtOnce:
+    """A backend whose posts complete at once and whose abort only says it was called."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+
+    def post_send(self, tensor: torch.Tensor) -> Completed:
+        return Completed()
+
+    def post_recv(self, tensor: torch.Tensor) -> Completed:
+        return Completed()
+
+    def framing(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+    def release(self) -> None:
+        return None
+
+
+def test_a_done_callback_may_call_into_the_link_when_a_close_lands_during_the_post() -> None:
+    """close() stops the pipe while the poster is inside a send's post; that send's future then fails with
+    ClosedError, and its callback (which takes the link's locks, as the engine's do) must run without the
+    pipe's lock held, or the poster deadlocks on itself."""
+    backend = _PostsAtOnce()
+    link = Link("cb-close", 0, torch.device("cpu"), backend, timeout_s=2.0)
+    in_fill, go_on = threading.Event(), threading.Event()
+
+    def fill(out: torch.Tensor) -> None:
+        in_fill.set()
+        assert go_on.wait(WAIT_S)
+
+    sent = link.send(torch.empty(4), fill=fill)  # a send with a fill goes to the poster
+    assert in_fill.wait(WAIT_S)
+    seen: list[int] = []
+    called = threading.Event()
+
+    def on_done(_future: Any) -> None:
+        seen.append(link.stats().in_flight_sends)
+        called.set()
+
+    sent.add_done_callback(on_done)
+    closer = threading.Thread(target=link.close, name="test-closer", daemon=True)
+    closer.start()
+    assert backend.aborted.wait(WAIT_S)  # close() stopped the pipes before it aborted the backend
+    go_on.set()  # the post completes after the stop
+    assert called.wait(WAIT_S), "the send's callback never ran: the poster holds the pipe's lock"
+    with pytest.raises(ClosedError, match="seq 0.*the link is closed"):
+        sent.result(WAIT_S)
+    closer.join(WAIT_S)
+    assert not closer.is_alive() and seen == [0]
+
+
+@pytest.mark.parametrize("framed", [False, True], ids=["plain", "framed"])
+def test_a_hook_run_ahead_whose_result_is_refused_breaks_the_link(framed: bool) -> None:
+    """Run ahead of its turn (while the send before it is filled), the hook returned, so it may have
+    announced its tensor: its refused result breaks the link as at its turn, and the poster lives on."""
+    a, b = loopback_pair(f"refused-ahead-{framed}", timeout_s=WAIT_S, framed=framed)
+    with a, b:
+        shapes = [(2,), (3,), (2,)]  # the second hook returns the wrong shape
+        with sleepy_poster(a):  # all queued before the first is posted: the first's post runs the second's hook
+            sends = [a.send(torch.empty(2, device="meta"), before_send=lambda shape=shape: torch.empty(shape),
+                            fill=lambda out: out.fill_(1.0)) for shape in shapes]
+            got = [b.recv((2,), torch.float32) for _ in shapes]  # while b is whole: the break may come any time
+        with pytest.raises(ShapeMismatchError, match=r"seq 1.*before_send returned \(3,\) torch.float32 on cpu"):
+            sends[1].result(WAIT_S)
+        with pytest.raises(TransferError, match="seq 2.*the link broke"):
+            sends[2].result(WAIT_S)
+        with pytest.raises((TransferError, ClosedError)):
+            sends[0].result(WAIT_S)  # the break came while it was being posted
+        for receive in got:
+            with pytest.raises((TransferError, ClosedError)):
+                receive.result(WAIT_S)
+        assert isinstance(a.broken, ShapeMismatchError)
+
+
+def test_a_hook_that_raises_one_of_our_errors_fails_its_send_alone_with_that_type() -> None:
+    """A wire buffer refused (CapacityError) is still a CapacityError to whoever waits for the send."""
+    a, b = loopback_pair("typed-hook", timeout_s=WAIT_S)
+    with a, b:
+        def refuse() -> None:
+            raise CapacityError("wire buffers: 8 bytes asked, 0 free")
+
+        first = a.send(torch.ones(2))
+        skipped = a.send(torch.full((2,), 2.0), before_send=refuse)
+        third = a.send(torch.full((2,), 3.0))
+        r0, r1 = b.recv((2,), torch.float32), b.recv((2,), torch.float32)
+        with pytest.raises(CapacityError, match="seq 1.*before_send failed, not sent.*8 bytes asked, 0 free"):
+            skipped.result(WAIT_S)
+        assert r0.result(WAIT_S).tolist() == [1.0, 1.0] and r1.result(WAIT_S).tolist() == [3.0, 3.0]
+        assert first.result(WAIT_S) is None and third.result(WAIT_S) is None and a.broken is None
+
+
+# -- timeouts and windows that a link cannot take ----------------------------------------------
+
+BAD_TIMEOUTS = [float("inf"), float("nan"), -float("inf"), 0, -1.0, MAX_TIMEOUT_S * 2]
+
+
+@pytest.mark.parametrize("bad", BAD_TIMEOUTS, ids=repr)
+def test_a_timeout_a_wait_cannot_take_is_refused_where_it_is_given(bad: float) -> None:
+    match = re.escape(f"timeout_s must be > 0 and finite (at most {MAX_TIMEOUT_S:g} s), got {bad!r}")
+    with pytest.raises(ValueError, match=match):
+        loopback_pair("bad-timeout", timeout_s=bad)
+    with pytest.raises(ValueError, match=match):
+        Link("bad-timeout", 0, torch.device("cpu"), _PostsAtOnce(), timeout_s=bad)
+    a, b = loopback_pair("per-call", timeout_s=WAIT_S)
+    with a, b:
+        with pytest.raises(ValueError, match=rf"link 'per-call': {match}"):
+            a.send(torch.ones(2), timeout_s=bad)
+        with pytest.raises(ValueError, match=rf"link 'per-call': {match}"):
+            b.recv((2,), torch.float32, timeout_s=bad)
+        assert a.broken is None and b.broken is None and a.stats().next_send_seq == 0
+    hub = LoopbackHub()
+    for transport in (LoopbackTransport(hub), DataPlane()):
+        with closing(transport):
+            with pytest.raises(ValueError, match=match):
+                transport.open_link("t", 0, transport.address, "cpu", bad)
+            with pytest.raises(ValueError, match=f"op_{match}"):
+                transport.open_link("t", 0, transport.address, "cpu", 1.0, op_timeout_s=bad)
+            assert transport.links() == []
+    with pytest.raises(TypeError, match="timeout_s must be a number of seconds, got str '1'"):
+        loopback_pair("text", timeout_s="1")  # type: ignore[arg-type]
+
+
+def test_the_longest_timeout_is_taken_by_a_gloo_link() -> None:
+    """MAX_TIMEOUT_S is below where gloo's waits overflow (8e9 s timed out at once)."""
+    with DataPlane() as p0, DataPlane() as p1:
+        with ThreadPoolExecutor(2) as pool:
+            f0 = pool.submit(p0.open_link, "longest", 0, p0.address, "cpu", WAIT_S, op_timeout_s=MAX_TIMEOUT_S)
+            f1 = pool.submit(p1.open_link, "longest", 1, p0.address, "cpu", WAIT_S, op_timeout_s=MAX_TIMEOUT_S)
+            l0, l1 = f0.result(WAIT_S), f1.result(WAIT_S)
+        got = l1.recv((3,), torch.float32)
+        assert l0.send(torch.arange(3.0)).result(WAIT_S) is None and got.result(WAIT_S).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_open_link_refuses_a_bad_window_before_it_meets_the_peer() -> None:
+    """Refused at once: no placeholder left behind, the id unused, and the peer never met a link that is not."""
+    hub = LoopbackHub()
+    with closing(LoopbackTransport(hub)) as left, closing(LoopbackTransport(hub)) as right:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="max_in_flight must be an int >= 1, got 0"):
+            left.open_link("w1", 0, right.address, "cpu", WAIT_S, max_in_flight=0)
+        with pytest.raises(ValueError, match="max_in_flight_bytes must be an int >= 1, got -5"):
+            left.open_link("w1", 0, right.address, "cpu", WAIT_S, max_in_flight_bytes=-5)
+        assert time.monotonic() - start < WAIT_S / 2 and left.links() == []
+        with ThreadPoolExecutor(2) as pool:  # the same id still opens
+            f0 = pool.submit(left.open_link, "w1", 0, right.address, "cpu", WAIT_S)
+            f1 = pool.submit(right.open_link, "w1", 1, right.address, "cpu", WAIT_S)
+            l0, l1 = f0.result(WAIT_S), f1.result(WAIT_S)
+        l0.send(torch.ones(1))
+        assert l1.recv((1,), torch.float32).result(WAIT_S).tolist() == [1.0]
+
+
+def test_a_link_that_cannot_be_built_after_the_rendezvous_aborts_its_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Link() failing after we met the peer (a CUDA stream, a thread): the peer's link breaks now, not at its
+    deadline, and nothing of ours is left behind."""
+    def flaky(link_id: str, link_rank: int, *args: Any, **kwargs: Any) -> Link:
+        if link_rank == 0:
+            raise RuntimeError("no stream left")
+        return Link(link_id, link_rank, *args, **kwargs)
+
+    monkeypatch.setattr(_opener, "Link", flaky)
+    hub = LoopbackHub()
+    with closing(LoopbackTransport(hub)) as left, closing(LoopbackTransport(hub)) as right:
+        with ThreadPoolExecutor(2) as pool:
+            f0 = pool.submit(left.open_link, "b1", 0, right.address, "cpu", WAIT_S)
+            f1 = pool.submit(right.open_link, "b1", 1, right.address, "cpu", WAIT_S)
+            with pytest.raises(RuntimeError, match="no stream left"):
+                f0.result(WAIT_S)
+            peer = f1.result(WAIT_S)
+        start = time.monotonic()
+        with pytest.raises(TransferError, match="closed by link rank 0"):
+            peer.recv((1,), torch.float32).result(WAIT_S)
+        assert time.monotonic() - start < WAIT_S / 2
+        assert left.links() == [] and "b1" not in left._links  # noqa: SLF001 - the placeholder is gone
+
+
+class _WatchedCondition(threading.Condition):
+    """The hub's condition, saying when someone first waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def test_two_loopback_ends_claiming_one_rank_both_fail_at_once() -> None:
+    hub = LoopbackHub()
+    hub._cond = _WatchedCondition()  # noqa: SLF001 - to know the first end waits before the second comes
+    with closing(LoopbackTransport(hub)) as first, closing(LoopbackTransport(hub)) as second, \
+            closing(LoopbackTransport(hub)) as host:
+        with ThreadPoolExecutor(1) as pool:
+            start = time.monotonic()
+            waiting = pool.submit(first.open_link, "same", 0, host.address, "cpu", WAIT_S)
+            assert hub._cond.waiting.wait(WAIT_S)  # noqa: SLF001
+            message = rf"link 'same' \(link rank 0, store {host.address}\): both ends claim link rank 0"
+            with pytest.raises(ValueError, match=message):
+                second.open_link("same", 0, host.address, "cpu", WAIT_S)
+            with pytest.raises(ValueError, match=message):
+                waiting.result(WAIT_S)
+            assert time.monotonic() - start < WAIT_S / 2  # not at its deadline
+        with pytest.raises(ValueError, match="already used"):
+            host.open_link("same", 1, host.address, "cpu", WAIT_S)
+        assert first.links() == [] and second.links() == []
+
+
+# -- the data plane's store connections and keys ------------------------------------------------
+
+
+def test_a_store_connection_keeps_the_store_timeout_not_its_first_links_deadline() -> None:
+    with DataPlane() as p0, DataPlane() as p1:
+        with ThreadPoolExecutor(2) as pool:
+            f0 = pool.submit(p0.open_link, "first", 0, p0.address, "cpu", 1.0)
+            f1 = pool.submit(p1.open_link, "first", 1, p0.address, "cpu", 1.0)
+            f0.result(WAIT_S), f1.result(WAIT_S)
+        client = p1._clients[p0.address]  # noqa: SLF001 - the shared connection is what this is about
+        assert client.timeout == timedelta(seconds=env_settings().deadline_s)
+        assert p1._client_gates == {}  # noqa: SLF001 - a gate lives only while its store is being connected
+    assert p0._gloo_device is None and p1._gloo_device is None  # noqa: SLF001 - close() let it go
+
+
+def test_a_handshake_refusal_keeps_the_store_connection() -> None:
+    """The peer's store answered (it says nccl where we are gloo): the connection is fine, keep it."""
+    with DataPlane() as p0, DataPlane() as p1:
+        host, port = split_address(p0.address)
+        other = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=WAIT_S))
+        squatted = dist.PrefixStore("ncclkv/mixed", other)
+        squatted.add("joined/0", 1)
+        squatted.set("gpu/0", "GPU-x")
+        squatted.set("backend/0", "nccl")
+        with pytest.raises(HandshakeError, match="this end uses gloo on cpu, the peer uses nccl"):
+            p1.open_link("mixed", 1, p0.address, "cpu", WAIT_S)
+        kept = p1._clients.get(p0.address)  # noqa: SLF001
+        assert kept is not None
+        with pytest.raises(ValueError, match="already joined"):
+            p1.open_link("mixed", 1, p0.address, "cpu", WAIT_S)
+        assert p1._clients.get(p0.address) is kept  # noqa: SLF001
+        del other
+
+
+def test_a_gloo_link_leaves_only_its_joined_keys_of_ours_in_the_store() -> None:
+    """gpu/ and backend/ are read by the peer before its group starts, so once ours is up they go; joined/
+    stays, since it is what refuses an id used before."""
+    with DataPlane() as p0, DataPlane() as p1:
+        with ThreadPoolExecutor(2) as pool:
+            f0 = pool.submit(p0.open_link, "keys", 0, p0.address, "cpu", WAIT_S)
+            f1 = pool.submit(p1.open_link, "keys", 1, p0.address, "cpu", WAIT_S)
+            l0, l1 = f0.result(WAIT_S), f1.result(WAIT_S)
+        store = p0._server  # noqa: SLF001
+        assert store is not None
+        for rank in (0, 1):
+            assert not store.check([f"ncclkv/keys/gpu/{rank}"]) and not store.check([f"ncclkv/keys/backend/{rank}"])
+            assert store.check([f"ncclkv/keys/joined/{rank}"])
+        l0.send(torch.ones(2))
+        assert l1.recv((2,), torch.float32).result(WAIT_S).tolist() == [1.0, 1.0]
