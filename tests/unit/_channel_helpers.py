@@ -1,14 +1,18 @@
-"""What the channel tests share: the channel threads alive now, and waiting for a condition with a deadline."""
+"""What the channel tests share: the channel threads alive now, waiting for a condition with a deadline, and a
+raw ZMQ DEALER playing a peer (or an intruder) by hand."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+import zmq
 
 from ncclkv.channel import THREAD_PREFIX
 
-__all__ = ["channel_threads", "wait_until"]
+__all__ = ["channel_threads", "raw_dealer", "wait_until"]
 
 
 def channel_threads() -> list[str]:
@@ -22,3 +26,18 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 
     while not predicate():
         assert time.monotonic() < deadline, f"condition not met within {timeout_s}s"
         time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def raw_dealer(address: str, routing_id: bytes) -> Iterator[zmq.Socket]:
+    """A DEALER connected to ``address`` under ``routing_id``, in a context of its own, closed after."""
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        sock.connect(address)
+        yield sock
+    finally:
+        sock.close(linger=0)
+        context.term()

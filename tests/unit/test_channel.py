@@ -37,7 +37,7 @@ from ncclkv.protocol import (
     encode,
 )
 
-from _channel_helpers import channel_threads, wait_until
+from _channel_helpers import channel_threads, raw_dealer, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAST = dict(heartbeat_s=0.05, deadline_s=0.5)
@@ -511,12 +511,7 @@ def test_a_reply_to_a_request_failed_by_peer_loss_is_dropped_quietly(
             marker.set()
 
     client = make_channel("client", on_message=record, heartbeat_s=0.05, deadline_s=30.0)
-    context = zmq.Context()
-    peer = context.socket(zmq.DEALER)
-    try:
-        peer.setsockopt(zmq.LINGER, 0)
-        peer.setsockopt(zmq.ROUTING_ID, b"peer")
-        peer.connect(client.address)
+    with raw_dealer(client.address, b"peer") as peer:
         peer.send(encode(Envelope("peer", 1, None, Ready("hello"))))
         wait_until(lambda: client.peer_alive("peer"), WAIT_S)
         outcome: list[BaseException] = []
@@ -536,9 +531,6 @@ def test_a_reply_to_a_request_failed_by_peer_loss_is_dropped_quietly(
         assert seen == [Ready("hello"), Ready("marker")] and client.stats.late_replies == 1
         dropped = [r for r in caplog.records if "reply from 'peer'" in r.getMessage()]
         assert [r.levelno for r in dropped] == [logging.DEBUG]
-    finally:
-        peer.close(linger=0)
-        context.term()
 
 
 def test_close_sends_the_frames_send_accepted_before_the_bye(make_channel: Callable[..., Channel]) -> None:

@@ -41,7 +41,7 @@ from ncclkv.protocol import (
     encode,
 )
 
-from _channel_helpers import channel_threads, wait_until
+from _channel_helpers import channel_threads, raw_dealer, wait_until
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 FAST = dict(heartbeat_s=0.05, deadline_s=2.0)
@@ -347,18 +347,10 @@ def test_hmac_frame_captured_on_one_path_does_not_replay_on_the_other(make: Chan
     b.send("A", Ready("req-1"))
     wait_until(lambda: len(seen) == 1, WAIT_S)
     frame = next(f for f in captured if b"req-1" in f)
-    context = zmq.Context()
-    raw = context.socket(zmq.DEALER)
-    try:
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.setsockopt(zmq.ROUTING_ID, b"B")
-        raw.connect(a.address)
+    with raw_dealer(a.address, b"B") as raw:
         raw.send(frame)
         wait_until(lambda: a.stats.auth_failures == 1, WAIT_S)
         assert seen == [("B", Ready("req-1"))] and a.stats.received == 1
-    finally:
-        raw.close(linger=0)
-        context.term()
 
 
 # -- configuration --------------------------------------------------------------------------
