@@ -309,6 +309,7 @@ def save(
     json_path = out / f"{result.name}.json"
     json_path.write_text(json.dumps(result.to_json(), indent=1))
     png_path = out / f"{result.name}.png"
+    png_path.unlink(missing_ok=True)  # an older run's figure must not stand beside this run's table
     if plot is not None and plot(result, png_path):
         return json_path, png_path
     return json_path, None

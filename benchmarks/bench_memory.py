@@ -14,13 +14,18 @@ the end of the wave.
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ._common import (
-    MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, show_and_save, standalone_command,
-    write_figure,
+    BENCH_DIR, MIB, BenchContext, BenchResult, Column, default_out, machine_info, pyplot, show_and_save,
+    standalone_command, write_figure,
 )
 from ._resources import growth
 from ._soak import SoakConfig, SoakReport, SoakSample, run_soak
@@ -30,6 +35,7 @@ __all__ = ["GOAL_GROWTH", "NAME", "TITLE", "main", "plot", "run"]
 NAME = "memory"
 TITLE = "Process RSS and staging bytes over a soak of many requests (2P2D, one process)"
 GOAL_GROWTH = 0.05  # growth over the last 80% of the run
+_CHILD_DEADLINE_S = 3600.0  # the soak's process: a full run takes minutes
 
 COLUMNS = (
     Column("what", "what", align="<"),
@@ -84,14 +90,13 @@ machine is busy. With `MALLOC_ARENA_MAX=2` the plateau was about 15 MiB lower
 the median of the first three after the first 20%, so one sample caught
 mid-allocation does not decide it.
 
-Under `ncclkv bench` this benchmark runs in the process the earlier ones used,
-so `RSS before the engines` and the high-water mark carry what those left
-behind, freed memory glibc keeps included: bench transfer's caches of up to
-512 MiB per side and its two real engines' wire buffers. Run after transfer,
-overlap and scale in one process (2026-11-24), RSS fell from 1321 to 800 MiB
-during the soak (-39%) as glibc returned what the earlier benchmarks had
-freed, which is why the figure here comes from a run alone (`ncclkv bench
-memory`), from an empty process.
+The soak runs in a process of its own, started empty, even under `ncclkv
+bench` after other benchmarks: run in the process the earlier ones used
+(2026-11-24, after transfer, overlap and scale), `RSS before the engines`
+and the high-water mark carried what those left behind, freed memory glibc
+keeps included (bench transfer's caches of up to 512 MiB per side, its
+engines' wire buffers), and RSS fell from 1321 to 800 MiB during the soak
+(-39%) as glibc returned it: a number about those benchmarks, not this one.
 """
 
 
@@ -118,6 +123,7 @@ def _result(report: SoakReport, quick: bool, command: str) -> BenchResult:
     waiting = _row("staging used while staged pushes wait", [s.staging_used for s in staged], False)
     waiting["series"] = _series(staged, lambda s: s.staging_used)
     after = _row("staging used, end of each wave", [s.staging_used for s in end], False)
+    after["series"] = _series(end, lambda s: s.staging_used)
     wire = _row("wire buffers kept for reuse, end of each wave", [s.wire_cached for s in end], True)
     wire["series"] = _series(end, lambda s: s.wire_cached)
     rows = [rss, waiting, after, wire]
@@ -159,7 +165,7 @@ def plot(result: BenchResult, path: Path) -> bool:
     plt = pyplot()
     if plt is None:
         return False
-    rss, waiting, wire = result.rows[0], result.rows[1], result.rows[3]
+    rss, waiting, after, wire = result.rows[0], result.rows[1], result.rows[2], result.rows[3]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     top.plot([p[0] for p in rss["series"]], [p[2] for p in rss["series"]], marker=".", linewidth=1)
     top.axvline(0.2 * result.meta["requests"], color="grey", linestyle="--", linewidth=1, label="20% of the run")
@@ -167,7 +173,9 @@ def plot(result: BenchResult, path: Path) -> bool:
     top.legend(fontsize=8)
     bottom.plot([p[0] for p in waiting["series"]], [p[2] for p in waiting["series"]], marker=".", linewidth=1,
                 color="tab:orange", label="staging while staged pushes wait")
-    bottom.axhline(0.0, color="tab:green", linewidth=1, label="staging at the end of each wave (always 0)")
+    if "series" in after:  # measured (results before 2026-11-26 kept only its summary)
+        bottom.plot([p[0] for p in after["series"]], [p[2] for p in after["series"]], marker=".", linewidth=1,
+                    color="tab:green", label="staging at the end of each wave")
     bottom.plot([p[0] for p in wire["series"]], [p[2] for p in wire["series"]], marker=".", linewidth=1,
                 color="tab:purple", label="wire buffers kept for reuse (all ranks), end of each wave")
     bottom.set(title="staging used (all decode ranks), wire buffers cached (all ranks)", xlabel="requests done",
@@ -197,9 +205,31 @@ def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> SoakR
 
 
 def run(ctx: BenchContext) -> BenchResult:
-    """The benchmark with its defaults (quick when the context is); ``repeats`` does not apply: one run."""
-    args = _parse(["--quick"] if ctx.options.quick else [])
-    return _result(_measure(args, ctx.progress), args.quick, ctx.options.command)
+    """The benchmark with its defaults (quick when the context is); ``repeats`` does not apply: one run.
+
+    The soak runs in a new process (see ANALYSIS): this one may hold what earlier benchmarks left.
+    """
+    argv = ["--quick"] if ctx.options.quick else []
+    with tempfile.TemporaryDirectory(prefix="ncclkv-bench-memory-") as tmp:
+        child = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_memory", *argv, "--out", tmp, "--no-plot"],
+                                 cwd=BENCH_DIR.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = threading.Timer(_CHILD_DEADLINE_S, child.kill)  # the soak's own waits have deadlines; this too
+        deadline.start()
+        try:
+            assert child.stdout is not None
+            for line in child.stdout:
+                ctx.progress(line.rstrip())
+            code = child.wait()
+        finally:
+            deadline.cancel()
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        if code != 0:
+            raise RuntimeError(f"the memory soak's process exited with {code} (its output is above)")
+        result = BenchResult.from_json(json.loads((Path(tmp) / "memory.json").read_text()))
+    result.meta["command"] = ctx.options.command
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:

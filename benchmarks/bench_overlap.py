@@ -223,9 +223,12 @@ measure it where the copies have cores of their own.
 
 Two cores. Compute (one torch thread), the sender's gather and gloo thread, and
 the receiver's gloo thread and scatter share two cores, with other engineers'
-jobs. While sending, compute slows down (`compute slowdown`: compute time per
-layer while sending over compute alone, 1.1-3.2x) and the transfer meant to hide
-behind it stretches too, so layer-wise sending finishes only about 0.8-1.35x
+jobs. While sending, compute slows down (`compute slowdown`: the forward's
+time per layer while sending over compute alone, 1.1-3.2x; in link rows that
+time includes each layer's gather, which runs on the compute thread after the
+layer, about 3 ms for a 16.5 MiB layer at 5.5 GB/s and most of the slowdown
+at large c; engine rows gather on the link's poster thread) and the transfer
+meant to hide behind it stretches too, so layer-wise sending finishes only about 0.8-1.35x
 sooner than sending after compute (chunked layers least: they compete hardest), although exposure drops from about L to
 about 1 layer. With c < x the backlog would grow by (x - c) per layer, towards
 L(1 - c/x) + 1 layers exposed; here compute's slowdown shrinks the backlog.

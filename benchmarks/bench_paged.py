@@ -114,19 +114,28 @@ def _check(
     wire: torch.Tensor,
     kernel: str,
 ) -> None:
-    """The measured code must be right: compare with advanced indexing (allocating, outside the timing)."""
-    cache.uniform_()  # distinct values, in place (no temporary the size of the cache)
-    gather(cache, spec, block_ids, tokens, take, wire, kernel=kernel)
+    """The measured code must be right, both ways: compare with advanced indexing (allocating, outside the timing)."""
     slots = torch.tensor([block_ids[t // spec.block_size] for t in tokens], device=cache.device)
     offsets = torch.tensor([t % spec.block_size for t in tokens], device=cache.device)
-    if spec.layout is CacheLayout.CPU_AMX:
-        keys, values = amx_views(cache, spec)
-        rows = [keys[slots, offsets // 16, offsets % 16].flatten(-2), values[slots, offsets // 2, offsets % 2].flatten(-2)]
-    else:
-        rows = [part[slots, offsets] for part in part_views(cache, spec)]
-    expected = torch.stack([part[:, take.start : take.stop] for part in rows])
+
+    def indexed() -> torch.Tensor:  # the slice as the wire holds it, read by indexing
+        if spec.layout is CacheLayout.CPU_AMX:
+            keys, values = amx_views(cache, spec)
+            rows = [keys[slots, offsets // 16, offsets % 16].flatten(-2),
+                    values[slots, offsets // 2, offsets % 2].flatten(-2)]
+        else:
+            rows = [part[slots, offsets] for part in part_views(cache, spec)]
+        return torch.stack([part[:, take.start : take.stop] for part in rows])
+
+    cache.uniform_()  # distinct values, in place (no temporary the size of the cache)
+    gather(cache, spec, block_ids, tokens, take, wire, kernel=kernel)
+    expected = indexed()
     if not torch.equal(wire.view(expected.shape), expected):
         raise AssertionError(f"{kernel} gather of {spec.layout.name} tokens {tokens!r} heads {take!r} is wrong")
+    wire.uniform_()  # other values, scattered into the same cells
+    scatter(wire, cache, spec, block_ids, tokens, take, kernel=kernel)
+    if not torch.equal(indexed(), wire.view(expected.shape)):
+        raise AssertionError(f"{kernel} scatter of {spec.layout.name} tokens {tokens!r} heads {take!r} is wrong")
 
 
 COLUMNS = (

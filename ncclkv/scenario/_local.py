@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..launch import free_port
+from ._registry import EXIT_PEER_FAILURE
 
 __all__ = ["EXIT_TIMEOUT", "LocalRun", "run_local"]
 
@@ -33,8 +34,10 @@ class LocalRun:
 
     @property
     def returncode(self) -> int:
-        """0 when every rank succeeded, else the first failing rank's code (124: the deadline passed)."""
-        return next((code for code in self.codes if code != 0), 0)
+        """0 when every rank succeeded, else the first failing rank's code (124: the deadline passed), one
+        other than EXIT_PEER_FAILURE first: that one only reports another rank's failure."""
+        failed = [code for code in self.codes if code != 0]
+        return next((code for code in failed if code != EXIT_PEER_FAILURE), failed[0] if failed else 0)
 
     @property
     def ok(self) -> bool:

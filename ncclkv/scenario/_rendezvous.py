@@ -51,13 +51,16 @@ class StoreRendezvous:
         """True on the rank whose process serves the store."""
         return self._hosting
 
-    def exchange(self, value: str, name: str = "value") -> list[str]:
-        """Publish this rank's ``value`` under ``name``; return every rank's, by rank (one call per name)."""
+    def exchange(self, value: str, name: str = "value", *, start_line: bool = False) -> list[str]:
+        """Publish this rank's ``value`` under ``name``; return every rank's, by rank (one call per name).
+
+        ``start_line``: every rank leaves within about a millisecond of the last one's arrival (what a
+        timed window starts from), at the cost of polling the store that often meanwhile."""
         deadline = time.monotonic() + self._deadline_s
         keys = [f"{name}/{rank}" for rank in range(self._info.world_size)]
         with self._typed("exchange", deadline):
             self._store.set(keys[self._info.rank], value)
-            self._wait(keys, deadline, "publish their value")
+            self._wait(keys, deadline, "publish their value", _POLL_MIN_S if start_line else _POLL_MAX_S)
             return [raw.decode() for raw in self._store.multi_get(keys)]
 
     def report_failure(self, message: str) -> None:
@@ -101,9 +104,9 @@ class StoreRendezvous:
         # A rank that died never leaves; the failure is raised by the caller either way.
         self._poll(["all_left"], time.monotonic() + min(_FAILURE_GRACE_S, self._deadline_s))
 
-    def _wait(self, keys: list[str], deadline: float, what: str) -> None:
+    def _wait(self, keys: list[str], deadline: float, what: str, poll_max_s: float = _POLL_MAX_S) -> None:
         """Return once every key is set; raise PeerLostError as soon as a rank reports a failure."""
-        if self._poll(keys, deadline, watch_failure=True):
+        if self._poll(keys, deadline, watch_failure=True, poll_max_s=poll_max_s):
             return
         if failure := self._failure():
             raise PeerLostError(f"{self._where}: waiting for every rank to {what}: {failure}")
@@ -118,7 +121,8 @@ class StoreRendezvous:
         outcome = self._store.get("outcome").decode()
         return None if outcome == _OK else outcome
 
-    def _poll(self, keys: list[str], deadline: float, *, watch_failure: bool = False) -> bool:
+    def _poll(self, keys: list[str], deadline: float, *, watch_failure: bool = False,
+              poll_max_s: float = _POLL_MAX_S) -> bool:
         """True once every key is set; False at the deadline, or (``watch_failure``) once a rank reported a failure.
 
         Polls, one round trip per ``check``: ``TCPStore.wait`` waits for all of its keys, so it
@@ -130,7 +134,7 @@ class StoreRendezvous:
             if left <= 0 or (watch_failure and self._failure()):
                 return False
             time.sleep(min(pause, left))
-            pause = min(pause * 2, _POLL_MAX_S)
+            pause = min(pause * 2, poll_max_s)
         return True
 
     @contextmanager

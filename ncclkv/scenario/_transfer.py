@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import EngineConfig, EngineRef, TransferEngine
+from ..errors import TransferTimeout
 from ..launch import LaunchInfo
 from ..layout import KVGeometry, ParallelLayout, Roi, shard_roi
 from ..paged import CacheLayout
@@ -94,7 +95,7 @@ def _wait_sent(engine: TransferEngine, requests: list[str], deadline_s: float) -
                 raise error
             pending.discard(request_id)
         if pending and time.monotonic() > deadline:
-            raise TimeoutError(f"requests {sorted(pending)} not sent within {deadline_s} s")
+            raise TransferTimeout(f"requests {sorted(pending)} not sent within {deadline_s} s")
         if pending:
             time.sleep(0.002)  # polling the engine's own bookkeeping; no data waits on this
 
@@ -122,7 +123,9 @@ def run_rank(info: LaunchInfo, place: RankPlace, topology: PDTopology, cfg: Tran
         if producer:  # the KV "prefill" computed, before anyone measures the transfer
             for i in mine:
                 fill_shard(caches, cache_layout, cfg.geometry, shard, i + 1, cfg.blocks(i, block), cfg.tokens[i])
-        rendezvous.exchange("filled", name="filled")
+        # The timed window starts here on every rank: a consumer that woke 50 ms late (the store's usual
+        # polling backoff) would leave a push's first 50 ms out of its window.
+        rendezvous.exchange("filled", name="filled", start_line=True)
         started = time.monotonic()
         if producer:
             for i in mine:
@@ -189,6 +192,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rank 0 also writes the summary as JSON to PATH (for benchmarks)")
 
 
+def check_kill(cfg: TransferConfig, topology: PDTopology, world_size: int) -> None:
+    """``--kill-rank`` must name a prefill rank that pushes a request, else nothing is injected and the run
+    would pass as if it had been (ValueError naming the values)."""
+    rank = cfg.kill_rank
+    if rank is None:
+        return
+    if cfg.mode != "push":
+        raise ValueError(f"--kill-rank {rank} needs --mode push (the rank dies after its first saved layer)")
+    if not 0 <= rank < world_size or topology.place(rank).role != "prefill":
+        raise ValueError(f"--kill-rank {rank} is not a prefill rank of {topology} ({world_size} ranks)")
+    instance = topology.place(rank).instance
+    if not any(pair_of(i, topology)[0] == instance for i in range(len(cfg.tokens))):
+        raise ValueError(f"--kill-rank {rank}: prefill[{instance}] pushes none of the {len(cfg.tokens)} requests")
+
+
 def config_from_args(args: argparse.Namespace) -> TransferConfig:
     requests, max_tokens = (4, 80) if args.small else (args.requests, args.max_tokens)
     if requests < 1 or max_tokens < 1:
@@ -207,6 +225,7 @@ def run(info: LaunchInfo, args: argparse.Namespace) -> None:
     cfg = config_from_args(args)
     topology.prefill.check(cfg.geometry)
     topology.decode.check(cfg.geometry)
+    check_kill(cfg, topology, info.world_size)
     results = transfer_on_rank(info, topology, cfg, resolve_device(args.device, info),
                                resolve_bind_host(args.bind_host, info))
     if info.rank == 0:

@@ -108,6 +108,7 @@ def test_memory_samples_rss_staging_and_wire_buffers_every_wave(quick_run: tuple
     assert rss["series"][-1][0] == result.meta["requests"]  # [requests done, seconds, MiB], in order
     assert rss["first_mib"] > 0 and math.isfinite(rss["growth_pct"])
     assert waiting["peak_mib"] > 0 and after["peak_mib"] == 0  # pushes waited in staging; none was left over
+    assert [p[2] for p in after["series"]] == [0.0] * rss["samples"]  # measured at each wave's end, and plotted
     assert len(wire["series"]) == rss["samples"] and wire["last_mib"] > 0  # buffers came back for reuse
     assert result.meta["moved_bytes"] > 0 and "RSS growth over the last 80%" in result.headline[0]
 

@@ -17,12 +17,13 @@ import torch
 
 from ncclkv.errors import PeerLostError, TransferTimeout
 from ncclkv.launch import LaunchInfo, free_port
-from ncclkv.layout import ParallelLayout
+from ncclkv.layout import KVGeometry, ParallelLayout
 from ncclkv.scenario import EXIT_CHECK_FAILED, EXIT_OK, EXIT_PEER_FAILURE, SCENARIOS, PDTopology, ScenarioError, load_scenario
 from ncclkv.scenario.__main__ import build_parser, main
 from ncclkv.scenario._common import resolve_bind_host, resolve_device, topology_from_args
 from ncclkv.scenario._rendezvous import StoreRendezvous
 from ncclkv.scenario._ring import RingConfig, check_payload, ring_payload
+from ncclkv.scenario._transfer import TransferConfig, check_kill
 
 WAIT_S = 20.0
 
@@ -310,3 +311,18 @@ def test_the_entry_point_freezes_the_imported_heap_before_main() -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True).stdout
     frozen = int(out.rsplit("frozen", 1)[1])
     assert frozen > 10_000, out[-500:]
+
+
+@pytest.mark.parametrize(("mode", "kill_rank", "message"), [
+    ("pull", 0, r"--kill-rank 0 needs --mode push"),
+    ("push", 2, r"--kill-rank 2 is not a prefill rank of .* \(4 ranks\)"),  # a decode rank
+    ("push", 7, r"--kill-rank 7 is not a prefill rank"),
+    ("push", 1, r"--kill-rank 1: prefill\[1\] pushes none of the 1 requests"),
+])
+def test_transfer_kill_rank_must_inject_something(mode: str, kill_rank: int, message: str) -> None:
+    topology = PDTopology(2, ParallelLayout(1, 1), 2, ParallelLayout(1, 1))
+    cfg = TransferConfig(KVGeometry(2, 2, 8, "float32"), (16,), mode, 10.0, kill_rank)
+    with pytest.raises(ValueError, match=message):
+        check_kill(cfg, topology, 4)
+    check_kill(TransferConfig(cfg.geometry, (16,), "push", 10.0, 0), topology, 4)  # prefill[0] pushes request 0
+

@@ -36,11 +36,13 @@ def test_bad_arguments_are_refused_before_starting_anything() -> None:
         run_local(2, [], timeout_s=0)
 
 
-def test_local_run_reports_the_first_failing_rank() -> None:
+def test_local_run_reports_the_failure_not_its_echo() -> None:
+    # Rank 2's check failed; rank 1 only saw it as a peer failure (3): the run reports 4.
     run = LocalRun((0, 3, 4, 0), ("ok", "peer failure detected", "check failed", ""), 1.0)
     text = run.failure_text(tail_chars=6)
-    assert run.returncode == 3 and "--- rank 1 (exit 3) ---\ntected\n" in text and "rank 2 (exit 4)" in text
+    assert run.returncode == 4 and "--- rank 1 (exit 3) ---\ntected\n" in text and "rank 2 (exit 4)" in text
     assert "--- rank 0 (exit 0) ---\nok" in text and "rank 3" not in text  # silent successful ranks left out
+    assert LocalRun((0, 3, 0), ("", "", ""), 1.0).returncode == 3  # a peer failure alone is still one
     assert LocalRun((0, 0), ("", ""), 1.0).ok
 
 
