@@ -15,7 +15,7 @@ from typing import Any
 from ncclkv.demo import EngineError, EngineOptions, EngineProcess, RequestResult
 
 __all__ = ["EngineError", "EngineOptions", "EngineProcess", "ParallelEngineOptions", "RequestResult",
-           "session_scheduling"]
+           "load_failures", "session_scheduling"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,13 @@ class ParallelEngineOptions(EngineOptions):
         world = self.tensor_parallel_size * self.pipeline_parallel_size
         return {**EngineOptions.env(self),
                 "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cores[i % len(cores)]) for i in range(world))}
+
+
+def load_failures(engine: EngineProcess) -> list[str]:
+    """The connector's own warnings about failed loads in ``engine``'s log (vLLM then recomputes or fails the
+    request: outputs alone cannot tell)."""
+    return [line for line in engine.log_path.read_text(errors="replace").splitlines()
+            if "ncclkv: load of" in line and "failed" in line]
 
 
 def session_scheduling(engine: EngineProcess) -> list[tuple[int, frozenset[int]]]:

@@ -32,7 +32,8 @@ from typing import Any
 
 import pytest
 
-from engine_proc import EngineOptions, EngineProcess, ParallelEngineOptions, RequestResult, session_scheduling
+from engine_proc import (EngineOptions, EngineProcess, ParallelEngineOptions, RequestResult, load_failures,
+                         session_scheduling)
 from tiny_model import TINY_SPEC, make_prompts
 
 pytestmark = pytest.mark.vllm
@@ -79,11 +80,6 @@ def _prefill(engine: EngineProcess, layout: tuple[int, int], **params: Any) -> l
             assert producer["layer_partition"] == [TINY_SPEC.num_layers // layout[1]] * layout[1], producer
     return out  # type: ignore[return-value]
 
-
-def _load_failures(engine: EngineProcess) -> list[str]:
-    """The connector's own warnings about failed loads (vLLM then recomputes: outputs alone cannot tell)."""
-    return [line for line in engine.log_path.read_text(errors="replace").splitlines()
-            if "ncclkv: load of" in line and "failed" in line]
 
 
 def _decode_and_check(prefill: EngineProcess, decode: EngineProcess, layout: tuple[int, int],
@@ -155,7 +151,7 @@ def test_prefill_tp1_to_decode_tp2(tiny_model_dir: Path, cpu_cores: list[int], t
         assert decode_ref["tp_size"] == 2 and len(decode_ref["control_addrs"]) == 2, decode_ref
         pull_s = _decode_and_check(prefill, decode, (1, 1), expected)
         push_s = _decode_and_check(prefill, decode, (1, 1), expected, remote_decode=decode_ref)
-        assert _load_failures(decode) == []
+        assert load_failures(decode) == []
     print(f"pull {pull_s:.2f} s, push {push_s:.2f} s; test body {time.monotonic() - t0:.1f} s")
 
 
@@ -183,5 +179,5 @@ def test_prefill_pp2_to_decode_tp1(tiny_model_dir: Path, cpu_cores: list[int], t
         expected = _single_engine(reference, decode)
         pull_s = _decode_and_check(prefill, decode, (1, 2), expected)
         push_s = _decode_and_check(prefill, decode, (1, 2), expected, remote_decode=json.loads(ref_path.read_text()))
-        assert _load_failures(decode) == []
+        assert load_failures(decode) == []
     print(f"pull {pull_s:.2f} s, push {push_s:.2f} s; test body {time.monotonic() - t0:.1f} s")

@@ -34,7 +34,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from engine_proc import EngineProcess, ParallelEngineOptions, RequestResult, session_scheduling
+from engine_proc import EngineProcess, ParallelEngineOptions, RequestResult, load_failures, session_scheduling
 from tiny_model import TINY_SPEC, make_prompts
 
 pytestmark = pytest.mark.vllm
@@ -142,7 +142,7 @@ def test_pd_through_ncclkv_matches_single_engine(launch_engine, cpu_cores: list[
     push_s = time.monotonic() - t1
     assert _ids(decoded) == expected_push
     assert prefill.drain() == 0
-    assert _load_failures(decode) == []
+    assert load_failures(decode) == []
     decode.close()
 
     # Control: the same transfers into a decode engine that corrupts what it loads (test-only switch).
@@ -186,14 +186,9 @@ def test_pd_in_bfloat16_reads_the_cpu_layout_vllm_writes(launch_engine, cpu_core
     assert all(p["pushed"] for p in params)
     assert _ids(decode.generate(PUSH_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) == expected_push
     assert prefill.drain() == 0
-    assert _load_failures(decode) == []  # the KV was loaded, not recomputed
+    assert load_failures(decode) == []  # the KV was loaded, not recomputed
     print(f"\nbfloat16 caches read as {layout.value}")
 
-
-def _load_failures(engine: Any) -> list[str]:
-    """The connector's own warnings about failed loads (vLLM then recomputes: outputs alone cannot tell)."""
-    return [line for line in engine.log_path.read_text(errors="replace").splitlines()
-            if "ncclkv: load of" in line and "failed" in line]
 
 
 @pytest.mark.timeout(500)
@@ -229,7 +224,7 @@ def test_prefill_tp2_to_decode_tp1(tiny_model_dir: Path, launch_engine, cpu_core
         assert _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) == expected
         params = _prefill(prefill, PULL_PROMPTS, remote_decode=json.loads(ref_path.read_text()))
         assert _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) == expected
-        assert _load_failures(decode) == []
+        assert load_failures(decode) == []
         assert prefill.drain() == 0  # both prefill ranks reported every transfer done
         # The prefill engine goes away between its half and the decode's: every layer-wise (sync) load
         # fails at the deadline, vLLM recomputes those blocks, and the outputs are still the single engine's.
@@ -237,7 +232,7 @@ def test_prefill_tp2_to_decode_tp1(tiny_model_dir: Path, launch_engine, cpu_core
         prefill.close()
         failed_at = time.monotonic()
         assert _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) == expected
-        failures = _load_failures(decode)
+        failures = load_failures(decode)
         assert len(failures) == len(PULL_PROMPTS) and all("its blocks are reported to vLLM" in f for f in failures), failures
         print(f"prefill gone: {len(failures)} loads failed, recomputed in {time.monotonic() - failed_at:.1f} s")
     finally:
