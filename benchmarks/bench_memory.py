@@ -211,7 +211,8 @@ def run(ctx: BenchContext) -> BenchResult:
     """
     argv = ["--quick"] if ctx.options.quick else []
     with tempfile.TemporaryDirectory(prefix="ncclkv-bench-memory-") as tmp:
-        child = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_memory", *argv, "--out", tmp, "--no-plot"],
+        child = subprocess.Popen([sys.executable, "-u", "-m", "benchmarks.bench_memory", *argv, "--out", tmp,
+                                  "--no-plot"],  # -u: its progress comes as it happens, not at its end
                                  cwd=BENCH_DIR.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = threading.Timer(_CHILD_DEADLINE_S, child.kill)  # the soak's own waits have deadlines; this too
         deadline.start()

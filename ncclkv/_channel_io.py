@@ -55,6 +55,7 @@ _Command = tuple[str, str, str | bytes | threading.Event, bytes | None]
 class _Link:
     dealer: zmq.Socket | None = None  # set when we connected to the peer
     routing_id: bytes | None = None  # set when the peer connected to us
+    client_key: str | None = None  # CURVE: the key (Z85) of the client on that connection
 
 
 class IoLoop:
@@ -277,6 +278,16 @@ class IoLoop:
                 self._send(peer_id, bytes(arg), counted=True)
 
     def _connect(self, peer_id: str, address: str, server_key: bytes | None) -> None:
+        if self._auth.curve is not None:  # bound first: frames under this id from another key are refused
+            key = (server_key or self._auth.curve.server_key).decode("ascii")
+            self._keys[peer_id] = key
+            link = self._links.get(peer_id)
+            if link is not None and link.dealer is None and link.client_key != key:
+                # It reached us first from another allowed key: not that peer. Stop answering there.
+                log.warning("channel %r: %r reached us with CURVE key %s, not %s: connecting to it instead",
+                            self._peer_id, peer_id, link.client_key, key)
+                self._counters.auth_failures += 1
+                del self._links[peer_id]
         if peer_id in self._links:  # already reachable: keep its path, so its frames stay in order
             return
         dealer = self._router.context.socket(zmq.DEALER)
@@ -284,7 +295,6 @@ class IoLoop:
         dealer.setsockopt(zmq.ROUTING_ID, self._peer_id.encode())  # the peer's ROUTER knows us by name
         if self._auth.curve is not None:
             configure_curve_client(dealer, self._auth, server_key)
-            self._keys[peer_id] = (server_key or self._auth.curve.server_key).decode("ascii")
         try:
             dealer.connect(address)
         except zmq.ZMQError as exc:
@@ -373,7 +383,8 @@ class IoLoop:
         self._peers.heard(sender, self._clock.now())
         link = self._links.get(sender)
         if routing_id is not None and (link is None or link.dealer is None):
-            self._links[sender] = _Link(routing_id=routing_id)  # answer on the connection it came in on
+            # Answer on the connection it came in on.
+            self._links[sender] = _Link(routing_id=routing_id, client_key=client_key)
         body = envelope.body
         if isinstance(body, Bye):
             if self._peers.mark_lost(sender):

@@ -198,7 +198,9 @@ class Channel:
         peer's public key (Z85), default ``auth.curve.server_key``; a peer
         that cannot prove it holds the matching secret is never talked to,
         and from then on frames under ``peer_id`` are accepted on this
-        channel's ROUTER only from a client with that key.
+        channel's ROUTER only from a client with that key. If ``peer_id``
+        already reached us from a client with another key, that connection
+        is no longer answered: this one is opened instead.
         """
         self._check_open()
         _check_peer_id(peer_id)
@@ -207,7 +209,8 @@ class Channel:
         key = curve_key(server_key, "server_key") if server_key is not None else None
         if key is not None and self.auth.curve is None:
             raise ValueError(f"server_key given for peer {peer_id!r} but this channel has no CURVE auth")
-        if self._peers.add(peer_id, self.clock.now()):
+        # With CURVE the I/O thread binds the key even to a live peer (one that reached us first).
+        if self._peers.add(peer_id, self.clock.now()) or self.auth.curve is not None:
             self._io.submit_connect(peer_id, address, key)
 
     def send(self, peer_id: str, body: Message, reply_to: int | None = None) -> int:

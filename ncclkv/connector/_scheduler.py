@@ -45,7 +45,7 @@ __all__ = ["SchedulerSide"]
 log = logging.getLogger("ncclkv.connector")
 
 _SENT_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-_LOADED_KEEP = 4096  # transfer ids of recent loads remembered, so a later request naming one does not decline it
+_SPENT_KEEP = 4096  # transfer ids loaded or declined here lately: a later request naming one computes locally
 
 
 @dataclass(slots=True)
@@ -80,7 +80,8 @@ class SchedulerSide:
         # transfer id -> the request loading it, until that request finishes: the children of an n > 1
         # request (or a client's retry) carry the same params, and one transfer fills one request's blocks.
         self._claims: dict[str, str] = {}
-        self._loaded: OrderedDict[str, None] = OrderedDict()  # transfer ids loads were issued for, lately
+        # Transfer ids loaded or declined here lately: spent, their producer may have freed them already.
+        self._spent: OrderedDict[str, None] = OrderedDict()
         self._declines: list[DeclineJob] = []
         self._loading: set[str] = set()  # async loads not yet reported finished
         self._held: set[str] = set()  # producer: blocks kept until finished_sending
@@ -119,9 +120,9 @@ class SchedulerSide:
         if not self._verify(request, remote):
             return 0, False
         owner = self._claims.get(remote.transfer_id)
-        if owner is not None and owner != req_id:
-            log.warning("ncclkv: request %s names transfer %s, which request %s loads; computing it locally",
-                        req_id, remote.transfer_id, owner)
+        if (owner is not None and owner != req_id) or (owner is None and remote.transfer_id in self._spent):
+            log.warning("ncclkv: request %s names transfer %s, which %s; computing it locally", req_id,
+                        remote.transfer_id, f"request {owner} loads" if owner else "was loaded or declined here")
             self._params[req_id] = None  # decided once: later lookups find no remote KV
             return 0, False
         if remote.pushed or self._config.async_load:
@@ -153,9 +154,7 @@ class SchedulerSide:
                                    params.num_tokens, params.pushed, sync))
         self._issued.add(req_id)
         self._claims[params.transfer_id] = req_id
-        self._loaded[params.transfer_id] = None
-        while len(self._loaded) > _LOADED_KEEP:
-            self._loaded.popitem(last=False)
+        self._spend(params.transfer_id)
         if not sync:
             self._loading.add(req_id)
 
@@ -206,6 +205,7 @@ class SchedulerSide:
                 del self._claims[params.transfer_id]
             elif self._declining(request, params):
                 self._declines.append(DeclineJob(params.transfer_id, params.producer))
+                self._spend(params.transfer_id)
         for table in (self._params, self._verified, self._asked):
             table.pop(req_id, None)
         self._issued.discard(req_id)
@@ -235,15 +235,20 @@ class SchedulerSide:
         return len(set().union(*tables)) + len(self._loads) + len(self._releases) + len(self._declines)
 
     # -- internals ---------------------------------------------------------------------------
+    def _spend(self, transfer_id: str) -> None:
+        self._spent[transfer_id] = None
+        while len(self._spent) > _SPENT_KEEP:
+            self._spent.popitem(last=False)
+
     def _declining(self, request: Request, remote: RemotePrefill) -> bool:
         """Whether ``request``, finished, should tell its producer it will not pull: it is the request the
         transfer was prefilled for (its tokens hash alike: another prompt carrying these params must not
         cancel them), it never loaded, and no other request here loads or loaded that transfer (a decline
-        counts as this engine's pull). A pushed request needs none: its producer does not wait (staged
+        counts as this engine's pull) or declined it. A pushed request needs none: its producer does not wait (staged
         KV here expires after hold_s)."""
         req_id = request.request_id
         if req_id in self._issued or remote.pushed or remote.transfer_id in self._claims \
-                or remote.transfer_id in self._loaded:
+                or remote.transfer_id in self._spent:
             return False
         verified = self._verified.get(req_id)
         return _prefilled_for(request, remote) if verified is None else verified

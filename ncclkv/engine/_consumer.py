@@ -17,7 +17,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -41,6 +41,7 @@ log = logging.getLogger("ncclkv.engine")
 
 _Key = tuple[int, int, Route]  # (src rank, layer, route)
 _MAX_REFUSALS = 4096  # failed pushes remembered for a later expect(), each at most hold_s
+_MAX_DECLINES_QUEUED = 256  # pulls of nothing waiting to go out; past it a decline is dropped (hold_s frees it)
 
 
 @lru_cache(maxsize=256)
@@ -124,6 +125,10 @@ class ConsumerSide:
         self._refused: dict[str, tuple[float, str, NcclKVError]] = {}
         self._reserved = 0  # staging bytes promised to accepted push offers
         self._store = KVStoreBuffer(staging_bytes, evict=False)
+        # Declines (see decline) wait on producers that may be gone: a worker of their own (made at the
+        # first), never the executor that pulls, and a bounded queue.
+        self._decliner = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ncclkv-decline[{engine_id}.r{rank}]")
+        self._declines_queued = 0
         self._staging_log = StagingLog()
 
     def expect(self, request_id: str, producer: EngineRef, block_ids: Sequence[int], tokens: SpanSet | int,
@@ -194,8 +199,13 @@ class ConsumerSide:
         with self._cond:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is expected here: abort() it instead of declining it")
+            if self._declines_queued + producer.layout.world_size > _MAX_DECLINES_QUEUED:
+                log.info("not declining %s: %d declines already queued (its producer frees it after hold_s)",
+                         request_id, self._declines_queued)
+                return
+            self._declines_queued += producer.layout.world_size
         for src in range(producer.layout.world_size):
-            self._executor.submit(self._pull, request_id, producer, src, [], SpanSet(()))
+            self._decliner.submit(self._decline, request_id, producer, src)
 
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
         """Block until ``layer`` of ``request_id`` has landed; raise the request's error if it failed."""
@@ -267,6 +277,7 @@ class ConsumerSide:
             self._refused.clear()
             self._reserved = 0
             self._cond.notify_all()
+        self._decliner.shutdown(wait=True, cancel_futures=True)  # a running one ends with the channel's close
         self._store.close()
 
     def take_staging_events(self) -> list[StagingEvent]:
@@ -431,6 +442,19 @@ class ConsumerSide:
                     self._fail_locked(req, error)
 
     # -- internals ------------------------------------------------------------------------
+    def _decline(self, request_id: str, producer: EngineRef, src: int) -> None:
+        """On the decline worker: a pull of nothing to one producer rank, best effort. Its own worker, so a
+        producer that does not answer delays other declines only, never pulls; a lost one is skipped."""
+        try:
+            peer_id = producer.peer_id(src)
+            if self._peers.known(peer_id) is not None and not self._channel.peer_alive(peer_id):
+                log.info("not declining %s to %s: it was lost (it frees the blocks after hold_s)", request_id, peer_id)
+                return
+            self._pull(request_id, producer, src, [], SpanSet(()))
+        finally:
+            with self._cond:
+                self._declines_queued -= 1
+
     def _pull(self, request_id: str, producer: EngineRef, src: int, routes: list[Route], tokens: SpanSet) -> None:
         peer_id = producer.peer_id(src)
         try:

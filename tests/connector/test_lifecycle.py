@@ -284,6 +284,11 @@ def test_two_requests_naming_one_transfer_both_finish(engines: list[EngineSim], 
     decode.run(lambda: all(r in decode.finished for r in ids), also=(prefill,))
     assert decode.outputs(ids) == expected * 2 and decode.mismatches == []
     assert sorted(decode.computed[r] for r in ids) == [MAX_TOKENS, LENGTHS[1] + MAX_TOKENS - 1]
+    # A retry after both finished: the transfer is spent (its producer freed it), so what its own prefix
+    # cache lacks it computes at once, not after a pull that fails.
+    decode.add("d-c", PROMPTS[1], MAX_TOKENS, params)
+    decode.run(lambda: "d-c" in decode.finished, also=(prefill,))
+    assert decode.outputs(["d-c"]) == expected and not decode.load_errors
     _settle(prefill, decode)
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from ncclkv.engine import EngineConfig, EngineRef, TransferEngine
 from ncclkv.errors import CapacityError, ClosedError, TransferError
+from ncclkv.launch import free_port
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.paged import CacheLayout
 from ncclkv.protocol import Announce, RouteMsg
@@ -231,6 +232,12 @@ def test_engine_config_refuses_bad_values_naming_them(field: str, value: object,
     assert not {t.name for t in threading.enumerate()} - before
 
 
+def test_engine_config_bounds_the_environments_deadline_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NCCLKV_DEADLINE_S", "2e9")  # finite, but past what a link's waits take
+    with pytest.raises(ValueError, match=r"deadline_s must be a finite number .*\(at most 1e\+09\), got 2000000000.0"):
+        EngineConfig("e", 0, ONE, GQA)
+
+
 def test_engine_ref_checks_its_engine_id_like_the_config() -> None:
     with pytest.raises(ValueError, match=r"engine_id must be 1-128 chars of .*got 'a b'"):
         EngineRef("a b", ONE, ("tcp://127.0.0.1:1",))
@@ -254,5 +261,24 @@ def test_a_request_every_consumer_rank_declines_is_freed_before_hold_s() -> None
         with pytest.raises(ValueError, match="request 's' is expected here: abort"):
             decode[0].engine.decline("s", ref)
         decode[0].engine.abort("s")
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_declines_to_a_dead_producer_never_delay_a_pull() -> None:
+    hub = LoopbackHub()
+    prefill = _sides(hub, "prefill", "producer", deadline_s=2.0)
+    decode = _sides(hub, "decode", "consumer", deadline_s=2.0)
+    try:
+        # Requests of a crashed prefill instance that clients gave up on: each decline waits a deadline.
+        nobody = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+        dead = EngineRef("gone", ParallelLayout(2, 1), tuple(nobody))
+        for i in range(8):
+            decode[0].engine.decline(f"gone-{i}", dead)
+        prefill[0].fill(seed=7, block_ids=[1, 2], num_tokens=20)
+        prefill[0].engine.finish("live", [1, 2], 20)
+        decode[0].engine.expect("live", engine_ref("prefill", ONE, prefill), [3, 4], 20)
+        decode[0].engine.wait("live", timeout_s=WAIT_S)  # before: behind 16 hopeless handshakes, it stalled
+        assert decode[0].mismatches(7, [3, 4], 20, Span(0, 20)) == []
     finally:
         close_sides(prefill, decode)

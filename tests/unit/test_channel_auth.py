@@ -212,6 +212,29 @@ def test_curve_binds_a_connected_peer_id_to_its_key(make: Channels) -> None:
     assert [(sender, body) for sender, body in server.seen] == [("r1", Ready("real")), ("r9", Ready("unbound"))]
 
 
+def test_curve_binding_a_peer_an_impostor_reached_us_as_stops_answering_the_impostor(make: Channels) -> None:
+    """r2's key, r1's name, reaching the server first; the server then connects to r1 with r1's key: its
+    request goes to the real r1, not back on the impostor's connection, and the impostor is refused."""
+    keys = {name: zmq.curve_keypair() for name in ("r0", "r1", "r2")}
+    allowed = frozenset(public for public, _ in keys.values())
+
+    def rank(name: str) -> ChannelAuth:
+        public, secret = keys[name]
+        return ChannelAuth(curve=CurveConfig(public, secret, keys["r0"][0], allowed))
+
+    server = make.server(rank("r0"))
+    impostor = make.client("r1", rank("r2"), on_message=lambda sender, body: Ack(body.request_id, 666))
+    impostor.connect("server", server.channel.address)
+    assert impostor.request("server", Ready("first"), timeout_s=10) == Ack("first", None)
+    real = make.client("r1", rank("r1"), on_message=lambda sender, body: Ack(body.request_id, 1))
+    server.channel.connect("r1", real.address, server_key=keys["r1"][0])
+    assert server.channel.request("r1", Ready("for-r1"), timeout_s=10) == Ack("for-r1", 1)
+    assert server.channel.stats.auth_failures >= 1
+    impostor.send("server", Ready("again"))
+    wait_until(lambda: server.channel.stats.auth_failures >= 2, WAIT_S)
+    assert [body for _, body in server.seen] == [Ready("first")]
+
+
 def test_curve_and_secret_together_and_a_failed_bind_leaves_no_thread(make: Channels,
                                                                      certs: dict[str, Path]) -> None:
     both = ChannelAuth(curve=curve(certs, "server").curve, shared_secret=SECRET)

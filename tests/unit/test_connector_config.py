@@ -38,7 +38,9 @@ def test_unknown_keys_are_named() -> None:
 @pytest.mark.parametrize(("extra", "message"), [
     ({"async_load": 1}, "'async_load'.* must be bool, got int"),
     ({"deadline_s": True}, "'deadline_s'.* must be float or None, got bool"),
-    ({"deadline_s": 0}, "'deadline_s'.* must be > 0"),
+    ({"deadline_s": 0}, r"'deadline_s'.* must be a finite number of seconds > 0 \(at most 1e\+09\), got 0"),
+    ({"hold_s": float("inf")}, r"'hold_s'.* must be a finite number of seconds > 0 .*got inf"),
+    ({"hold_s": 1e10}, r"'hold_s'.* must be a finite number of seconds > 0 .*got 10000000000.0"),
     ({"staging_bytes": 2.5}, "'staging_bytes'.* must be int or None"),
     ({"staging_bytes": 0}, "'staging_bytes'.* must be >= 1"),
     ({"cache_layout": "nhd"}, "'cache_layout'.*'nhd' is not one of"),
