@@ -117,6 +117,7 @@ class ConsumerSide:
         self._cond = threading.Condition()
         self._requests: dict[str, _Expected] = {}
         self._recv_seq: dict[str, int] = {}  # link id -> seq the next announcement must carry
+        peers.on_link_gone(lambda link_id: self._recv_seq.pop(link_id, None))
         self._hold_s = hold_s
         self._staged: dict[str, _Staged] = {}
         # Pushes that failed before this rank expected them (refused here for room, or the producer's error),

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -73,6 +73,7 @@ class PeerLinks:
         # may send on a different one, so a receiver finds the link an
         # announcement names, not just the newest.
         self._links: dict[str, Peer] = {}
+        self._gone_hooks: list[Callable[[str], None]] = []  # told each link id that leaves _links
         self._connecting: dict[str, _Gate] = {}  # only peers with an ensure() in progress
         self._closed = False
 
@@ -191,6 +192,17 @@ class PeerLinks:
             raise TransferTimeout(f"link {link_id!r} to {peer_id!r} not open after {self._deadline_s}s")
         return peer.link.result()
 
+    def on_link_gone(self, hook: Callable[[str], None]) -> None:
+        """Call ``hook(link_id)`` for every link forgotten from now on (dropped, replaced, failed to open), so
+        what others keep per link id (announcement sequence numbers) goes with it."""
+        self._gone_hooks.append(hook)
+
+    def _gone(self, peers: Sequence[Peer]) -> None:
+        for peer in peers:
+            if peer.link_id is not None:
+                for hook in self._gone_hooks:
+                    hook(peer.link_id)
+
     def drop(self, peer_id: str, reason: BaseException | str) -> None:
         """Forget ``peer_id`` and close every link to it, a link still opening once it opens; the next ``ensure``
         shakes hands anew."""
@@ -204,6 +216,7 @@ class PeerLinks:
                     "dropping peer %s: %s", peer_id, reason)
         for peer in gone:
             _close_link(peer)
+        self._gone(gone)
 
     def close(self) -> None:
         """Forget every peer and close every link, a link still opening once it opens; later calls raise ClosedError."""
@@ -239,6 +252,7 @@ class PeerLinks:
                     stale.append(other)
         for other in stale:
             _close_link(other)
+        self._gone(stale)
         return peer
 
     def _discard(self, peer: Peer) -> None:
@@ -248,6 +262,7 @@ class PeerLinks:
                 del self._peers[peer.peer_id]
             if peer.link_id is not None and self._links.get(peer.link_id) is peer:
                 del self._links[peer.link_id]
+        self._gone([peer])
 
     @contextlib.contextmanager
     def _handshaking(self, peer_id: str) -> Iterator[None]:

@@ -67,6 +67,7 @@ class ProducerSide:
         self._early: dict[str, list[tuple[str, PullRequest, float]]] = {}  # pulls before finish()
         self._finished: dict[str, BaseException | None] = {}
         self._seq: dict[str, int] = {}  # per link id: the seq the next announce carries
+        peers.on_link_gone(lambda link_id: self._seq.pop(link_id, None))
         self._pusher = Pusher(rank, layout, geometry, caches, channel, peers, executor, self._announcer,
                               self._pushed, deadline_s, stats, piece_bytes, last_piece_bytes)
 

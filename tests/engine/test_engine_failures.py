@@ -282,3 +282,18 @@ def test_declines_to_a_dead_producer_never_delay_a_pull() -> None:
         assert decode[0].mismatches(7, [3, 4], 20, Span(0, 20)) == []
     finally:
         close_sides(prefill, decode)
+
+
+def test_what_is_kept_per_link_goes_with_the_link() -> None:
+    hub = LoopbackHub()
+    prefill, decode = _sides(hub, "prefill", "producer"), _sides(hub, "decode", "consumer")
+    try:
+        start_pull("r", prefill, decode, 8, [1, 2], [1, 2], 20)
+        decode[0].engine.wait("r", timeout_s=WAIT_S)
+        producer, consumer = prefill[0].engine._producer, decode[0].engine._consumer  # noqa: SLF001
+        assert len(producer._seq) == len(consumer._recv_seq) == 1  # noqa: SLF001 - the link's next seq
+        prefill[0].engine._peers.drop("decode.r0", "test: the consumer went away")  # noqa: SLF001
+        decode[0].engine._peers.drop("prefill.r0", "test: the producer went away")  # noqa: SLF001
+        assert producer._seq == {} and consumer._recv_seq == {}  # noqa: SLF001 - one entry per link ever, before
+    finally:
+        close_sides(prefill, decode)
