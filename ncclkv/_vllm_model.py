@@ -105,7 +105,8 @@ def build_tiny_llama(
         return out
     if out.exists() and any(out.iterdir()):
         if found is None:
-            raise ValueError(f"{out} is not empty and holds no tiny-model build; refusing to overwrite it")
+            raise ValueError(f"{out} is not empty and holds no tiny-model build; refusing to overwrite it "
+                             "(give ncclkv demo another --model-dir)")
         shutil.rmtree(out)  # our own build of another spec
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

@@ -145,8 +145,8 @@ def _run_vllm(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         result = run_demo(settings, where, report)
-    except (RuntimeError, OSError) as err:  # ncclkv.demo.EngineError among them: an engine failed
-        print(f"ncclkv demo: {err}\nengine logs: {log_dir}", file=sys.stderr)
+    except (RuntimeError, OSError, ValueError) as err:  # an engine failed (EngineError), or a file it read was bad
+        print(f"ncclkv demo: {type(err).__name__}: {err}\nengine logs: {log_dir}", file=sys.stderr)
         return 1
     rounds = f"medians of {settings.rounds} rounds, " if settings.rounds > 1 else ""
     report.table(summary_table(result), f"P/D through ncclkv vs one engine ({rounds}"
