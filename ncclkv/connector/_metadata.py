@@ -67,10 +67,12 @@ class PushJob:
 @dataclass(frozen=True, slots=True)
 class DeclineJob:
     """Consumer: a request that named ``transfer_id`` ended here without loading it; every worker tells
-    the producer's ranks, which free the held blocks instead of keeping them ``hold_s``."""
+    the producer's ranks, which free the held blocks instead of keeping them ``hold_s`` (``push``: gives
+    back what is staged for it and refuses the rest)."""
 
     transfer_id: str
     producer: EngineRef
+    push: bool = False
 
 
 @dataclass(frozen=True)

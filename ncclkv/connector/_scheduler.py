@@ -204,7 +204,7 @@ class SchedulerSide:
             if self._claims.get(params.transfer_id) == req_id:
                 del self._claims[params.transfer_id]
             elif self._declining(request, params):
-                self._declines.append(DeclineJob(params.transfer_id, params.producer))
+                self._declines.append(DeclineJob(params.transfer_id, params.producer, params.pushed))
                 self._spend(params.transfer_id)
         for table in (self._params, self._verified, self._asked):
             table.pop(req_id, None)
@@ -244,10 +244,9 @@ class SchedulerSide:
         """Whether ``request``, finished, should tell its producer it will not pull: it is the request the
         transfer was prefilled for (its tokens hash alike: another prompt carrying these params must not
         cancel them), it never loaded, and no other request here loads or loaded that transfer (a decline
-        counts as this engine's pull) or declined it. A pushed request needs none: its producer does not wait (staged
-        KV here expires after hold_s)."""
+        counts as this engine's pull) or declined it. A pushed one gives back its staging here at once."""
         req_id = request.request_id
-        if req_id in self._issued or remote.pushed or remote.transfer_id in self._claims \
+        if req_id in self._issued or remote.transfer_id in self._claims \
                 or remote.transfer_id in self._spent:
             return False
         verified = self._verified.get(req_id)

@@ -136,7 +136,7 @@ class WorkerSide:
             engine.release(transfer_id)  # False: already reported (pulled or expired)
         for decline in meta.declines:
             try:
-                engine.decline(decline.transfer_id, decline.producer)
+                engine.decline(decline.transfer_id, decline.producer, push=decline.push)
             except Exception as err:  # the producer frees the blocks after its hold_s anyway
                 log.warning("ncclkv: cannot decline transfer %s of %s: %s", decline.transfer_id,
                             decline.producer.engine_id, err)

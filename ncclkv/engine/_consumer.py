@@ -193,13 +193,24 @@ class ConsumerSide:
         for src, src_routes in by_src.items():
             self._executor.submit(self._pull, request_id, producer, src, src_routes, token_set)
 
-    def decline(self, request_id: str, producer: EngineRef) -> None:
-        """Tell every rank of ``producer`` that this rank will not pull ``request_id`` (a pull of nothing,
-        what a rank the plan gives nothing sends): once every consumer rank said so or pulled, the
-        producer frees its blocks instead of holding them ``hold_s``. Returns at once."""
+    def decline(self, request_id: str, producer: EngineRef, push: bool = False) -> None:
+        """This rank will not take ``request_id``; returns at once.
+
+        Pull: tell every rank of ``producer`` (a pull of nothing, what a rank the plan gives nothing
+        sends): once every consumer rank said so or pulled, the producer frees its blocks instead of
+        holding them ``hold_s``. Push: what is staged for it is given back now, and its producer's later
+        offers are refused (its push then ends, and the producer frees the blocks)."""
         with self._cond:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is expected here: abort() it instead of declining it")
+            if push:
+                declined = TransferError(f"push of {request_id!r} was declined here (its request ended unloaded)")
+                staged = self._staged.get(request_id)
+                if staged is None:
+                    self._remember_refusal(request_id, producer.engine_id, declined)
+                elif staged.producer_engine_id == producer.engine_id:
+                    self._fail_staged_locked(request_id, staged, declined)
+                return
             if self._declines_queued + producer.layout.world_size > _MAX_DECLINES_QUEUED:
                 log.info("not declining %s: %d declines already queued (its producer frees it after hold_s)",
                          request_id, self._declines_queued)
@@ -243,17 +254,23 @@ class ConsumerSide:
                     out[request_id] = req.error
                     del self._requests[request_id]
                     self._stats.record_request(req.error is not None)
+                    if req.push and req.error is not None:  # a producer rank's late offer for it is refused
+                        self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error))
             for request_id, (since, _, _) in list(self._refused.items()):
                 if now - since > self._hold_s:  # never expected here: forget it
                     del self._refused[request_id]
             for request_id, staged in list(self._staged.items()):
                 if now - staged.since > self._hold_s:  # pushed, but never expected here: free its staging
-                    log.warning("dropping pushed request %s: not expected within %ss", request_id, self._hold_s)
+                    if staged.error is None:
+                        log.warning("dropping pushed request %s: not expected within %ss", request_id, self._hold_s)
                     self._reserved -= staged.reserved
-                    for key, piece in staged.landed:
-                        self._store.put(_store_key(request_id, key, piece), None)
+                    self._drop_stored_locked(request_id, staged)
                     del self._staged[request_id]
                     self._report_removed(staged, "expired")
+                    # An expect() after this fails at once (it would wait hold_s for tensors that never come).
+                    self._remember_refusal(request_id, staged.producer_engine_id, _as_ncclkv(
+                        staged.error or TransferTimeout(f"push of {request_id!r} expired in staging after "
+                                                        f"{self._hold_s:g}s, not expected here")))
         return out
 
     def abort(self, request_id: str) -> None:
@@ -339,8 +356,8 @@ class ConsumerSide:
             else:
                 req.progress = self._clock.now()  # an announcement is progress: its tensor is on the way
             if problem is not None and own and staged is not None and staged.error is None:
-                staged.error = ShapeMismatchError(problem)  # its expect() fails at once, not after a stall
-                self._report_removed(staged, "failed")
+                # Its expect() fails at once, not after a stall.
+                self._fail_staged_locked(ann.request_id, staged, ShapeMismatchError(problem))
         if problem is None:
             buf = self._caches.wire_buffer(piece, route.heads)
             link.recv(shape, self._caches.wire_dtype, out=buf).add_done_callback(
@@ -377,14 +394,23 @@ class ConsumerSide:
                     raise ProtocolError(f"push of {offer.request_id!r} from engine {offer.producer_engine_id!r}, "
                                         f"expected from {req.producer.engine_id!r}")
                 return Ack(offer.request_id, None)
+            staged = self._staged.get(offer.request_id)
+            refused = self._refused.get(offer.request_id)
+            failed = staged.error if staged is not None else refused[2] if refused is not None \
+                and refused[1] == offer.producer_engine_id else None
+            if failed is not None:  # another rank's part failed, or it was refused or expired: nothing to stage
+                raise type(_as_ncclkv(failed))(f"push of {offer.request_id!r} from {sender!r} refused: "
+                                                f"it already failed here: {failed}")
             free = self._store.capacity_bytes - self._reserved
             if nbytes > free:
                 refusal = CapacityError(
                     f"push of {offer.request_id!r} from {sender!r} needs {nbytes} B of staging; capacity "
                     f"{self._store.capacity_bytes} B, {self._reserved} B already reserved")
-                self._remember_refusal(offer.request_id, offer.producer_engine_id, refusal)
+                if staged is not None:  # the parts other ranks staged are of no use now: give them back
+                    self._fail_staged_locked(offer.request_id, staged, refusal)
+                else:
+                    self._remember_refusal(offer.request_id, offer.producer_engine_id, refusal)
                 raise refusal
-            staged = self._staged.get(offer.request_id)
             if staged is None:
                 staged = self._staged[offer.request_id] = _Staged(
                     offer.producer_engine_id, self._clock.now(), num_wanted=sum(len(r.layers) for r in want),
@@ -425,8 +451,7 @@ class ConsumerSide:
                 if staged is None:
                     self._remember_refusal(err.request_id, peer.remote.engine_id, err.to_exception(sender))
                 elif staged.producer_engine_id == peer.remote.engine_id and staged.error is None:
-                    staged.error = err.to_exception(sender)
-                    self._report_removed(staged, "failed")
+                    self._fail_staged_locked(err.request_id, staged, err.to_exception(sender))
                 return
             if req is None or req.error is not None:
                 return
@@ -436,11 +461,16 @@ class ConsumerSide:
             self._fail_locked(req, err.to_exception(sender))
 
     def fail_peer(self, peer_id: str, error: NcclKVError) -> None:
-        """Fail every request that still waits for data from ``peer_id``."""
+        """Fail every request that still waits for data from ``peer_id``, staged pushes from its engine included
+        (a complete one is kept: it needs nothing more from anyone)."""
+        engine_id = peer_id.rsplit(".r", 1)[0]
         with self._cond:
             for req in self._requests.values():
                 if req.error is None and any(req.producer.peer_id(src) == peer_id for src, _, _ in req.pending):
                     self._fail_locked(req, error)
+            for request_id, staged in self._staged.items():
+                if staged.error is None and staged.producer_engine_id == engine_id and staged.covered < staged.num_wanted:
+                    self._fail_staged_locked(request_id, staged, error)
 
     # -- internals ------------------------------------------------------------------------
     def _decline(self, request_id: str, producer: EngineRef, src: int) -> None:
@@ -480,8 +510,9 @@ class ConsumerSide:
                 staged = self._staged.get(request_id)
                 if staged is not None:
                     if error is not None:
-                        staged.error = staged.error or error
-                        self._report_removed(staged, "failed")
+                        self._fail_staged_locked(request_id, staged, error)
+                    elif staged.error is not None:  # failed meanwhile: nothing of it is kept
+                        self._caches.recycle(buf)
                     else:
                         self._store.put(_store_key(request_id, key, piece), buf)
                         staged.landed.append((key, piece))
@@ -496,6 +527,8 @@ class ConsumerSide:
         """Scatter one landed tensor (``piece`` of the slice ``key``) into the request's blocks and count it."""
         with self._cond:
             if req.error is not None:
+                if error is None:
+                    self._caches.recycle(buf)  # nothing reads it any more
                 return
             req.applying += 1  # abort() and take_finished() wait for this scatter
         if error is None:
@@ -577,6 +610,26 @@ class ConsumerSide:
                     raise TransferTimeout(f"request {request_id!r}: {what} not landed within {timeout_s}s")
                 self._cond.wait(min(stall_at, limit if limit is not None else stall_at) - now)
 
+    def _fail_staged_locked(self, request_id: str, staged: _Staged, error: BaseException) -> None:
+        """Under ``self._cond``: a staged push that can no longer be used gives back its staging at once
+        (reservation, stored tensors and their wire buffers) and stays as a tombstone until ``hold_s``: its
+        late tensors are drained, later offers refused, and an expect() fails at once with ``error``."""
+        if staged.error is None:
+            staged.error = error
+        self._report_removed(staged, "failed")
+        self._reserved -= staged.reserved
+        staged.reserved = 0
+        self._drop_stored_locked(request_id, staged)
+
+    def _drop_stored_locked(self, request_id: str, staged: _Staged) -> None:
+        """Under ``self._cond``: take ``staged``'s tensors out of the store and give their wire buffers back."""
+        for key, piece in staged.landed:
+            tensor = self._store.get(_store_key(request_id, key, piece))
+            self._store.put(_store_key(request_id, key, piece), None)
+            if tensor is not None:
+                self._caches.recycle(tensor)
+        staged.landed.clear()
+
     def _remember_refusal(self, request_id: str, producer_engine_id: str, error: NcclKVError) -> None:
         """Under ``self._cond``: what an expect() of this pushed request will fail with (see ``_refused``)."""
         if len(self._refused) >= _MAX_REFUSALS and request_id not in self._refused:  # bounded: drop the oldest
@@ -627,6 +680,11 @@ class ConsumerSide:
             req.error = error
             log.warning("request %s failed: %s", req.request_id, error)
         self._cond.notify_all()
+
+
+def _as_ncclkv(error: BaseException) -> NcclKVError:
+    """``error`` as one of ours (its type kept when it is one)."""
+    return error if isinstance(error, NcclKVError) else TransferError(f"{type(error).__name__}: {error}")
 
 
 def _offered_blocks(offer: PushOffer, sender: str) -> BlockTokens | None:

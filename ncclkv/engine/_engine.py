@@ -140,11 +140,12 @@ class TransferEngine:
             raise ValueError(f"request {request_id!r}: producer engine {producer.engine_id!r} is this engine")
         self._consumer.expect(request_id, producer, block_ids, tokens, push, keep_tokens)
 
-    def decline(self, request_id: str, producer: EngineRef) -> None:
-        """This rank will not pull ``request_id``: tell ``producer``'s ranks, which free its blocks once
-        every consumer rank pulled or declined, instead of holding them ``hold_s``. Returns at once."""
+    def decline(self, request_id: str, producer: EngineRef, *, push: bool = False) -> None:
+        """This rank will not take ``request_id``. Pull: tell ``producer``'s ranks, which free its blocks once
+        every consumer rank pulled or declined, instead of holding them ``hold_s``. Push: give back what is
+        staged for it now and refuse the rest. Returns at once."""
         self._check_open()
-        self._consumer.decline(request_id, producer)
+        self._consumer.decline(request_id, producer, push)
 
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
         """Block until ``layer`` of ``request_id`` is in this rank's cache (that layer only)."""

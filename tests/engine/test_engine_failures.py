@@ -297,3 +297,92 @@ def test_what_is_kept_per_link_goes_with_the_link() -> None:
         assert producer._seq == {} and consumer._recv_seq == {}  # noqa: SLF001 - one entry per link ever, before
     finally:
         close_sides(prefill, decode)
+
+
+def _staging(side: RankSide) -> tuple[int, int]:
+    """(bytes reserved for staged pushes, bytes in the staging store) of a consumer rank."""
+    consumer = side.engine._consumer  # noqa: SLF001
+    return consumer._reserved, consumer._store.used_bytes  # noqa: SLF001
+
+
+def _push(side: RankSide, request_id: str, consumer: EngineRef, blocks: list[int], num_tokens: int,
+          layers: range = range(GQA.num_layers)) -> None:
+    side.engine.start_push(request_id, consumer, blocks, num_tokens)
+    for layer in layers:
+        side.engine.save_layer(request_id, layer)
+    side.engine.finish(request_id)
+
+
+def test_a_staged_push_that_fails_gives_its_staging_back_at_once() -> None:
+    hub = LoopbackHub()
+    prefill = _sides(hub, "prefill", "producer")
+    decode = _sides(hub, "decode", "consumer", staging_bytes=160 * 1024, hold_s=600.0)
+    try:
+        ref = engine_ref("decode", ONE, decode)
+        _push(prefill[0], "half", ref, [0, 1], 32, range(2))  # half its layers: it fails
+        assert isinstance(_sent(prefill[0], "half"), TransferError)
+        _until(lambda: _staging(decode[0]) == (0, 0), "the failed push's staging back")  # not after hold_s
+        _push(prefill[0], "next", ref, [2, 3], 32)  # 128 KiB: refused while "half" held its 64 KiB
+        assert _sent(prefill[0], "next") is None
+        with pytest.raises(TransferError, match="layers \\[2, 3\\] were saved"):
+            decode[0].engine.expect("half", engine_ref("prefill", ONE, prefill), [4, 5], 32, push=True)
+            decode[0].engine.wait("half", timeout_s=WAIT_S)
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_a_push_refused_for_room_on_one_rank_gives_back_what_the_others_staged() -> None:
+    hub = LoopbackHub()
+    two = ParallelLayout(2, 1)
+    prefill = build_sides("prefill", two, GQA, CacheLayout.CPU, 16, "producer",
+                          transports=[LoopbackTransport(hub), LoopbackTransport(hub)])
+    decode = _sides(hub, "decode", "consumer", staging_bytes=100 * 1024, hold_s=600.0)  # room for one rank's part
+    try:
+        ref = engine_ref("decode", ONE, decode)
+        for side in prefill:
+            _push(side, "r", ref, [0, 1], 32)
+        outcomes = [_sent(side, "r") for side in prefill]
+        assert any(isinstance(o, CapacityError) for o in outcomes), outcomes
+        _until(lambda: _staging(decode[0]) == (0, 0), "the accepted rank's staging back")
+        _push(prefill[0], "r2", ref, [2, 3], 32)  # the room is free again: another push of that size fits
+        assert _sent(prefill[0], "r2") is None
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_an_expect_after_a_push_expired_in_staging_fails_at_once() -> None:
+    hub = LoopbackHub()
+    prefill = _sides(hub, "prefill", "producer")
+    decode = _sides(hub, "decode", "consumer", hold_s=0.5)
+    try:
+        _push(prefill[0], "late", engine_ref("decode", ONE, decode), [0, 1], 32)
+        assert _sent(prefill[0], "late") is None
+        consumer = decode[0].engine._consumer  # noqa: SLF001
+        _until(lambda: not decode[0].engine.take_finished_receiving() and "late" not in consumer._staged,  # noqa: SLF001
+               "the push expiring from staging")
+        assert _staging(decode[0]) == (0, 0)
+        decode[0].engine.expect("late", engine_ref("prefill", ONE, prefill), [4, 5], 32, push=True)
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="expired in staging"):
+            decode[0].engine.wait("late", timeout_s=WAIT_S)
+        assert time.monotonic() - started < 0.5  # before: a wait of hold_s for tensors that never come
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_a_declined_push_gives_its_staging_back_and_refuses_the_rest() -> None:
+    hub = LoopbackHub()
+    prefill = _sides(hub, "prefill", "producer")
+    decode = _sides(hub, "decode", "consumer", hold_s=600.0)
+    try:
+        ref, producer = engine_ref("decode", ONE, decode), engine_ref("prefill", ONE, prefill)
+        _push(prefill[0], "staged", ref, [0, 1], 32)
+        assert _sent(prefill[0], "staged") is None and _staging(decode[0])[1] > 0
+        decode[0].engine.decline("staged", producer, push=True)  # its decode request ended, unloaded
+        assert _staging(decode[0]) == (0, 0)
+        decode[0].engine.decline("coming", producer, push=True)  # declined before it was even pushed
+        _push(prefill[0], "coming", ref, [2, 3], 32)
+        assert isinstance(_sent(prefill[0], "coming"), TransferError)  # refused: the producer frees its blocks
+        assert _staging(decode[0]) == (0, 0)
+    finally:
+        close_sides(prefill, decode)
