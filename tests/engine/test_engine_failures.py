@@ -9,11 +9,13 @@ saved. Order is forced with events, never sleeps.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,6 +37,19 @@ WAIT_S = 20.0
 
 def _sides(hub: LoopbackHub, engine_id: str, role: str, **config: object) -> list[RankSide]:
     return build_sides(engine_id, ONE, GQA, CacheLayout.CPU, 16, role, transports=[LoopbackTransport(hub)], **config)
+
+
+@contextlib.contextmanager
+def _pair(producer: dict[str, Any] | None = None,
+          consumer: dict[str, Any] | None = None) -> Iterator[tuple[list[RankSide], list[RankSide]]]:
+    """A one-rank producer and a one-rank consumer engine on one loopback hub, closed after."""
+    hub = LoopbackHub()
+    prefill = _sides(hub, "prefill", "producer", **(producer or {}))
+    decode = _sides(hub, "decode", "consumer", **(consumer or {}))
+    try:
+        yield prefill, decode
+    finally:
+        close_sides(prefill, decode)
 
 
 def _until(poll: Any, what: str, timeout_s: float = WAIT_S) -> Any:
@@ -59,9 +74,7 @@ def _sent(side: RankSide, request_id: str) -> BaseException | None:
 
 
 def test_a_release_while_the_pull_waits_for_its_link_keeps_the_blocks_until_the_sends_end() -> None:
-    hub = LoopbackHub()
-    prefill, decode = _sides(hub, "prefill", "producer", hold_s=30.0), _sides(hub, "decode", "consumer")
-    try:
+    with _pair(producer=dict(hold_s=30.0)) as (prefill, decode):
         peers = prefill[0].engine._peers  # noqa: SLF001 - a link that takes its time to open
         opening, opened = threading.Event(), threading.Event()
         link = peers.link
@@ -80,14 +93,10 @@ def test_a_release_while_the_pull_waits_for_its_link_keeps_the_blocks_until_the_
         decode[0].engine.wait("r", timeout_s=WAIT_S)
         assert decode[0].mismatches(1, [1, 2], 20, Span(0, 20)) == []
         assert isinstance(_sent(prefill[0], "r"), TransferError)  # released: reported with that error
-    finally:
-        close_sides(prefill, decode)
 
 
 def test_a_link_closing_while_a_pull_is_queued_fails_that_request_and_reports_it() -> None:
-    hub = LoopbackHub()
-    prefill, decode = _sides(hub, "prefill", "producer", hold_s=30.0), _sides(hub, "decode", "consumer")
-    try:
+    with _pair(producer=dict(hold_s=30.0)) as (prefill, decode):
         peers = prefill[0].engine._peers  # noqa: SLF001 - the link closes after the pull's first send was queued
         link_of = peers.link
 
@@ -109,14 +118,10 @@ def test_a_link_closing_while_a_pull_is_queued_fails_that_request_and_reports_it
         assert prefill[0].engine.num_in_flight == 0
         with pytest.raises(ClosedError, match="while the pull was queued"):
             decode[0].engine.wait("r", timeout_s=WAIT_S)
-    finally:
-        close_sides(prefill, decode)
 
 
 def test_block_ids_outside_the_caches_are_refused_where_they_are_given() -> None:
-    hub = LoopbackHub()
-    prefill, decode = _sides(hub, "prefill", "producer"), _sides(hub, "decode", "consumer")
-    try:
+    with _pair() as (prefill, decode):
         message = r"block ids \[16, 99\] are outside the 16 blocks of this rank's caches"
         with pytest.raises(ValueError, match=message):
             prefill[0].engine.finish("r", [1, 16, 99], 40)
@@ -128,15 +133,10 @@ def test_block_ids_outside_the_caches_are_refused_where_they_are_given() -> None
         start_pull("r", prefill, decode, 3, [1, 15], [1, 15], 20)
         decode[0].engine.wait("r", timeout_s=WAIT_S)
         assert decode[0].mismatches(3, [1, 15], 20, Span(0, 20)) == []
-    finally:
-        close_sides(prefill, decode)
 
 
 def test_an_expect_of_a_refused_push_fails_at_once_with_the_refusal() -> None:
-    hub = LoopbackHub()
-    prefill = _sides(hub, "prefill", "producer")
-    decode = _sides(hub, "decode", "consumer", staging_bytes=4096, hold_s=60.0)
-    try:
+    with _pair(consumer=dict(staging_bytes=4096, hold_s=60.0)) as (prefill, decode):
         prefill[0].engine.start_push("big", engine_ref("decode", ONE, decode), [0, 1], 32)
         for layer in range(GQA.num_layers):
             prefill[0].engine.save_layer("big", layer)
@@ -147,13 +147,12 @@ def test_an_expect_of_a_refused_push_fails_at_once_with_the_refusal() -> None:
         with pytest.raises(CapacityError, match=r"'big': its push failed before it was expected: .*needs 131072 B of staging"):
             decode[0].engine.wait("big", timeout_s=WAIT_S)
         assert time.monotonic() - started < 10  # not hold_s (60 s)
-    finally:
-        close_sides(prefill, decode)
 
 
 def test_an_announcement_from_another_engine_does_not_fail_a_request(caplog: pytest.LogCaptureFixture) -> None:
     hub = LoopbackHub()
-    prefill, decode = _sides(hub, "prefill", "producer"), _sides(hub, "decode", "consumer")
+    prefill = _sides(hub, "prefill", "producer")
+    decode = _sides(hub, "decode", "consumer")
     other = _sides(hub, "other", "producer")
     try:
         decode[0].engine.expect("r", engine_ref("prefill", ONE, prefill), [1, 2], 20)  # its pull is parked
@@ -174,9 +173,7 @@ def test_an_announcement_from_another_engine_does_not_fail_a_request(caplog: pyt
 
 
 def test_a_push_must_save_each_of_its_layers_once() -> None:
-    hub = LoopbackHub()
-    prefill, decode = _sides(hub, "prefill", "producer"), _sides(hub, "decode", "consumer")
-    try:
+    with _pair() as (prefill, decode):
         decode_ref = engine_ref("decode", ONE, decode)
         prefill[0].engine.start_push("p", decode_ref, [0, 1], 20)
         prefill[0].engine.save_layer("p", 0)
@@ -189,8 +186,6 @@ def test_a_push_must_save_each_of_its_layers_once() -> None:
         decode[0].engine.expect("p", engine_ref("prefill", ONE, prefill), [2, 3], 20, push=True)
         with pytest.raises(TransferError, match=r"layers \[2, 3\] were saved"):
             decode[0].engine.wait("p", timeout_s=WAIT_S)
-    finally:
-        close_sides(prefill, decode)
 
 
 def test_an_engine_without_caches_says_so() -> None:
@@ -266,10 +261,7 @@ def test_a_request_every_consumer_rank_declines_is_freed_before_hold_s() -> None
 
 
 def test_declines_to_a_dead_producer_never_delay_a_pull() -> None:
-    hub = LoopbackHub()
-    prefill = _sides(hub, "prefill", "producer", deadline_s=2.0)
-    decode = _sides(hub, "decode", "consumer", deadline_s=2.0)
-    try:
+    with _pair(producer=dict(deadline_s=2.0), consumer=dict(deadline_s=2.0)) as (prefill, decode):
         # Requests of a crashed prefill instance that clients gave up on: each decline waits a deadline.
         nobody = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
         dead = EngineRef("gone", ParallelLayout(2, 1), tuple(nobody))
@@ -280,14 +272,10 @@ def test_declines_to_a_dead_producer_never_delay_a_pull() -> None:
         decode[0].engine.expect("live", engine_ref("prefill", ONE, prefill), [3, 4], 20)
         decode[0].engine.wait("live", timeout_s=WAIT_S)  # before: behind 16 hopeless handshakes, it stalled
         assert decode[0].mismatches(7, [3, 4], 20, Span(0, 20)) == []
-    finally:
-        close_sides(prefill, decode)
 
 
 def test_what_is_kept_per_link_goes_with_the_link() -> None:
-    hub = LoopbackHub()
-    prefill, decode = _sides(hub, "prefill", "producer"), _sides(hub, "decode", "consumer")
-    try:
+    with _pair() as (prefill, decode):
         start_pull("r", prefill, decode, 8, [1, 2], [1, 2], 20)
         decode[0].engine.wait("r", timeout_s=WAIT_S)
         producer, consumer = prefill[0].engine._producer, decode[0].engine._consumer  # noqa: SLF001
@@ -295,8 +283,6 @@ def test_what_is_kept_per_link_goes_with_the_link() -> None:
         prefill[0].engine._peers.drop("decode.r0", "test: the consumer went away")  # noqa: SLF001
         decode[0].engine._peers.drop("prefill.r0", "test: the producer went away")  # noqa: SLF001
         assert producer._seq == {} and consumer._recv_seq == {}  # noqa: SLF001 - one entry per link ever, before
-    finally:
-        close_sides(prefill, decode)
 
 
 def _staging(side: RankSide) -> tuple[int, int]:
@@ -314,10 +300,7 @@ def _push(side: RankSide, request_id: str, consumer: EngineRef, blocks: list[int
 
 
 def test_a_staged_push_that_fails_gives_its_staging_back_at_once() -> None:
-    hub = LoopbackHub()
-    prefill = _sides(hub, "prefill", "producer")
-    decode = _sides(hub, "decode", "consumer", staging_bytes=160 * 1024, hold_s=600.0)
-    try:
+    with _pair(consumer=dict(staging_bytes=160 * 1024, hold_s=600.0)) as (prefill, decode):
         ref = engine_ref("decode", ONE, decode)
         _push(prefill[0], "half", ref, [0, 1], 32, range(2))  # half its layers: it fails
         assert isinstance(_sent(prefill[0], "half"), TransferError)
@@ -327,8 +310,6 @@ def test_a_staged_push_that_fails_gives_its_staging_back_at_once() -> None:
         with pytest.raises(TransferError, match="layers \\[2, 3\\] were saved"):
             decode[0].engine.expect("half", engine_ref("prefill", ONE, prefill), [4, 5], 32, push=True)
             decode[0].engine.wait("half", timeout_s=WAIT_S)
-    finally:
-        close_sides(prefill, decode)
 
 
 def test_a_push_refused_for_room_on_one_rank_gives_back_what_the_others_staged() -> None:
@@ -351,10 +332,7 @@ def test_a_push_refused_for_room_on_one_rank_gives_back_what_the_others_staged()
 
 
 def test_an_expect_after_a_push_expired_in_staging_fails_at_once() -> None:
-    hub = LoopbackHub()
-    prefill = _sides(hub, "prefill", "producer")
-    decode = _sides(hub, "decode", "consumer", hold_s=0.5)
-    try:
+    with _pair(consumer=dict(hold_s=0.5)) as (prefill, decode):
         _push(prefill[0], "late", engine_ref("decode", ONE, decode), [0, 1], 32)
         assert _sent(prefill[0], "late") is None
         consumer = decode[0].engine._consumer  # noqa: SLF001
@@ -366,15 +344,10 @@ def test_an_expect_after_a_push_expired_in_staging_fails_at_once() -> None:
         with pytest.raises(TransferError, match="expired in staging"):
             decode[0].engine.wait("late", timeout_s=WAIT_S)
         assert time.monotonic() - started < 0.5  # before: a wait of hold_s for tensors that never come
-    finally:
-        close_sides(prefill, decode)
 
 
 def test_a_declined_push_gives_its_staging_back_and_refuses_the_rest() -> None:
-    hub = LoopbackHub()
-    prefill = _sides(hub, "prefill", "producer")
-    decode = _sides(hub, "decode", "consumer", hold_s=600.0)
-    try:
+    with _pair(consumer=dict(hold_s=600.0)) as (prefill, decode):
         ref, producer = engine_ref("decode", ONE, decode), engine_ref("prefill", ONE, prefill)
         _push(prefill[0], "staged", ref, [0, 1], 32)
         assert _sent(prefill[0], "staged") is None and _staging(decode[0])[1] > 0
@@ -384,5 +357,3 @@ def test_a_declined_push_gives_its_staging_back_and_refuses_the_rest() -> None:
         _push(prefill[0], "coming", ref, [2, 3], 32)
         assert isinstance(_sent(prefill[0], "coming"), TransferError)  # refused: the producer frees its blocks
         assert _staging(decode[0]) == (0, 0)
-    finally:
-        close_sides(prefill, decode)
