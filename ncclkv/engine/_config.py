@@ -12,7 +12,7 @@ from ..auth import ChannelAuth, load_channel_auth
 from ..layout import KVGeometry, ParallelLayout
 from ..transport import MAX_TIMEOUT_S
 
-__all__ = ["DEFAULT_LAST_PIECE_BYTES", "EngineConfig", "EngineRef", "Role", "peer_id"]
+__all__ = ["DEFAULT_LAST_PIECE_BYTES", "EngineConfig", "EngineRef", "Role", "peer_id", "split_peer_id"]
 
 # A push may send a route's last layer in token pieces (last_piece_bytes): only that layer's latency is left after
 # the forward, and pieces could overlap its gather, wire and scatter while earlier layers, hidden behind compute,
@@ -37,6 +37,13 @@ def _is_int(value: object) -> bool:
 def peer_id(engine_id: str, rank: int) -> str:
     """The control-channel name of one rank of one engine."""
     return f"{engine_id}.r{rank}"
+
+
+def split_peer_id(name: str) -> tuple[str, int]:
+    """``(engine_id, rank)`` of a name made by :func:`peer_id` (engine ids may hold dots, never ``.r<digits>``
+    at their end: the last one is the rank's)."""
+    engine_id, rank = name.rsplit(".r", 1)
+    return engine_id, int(rank)
 
 
 @dataclass(frozen=True, slots=True)

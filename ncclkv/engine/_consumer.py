@@ -30,7 +30,7 @@ from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, Route, Span, SpanS
 from ..paged import SlotMap
 from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, PushOffer, RouteMsg
 from ._caches import RankCaches, torch_dtype
-from ._config import EngineRef
+from ._config import EngineRef, split_peer_id
 from ._links import PeerLinks
 from ._staging import BlockTokens, RemovalReason, StagingEvent, StagingLog, StagingName
 from ._stats import EngineStats
@@ -263,8 +263,7 @@ class ConsumerSide:
                 if now - staged.since > self._hold_s:  # pushed, but never expected here: free its staging
                     if staged.error is None:
                         log.warning("dropping pushed request %s: not expected within %ss", request_id, self._hold_s)
-                    self._reserved -= staged.reserved
-                    self._drop_stored_locked(request_id, staged)
+                    self._give_back_locked(request_id, staged)
                     del self._staged[request_id]
                     self._report_removed(staged, "expired")
                     # An expect() after this fails at once (it would wait hold_s for tensors that never come).
@@ -463,7 +462,7 @@ class ConsumerSide:
     def fail_peer(self, peer_id: str, error: NcclKVError) -> None:
         """Fail every request that still waits for data from ``peer_id``, staged pushes from its engine included
         (a complete one is kept: it needs nothing more from anyone)."""
-        engine_id = peer_id.rsplit(".r", 1)[0]
+        engine_id, _ = split_peer_id(peer_id)
         with self._cond:
             for req in self._requests.values():
                 if req.error is None and any(req.producer.peer_id(src) == peer_id for src, _, _ in req.pending):
@@ -617,12 +616,12 @@ class ConsumerSide:
         if staged.error is None:
             staged.error = error
         self._report_removed(staged, "failed")
+        self._give_back_locked(request_id, staged)
+
+    def _give_back_locked(self, request_id: str, staged: _Staged) -> None:
+        """Under ``self._cond``: ``staged``'s reservation, its tensors in the store and their wire buffers."""
         self._reserved -= staged.reserved
         staged.reserved = 0
-        self._drop_stored_locked(request_id, staged)
-
-    def _drop_stored_locked(self, request_id: str, staged: _Staged) -> None:
-        """Under ``self._cond``: take ``staged``'s tensors out of the store and give their wire buffers back."""
         for key, piece in staged.landed:
             tensor = self._store.get(_store_key(request_id, key, piece))
             self._store.put(_store_key(request_id, key, piece), None)

@@ -25,7 +25,7 @@ from ..paged import SlotMap
 from ..protocol import MAX_EXTRA_KEYS, MAX_PUSH_TOKENS, MAX_TEXT_CHARS, Done, ErrorMsg, PushBlocks, PushOffer, RouteMsg
 from ..transport import LinkBase
 from ._caches import RankCaches
-from ._config import EngineRef
+from ._config import EngineRef, split_peer_id
 from ._links import PeerLinks
 from ._staging import BlockTokens
 from ._stats import EngineStats
@@ -154,11 +154,11 @@ class Pusher:
 
     def _offer(self, state: PushState, consumer: EngineRef, dst: str, routes: list[Route], num_tokens: int) -> None:
         try:
-            rank = int(dst.rsplit(".r", 1)[1])
+            _, rank = split_peer_id(dst)
             self._peers.ensure(dst, consumer.control_addrs[rank], need_link=True)
             nbytes = sum(r.nbytes(self._geometry) for r in routes)
             self._channel.request(dst, PushOffer(
-                state.request_id, self._rank, self._channel.peer_id.rsplit(".r", 1)[0],
+                state.request_id, self._rank, split_peer_id(self._channel.peer_id)[0],
                 tuple(RouteMsg.from_route(r) for r in routes), num_tokens, nbytes, state.blocks), self._deadline_s)
             link = self._peers.link(dst)
         except Exception as err:  # this consumer rank fails; the others go on
