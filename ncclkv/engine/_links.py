@@ -197,8 +197,11 @@ class PeerLinks:
         what others keep per link id (announcement sequence numbers) goes with it."""
         self._gone_hooks.append(hook)
 
-    def _gone(self, peers: Sequence[Peer]) -> None:
+    def _retire(self, peers: Sequence[Peer]) -> None:
+        """Close the links of ``peers``, already out of ``_links`` (one still opening once it opens), and tell
+        the ``on_link_gone`` hooks."""
         for peer in peers:
+            _close_link(peer)
             if peer.link_id is not None:
                 for hook in self._gone_hooks:
                     hook(peer.link_id)
@@ -214,9 +217,7 @@ class PeerLinks:
         if gone:  # a peer that closed on purpose (it said Bye) is no failure
             log.log(logging.INFO if isinstance(reason, PeerClosedError) else logging.WARNING,
                     "dropping peer %s: %s", peer_id, reason)
-        for peer in gone:
-            _close_link(peer)
-        self._gone(gone)
+        self._retire(gone)
 
     def close(self) -> None:
         """Forget every peer and close every link, a link still opening once it opens; later calls raise ClosedError."""
@@ -250,9 +251,7 @@ class PeerLinks:
                 if not _usable(other, True):
                     del self._links[other.link_id]  # type: ignore[arg-type]
                     stale.append(other)
-        for other in stale:
-            _close_link(other)
-        self._gone(stale)
+        self._retire(stale)
         return peer
 
     def _discard(self, peer: Peer) -> None:
@@ -262,7 +261,7 @@ class PeerLinks:
                 del self._peers[peer.peer_id]
             if peer.link_id is not None and self._links.get(peer.link_id) is peer:
                 del self._links[peer.link_id]
-        self._gone([peer])
+        self._retire([peer])  # its link failed: nothing to close, but what is kept per link id goes
 
     @contextlib.contextmanager
     def _handshaking(self, peer_id: str) -> Iterator[None]:
