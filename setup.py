@@ -10,7 +10,8 @@ setup(
         Extension(
             "ncclkv.paged._kernel",
             sources=["ncclkv/paged/_kernel.c"],
-            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra"],
+            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-pthread"],
+            extra_link_args=["-pthread"],
         )
     ]
 )

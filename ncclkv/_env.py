@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["PAGED_KERNELS", "EnvSettings", "env_settings"]
+__all__ = ["MAX_COPY_THREADS", "PAGED_KERNELS", "EnvSettings", "env_settings"]
 
 
 def _float(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -28,7 +28,7 @@ def _float(environ: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
-def _int(environ: Mapping[str, str], name: str, default: int, least: int = 1) -> int:
+def _int(environ: Mapping[str, str], name: str, default: int, least: int = 1, most: int | None = None) -> int:
     text = environ.get(name)
     if text is None or text == "":
         return default
@@ -38,6 +38,8 @@ def _int(environ: Mapping[str, str], name: str, default: int, least: int = 1) ->
         raise ValueError(f"{name}={text!r} is not an integer") from None
     if value < least:
         raise ValueError(f"{name}={text!r} must be >= {least}")
+    if most is not None and value > most:
+        raise ValueError(f"{name}={text!r} must be <= {most}")
     return value
 
 
@@ -51,6 +53,7 @@ def _choice(environ: Mapping[str, str], name: str, default: str, choices: tuple[
 
 
 PAGED_KERNELS = ("native", "torch")
+MAX_COPY_THREADS = 16  # the native kernel's MAX_THREADS
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,8 @@ class EnvSettings:
     NCCLKV_SOAK_REQUESTS     requests the soak test (tests/soak) sends (default 200; the full soak: 1000)
     NCCLKV_PAGED_KERNEL      how gather/scatter move CPU caches: ``native`` (the C kernel, default) or
                              ``torch`` (torch ops, as on CUDA; for comparison and diagnosis)
+    NCCLKV_COPY_THREADS      threads one native gather/scatter call may use, 1-16 (default 1; each gets at least
+                             256 KiB of the slice): for hosts whose cores are not all busy with the model
 
     Control-channel authentication (see :mod:`ncclkv.auth`, docs/SECURITY.md; unset: off):
     NCCLKV_CURVE_SECRET_FILE   this rank's zmq.auth ``.key_secret`` certificate
@@ -89,6 +94,7 @@ class EnvSettings:
     fuzz_examples: int = 10_000
     soak_requests: int = 200
     paged_kernel: str = "native"
+    copy_threads: int = 1
     curve_secret_file: str = ""
     curve_public_file: str = ""
     curve_allowed_dir: str = ""
@@ -113,6 +119,7 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
         fuzz_examples=_int(env, "NCCLKV_FUZZ_EXAMPLES", default.fuzz_examples),
         soak_requests=_int(env, "NCCLKV_SOAK_REQUESTS", default.soak_requests),
         paged_kernel=_choice(env, "NCCLKV_PAGED_KERNEL", default.paged_kernel, PAGED_KERNELS),
+        copy_threads=_int(env, "NCCLKV_COPY_THREADS", default.copy_threads, most=MAX_COPY_THREADS),
         curve_secret_file=env.get("NCCLKV_CURVE_SECRET_FILE", ""),
         curve_public_file=env.get("NCCLKV_CURVE_PUBLIC_FILE", ""),
         curve_allowed_dir=env.get("NCCLKV_CURVE_ALLOWED_DIR", ""),

@@ -5,6 +5,7 @@ latent]``), contiguous and independent of either side's block size and layout.
 """
 
 from ._copy import CacheViews, cache_views, gather, scatter
+from ._native import set_copy_threads
 from ._slots import BlockRun, SlicePlan, SlotMap
 from ._spec import CPU_LAYOUTS, CacheLayout, PagedCacheSpec, amx_views, detect_layout, kv_view, part_views, wire_shape
 
@@ -23,5 +24,6 @@ __all__ = [
     "kv_view",
     "part_views",
     "scatter",
+    "set_copy_threads",
     "wire_shape",
 ]

@@ -10,10 +10,12 @@
  *
  * The Python side (_native.py) checks every argument; this file trusts them. Sizes and
  * strides are in bytes except head_size (elements); block ids are int64. The GIL is
- * released for the copy, so several threads may gather at once.
+ * released for the copy, so several threads may gather at once, and one call may cut its
+ * slice at block boundaries over up to set_threads() threads (move_slice).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -259,22 +261,132 @@ static void move_segment(const Job *job, int64_t block_id, Py_ssize_t offset, Py
     }
 }
 
-/* Cut wire tokens [0, num_tokens), request positions from token_start on, at block boundaries:
+/* Cut wire tokens [begin, end), request positions from token_start on, at block boundaries:
  * segment(job, block id, offset in the block, wire tokens done before, tokens) for each piece. */
 typedef void (*Segment)(const void *job, int64_t block_id, Py_ssize_t offset, Py_ssize_t done, Py_ssize_t tokens);
 
-static void for_each_block(const Slice *slice, Segment segment, const void *job) {
-    const Py_ssize_t block_size = slice->block_size, num_tokens = slice->num_tokens;
-    Py_ssize_t done = 0;
-    while (done < num_tokens) {
+static void for_each_block(const Slice *slice, Segment segment, const void *job, Py_ssize_t begin, Py_ssize_t end) {
+    const Py_ssize_t block_size = slice->block_size;
+    Py_ssize_t done = begin;
+    while (done < end) {
         const Py_ssize_t pos = slice->token_start + done;
         const Py_ssize_t offset = pos % block_size;
         Py_ssize_t tokens = block_size - offset;
-        if (tokens > num_tokens - done)
-            tokens = num_tokens - done;
+        if (tokens > end - done)
+            tokens = end - done;
         segment(job, slice->block_ids[pos / block_size], offset, done, tokens);
         done += tokens;
     }
+}
+
+/* Threads one call may use (set_threads; 1: the caller's alone). A thread is given at least
+ * MIN_THREAD_BYTES: below that, handing it work costs about what it saves. */
+enum { MAX_THREADS = 16, MIN_THREAD_BYTES = 256 * 1024 };
+static int copy_threads = 1;
+
+typedef struct {
+    const Slice *slice;
+    Segment segment;
+    const void *job;
+    Py_ssize_t begin, end;
+} Range;
+
+static void run_range(const Range *range) {
+    for_each_block(range->slice, range->segment, range->job, range->begin, range->end);
+}
+
+/* A pool of workers kept between calls: starting a thread per call cost 50-100 us here, as much as a
+ * 1 MiB copy. One call at a time uses the pool (pool_lock, taken without waiting); a call that finds it
+ * taken, or gets no worker, moves its ranges on its own thread. */
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    Range range;
+    int busy;  /* a range was handed over and is not done yet */
+} Worker;
+
+static Worker workers[MAX_THREADS];
+static int num_workers = 0;
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void *work_loop(void *arg) {
+    Worker *worker = (Worker *)arg;
+    pthread_mutex_lock(&worker->lock);
+    for (;;) {
+        while (!worker->busy)
+            pthread_cond_wait(&worker->cond, &worker->lock);
+        pthread_mutex_unlock(&worker->lock);
+        run_range(&worker->range);
+        pthread_mutex_lock(&worker->lock);
+        worker->busy = 0;
+        pthread_cond_broadcast(&worker->cond);
+    }
+    return NULL;
+}
+
+/* With pool_lock held: at least `wanted` workers if they can be started; how many there are. */
+static int grow_pool(int wanted) {
+    while (num_workers < wanted) {
+        Worker *worker = &workers[num_workers];
+        pthread_mutex_init(&worker->lock, NULL);
+        pthread_cond_init(&worker->cond, NULL);
+        worker->busy = 0;
+        pthread_t id;
+        if (pthread_create(&id, NULL, work_loop, worker) != 0)
+            break;
+        pthread_detach(id);
+        num_workers++;
+    }
+    return num_workers < wanted ? num_workers : wanted;
+}
+
+/* A forked child has none of the parent's workers, and a lock a parent thread held stays held. */
+static void forget_pool_after_fork(void) {
+    num_workers = 0;
+    pthread_mutex_init(&pool_lock, NULL);
+}
+
+/* The whole slice, `bytes` of wire, on up to `threads` threads (the caller's one of them): wire token
+ * ranges cut at block boundaries, so no two threads write the same block row or wire row. */
+static void move_slice(const Slice *slice, Segment segment, const void *job, Py_ssize_t bytes, int threads) {
+    if (threads > bytes / MIN_THREAD_BYTES)
+        threads = (int)(bytes / MIN_THREAD_BYTES);
+    if (threads < 2 || pthread_mutex_trylock(&pool_lock) != 0) {
+        for_each_block(slice, segment, job, 0, slice->num_tokens);
+        return;
+    }
+    threads = 1 + grow_pool(threads - 1);
+    Range ranges[MAX_THREADS + 1];
+    const Py_ssize_t total = slice->num_tokens, first = slice->token_start, block_size = slice->block_size;
+    Py_ssize_t begin = 0;
+    for (int i = 0; i < threads; i++) {
+        Py_ssize_t end = total;
+        if (i + 1 < threads) {  /* the block boundary at or below an even share */
+            const Py_ssize_t pos = first + total * (i + 1) / threads;
+            end = pos - pos % block_size - first;
+            if (end < begin)
+                end = begin;
+        }
+        ranges[i] = (Range){slice, segment, job, begin, end};
+        begin = end;
+    }
+    for (int i = 1; i < threads; i++) {
+        Worker *worker = &workers[i - 1];
+        pthread_mutex_lock(&worker->lock);
+        worker->range = ranges[i];
+        worker->busy = 1;
+        pthread_cond_broadcast(&worker->cond);
+        pthread_mutex_unlock(&worker->lock);
+    }
+    run_range(&ranges[0]);
+    for (int i = 1; i < threads; i++) {
+        Worker *worker = &workers[i - 1];
+        pthread_mutex_lock(&worker->lock);
+        while (worker->busy)
+            pthread_cond_wait(&worker->cond, &worker->lock);
+        pthread_mutex_unlock(&worker->lock);
+    }
+    pthread_mutex_unlock(&pool_lock);
 }
 
 static void job_segment(const void *job, int64_t block_id, Py_ssize_t offset, Py_ssize_t done, Py_ssize_t tokens) {
@@ -338,8 +450,10 @@ static PyObject *copy_parts(PyObject *self, PyObject *const *args, Py_ssize_t na
             .wire = (char *)(uintptr_t)a[5],
         };
     }
+    const Py_ssize_t bytes = job.s.num_tokens * job.s.num_heads * job.s.head_size * job.s.elem * num_parts;
+    const int threads = copy_threads;  /* read with the GIL held: set_threads writes it under the GIL */
     Py_BEGIN_ALLOW_THREADS
-    for_each_block(&job.s, job_segment, &job);
+    move_slice(&job.s, job_segment, &job, bytes, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -434,8 +548,10 @@ static PyObject *copy_amx(PyObject *self, PyObject *const *args, Py_ssize_t narg
     job.s_head = v[SLICE_ARGS + 3];
     job.wire_keys = (char *)(uintptr_t)v[SLICE_ARGS + 4];
     job.wire_values = (char *)(uintptr_t)v[SLICE_ARGS + 5];
+    const Py_ssize_t bytes = job.s.num_tokens * job.s.num_heads * job.s.head_size * job.s.elem * 2;  /* K and V */
+    const int threads = copy_threads;
     Py_BEGIN_ALLOW_THREADS
-    for_each_block(&job.s, amx_segment, &job);
+    move_slice(&job.s, amx_segment, &job, bytes, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -446,7 +562,35 @@ static PyObject *isa(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(have_avx2 ? "avx2" : HAVE_SIMD_TRANSPOSE ? "sse2" : "scalar");
 }
 
+static PyObject *set_threads(PyObject *self, PyObject *arg) {
+    (void)self;
+    const long threads = PyLong_AsLong(arg);
+    if (threads == -1 && PyErr_Occurred())
+        return NULL;
+    if (threads < 1 || threads > MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "set_threads: threads must be 1..%d, got %ld", (int)MAX_THREADS, threads);
+        return NULL;
+    }
+    const int before = copy_threads;
+    copy_threads = (int)threads;
+    return PyLong_FromLong(before);
+}
+
+static PyObject *pool_workers(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    pthread_mutex_lock(&pool_lock);  /* a copy in flight may be growing it */
+    const int workers = num_workers;
+    pthread_mutex_unlock(&pool_lock);
+    return PyLong_FromLong(workers);
+}
+
 static PyMethodDef methods[] = {
+    {"pool_workers", pool_workers, METH_NOARGS,
+     "pool_workers() -> the worker threads started so far in this process (threaded copies hand them ranges)."},
+    {"set_threads", set_threads, METH_O,
+     "set_threads(n) -> the previous n: threads one copy_parts / copy_amx call may use (1..16; a thread gets at least "
+     "256 KiB of the slice)."},
     {"isa", isa, METH_NOARGS, "isa() -> 'avx2', 'sse2' or 'scalar': what the CPU_KT key transposes run on here."},
     {"copy_parts", (PyCFunction)(void (*)(void))copy_parts, METH_FASTCALL,
      "copy_parts(gather, elem, head_size, num_heads, block_ids_ptr, block_size, token_start, num_tokens, "
@@ -470,5 +614,9 @@ PyMODINIT_FUNC PyInit__kernel(void) {
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");
 #endif
+    if (pthread_atfork(NULL, NULL, forget_pool_after_fork) != 0) {
+        PyErr_SetString(PyExc_OSError, "_kernel: pthread_atfork failed");
+        return NULL;
+    }
     return PyModule_Create(&module);
 }

@@ -11,11 +11,35 @@ from __future__ import annotations
 
 import torch
 
+from .._env import MAX_COPY_THREADS, env_settings
 from ..layout import Span
 from . import _kernel  # type: ignore[attr-defined]  # built by setup.py
 from ._spec import PagedCacheSpec, part_views
 
-__all__ = ["copy_part", "move_amx", "move_parts", "part_geometry"]
+__all__ = ["copy_part", "move_amx", "move_parts", "part_geometry", "set_copy_threads"]
+
+_threads_chosen = False  # set_copy_threads ran: NCCLKV_COPY_THREADS no longer applies
+
+
+def set_copy_threads(threads: int) -> int:
+    """Let one native gather or scatter use up to ``threads`` threads (1-16); return the previous number.
+
+    The slice is cut at block boundaries, at least 256 KiB a thread, so small
+    slices stay on the caller's thread. More threads help where a transfer's
+    copies have cores to themselves (the 16-core machine in
+    benchmarks/RESULTS.md); on a host whose cores run the model they compete
+    with it. Default: ``NCCLKV_COPY_THREADS``, else 1. Process-wide.
+    """
+    global _threads_chosen
+    if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= MAX_COPY_THREADS:
+        raise ValueError(f"copy threads must be an int in 1..{MAX_COPY_THREADS}, got {threads!r}")
+    _threads_chosen = True
+    return int(_kernel.set_threads(threads))
+
+
+def _threads_from_env() -> None:
+    if not _threads_chosen:  # read at the first copy, not at import: a bad variable fails the copy that needs it
+        set_copy_threads(env_settings().copy_threads)
 
 # (byte offset from the cache's data_ptr to the part's first element, byte strides [block, token, head, dim])
 _Geometry = tuple[tuple[int, tuple[int, ...]], ...]
@@ -61,6 +85,7 @@ def move_parts(
     span's blocks exist; ``geometry`` is :func:`part_geometry` of ``cache`` and
     ``heads``; ``block_ids`` is the request's contiguous int64 CPU table.
     """
+    _threads_from_env()
     elem = cache.element_size()
     base, wire_ptr = cache.data_ptr(), wire.data_ptr()
     part_bytes = len(tokens) * len(heads) * spec.head_size * elem
@@ -77,6 +102,7 @@ def move_amx(gather: bool, cache: torch.Tensor, spec: PagedCacheSpec, block_ids:
     The caller has checked the cache (``amx_views``: contiguous ``[bs, 2*D]`` rows per
     block and head, bs and D multiples of 16), the wire and the span's blocks.
     """
+    _threads_from_env()
     elem = cache.element_size()
     keys = cache.data_ptr() + heads.start * cache.stride(1) * elem
     wire_part = len(tokens) * len(heads) * spec.head_size * elem
@@ -131,6 +157,7 @@ def copy_part(
             raise ValueError(
                 f"block_ids[{index}] = {int(block_ids[index])} is outside the part's {part.size(0)} blocks"
             )
+    _threads_from_env()
     elem = part.element_size()
     _kernel.copy_parts(
         int(gather), elem, part.size(3), part.size(2), block_ids.data_ptr(), block_size, token_start, num_tokens,

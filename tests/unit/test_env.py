@@ -14,6 +14,8 @@ def test_defaults_are_values_not_descriptors() -> None:
     assert settings.staging_bytes == 1 << 30 and settings.max_frame_bytes == 1 << 20
     assert settings.wire_cache_bytes == 256 << 20
     assert settings.paged_kernel == "native"
+    assert settings.copy_threads == 1
+    assert env_settings({"NCCLKV_COPY_THREADS": "16"}).copy_threads == 16
     assert env_settings({"NCCLKV_PAGED_KERNEL": "torch"}).paged_kernel == "torch"
 
 
@@ -31,7 +33,8 @@ def test_variables_override() -> None:
     [("NCCLKV_DEADLINE_S", "soon"), ("NCCLKV_DEADLINE_S", "0"), ("NCCLKV_STAGING_BYTES", "1.5"),
      ("NCCLKV_STAGING_BYTES", "-1"), ("NCCLKV_MAX_FRAME_BYTES", "big"), ("NCCLKV_PAGED_KERNEL", "fast"),
      ("NCCLKV_WIRE_CACHE_BYTES", "lots"), ("NCCLKV_HEARTBEAT_S", "nan"), ("NCCLKV_DEADLINE_S", "inf"),
-     ("NCCLKV_DEADLINE_S", "-inf"), ("NCCLKV_WIRE_CACHE_BYTES", "-1"), ("NCCLKV_STAGING_BYTES", "0")],
+     ("NCCLKV_DEADLINE_S", "-inf"), ("NCCLKV_WIRE_CACHE_BYTES", "-1"), ("NCCLKV_STAGING_BYTES", "0"),
+     ("NCCLKV_COPY_THREADS", "0"), ("NCCLKV_COPY_THREADS", "17"), ("NCCLKV_COPY_THREADS", "two")],
 )
 def test_bad_values_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(ValueError) as err:

@@ -6,17 +6,21 @@ are covered through gather/scatter in test_paged.py, under both kernels.
 
 from __future__ import annotations
 
+import hashlib
+import multiprocessing
 import random
+import re
+import threading
 
 import pytest
 import torch
 
 from ncclkv.layout import Span
-from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather, part_views, scatter
+from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather, part_views, scatter, set_copy_threads
 from ncclkv.paged import _copy, _kernel
 from ncclkv.paged._native import copy_part
 
-from _paged_helpers import random_bits, ref_gather, same_bytes
+from _paged_helpers import LAYOUTS, make_cache, random_bits, ref_gather, same_bytes
 
 
 def strided_nhd(rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,3 +160,137 @@ def test_kernel_reports_the_transposes_it_runs() -> None:
     flags = open("/proc/cpuinfo").read().split() if platform.machine() == "x86_64" else []
     expected = "avx2" if "avx2" in flags else "sse2" if platform.machine() == "x86_64" else "scalar"
     assert _kernel.isa() == expected
+
+
+# -- one copy on several threads (set_copy_threads) ------------------------------------------------
+@pytest.fixture
+def copy_threads():
+    """Set the process's copy threads for one test; restore them after."""
+    before: list[int] = []
+
+    def use(threads: int) -> None:
+        previous = set_copy_threads(threads)
+        if not before:
+            before.append(previous)
+    yield use
+    if before:
+        set_copy_threads(before[0])
+
+
+def big_case(variant: str, rng: random.Random) -> tuple[torch.Tensor, PagedCacheSpec, list[int], Span, Span]:
+    """A cache of ``variant`` and a slice of it of about 1.2 MiB, odd start and end, blocks shuffled."""
+    nb, bs, heads, dim = 160, 16, 4, 64
+    cache, _ = make_cache(variant, nb, bs, heads, dim, torch.bfloat16, rng)
+    spec = PagedCacheSpec.from_tensor(cache, LAYOUTS[variant])
+    ids = rng.sample(range(nb), nb)
+    return cache, spec, ids, Span(5, nb * bs - 7), Span(0, heads)
+
+
+@pytest.mark.parametrize("variant", ["nhd", "hnd_view", "cpu", "cpu_kt", "cpu_amx"])
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_a_threaded_copy_moves_what_the_torch_ops_move(copy_threads, variant: str, threads: int) -> None:
+    """Each thread takes a range of blocks; together they gather and scatter every byte, and only those."""
+    rng = random.Random(threads)
+    cache, spec, ids, tokens, heads = big_case(variant, rng)
+    shape = spec.wire_shape(len(tokens), len(heads))
+    assert torch.Size(shape).numel() * 2 >= 2 * 256 * 1024  # big enough for at least two threads
+    expected = torch.empty(shape, dtype=torch.bfloat16)
+    gather(cache, spec, ids, tokens, heads, expected, kernel="torch")
+
+    copy_threads(threads)
+    threaded = torch.empty_like(expected)
+    gather(cache, spec, ids, tokens, heads, threaded, kernel="native")
+    assert same_bytes(threaded, expected)
+    assert _kernel.pool_workers() >= min(threads, len(tokens) * 4 * 64 * 2 * 2 // (256 * 1024)) - 1
+
+    wire = random_bits(shape, torch.bfloat16, rng)
+    by_torch, by_threads = cache.clone(), cache.clone()
+    scatter(wire, by_torch, spec, ids, tokens, heads, kernel="torch")
+    scatter(wire, by_threads, spec, ids, tokens, heads, kernel="native")
+    assert same_bytes(by_threads, by_torch)  # the slice written, the rest of the cache untouched
+    assert not same_bytes(by_threads, cache)
+
+
+def test_copies_on_two_threads_at_once_share_the_pool_without_mixing(copy_threads) -> None:
+    """One call holds the pool; another that finds it taken copies on its own thread. Both stay exact."""
+    copy_threads(4)
+    rng = random.Random(7)
+    cases = [big_case("cpu", rng) for _ in range(2)]
+    expected = []
+    for cache, spec, ids, tokens, heads in cases:
+        out = torch.empty(spec.wire_shape(len(tokens), len(heads)), dtype=torch.bfloat16)
+        gather(cache, spec, ids, tokens, heads, out, kernel="torch")
+        expected.append(out)
+    errors: list[BaseException] = []
+
+    def copy(index: int) -> None:
+        cache, spec, ids, tokens, heads = cases[index]
+        out = torch.empty_like(expected[index])
+        try:
+            for _ in range(30):
+                out.zero_()
+                gather(cache, spec, ids, tokens, heads, out, kernel="native")
+                assert same_bytes(out, expected[index])
+        except BaseException as err:  # noqa: BLE001 - raised in the test's thread below
+            errors.append(err)
+
+    threads = [threading.Thread(target=copy, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads), "a copy did not finish within 60 s"
+    assert not errors, errors
+
+
+def _threaded_gather_in_child(conn) -> None:
+    cache, spec, ids, tokens, heads = big_case("cpu", random.Random(3))
+    out = torch.empty(spec.wire_shape(len(tokens), len(heads)), dtype=torch.bfloat16)
+    gather(cache, spec, ids, tokens, heads, out, kernel="native")
+    conn.send((hashlib.sha256(out.view(torch.uint8).numpy().tobytes()).hexdigest(), _kernel.pool_workers()))
+
+
+def test_a_forked_child_starts_its_own_workers(copy_threads) -> None:
+    """A fork copies none of the parent's threads: the child must not wait for workers it does not have."""
+    copy_threads(4)
+    cache, spec, ids, tokens, heads = big_case("cpu", random.Random(3))
+    out = torch.empty(spec.wire_shape(len(tokens), len(heads)), dtype=torch.bfloat16)
+    gather(cache, spec, ids, tokens, heads, out, kernel="native")  # the parent's pool exists now
+    assert _kernel.pool_workers() >= 3
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_threaded_gather_in_child, args=(child,))
+    proc.start()
+    try:
+        assert parent.poll(60), "the forked child's threaded gather did not finish within 60 s"
+        digest, workers = parent.recv()
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    assert digest == hashlib.sha256(out.view(torch.uint8).numpy().tobytes()).hexdigest()
+    assert workers >= 3  # started afresh in the child
+    assert proc.exitcode == 0
+
+
+@pytest.mark.parametrize("bad", [0, 17, True, 2.0, "2"])
+def test_copy_threads_refuses_what_is_not_1_to_16(bad: object) -> None:
+    with pytest.raises(ValueError, match=rf"copy threads must be an int in 1..16, got {re.escape(repr(bad))}"):
+        set_copy_threads(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="set_threads: threads must be 1..16, got 0"):
+        _kernel.set_threads(0)
+
+
+def test_copy_threads_come_from_the_environment_until_set(monkeypatch) -> None:
+    from ncclkv.paged import _native
+
+    before = set_copy_threads(1)
+    monkeypatch.setattr(_native, "_threads_chosen", False)
+    monkeypatch.setenv("NCCLKV_COPY_THREADS", "3")
+    try:
+        cache, spec, ids, tokens, heads = big_case("cpu", random.Random(5))
+        gather(cache, spec, ids, tokens, heads, torch.empty(spec.wire_shape(len(tokens), len(heads)),
+                                                            dtype=torch.bfloat16))
+        assert set_copy_threads(1) == 3  # the first copy applied the variable
+    finally:
+        set_copy_threads(before)
