@@ -7,6 +7,7 @@ Every benchmark module has ``NAME``, ``TITLE``, ``run(ctx) -> BenchResult`` and
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -88,6 +89,7 @@ class BenchContext:
         self.options = options
         self._progress = progress
         self._peer: Any = None
+        gc.freeze()  # as docs/LAUNCH.md asks of a process that runs engines: full collections skip the import heap
 
     def progress(self, text: str) -> None:
         if self._progress is not None:

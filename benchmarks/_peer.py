@@ -11,6 +11,7 @@ whose parent vanished stops after ``IDLE_S`` without commands.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import multiprocessing as mp
 import traceback
@@ -71,6 +72,7 @@ def _serve(conn: Connection) -> None:
         try:
             module_name, _, func_name = target.partition(":")
             func = getattr(importlib.import_module(module_name), func_name)
+            gc.freeze()  # the imports' heap, as in the parent (BenchContext)
             endpoint.send("result", func(endpoint, **kwargs))
         except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
             endpoint.send("error", f"{target}: {traceback.format_exc()}")

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ncclkv.layout import Span
-from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather, scatter
+from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather, scatter, set_copy_threads
 from ncclkv.transport import DataPlane, Link
 
 from ._engine_path import CONSUMER_ID, EngineReceiver, round_request_ids
@@ -290,7 +290,8 @@ def round_trips(link: Link, pg: dist.ProcessGroup, nbytes: int, count: int, path
     return times if first else []
 
 
-def receiver_loop(endpoint: Endpoint, store: str, link_id: str, threads: int, in_flight: int | None) -> dict[str, int]:
+def receiver_loop(endpoint: Endpoint, store: str, link_id: str, threads: int, copy_threads: int,
+                  in_flight: int | None) -> dict[str, int]:
     """Peer side of the benchmark: cases and rounds on command until ``end``.
 
     ``case``: new caches; ``engine`` (producer id, address): a consumer engine
@@ -299,6 +300,14 @@ def receiver_loop(endpoint: Endpoint, store: str, link_id: str, threads: int, in
     slices hashed / overwritten with random bytes; ``round_trips``.
     """
     torch.set_num_threads(threads)
+    before = set_copy_threads(copy_threads)  # this peer process serves later benchmarks too: restored below
+    try:
+        return _receive(endpoint, store, link_id, in_flight)
+    finally:
+        set_copy_threads(before)
+
+
+def _receive(endpoint: Endpoint, store: str, link_id: str, in_flight: int | None) -> dict[str, int]:
     rounds = engine_rounds = 0
     with DataPlane() as plane:
         depth = {} if in_flight is None else {"max_in_flight": in_flight}

@@ -306,7 +306,7 @@ def run(ctx: BenchContext, params: OverlapParams | None = None) -> BenchResult:
         busy = Busy(params.matmul_size)
         with DataPlane() as plane:
             peer.start("benchmarks._transfer_paths:receiver_loop", store=plane.address, link_id=link_id,
-                       threads=1, in_flight=None)
+                       threads=1, copy_threads=1, in_flight=None)
             link = plane.open_link(link_id, 0, plane.address, "cpu", WAIT_S)
             pg = raw_group(plane.address, 0, f"raw/{link_id}")
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ncclkv.paged import set_copy_threads
 from ncclkv.transport import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, DataPlane
 
 from ._common import (
@@ -47,13 +48,14 @@ GOAL_FROM_BYTES = MIB
 
 @dataclass(frozen=True, slots=True)
 class TransferParams:
-    """Slice sizes, bytes per timed round, link depth, torch threads per process, optional chunking."""
+    """Slice sizes, bytes per timed round, link depth, torch and copy threads per process, optional chunking."""
 
     sizes: tuple[int, ...] = tuple(KIB << (2 * i) for i in range(3, 9))  # 64 KiB .. 64 MiB
     round_bytes: int = 256 * MIB
     max_layers: int = 32
     in_flight: int | None = None  # None: the transport's default
     threads: int = 1
+    copy_threads: int = 1  # threads one native gather/scatter may use (set_copy_threads), each process
     chunk_bytes: int = 0
     trip_sizes: tuple[int, ...] = (64 * KIB, MIB, 4 * MIB)  # round trips: one tensor there, 8 bytes back
     trips: int = 60
@@ -102,7 +104,9 @@ def _measure(case: SliceCase, repeats: int, link: Any, pg: Any, peer: Any, ctx: 
     sender = Sender(case, link, pg)
     peer.endpoint.send("case", {f: getattr(case, f) for f in SliceCase.__slots__})
     peer.endpoint.expect("ready")
-    engine = EngineSender(sender, f"bench-transfer-producer-{uuid.uuid4().hex[:6]}")
+    # The engine sends in the same token pieces as the ncclkv path (its piece_bytes), or whole slices.
+    engine = EngineSender(sender, f"bench-transfer-producer-{uuid.uuid4().hex[:6]}",
+                          piece_bytes=case.chunk_tokens * case.token_bytes)
     try:
         peer.endpoint.send("engine", (engine.engine_id, engine.address))
         engine.connect(CONSUMER_ID, peer.endpoint.expect("engine"))
@@ -388,12 +392,13 @@ def run(ctx: BenchContext, params: TransferParams | None = None) -> BenchResult:
     peer = ctx.peer()
     threads = torch.get_num_threads()
     torch.set_num_threads(params.threads)
+    copy_threads = set_copy_threads(params.copy_threads)
     rows = []
     link_id = f"bench-transfer-{uuid.uuid4().hex[:8]}"
     try:
         with DataPlane() as plane:
             peer.start("benchmarks._transfer_paths:receiver_loop", store=plane.address, link_id=link_id,
-                       threads=params.threads, in_flight=params.in_flight)
+                       threads=params.threads, copy_threads=params.copy_threads, in_flight=params.in_flight)
             depth = {} if params.in_flight is None else {"max_in_flight": params.in_flight}
             link = plane.open_link(link_id, 0, plane.address, "cpu", WAIT_S, **depth)
             pg = raw_group(plane.address, 0, f"raw/{link_id}")
@@ -406,9 +411,10 @@ def run(ctx: BenchContext, params: TransferParams | None = None) -> BenchResult:
             link.close()
     finally:
         torch.set_num_threads(threads)
+        set_copy_threads(copy_threads)
     meta = {
         **base_meta(opts), "repeats": repeats,
-        "threads_per_process": params.threads, "max_in_flight": params.in_flight or DEFAULT_MAX_IN_FLIGHT,
+        "threads_per_process": params.threads, "copy_threads": params.copy_threads, "max_in_flight": params.in_flight or DEFAULT_MAX_IN_FLIGHT,
         "max_in_flight_bytes": DEFAULT_MAX_IN_FLIGHT_BYTES, "chunk_bytes": params.chunk_bytes,
         "round_bytes": params.round_bytes, "dtype": "bfloat16", "num_kv_heads": 8, "head_size": 128,
         "cache": "vLLM CPU layout, block 16 (sender) -> block 32 (receiver), blocks scattered at random",
@@ -449,11 +455,13 @@ def _parse(argv: Sequence[str] | None) -> tuple[BenchOptions, TransferParams]:
     parser.add_argument("--round-mib", type=int, help="MiB per timed round (default 256; quick 8)")
     parser.add_argument("--in-flight", type=int, help="link max_in_flight (default: the transport's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--copy-threads", type=int, default=1,
+                        help="threads one native gather/scatter may use, each process (NCCLKV_COPY_THREADS)")
     parser.add_argument("--chunk-kib", type=int, default=0, help="ncclkv path: send each layer in chunks of this size")
     args = parser.parse_args(argv)
     base = TransferParams.quick() if args.quick else TransferParams()
     params = replace(
-        base, in_flight=args.in_flight, threads=args.threads, chunk_bytes=args.chunk_kib * KIB,
+        base, in_flight=args.in_flight, threads=args.threads, copy_threads=args.copy_threads, chunk_bytes=args.chunk_kib * KIB,
         sizes=tuple(k * KIB for k in args.sizes_kib) if args.sizes_kib else base.sizes,
         round_bytes=args.round_mib * MIB if args.round_mib else base.round_bytes,
     )
