@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..errors import HandshakeError, NcclKVError, TransferError, TransferTimeout
 from ._framing import FRAME_TAG, Framing
+from ._sender import DeferredSend, SendThread
 
 __all__ = ["TorchBackend", "open_group"]
 
@@ -26,6 +27,7 @@ _log = logging.getLogger(__name__)
 _TAG = 0  # NCCL has no tags; gloo gets the same semantics: one ordered stream per direction
 _ABORT_TAG = 1  # never used for data, see TorchBackend.abort
 _NCCL_WATCHDOG_MARGIN_S = 60.0
+_JOIN_S = 2.0  # the send thread only posts (never waits on the peer): it ends at once once stopped
 
 
 class _WorkPending:
@@ -41,18 +43,26 @@ class _WorkPending:
 class TorchBackend:
     """Posts single sends and receives to the peer of a 2-rank process group."""
 
-    def __init__(self, pg: dist.ProcessGroup, link_rank: int, device: torch.device, store: dist.Store) -> None:
+    def __init__(self, pg: dist.ProcessGroup, link_rank: int, device: torch.device, store: dist.Store,
+                 name: str = "ncclkv-gloo") -> None:
         self._pg = pg
         self._peer = 1 - link_rank
         self._device = device
         self._store = store  # NCCL may still read it (lazily made communicators)
+        # gloo writes a payload on the posting thread: data sends get a thread of their own (see _sender)
+        self._sender = None if device.type == "cuda" else SendThread(f"{name}-send", self._post_data_send)
 
     @property
     def name(self) -> str:
         return "nccl" if self._device.type == "cuda" else "gloo"
 
-    def post_send(self, tensor: torch.Tensor) -> _WorkPending:
-        return _WorkPending(self._pg.send([tensor], self._peer, _TAG))
+    def post_send(self, tensor: torch.Tensor) -> _WorkPending | DeferredSend:
+        if self._sender is not None:
+            return self._sender.submit(tensor)
+        return _WorkPending(self._post_data_send(tensor))
+
+    def _post_data_send(self, tensor: torch.Tensor) -> dist.Work:
+        return self._pg.send([tensor], self._peer, _TAG)
 
     def post_recv(self, tensor: torch.Tensor) -> _WorkPending:
         return _WorkPending(self._pg.recv([tensor], self._peer, _TAG))
@@ -71,9 +81,15 @@ class TorchBackend:
         return _WorkPending(self._pg.recv([header], self._peer, FRAME_TAG))
 
     def release(self) -> None:
+        if self._sender is not None:
+            self._sender.stop()
+            if not self._sender.join(_JOIN_S):
+                _log.warning("a gloo send thread did not end within %g s", _JOIN_S)
         self._pg = self._store = None  # type: ignore[assignment]
 
     def abort(self) -> None:
+        if self._sender is not None:  # sends not posted yet fail instead of going out
+            self._sender.stop()
         try:
             if self._device.type == "cuda":
                 self._pg.abort()
@@ -187,7 +203,7 @@ def open_group(
         if time.monotonic() >= deadline - 0.01 or "time" in text.lower():
             raise TransferTimeout(f"{where}: peer (link rank {peer}) not connected within {timeout_s:.3g} s: {text}") from exc
         raise TransferError(f"{where}: cannot connect to peer (link rank {peer}): {text}") from exc
-    return TorchBackend(pg, link_rank, device, store)
+    return TorchBackend(pg, link_rank, device, store, f"ncclkv-link-{link_id}")
 
 
 def _forget_own_keys(store: dist.Store, link_rank: int, where: str) -> None:

@@ -1,0 +1,135 @@
+"""ncclkv.transport._sender: gloo data sends posted in order from a thread of their own."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from ncclkv.errors import TransferError
+from ncclkv.transport import DataPlane
+from ncclkv.transport._sender import SendThread
+
+WAIT_S = 20.0
+
+
+class _Work:
+    """What ``post`` returns: done once the test says so."""
+
+    def __init__(self, done: bool = True) -> None:
+        self.done = threading.Event()
+        if done:
+            self.done.set()
+
+    def wait(self, timeout) -> bool:
+        return self.done.wait(timeout.total_seconds())
+
+
+def test_sends_are_posted_in_order_on_the_thread() -> None:
+    posted: list[tuple[float, str]] = []
+
+    def post(tensor: torch.Tensor) -> _Work:
+        posted.append((tensor.item(), threading.current_thread().name))
+        return _Work()
+
+    sender = SendThread("probe-send", post)
+    try:
+        pendings = [sender.submit(torch.tensor(float(i))) for i in range(50)]
+        for pending in pendings:
+            pending.wait(WAIT_S)
+    finally:
+        sender.stop()
+        assert sender.join(WAIT_S)
+    assert [value for value, _ in posted] == [float(i) for i in range(50)]
+    assert {name for _, name in posted} == {"probe-send"}
+
+
+def test_wait_covers_the_work_after_the_post() -> None:
+    work = _Work(done=False)
+    sender = SendThread("probe-send", lambda tensor: work)
+    try:
+        pending = sender.submit(torch.zeros(1))
+        with pytest.raises(TimeoutError, match="work not done within 0.05 s"):
+            pending.wait(0.05)
+        work.done.set()
+        pending.wait(WAIT_S)
+    finally:
+        sender.stop()
+        assert sender.join(WAIT_S)
+
+
+def test_a_post_that_raises_fails_its_send_only() -> None:
+    def post(tensor: torch.Tensor) -> _Work:
+        if tensor.item() == 1:
+            raise RuntimeError("Connection closed by peer")
+        return _Work()
+
+    sender = SendThread("probe-send", post)
+    try:
+        first, second, third = (sender.submit(torch.tensor(float(i))) for i in range(3))
+        first.wait(WAIT_S)
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            second.wait(WAIT_S)
+        third.wait(WAIT_S)
+    finally:
+        sender.stop()
+        assert sender.join(WAIT_S)
+
+
+def test_stop_fails_what_is_not_posted_and_ends_the_thread() -> None:
+    entered, release = threading.Event(), threading.Event()
+    posted: list[float] = []
+
+    def post(tensor: torch.Tensor) -> _Work:
+        posted.append(tensor.item())
+        entered.set()
+        assert release.wait(WAIT_S)
+        return _Work()
+
+    sender = SendThread("probe-send", post)
+    first = sender.submit(torch.tensor(0.0))
+    assert entered.wait(WAIT_S)  # the thread is posting the first: the others queue behind it
+    queued = [sender.submit(torch.tensor(float(i))) for i in range(1, 4)]
+    sender.stop()
+    release.set()
+    first.wait(WAIT_S)
+    for pending in queued:
+        with pytest.raises(TransferError, match="aborted before this send was posted"):
+            pending.wait(WAIT_S)
+    with pytest.raises(TransferError, match="aborted before this send was posted"):
+        sender.submit(torch.tensor(9.0)).wait(WAIT_S)
+    assert sender.join(WAIT_S)
+    assert posted == [0.0]
+    sender.stop()  # idempotent
+
+
+def test_a_gloo_link_posts_its_data_on_its_send_thread() -> None:
+    """The payload's write (gloo writes on the posting thread) is off the link's poster; bytes arrive in order."""
+    with DataPlane() as p0, DataPlane() as p1:
+        with ThreadPoolExecutor(2) as pool:
+            f0 = pool.submit(p0.open_link, "sendthread", 0, p0.address, "cpu", WAIT_S)
+            f1 = pool.submit(p1.open_link, "sendthread", 1, p0.address, "cpu", WAIT_S)
+            l0, l1 = f0.result(WAIT_S), f1.result(WAIT_S)
+        backend = l0._backend  # noqa: SLF001 - which thread posts is what this test is about
+        posting: list[str] = []
+        post = backend._post_data_send
+
+        def spy(tensor: torch.Tensor):
+            posting.append(threading.current_thread().name)
+            return post(tensor)
+
+        backend._post_data_send = spy
+        backend._sender._post = spy  # the thread was built with the bound method
+        sent = [torch.full((1 << 18,), float(i)) for i in range(12)]  # 1 MiB each
+        recvs = [l1.recv(t.shape, t.dtype) for t in sent]
+        sends = [l0.send(t) for t in sent]
+        assert [f.result(WAIT_S) for f in sends] == [None] * 12
+        assert [f.result(WAIT_S)[0].item() for f in recvs] == [float(i) for i in range(12)]
+        assert posting == ["ncclkv-link-sendthread-send"] * 12
+        threads = [t for t in threading.enumerate() if t.name == "ncclkv-link-sendthread-send"]
+        assert len(threads) == 2  # one per end
+        l0.close()
+        l1.close()
+        assert not any(t.is_alive() for t in threads)  # closing the link ends it
