@@ -216,42 +216,54 @@ Where the time goes. gloo over loopback TCP is copy-bound: the sender's
 ncclkv path adds two more passes over the same bytes: the gather on the sender
 (cache blocks -> wire tensor) and the scatter on the receiver (wire tensor ->
 blocks of another size). Both run in ncclkv's native kernel (see paged): in
-this run (2-core Xeon, 2026-11-26) at 3.8-5.6 and 5.0-7.5 GB/s against a
-memcpy of 5.6-7.0; on the 2-core EPYC of the runs before, 4.7-8.4 against
+this run (2-core Xeon, 2026-11-26) at 3.7-5.7 and 5.0-7.5 GB/s against a
+memcpy of 5.7-7.0; on the 2-core EPYC of the runs before, 4.7-8.4 against
 9.4-13.3 (2026-11-25), 13-15 against 14-20 two days before; before the
 kernel (torch ops) they ran at 6-11 GB/s on that faster day. The gather runs
 on the caller's thread while earlier layers are on the wire, the scatter on
 the link's receive thread as each tensor lands (as the engine does), so they
 overlap with the transfer, but they need CPU: `CPU ncclkv/raw` (CPU seconds
-of both processes, ncclkv over raw, same bytes) is 1.7-3.2 from 1 MiB up in
+of both processes, ncclkv over raw, same bytes) is 1.7-3.1 from 1 MiB up in
 this run (1.8-2.6, 2.0-2.4, 1.7-2.5 and 1.4-2.0 in four EPYC runs), about
 what raw plus the `gather` and `scatter` columns predict, more at 1 MiB,
 where raw gloo ran at 5.0 GB/s here (its 256 MiB of buffers fit this host's
 cache; 2.5-3.7 GB/s from 4 MiB up). So ncclkv/raw is about (ncclkv cores /
 raw cores) / (CPU ncclkv/raw): with both cores to itself ncclkv would reach
-the `core-bound ceiling` (0.35-0.96 here; 0.48-0.82, 0.50-0.71, 0.46-0.83
-and 0.7-1.0 on the EPYC); it measured 0.31-0.76 (0.42-0.61, 0.44-0.56,
-0.41-0.62, 0.6-0.74), because the pipeline keeps only 1.5-1.75 cores busy
+the `core-bound ceiling` (0.36-0.97 here; 0.48-0.82, 0.50-0.71, 0.46-0.83
+and 0.7-1.0 on the EPYC); it measured 0.33-0.71 (0.42-0.61, 0.44-0.56,
+0.41-0.62, 0.6-0.74), because the pipeline keeps only 1.5-1.85 cores busy
 (`cores` columns) and, at 1-4 MiB, the link's per-tensor latency (`link/raw`
-0.69-0.81 here; the round trips in the findings: a frame header ahead of
+0.64-0.81 here; the round trips in the findings: a frame header ahead of
 each receive, a reaper thread woken per tensor) is not all hidden. The 0.85
 goal needs a third core at this wire speed, fewer passes over the bytes (a
 receive straight into the cache, which gloo allows only for contiguous runs
 of blocks, and vLLM's CPU layouts put a block's heads apart), or a GPU,
 where gather and scatter are device kernels off the host CPU. With 16 cores
-(the lent machine's section below) it reached 0.86 and 0.91 at 4 and 16 MiB.
+(the lent machines' sections below) the CPU is there but one thread's work
+per tensor is not: ncclkv/raw 0.64-0.82 from 1 MiB up with one copy thread,
+0.80-0.89 with two (`--copy-threads 2`, `NCCLKV_COPY_THREADS`: each gather
+and scatter spread over two threads, 7.5-10.5 GB/s against 5.4-7.6 alone).
 
 The engine path is the product: the same caches and bytes between two real
 TransferEngines, a round's slices as requests of L layers, all expected by
 the consumer and then pushed at once (`start_push`, `save_layer` per layer,
-`finish`). It reached 0.85-1.00 of the ncclkv path from 1 MiB up in this run
-(0.48-0.53 below; on the EPYC 0.60-0.94, 0.59-0.92, 0.67-0.89 and
-0.71-0.95 in four runs, 0.3-0.4 below 1 MiB), and 0.26-0.71 of raw gloo,
+`finish`). It reached 0.89-1.06 of the ncclkv path from 1 MiB up in this run
+(0.53-0.65 below; on the EPYC 0.60-0.94, 0.59-0.92, 0.67-0.89 and
+0.71-0.95 in four runs, 0.3-0.4 below 1 MiB), and 0.30-0.75 of raw gloo,
 least at small slices, because it adds per tensor: an Announce over the ZMQ
 channel (encoded and sent on the thread that posts the tensor, decoded and
 checked on the consumer's dispatcher thread before it posts the receive),
 the gather on the link's poster thread instead of the caller's, and the
-done-callbacks that count slices and complete requests. Since 2026-11-24 the
+done-callbacks that count slices and complete requests. Until 2026-11-26 the
+poster also wrote each payload: gloo writes a send's bytes on the thread
+that posts it once the peer's receive is posted (a 1 MiB `send()` returned
+after 170-230 us, the whole write), so one thread gathered and wrote each
+tensor in turn, about 2 GB/s at 1 MiB whatever the cores. A gloo link now
+posts its data sends from a send thread of its own: on the lent 16-core
+machine engine/raw went from 0.38 / 0.67 / 0.64 / 0.62 to 0.68 / 0.94 / 0.90
+/ 0.71 at 1 / 4 / 16 / 64 MiB (two copy threads, same hour); here, with both
+cores busy anyway, it moved within the noise (engine 1.27 and 1.33 GB/s at 1
+MiB against 1.20 and 1.27, new and old code in turn). Since 2026-11-24 the
 producer announces each tensor and sends its frame header before gathering
 it, with the next queued tensor's header, and since 2026-11-25 the next
 tensor's announcement too (bench overlap, engine rows): that is for
@@ -347,6 +359,14 @@ What was tried (same machine; flags of `python -m benchmarks.bench_transfer`):
   chunks were worse. Chunks do cut latency (see overlap).
 - Two torch threads per process (`--threads 2`): worse (0.25-0.46, torch ops);
   the OpenMP threads compete with the gloo threads for the same two cores.
+- Two copy threads (`--copy-threads 2`) on these two cores: 0.28 at 1 MiB in
+  quick rounds against 0.37 without (a run each): the copy's second thread
+  competes with gloo's. On 16 cores they are what lifts 1 MiB (above).
+- 4 MiB pieces (`--chunk-kib 4096`, the engine's `piece_bytes` too) here:
+  64 MiB slices 0.75 of raw against 0.67 whole, 16 MiB 0.70 against 0.71
+  (a run each); on 16 cores 64 MiB went from 0.75 to 0.90 (lent section).
+  Not a default: each piece is a message, and the vLLM rows' 2 MiB pieces
+  cost time to first token on two cores (bench vllm).
 - Below 1 MiB the link's per-tensor cost dominates: roughly 50-90 us per
   tensor here.
 - Posting sends on the caller's thread instead of waking the link's poster
