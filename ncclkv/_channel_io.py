@@ -104,6 +104,7 @@ class IoLoop:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._links: dict[str, _Link] = {}
+        self._reading_before_loss = False  # _read_before_losing is running: no nested read
         self._hb_seq = 0
         self.address = ""
         self._thread = threading.Thread(target=self._run, name=f"ncclkv-channel-io[{peer_id}]", daemon=True)
@@ -316,12 +317,29 @@ class IoLoop:
         except zmq.ZMQError as exc:
             if counted:
                 self._counters.sent -= 1
+            if exc.errno == zmq.EHOSTUNREACH and link.dealer is None and self._read_before_losing(peer_id):
+                return  # it had said Bye: lost as closed, not as a failed send
             self._declare_lost(peer_id, f"send failed: {exc}")
         except Exception as exc:  # a bug with this one frame: lose its peer, keep serving the others
             if counted:
                 self._counters.sent -= 1
             log.exception("channel %r: cannot send a frame to %r", self._peer_id, peer_id)
             self._declare_lost(peer_id, f"send failed: {type(exc).__name__}: {exc}")
+
+    def _read_before_losing(self, peer_id: str) -> bool:
+        """Our ROUTER has no route to ``peer_id`` any more: read what it sent before it went (this turn runs
+        the commands before it reads), so a Bye queued there is handled first; whether that dropped the peer.
+
+        A peer that closes sends Bye, then disconnects; ZMQ drops the route at once, but the Bye waits in the
+        ROUTER's queue until the loop reads it. Not nested: a send failing while reading is lost as before."""
+        if self._reading_before_loss:
+            return False
+        self._reading_before_loss = True
+        try:
+            self._drain(self._router, None)
+        finally:
+            self._reading_before_loss = False
+        return peer_id not in self._links
 
     def _write(self, peer_id: str, link: _Link, frame: bytes) -> None:
         """Seal ``frame`` and hand it to ZMQ on the peer's path; raises ``zmq.ZMQError``."""

@@ -666,3 +666,40 @@ def test_a_reply_taken_just_as_the_request_times_out_is_returned(
     monkeypatch.setattr(Channel, "_finish", staticmethod(late_finish))
     monkeypatch.setattr(a.clock, "wait", deadline_passes_after_take)
     assert a.request("b", Ready("r"), timeout_s=1.0) == Ack("r", None)
+
+
+def test_a_send_that_meets_a_closed_peer_first_reads_its_bye(make_channel: Callable[..., Channel]) -> None:
+    """A peer that said Bye and left: a send to it from our ROUTER can fail (ZMQ already dropped the route)
+    before the loop reads the Bye queued behind that turn's commands. The loss is then the peer closing
+    (PeerClosedError, INFO), not a failed send (a WARNING at every orderly shutdown, seen in bench transfer)."""
+    lost: list[BaseException] = []
+    lost_now = threading.Event()
+    client = make_channel("client", on_peer_lost=lambda p, e: (lost.append(e), lost_now.set()),
+                          heartbeat_s=30.0, deadline_s=60.0)  # no heartbeat turns in between
+    io = client._io
+    send = io._send
+    entered, resume = threading.Event(), threading.Event()
+
+    def held_send(peer_id: str, frame: bytes, counted: bool = False) -> None:
+        if peer_id == "peer" and counted and not entered.is_set():
+            entered.set()
+            assert resume.wait(WAIT_S)  # the loop waits here: the test owns the ROUTER meanwhile
+        send(peer_id, frame, counted)
+
+    io._send = held_send  # type: ignore[method-assign]
+    with raw_dealer(client.address, b"peer") as peer:
+        peer.send(encode(Envelope("peer", 1, None, Ready("hello"))))
+        wait_until(lambda: client.peer_alive("peer"), WAIT_S)
+        monitor = io._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            client.send("peer", Ready("to a peer that is leaving"))
+            assert entered.wait(WAIT_S)
+            peer.send(encode(Envelope("peer", 2, None, Bye())))
+            peer.close(linger=1000)  # the Bye goes out before the connection closes
+            assert monitor.poll(WAIT_S * 1000), "the ROUTER never saw the peer disconnect"
+        finally:
+            io._router.disable_monitor()
+            monitor.close(linger=0)
+        resume.set()
+        assert lost_now.wait(WAIT_S)
+    assert len(lost) == 1 and isinstance(lost[0], errors.PeerClosedError), lost
