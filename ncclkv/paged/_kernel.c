@@ -16,6 +16,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -311,6 +312,9 @@ static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void *work_loop(void *arg) {
     Worker *worker = (Worker *)arg;
+#if defined(__linux__)
+    pthread_setname_np(pthread_self(), "ncclkv-copy");  /* what top, py-spy and /proc call it */
+#endif
     pthread_mutex_lock(&worker->lock);
     for (;;) {
         while (!worker->busy)
@@ -331,8 +335,14 @@ static int grow_pool(int wanted) {
         pthread_mutex_init(&worker->lock, NULL);
         pthread_cond_init(&worker->cond, NULL);
         worker->busy = 0;
+        /* Started with every signal blocked: signals go to the process's own threads, not to a copy. */
+        sigset_t all, before;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &before);
         pthread_t id;
-        if (pthread_create(&id, NULL, work_loop, worker) != 0)
+        const int failed = pthread_create(&id, NULL, work_loop, worker);
+        pthread_sigmask(SIG_SETMASK, &before, NULL);
+        if (failed)
             break;
         pthread_detach(id);
         num_workers++;

@@ -10,7 +10,9 @@ import hashlib
 import multiprocessing
 import random
 import re
+import signal
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,3 +287,18 @@ def test_copy_threads_come_from_the_environment_until_set(monkeypatch) -> None:
         assert set_copy_threads(1) == 3  # the first copy applied the variable
     finally:
         set_copy_threads(before)
+
+
+def test_copy_workers_are_named_and_take_no_signals(copy_threads) -> None:
+    """Signals go to the process's own threads (Python's handlers run on the main one), never to a worker."""
+    copy_threads(3)
+    cache, spec, ids, tokens, heads = big_case("cpu", random.Random(9))
+    gather(cache, spec, ids, tokens, heads, torch.empty(spec.wire_shape(len(tokens), len(heads)), dtype=torch.bfloat16))
+    workers = [task for task in Path("/proc/self/task").iterdir()
+               if (task / "comm").read_text().strip() == "ncclkv-copy"]
+    assert len(workers) == _kernel.pool_workers() >= 2
+    for task in workers:
+        blocked = int(next(line for line in (task / "status").read_text().splitlines()
+                           if line.startswith("SigBlk:")).split()[1], 16)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGUSR1):
+            assert blocked >> (signum - 1) & 1, f"worker {task.name} takes signal {signum!r}"
