@@ -26,6 +26,8 @@ from ..errors import TransferError
 
 __all__ = ["DeferredSend", "SendThread"]
 
+_ABORTED = "the link was aborted before this send was posted"
+
 _MIN_WAIT_S = 0.001
 
 
@@ -56,12 +58,17 @@ class DeferredSend:
 
 
 class SendThread:
-    """Posts queued sends with ``post`` in submission order; :meth:`stop` fails those not yet posted."""
+    """Posts queued sends with ``post`` in submission order; :meth:`stop` fails those not yet posted.
+
+    A post that raises fails its send and every later one, unposted: the peer was told of it (its
+    frame header), so the next tensor on the wire would land in its receive (see ``_pipe``, where a
+    failed post breaks the link at once)."""
 
     def __init__(self, name: str, post: Callable[[torch.Tensor], dist.Work]) -> None:
         self._post = post
         self._queue: queue.SimpleQueue[tuple[torch.Tensor, DeferredSend] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._failed: str | None = None  # why nothing more is posted: stopped, or a post failed
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -69,10 +76,11 @@ class SendThread:
     def submit(self, tensor: torch.Tensor) -> DeferredSend:
         pending = DeferredSend()
         with self._lock:  # checked and queued at once: stop() cannot come between
-            if not self._stopped:
+            failed = self._failed
+            if failed is None:
                 self._queue.put((tensor, pending))
                 return pending
-        pending._settle(None, TransferError("the link was aborted before this send was posted"))
+        pending._settle(None, TransferError(failed))
         return pending
 
     def stop(self) -> None:
@@ -81,6 +89,7 @@ class SendThread:
             if self._stopped:
                 return
             self._stopped = True
+            self._failed = self._failed or _ABORTED
         self._queue.put(None)
 
     def join(self, timeout_s: float) -> bool:
@@ -94,13 +103,17 @@ class SendThread:
                 return
             tensor, pending = item
             with self._lock:
-                stopped = self._stopped
-            if stopped:  # aborted: posting it now would only fail later, and slower
-                pending._settle(None, TransferError("the link was aborted before this send was posted"))
+                failed = self._failed
+            if failed is not None:  # aborted, or an earlier post failed: nothing more may go out
+                pending._settle(None, TransferError(failed))
                 continue
             try:
                 work = self._post(tensor)
             except Exception as exc:  # handed to the waiter (the link's reaper), which breaks the link
+                # The peer was told of this send (its frame header) and expects it next: a later send
+                # would land in this one's receive. Refuse every later one until the link breaks.
+                with self._lock:
+                    self._failed = self._failed or f"an earlier send's post failed ({exc!r}); not posted"
                 pending._settle(None, exc)
             else:
                 pending._settle(work, None)

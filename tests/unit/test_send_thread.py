@@ -60,10 +60,14 @@ def test_wait_covers_the_work_after_the_post() -> None:
         assert sender.join(WAIT_S)
 
 
-def test_a_post_that_raises_fails_its_send_only() -> None:
+def test_a_post_that_raises_fails_its_send_and_every_later_one() -> None:
+    """The peer was told of the failed send (its frame header): a later one posted now would land in its receive."""
+    posted: list[float] = []
+
     def post(tensor: torch.Tensor) -> _Work:
         if tensor.item() == 1:
             raise RuntimeError("Connection closed by peer")
+        posted.append(tensor.item())
         return _Work()
 
     sender = SendThread("probe-send", post)
@@ -72,7 +76,11 @@ def test_a_post_that_raises_fails_its_send_only() -> None:
         first.wait(WAIT_S)
         with pytest.raises(RuntimeError, match="Connection closed by peer"):
             second.wait(WAIT_S)
-        third.wait(WAIT_S)
+        for later in (third, sender.submit(torch.tensor(3.0))):
+            with pytest.raises(TransferError, match=r"an earlier send's post failed \(RuntimeError\('Connection "
+                                                    r"closed by peer'\)\); not posted"):
+                later.wait(WAIT_S)
+        assert posted == [0.0]
     finally:
         sender.stop()
         assert sender.join(WAIT_S)
@@ -133,3 +141,35 @@ def test_a_gloo_link_posts_its_data_on_its_send_thread() -> None:
         l0.close()
         l1.close()
         assert not any(t.is_alive() for t in threads)  # closing the link ends it
+
+
+def test_a_gloo_link_whose_post_fails_sends_nothing_after_it() -> None:
+    """Send 1's post fails once: its receive at the peer must not take send 2's bytes (gloo would end the
+    peer on a longer one); the link breaks instead, and every send after 1 fails unsent."""
+    with DataPlane() as p0, DataPlane() as p1:
+        with ThreadPoolExecutor(2) as pool:
+            f0 = pool.submit(p0.open_link, "postfails", 0, p0.address, "cpu", WAIT_S)
+            f1 = pool.submit(p1.open_link, "postfails", 1, p0.address, "cpu", WAIT_S)
+            l0, l1 = f0.result(WAIT_S), f1.result(WAIT_S)
+        sender = l0._backend._sender  # noqa: SLF001 - its post is what fails here
+        real, calls = sender._post, []
+
+        def post(tensor: torch.Tensor):
+            calls.append(tensor[0].item())
+            if len(calls) == 2:
+                raise RuntimeError("transient post failure of send 1")
+            return real(tensor)
+
+        sender._post = post
+        shapes = [(4,), (8,), (4,)]
+        recvs = [l1.recv(shape, torch.float32) for shape in shapes]
+        sends = [l0.send(torch.full(shape, float(i + 1))) for i, shape in enumerate(shapes)]
+        assert recvs[0].result(WAIT_S).tolist() == [1.0] * 4
+        assert sends[0].result(WAIT_S) is None
+        for later in sends[1:]:
+            assert isinstance(later.exception(WAIT_S), TransferError)
+        assert calls == [1.0, 2.0]  # send 2 never reached gloo
+        for late in recvs[1:]:
+            assert late.exception(WAIT_S) is not None  # the peer's receives fail; none took another's bytes
+        l0.close()
+        l1.close()
