@@ -335,9 +335,14 @@ static int grow_pool(int wanted) {
         pthread_mutex_init(&worker->lock, NULL);
         pthread_cond_init(&worker->cond, NULL);
         worker->busy = 0;
-        /* Started with every signal blocked: signals go to the process's own threads, not to a copy. */
+        /* Started with every signal blocked but the faults: signals go to the process's own threads, not to
+         * a copy, while a fault in a copy (a bad pointer) still reaches faulthandler: blocked, it would kill
+         * the process without a word. */
         sigset_t all, before;
         sigfillset(&all);
+        const int faults[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, SIGTRAP, SIGSYS};
+        for (size_t f = 0; f < sizeof faults / sizeof faults[0]; f++)
+            sigdelset(&all, faults[f]);
         pthread_sigmask(SIG_SETMASK, &all, &before);
         pthread_t id;
         const int failed = pthread_create(&id, NULL, work_loop, worker);
@@ -359,21 +364,24 @@ static void forget_pool_after_fork(void) {
 /* The whole slice, `bytes` of wire, on up to `threads` threads (the caller's one of them): wire token
  * ranges cut at block boundaries, so no two threads write the same block row or wire row. */
 static void move_slice(const Slice *slice, Segment segment, const void *job, Py_ssize_t bytes, int threads) {
+    const Py_ssize_t total = slice->num_tokens, start = slice->token_start, block_size = slice->block_size;
+    const Py_ssize_t first_block = start / block_size;
+    const Py_ssize_t blocks = total ? (start + total - 1) / block_size - first_block + 1 : 0;
     if (threads > bytes / MIN_THREAD_BYTES)
         threads = (int)(bytes / MIN_THREAD_BYTES);
+    if (threads > blocks)  /* a thread gets one block at least */
+        threads = (int)blocks;
     if (threads < 2 || pthread_mutex_trylock(&pool_lock) != 0) {
-        for_each_block(slice, segment, job, 0, slice->num_tokens);
+        for_each_block(slice, segment, job, 0, total);
         return;
     }
     threads = 1 + grow_pool(threads - 1);
     Range ranges[MAX_THREADS + 1];
-    const Py_ssize_t total = slice->num_tokens, first = slice->token_start, block_size = slice->block_size;
     Py_ssize_t begin = 0;
     for (int i = 0; i < threads; i++) {
         Py_ssize_t end = total;
-        if (i + 1 < threads) {  /* the block boundary at or below an even share */
-            const Py_ssize_t pos = first + total * (i + 1) / threads;
-            end = pos - pos % block_size - first;
+        if (i + 1 < threads) {  /* an even share of the blocks, in wire tokens; the first block may be partial */
+            end = (first_block + blocks * (i + 1) / threads) * block_size - start;
             if (end < begin)
                 end = begin;
         }

@@ -11,6 +11,8 @@ import multiprocessing
 import random
 import re
 import signal
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -302,3 +304,25 @@ def test_copy_workers_are_named_and_take_no_signals(copy_threads) -> None:
                            if line.startswith("SigBlk:")).split()[1], 16)
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGUSR1):
             assert blocked >> (signum - 1) & 1, f"worker {task.name} takes signal {signum!r}"
+        for signum in (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT):
+            # blocked, a fault in a copy would end the process without faulthandler's traceback
+            assert not blocked >> (signum - 1) & 1, f"worker {task.name} blocks fault signal {signum!r}"
+
+
+_FEW_BLOCKS = """
+import torch
+from ncclkv.layout import Span
+from ncclkv.paged import CacheLayout, PagedCacheSpec, gather, set_copy_threads, _kernel
+spec = PagedCacheSpec(CacheLayout.CPU, 8, 128, 8, 128, torch.bfloat16)  # a block of 128 tokens: 512 KiB of wire
+cache = torch.zeros(spec.shape, dtype=torch.bfloat16)
+set_copy_threads(16)
+gather(cache, spec, [5, 2, 7], Span(0, 384), Span(0, 8), torch.empty(spec.wire_shape(384, 8), dtype=torch.bfloat16))
+print(_kernel.pool_workers())
+"""
+
+
+def test_a_slice_of_few_blocks_wakes_no_more_threads_than_blocks() -> None:
+    """1.5 MiB in 3 blocks with 16 threads allowed: 6 threads by bytes, 3 by blocks (each thread at least one)."""
+    done = subprocess.run([sys.executable, "-c", _FEW_BLOCKS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2"]  # the caller and two workers
