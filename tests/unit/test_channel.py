@@ -668,25 +668,34 @@ def test_a_reply_taken_just_as_the_request_times_out_is_returned(
     assert a.request("b", Ready("r"), timeout_s=1.0) == Ack("r", None)
 
 
-def test_a_send_that_meets_a_closed_peer_first_reads_its_bye(make_channel: Callable[..., Channel]) -> None:
-    """A peer that said Bye and left: a send to it from our ROUTER can fail (ZMQ already dropped the route)
-    before the loop reads the Bye queued behind that turn's commands. The loss is then the peer closing
-    (PeerClosedError, INFO), not a failed send (a WARNING at every orderly shutdown, seen in bench transfer)."""
+def _held_send_to(io, peer: str) -> tuple[threading.Event, threading.Event]:
+    """Hold the loop in its first counted send to ``peer`` (entered), until the test sets resume."""
+    send = io._send
+    entered, resume = threading.Event(), threading.Event()
+
+    def held_send(peer_id: str, frame: bytes, counted: bool = False) -> None:
+        if peer_id == peer and counted and not entered.is_set():
+            entered.set()
+            assert resume.wait(WAIT_S)  # the loop waits here: the test owns the ROUTER meanwhile
+        send(peer_id, frame, counted)
+
+    io._send = held_send
+    return entered, resume
+
+
+@pytest.mark.parametrize("last_frame", ["bye", "ready"], ids=["said-bye", "crashed"])
+def test_a_send_that_meets_a_gone_peer_first_reads_what_it_sent(make_channel: Callable[..., Channel],
+                                                                 last_frame: str) -> None:
+    """A peer that left: a send to it from our ROUTER can fail (ZMQ already dropped the route) before the loop
+    reads the frames queued behind that turn's commands. A Bye among them makes the loss a close
+    (PeerClosedError, INFO), not a failed send (a WARNING at every orderly shutdown, seen in bench transfer);
+    any other frame leaves it a failed send (the frame is sent again, and fails again)."""
     lost: list[BaseException] = []
     lost_now = threading.Event()
     client = make_channel("client", on_peer_lost=lambda p, e: (lost.append(e), lost_now.set()),
                           heartbeat_s=30.0, deadline_s=60.0)  # no heartbeat turns in between
     io = client._io
-    send = io._send
-    entered, resume = threading.Event(), threading.Event()
-
-    def held_send(peer_id: str, frame: bytes, counted: bool = False) -> None:
-        if peer_id == "peer" and counted and not entered.is_set():
-            entered.set()
-            assert resume.wait(WAIT_S)  # the loop waits here: the test owns the ROUTER meanwhile
-        send(peer_id, frame, counted)
-
-    io._send = held_send  # type: ignore[method-assign]
+    entered, resume = _held_send_to(io, "peer")
     with raw_dealer(client.address, b"peer") as peer:
         peer.send(encode(Envelope("peer", 1, None, Ready("hello"))))
         wait_until(lambda: client.peer_alive("peer"), WAIT_S)
@@ -694,12 +703,17 @@ def test_a_send_that_meets_a_closed_peer_first_reads_its_bye(make_channel: Calla
         try:
             client.send("peer", Ready("to a peer that is leaving"))
             assert entered.wait(WAIT_S)
-            peer.send(encode(Envelope("peer", 2, None, Bye())))
-            peer.close(linger=1000)  # the Bye goes out before the connection closes
+            peer.send(encode(Envelope("peer", 2, None, Bye() if last_frame == "bye" else Ready("last"))))
+            peer.close(linger=1000)  # that frame goes out before the connection closes
             assert monitor.poll(WAIT_S * 1000), "the ROUTER never saw the peer disconnect"
         finally:
             io._router.disable_monitor()
             monitor.close(linger=0)
         resume.set()
         assert lost_now.wait(WAIT_S)
-    assert len(lost) == 1 and isinstance(lost[0], errors.PeerClosedError), lost
+    assert len(lost) == 1, lost
+    if last_frame == "bye":
+        assert isinstance(lost[0], errors.PeerClosedError), lost
+    else:
+        assert not isinstance(lost[0], errors.PeerClosedError) and "send failed: Host unreachable" in str(lost[0])
+    assert client.stats.sent == 0  # neither the failed send nor its second try counts as sent
