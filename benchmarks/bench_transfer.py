@@ -352,7 +352,13 @@ What was tried (same machine; flags of `python -m benchmarks.bench_transfer`):
   64 KiB; with 32, 0.74-0.88; with 128, 0.91-0.97. The transport now posts up to
   64 operations and 256 MiB per direction (`DEFAULT_MAX_IN_FLIGHT[_BYTES]`),
   which lifted link/raw to 0.8-1.07 from 1 MiB up. Receivers should post their
-  receives ahead of the data, as the raw and link paths here do.
+  receives ahead of the data, as the raw and link paths here do. 256 against
+  64, in turn, two runs each (2026-11-26, 64 MiB rounds): link/raw 0.38-0.51
+  against 0.30-0.39 at 64 KiB and 0.64-0.70 against 0.49-0.55 at 256 KiB,
+  the same from 1 MiB up, and the engine path the same at every size (its
+  per-tensor work, not the window, bounds it); on the lent 16-core machine,
+  before the gloo send thread, link/raw 0.90 against 0.77 at 1 MiB. The
+  default stays 64.
 - Chunking large slices (`--chunk-kib 2048` on 16 and 64 MiB slices, to
   shorten the pipeline's fill and drain): 0.63-0.64 against 0.64-0.75
   unchunked with the native kernel, within the noise; with torch ops, 1 MiB
