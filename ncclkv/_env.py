@@ -12,6 +12,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ._affinity import parse_cpu_list
+
 __all__ = ["MAX_COPY_THREADS", "PAGED_KERNELS", "EnvSettings", "env_settings"]
 
 
@@ -52,6 +54,16 @@ def _choice(environ: Mapping[str, str], name: str, default: str, choices: tuple[
     return text
 
 
+def _cpus(environ: Mapping[str, str], name: str) -> str:
+    text = (environ.get(name) or "").strip()
+    if text and text != "auto":
+        try:
+            parse_cpu_list(text)
+        except ValueError as err:
+            raise ValueError(f"{name}={text!r} must be 'auto' or a CPU list like 0-3,8: {err}") from None
+    return text
+
+
 PAGED_KERNELS = ("native", "torch")
 MAX_COPY_THREADS = 16  # the native kernel's MAX_THREADS
 
@@ -73,6 +85,9 @@ class EnvSettings:
                              ``torch`` (torch ops, as on CUDA; for comparison and diagnosis)
     NCCLKV_COPY_THREADS      threads one native gather/scatter call may use, 1-16 (default 1; each gets at least
                              256 KiB of the slice): for hosts whose cores are not all busy with the model
+    NCCLKV_CPUS              the CPUs an engine's threads run on: a list like ``14,15`` or ``8-11``, or ``auto``
+                             (those OpenMP is not bound to, see ncclkv._affinity); unset: each thread keeps the
+                             mask of the thread that started it
 
     Control-channel authentication (see :mod:`ncclkv.auth`, docs/SECURITY.md; unset: off):
     NCCLKV_CURVE_SECRET_FILE   this rank's zmq.auth ``.key_secret`` certificate
@@ -95,6 +110,7 @@ class EnvSettings:
     soak_requests: int = 200
     paged_kernel: str = "native"
     copy_threads: int = 1
+    cpus: str = ""
     curve_secret_file: str = ""
     curve_public_file: str = ""
     curve_allowed_dir: str = ""
@@ -120,6 +136,7 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
         soak_requests=_int(env, "NCCLKV_SOAK_REQUESTS", default.soak_requests),
         paged_kernel=_choice(env, "NCCLKV_PAGED_KERNEL", default.paged_kernel, PAGED_KERNELS),
         copy_threads=_int(env, "NCCLKV_COPY_THREADS", default.copy_threads, most=MAX_COPY_THREADS),
+        cpus=_cpus(env, "NCCLKV_CPUS"),
         curve_secret_file=env.get("NCCLKV_CURVE_SECRET_FILE", ""),
         curve_public_file=env.get("NCCLKV_CURVE_PUBLIC_FILE", ""),
         curve_allowed_dir=env.get("NCCLKV_CURVE_ALLOWED_DIR", ""),

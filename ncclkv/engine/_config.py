@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .._affinity import resolve_cpus
 from .._env import env_settings
 from ..auth import ChannelAuth, load_channel_auth
 from ..layout import KVGeometry, ParallelLayout
@@ -71,6 +73,9 @@ class EngineConfig:
     # push: a route's last layer in pieces of at most this (0: whole), see DEFAULT_LAST_PIECE_BYTES
     last_piece_bytes: int = DEFAULT_LAST_PIECE_BYTES
     wire_cache_bytes: int | None = None  # free CPU wire buffers kept for reuse (0: none); None: environment
+    # The CPUs the engine's threads run on (ncclkv._affinity); None: NCCLKV_CPUS, and unset there, each thread
+    # keeps the mask of the thread that started it.
+    cpus: frozenset[int] | None = None
     # None: from the environment (NCCLKV_SHARED_SECRET*, NCCLKV_CURVE_*; docs/SECURITY.md).
     auth: ChannelAuth | None = field(default=None, repr=False)
 
@@ -94,6 +99,14 @@ class EngineConfig:
         if cache is not None and not (_is_int(cache) and cache >= 0):
             raise ValueError(f"wire_cache_bytes must be an int >= 0 (0: keep none), got {cache!r}")
         settings = env_settings()
+        if self.cpus is None:
+            object.__setattr__(self, "cpus", resolve_cpus(settings.cpus, os.environ, os.cpu_count() or 1))
+        else:
+            cpus = self.cpus
+            if (not isinstance(cpus, (set, frozenset)) or not cpus
+                    or not all(_is_int(c) and c >= 0 for c in cpus)):
+                raise ValueError(f"cpus must be a non-empty set of CPU numbers >= 0, got {cpus!r}")
+            object.__setattr__(self, "cpus", frozenset(cpus))
         if self.deadline_s is None:
             object.__setattr__(self, "deadline_s", settings.deadline_s)
         if self.heartbeat_s is None:

@@ -23,6 +23,7 @@ from functools import lru_cache
 
 import torch
 
+from .._affinity import pin_this_thread
 from ..channel import Channel
 from ..buffer import KVStoreBuffer
 from ..errors import CapacityError, NcclKVError, ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
@@ -109,7 +110,7 @@ def _covers_slice(tokens: SpanSet, key: _Key) -> bool:
 class ConsumerSide:
     def __init__(self, engine_id: str, rank: int, layout: ParallelLayout, geometry: KVGeometry, caches: RankCaches,
                  channel: Channel, peers: PeerLinks, executor: Executor, stats: EngineStats, deadline_s: float,
-                 staging_bytes: int, hold_s: float) -> None:
+                 staging_bytes: int, hold_s: float, cpus: frozenset[int] | None = None) -> None:
         self._engine_id, self._rank, self._layout, self._geometry = engine_id, rank, layout, geometry
         self._caches, self._channel, self._peers, self._executor = caches, channel, peers, executor
         self._clock = channel.clock  # deadlines leave out pauses of this process (ncclkv._clock)
@@ -128,7 +129,8 @@ class ConsumerSide:
         self._store = KVStoreBuffer(staging_bytes, evict=False)
         # Declines (see decline) wait on producers that may be gone: a worker of their own (made at the
         # first), never the executor that pulls, and a bounded queue.
-        self._decliner = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ncclkv-decline[{engine_id}.r{rank}]")
+        self._decliner = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ncclkv-decline[{engine_id}.r{rank}]",
+                                            initializer=pin_this_thread, initargs=(cpus,))
         self._declines_queued = 0
         self._staging_log = StagingLog()
 

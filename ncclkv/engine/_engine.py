@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .._affinity import pin_this_thread, pinned
 from ..channel import Channel, ReplyThen
 from ..errors import ClosedError, HandshakeError, PeerLostError, ProtocolError
 from ..layout import SpanSet
@@ -42,6 +43,12 @@ class TransferEngine:
     """
 
     def __init__(self, config: EngineConfig, *, transport: LinkFactory | None = None) -> None:
+        # Every thread started here (channel, ZMQ, data-plane store) inherits the engine's CPUs; the executors'
+        # threads, started later from whichever thread submits, pin themselves (ncclkv._affinity).
+        with pinned(config.cpus):
+            self._start(config, transport)
+
+    def _start(self, config: EngineConfig, transport: LinkFactory | None) -> None:
         self.config = config
         cfg = config
         assert cfg.deadline_s is not None and cfg.heartbeat_s is not None and cfg.staging_bytes is not None
@@ -49,12 +56,14 @@ class TransferEngine:
         self._stats = EngineStats()
         assert cfg.wire_cache_bytes is not None
         self._caches = RankCaches(cfg.layout, cfg.geometry, cfg.rank, cfg.wire_cache_bytes)
-        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"ncclkv-engine[{cfg.peer_id}]")
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"ncclkv-engine[{cfg.peer_id}]",
+                                            initializer=pin_this_thread, initargs=(cfg.cpus,))
         # Responder-side link opens get threads of their own: tasks on the executor above wait for
         # links (a push waits for its link to open), so opening them there could starve: with every
         # worker waiting, the open that would release them never ran (seen in the quick soak).
         self._link_opener = ThreadPoolExecutor(max_workers=_LINK_OPENERS,
-                                               thread_name_prefix=f"ncclkv-link-open[{cfg.peer_id}]")
+                                               thread_name_prefix=f"ncclkv-link-open[{cfg.peer_id}]",
+                                               initializer=pin_this_thread, initargs=(cfg.cpus,))
         data_plane: LinkFactory | None = None
         channel: Channel | None = None
         try:  # a failure half-way leaves no thread or socket behind
@@ -74,7 +83,7 @@ class TransferEngine:
                                           cfg.piece_bytes, cfg.last_piece_bytes)
             self._consumer = ConsumerSide(cfg.engine_id, cfg.rank, cfg.layout, cfg.geometry, self._caches,
                                           self._channel, self._peers, self._executor, self._stats, cfg.deadline_s,
-                                          cfg.staging_bytes, cfg.hold_s)
+                                          cfg.staging_bytes, cfg.hold_s, cfg.cpus)
         except BaseException:
             if channel is not None:
                 channel.close()
@@ -113,7 +122,8 @@ class TransferEngine:
         """Push mode: no more layers. Pull mode: hold the request's blocks until every consumer rank
         pulled them (or ``hold_s`` passes). Either way :meth:`take_finished_sending` reports it."""
         self._check_open()
-        self._producer.finish(request_id, block_ids, num_tokens)
+        with pinned(self.config.cpus):  # a push's last sends are posted (and gathered) on this thread
+            self._producer.finish(request_id, block_ids, num_tokens)
 
     def release(self, request_id: str) -> bool:
         """Pull mode: stop holding ``request_id`` (its consumers' pulls fail). :meth:`take_finished_sending`

@@ -1,0 +1,115 @@
+"""EngineConfig.cpus (NCCLKV_CPUS): every thread an engine starts runs there; the caller's thread keeps its mask.
+
+Run in a child process: /proc/self/task then lists only the threads this run started (channel, ZMQ,
+data-plane store, executors, links, gloo), whatever the test process ran before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ncclkv.engine import EngineConfig
+from ncclkv.layout import KVGeometry, ParallelLayout
+
+_CHILD = r"""
+import json, os, sys, threading
+from pathlib import Path
+from kvsim import build_sides, close_sides, engine_ref, start_pull
+from ncclkv.layout import KVGeometry, ParallelLayout, Span
+from ncclkv.paged import CacheLayout
+
+def masks():
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            status = (task / "status").read_text().splitlines()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        name = next(l.split(None, 1)[1] for l in status if l.startswith("Name:"))
+        cpus = next(l.split(None, 1)[1] for l in status if l.startswith("Cpus_allowed_list:"))
+        out[int(task.name)] = (name.strip(), cpus.strip())
+    return out
+
+cpus = frozenset(int(c) for c in sys.argv[1].split(","))
+before = masks()
+main_before = sorted(os.sched_getaffinity(0))
+geometry, layout = KVGeometry(2, 2, 16, "float32"), ParallelLayout(1, 1)
+prefill = build_sides("cpus-prefill", layout, geometry, CacheLayout.CPU, 16, "producer", cpus=cpus)
+decode = build_sides("cpus-decode", layout, geometry, CacheLayout.CPU, 16, "consumer", cpus=cpus)
+try:
+    start_pull("r1", prefill, decode, 1, [3, 1], [0, 2], 20)
+    decode[0].engine.wait("r1", timeout_s=20)
+    assert decode[0].mismatches(1, [0, 2], 20, Span(0, 20)) == []
+    ref = engine_ref("cpus-decode", layout, decode)
+    decode[0].engine.expect("r2", engine_ref("cpus-prefill", layout, prefill), [4, 5], 20, push=True)
+    prefill[0].fill(seed=2, block_ids=[6, 7], num_tokens=20)
+    prefill[0].engine.start_push("r2", ref, [6, 7], 20)
+    for layer in range(2):
+        prefill[0].engine.save_layer("r2", layer)
+    prefill[0].engine.finish("r2")
+    decode[0].engine.wait("r2", timeout_s=20)
+    assert decode[0].mismatches(2, [4, 5], 20, Span(0, 20)) == []
+    during = masks()
+finally:
+    close_sides(prefill, decode)
+started = {tid: value for tid, value in during.items() if tid not in before}
+print(json.dumps({"main_before": main_before, "main_after": sorted(os.sched_getaffinity(0)),
+                  "started": sorted(started.values())}))
+"""
+
+
+def _cpu_text(cpus: set[int]) -> str:
+    """As /proc writes Cpus_allowed_list: ranges of two or more joined by '-'."""
+    ordered, parts = sorted(cpus), []
+    start = prev = ordered[0]
+    for cpu in ordered[1:] + [None]:
+        if cpu is not None and cpu == prev + 1:
+            prev = cpu
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else str(start))
+        if cpu is not None:
+            start = prev = cpu
+    return ",".join(parts)
+
+
+def test_every_thread_an_engine_starts_runs_on_its_cpus() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    target = {allowed[-1]}  # not all of them where there are two or more: inherited masks would show
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env.pop("NCCLKV_CPUS", None)
+    done = subprocess.run([sys.executable, "-c", _CHILD, ",".join(map(str, target))], capture_output=True, text=True,
+                          timeout=180, env=env, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["main_after"] == result["main_before"] == allowed  # the caller's thread got its mask back
+    names = [name for name, _ in result["started"]]
+    # Python threads show as "python" here (CPython < 3.14 names no OS thread); the C++ ones by name:
+    # ZMQ's (the channel's context), the data plane's store, gloo's (the links).
+    for native in ("ZMQbg/IO/0", "pt_tcpstore_uv", "gloo_tcp_loop"):
+        assert native in names, names
+    assert names.count("python") >= 8, names  # channel I/O and dispatcher, executors, link posters and reapers
+    elsewhere = [(name, cpus) for name, cpus in result["started"] if cpus != _cpu_text(target)]
+    assert not elsewhere, f"threads not on CPUs {sorted(target)}: {elsewhere}"
+
+
+def test_cpus_come_from_the_environment_and_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    geometry, layout = KVGeometry(2, 2, 16, "float32"), ParallelLayout(1, 1)
+    monkeypatch.setenv("NCCLKV_CPUS", "0-1,3")
+    assert EngineConfig("e", 0, layout, geometry).cpus == frozenset({0, 1, 3})
+    assert EngineConfig("e", 0, layout, geometry, cpus={2}).cpus == frozenset({2})  # the config wins
+    monkeypatch.setenv("NCCLKV_CPUS", "auto")
+    monkeypatch.setenv("OMP_PLACES", "{0},{1}")
+    monkeypatch.setenv("OMP_PROC_BIND", "true")
+    free = frozenset(range(os.cpu_count() or 1)) - {0, 1}
+    assert EngineConfig("e", 0, layout, geometry).cpus == (free or None)
+    monkeypatch.delenv("NCCLKV_CPUS")
+    assert EngineConfig("e", 0, layout, geometry).cpus is None  # unset: threads keep their starting mask
+    for bad in (set(), {-1}, {1.5}, [0], "0"):
+        with pytest.raises(ValueError, match=r"cpus must be a non-empty set of CPU numbers >= 0, got"):
+            EngineConfig("e", 0, layout, geometry, cpus=bad)  # type: ignore[arg-type]
