@@ -51,6 +51,8 @@ class TransferEngine:
     def _start(self, config: EngineConfig, transport: LinkFactory | None) -> None:
         self.config = config
         cfg = config
+        if cfg.cpus is not None:
+            log.info("engine %s: its threads run on CPUs %s", cfg.peer_id, ",".join(map(str, sorted(cfg.cpus))))
         assert cfg.deadline_s is not None and cfg.heartbeat_s is not None and cfg.staging_bytes is not None
         self._closed = False
         self._stats = EngineStats()
