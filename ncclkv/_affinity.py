@@ -19,9 +19,13 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 
-__all__ = ["omp_bound_cpus", "parse_cpu_list", "pin_this_thread", "pinned", "resolve_cpus"]
+__all__ = [
+    "core_siblings", "cpus_from_setting", "omp_bound_cpus", "parse_cpu_list", "pin_this_thread", "pinned", "resolve_cpus", "usable_cpus",
+    "vllm_bound_cpus",
+]
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +49,10 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 
 def _omp_places(text: str) -> frozenset[int] | None:
     """The CPUs of explicit ``OMP_PLACES`` like ``{0,1,2}`` or ``{0},{1}`` or ``{0:4}`` (start:count[:stride]);
-    None for abstract names (``cores``, ``threads``) or anything else."""
+    None for abstract names (``cores``, ``threads``), exclusions (``!``), replicated places (``{0:4}:4:4``)
+    or anything else: a partial set would hand out CPUs OpenMP uses."""
     places = _PLACE.findall(text)
-    if not places:
+    if not places or "!" in text or _PLACE.sub("", text).strip(" ,"):
         return None
     cpus: set[int] = set()
     for place in places:
@@ -69,9 +74,9 @@ def omp_bound_cpus(environ: Mapping[str, str]) -> frozenset[int] | None:
         if found:
             return found
     gomp = environ.get("GOMP_CPU_AFFINITY", "").strip()
-    if gomp:
+    if gomp:  # strides (4-15:2) and other forms: None, not a partial set
         with contextlib.suppress(ValueError):
-            return parse_cpu_list(",".join(gomp.split()))
+            return parse_cpu_list(",".join(gomp.replace(",", " ").split()))
     kmp = re.search(r"proclist=\[([^\]]*)\]", environ.get("KMP_AFFINITY", ""))
     if kmp:
         with contextlib.suppress(ValueError):
@@ -79,10 +84,25 @@ def omp_bound_cpus(environ: Mapping[str, str]) -> frozenset[int] | None:
     return None
 
 
-def resolve_cpus(setting: str, environ: Mapping[str, str], num_cpus: int) -> frozenset[int] | None:
+def vllm_bound_cpus(environ: Mapping[str, str]) -> frozenset[int]:
+    """Every CPU an explicit ``VLLM_CPU_OMP_THREADS_BIND`` (``0-6|8-14``: a list per local rank) gives to
+    OpenMP, other ranks' included; empty for ``auto``, ``nobind`` or nothing."""
+    text = environ.get("VLLM_CPU_OMP_THREADS_BIND", "").strip()
+    if not text or text in ("auto", "nobind"):
+        return frozenset()
+    cpus: set[int] = set()
+    for part in text.split("|"):
+        with contextlib.suppress(ValueError):
+            cpus |= parse_cpu_list(part)
+    return frozenset(cpus)
+
+
+def resolve_cpus(setting: str, environ: Mapping[str, str], candidates: frozenset[int],
+                 siblings: Mapping[int, frozenset[int]] | None = None) -> frozenset[int] | None:
     """What ``NCCLKV_CPUS`` asks for: None (empty: threads keep the mask they start with), a list, or for
-    ``auto`` the CPUs below ``num_cpus`` that OpenMP was not bound to (None, logged, when OpenMP binds
-    nothing or every CPU)."""
+    ``auto`` the ``candidates`` (the CPUs this process may use) that neither OpenMP here nor an explicit
+    ``VLLM_CPU_OMP_THREADS_BIND`` (every rank's list) is bound to, nor an SMT sibling of one (``siblings``:
+    CPU -> the CPUs of its core). None, logged, when OpenMP binds nothing or leaves nothing."""
     if not setting:
         return None
     if setting != "auto":
@@ -91,12 +111,44 @@ def resolve_cpus(setting: str, environ: Mapping[str, str], num_cpus: int) -> fro
     if bound is None:
         log.info("NCCLKV_CPUS=auto: OpenMP binds no CPUs here; ncclkv's threads keep the mask they start with")
         return None
-    free = frozenset(range(num_cpus)) - bound
+    taken = set(bound | vllm_bound_cpus(environ))
+    for cpu in list(taken):
+        taken |= (siblings or {}).get(cpu, frozenset())
+    free = candidates - taken
     if not free:
-        log.warning("NCCLKV_CPUS=auto: OpenMP is bound to every CPU (%s); ncclkv's threads share them",
-                    _cpu_text(bound))
+        log.warning("NCCLKV_CPUS=auto: OpenMP's threads and their core siblings hold every CPU this process may "
+                    "use (%s); ncclkv's threads share them", _cpu_text(candidates))
         return None
-    return free
+    return frozenset(free)
+
+
+def usable_cpus() -> frozenset[int]:
+    """The CPUs this process may run on: the cgroup's effective cpuset where one is readable, else all of
+    them (the main thread's own mask may be OpenMP's one core)."""
+    for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.effective_cpus"):
+        with contextlib.suppress(OSError, ValueError):
+            return parse_cpu_list(Path(path).read_text().strip())
+    return frozenset(range(os.cpu_count() or 1))
+
+
+def core_siblings(cpus: Iterable[int]) -> dict[int, frozenset[int]]:
+    """CPU -> the hardware threads of its core, from sysfs (a CPU alone where it cannot be read)."""
+    found: dict[int, frozenset[int]] = {}
+    for cpu in cpus:
+        path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        try:
+            found[cpu] = parse_cpu_list(path.read_text().strip())
+        except (OSError, ValueError):
+            found[cpu] = frozenset({cpu})
+    return found
+
+
+def cpus_from_setting(setting: str, environ: Mapping[str, str]) -> frozenset[int] | None:
+    """:func:`resolve_cpus` with this machine's usable CPUs and core siblings (read only for ``auto``)."""
+    if setting != "auto":
+        return resolve_cpus(setting, environ, frozenset())
+    candidates = usable_cpus()
+    return resolve_cpus(setting, environ, candidates, core_siblings(range(max(candidates) + 1)))
 
 
 def pin_this_thread(cpus: frozenset[int] | None) -> None:
@@ -121,7 +173,10 @@ def pinned(cpus: frozenset[int] | None) -> Iterator[None]:
     try:
         yield
     finally:
-        os.sched_setaffinity(0, before)
+        try:
+            os.sched_setaffinity(0, before)
+        except OSError as err:  # the cpuset shrank meanwhile: never hide what the block raised
+            log.warning("could not give this thread its CPUs %s back: %s", _cpu_text(frozenset(before)), err)
 
 
 def _cpu_text(cpus: frozenset[int]) -> str:

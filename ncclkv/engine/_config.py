@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .._affinity import resolve_cpus
+from .._affinity import cpus_from_setting
 from .._env import env_settings
 from ..auth import ChannelAuth, load_channel_auth
 from ..layout import KVGeometry, ParallelLayout
@@ -100,7 +100,7 @@ class EngineConfig:
             raise ValueError(f"wire_cache_bytes must be an int >= 0 (0: keep none), got {cache!r}")
         settings = env_settings()
         if self.cpus is None:
-            object.__setattr__(self, "cpus", resolve_cpus(settings.cpus, os.environ, os.cpu_count() or 1))
+            object.__setattr__(self, "cpus", cpus_from_setting(settings.cpus, os.environ))
         else:
             cpus = self.cpus
             if (not isinstance(cpus, (set, frozenset)) or not cpus

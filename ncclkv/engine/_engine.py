@@ -150,7 +150,8 @@ class TransferEngine:
         self._check_open()
         if producer.engine_id == self.config.engine_id:
             raise ValueError(f"request {request_id!r}: producer engine {producer.engine_id!r} is this engine")
-        self._consumer.expect(request_id, producer, block_ids, tokens, push, keep_tokens)
+        with pinned(self.config.cpus):  # a push that landed in staging first is scattered on this thread
+            self._consumer.expect(request_id, producer, block_ids, tokens, push, keep_tokens)
 
     def decline(self, request_id: str, producer: EngineRef, *, push: bool = False) -> None:
         """This rank will not take ``request_id``. Pull: tell ``producer``'s ranks, which free its blocks once

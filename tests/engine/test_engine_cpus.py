@@ -18,9 +18,10 @@ from ncclkv.engine import EngineConfig
 from ncclkv.layout import KVGeometry, ParallelLayout
 
 _CHILD = r"""
-import json, os, sys, threading
+import json, os, sys, threading, time
 from pathlib import Path
-from kvsim import build_sides, close_sides, engine_ref, start_pull
+from kvsim import build_sides, close_sides, engine_ref
+from ncclkv.paged import set_copy_threads
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.paged import CacheLayout
 
@@ -36,25 +37,40 @@ def masks():
         out[int(task.name)] = (name.strip(), cpus.strip())
     return out
 
+import torch
+torch.set_num_threads(1)  # the test's own torch ops start no OpenMP threads: only the engines' are counted
 cpus = frozenset(int(c) for c in sys.argv[1].split(","))
 before = masks()
 main_before = sorted(os.sched_getaffinity(0))
-geometry, layout = KVGeometry(2, 2, 16, "float32"), ParallelLayout(1, 1)
-prefill = build_sides("cpus-prefill", layout, geometry, CacheLayout.CPU, 16, "producer", cpus=cpus)
-decode = build_sides("cpus-decode", layout, geometry, CacheLayout.CPU, 16, "consumer", cpus=cpus)
+# 1 MiB slices (128 tokens x 8 heads x 128 x 2 x float32): with NCCLKV_COPY_THREADS=2 a scatter takes the pool
+geometry, layout = KVGeometry(2, 8, 128, "float32"), ParallelLayout(1, 1)
+prefill = build_sides("cpus-prefill", layout, geometry, CacheLayout.CPU, 16, "producer", num_blocks=24, cpus=cpus)
+decode = build_sides("cpus-decode", layout, geometry, CacheLayout.CPU, 16, "consumer", num_blocks=24, cpus=cpus)
+src, dst, staged_src, staged_dst = list(range(8)), list(range(8)), list(range(8, 16)), list(range(8, 16))
 try:
-    start_pull("r1", prefill, decode, 1, [3, 1], [0, 2], 20)
-    decode[0].engine.wait("r1", timeout_s=20)
-    assert decode[0].mismatches(1, [0, 2], 20, Span(0, 20)) == []
+    # A push that lands in the consumer's staging before expect(): expect scatters it on the caller's thread,
+    # the first threaded copy of this process, so the copy pool's workers start there.
     ref = engine_ref("cpus-decode", layout, decode)
-    decode[0].engine.expect("r2", engine_ref("cpus-prefill", layout, prefill), [4, 5], 20, push=True)
-    prefill[0].fill(seed=2, block_ids=[6, 7], num_tokens=20)
-    prefill[0].engine.start_push("r2", ref, [6, 7], 20)
+    prefill[0].fill(seed=2, block_ids=staged_src, num_tokens=128)  # the test's own copies: one thread
+    prefill[0].fill(seed=1, block_ids=src, num_tokens=128)
+    prefill[0].engine.start_push("r2", ref, staged_src, 128)
     for layer in range(2):
         prefill[0].engine.save_layer("r2", layer)
     prefill[0].engine.finish("r2")
+    deadline = time.monotonic() + 20
+    sent = {}
+    while "r2" not in sent and time.monotonic() < deadline:
+        sent.update(prefill[0].engine.take_finished_sending())
+        time.sleep(0.01)
+    assert sent.get("r2", "missing") is None, sent
+    set_copy_threads(2)  # from here on copies take the pool, and the first is expect's, on this thread
+    decode[0].engine.expect("r2", engine_ref("cpus-prefill", layout, prefill), staged_dst, 128, push=True)
     decode[0].engine.wait("r2", timeout_s=20)
-    assert decode[0].mismatches(2, [4, 5], 20, Span(0, 20)) == []
+    assert decode[0].mismatches(2, staged_dst, 128, Span(0, 128)) == []
+    prefill[0].engine.finish("r1", src, 128)  # held for the pull
+    decode[0].engine.expect("r1", engine_ref("cpus-prefill", layout, prefill), dst, 128)
+    decode[0].engine.wait("r1", timeout_s=20)
+    assert decode[0].mismatches(1, dst, 128, Span(0, 128)) == []
     during = masks()
 finally:
     close_sides(prefill, decode)
@@ -83,6 +99,7 @@ def test_every_thread_an_engine_starts_runs_on_its_cpus() -> None:
     target = {allowed[-1]}  # not all of them where there are two or more: inherited masks would show
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     env.pop("NCCLKV_CPUS", None)
+    env.pop("NCCLKV_COPY_THREADS", None)
     done = subprocess.run([sys.executable, "-c", _CHILD, ",".join(map(str, target))], capture_output=True, text=True,
                           timeout=180, env=env, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -91,7 +108,7 @@ def test_every_thread_an_engine_starts_runs_on_its_cpus() -> None:
     names = [name for name, _ in result["started"]]
     # Python threads show as "python" here (CPython < 3.14 names no OS thread); the C++ ones by name:
     # ZMQ's (the channel's context), the data plane's store, gloo's (the links).
-    for native in ("ZMQbg/IO/0", "pt_tcpstore_uv", "gloo_tcp_loop"):
+    for native in ("ZMQbg/IO/0", "pt_tcpstore_uv", "gloo_tcp_loop", "ncclkv-copy"):
         assert native in names, names
     assert names.count("python") >= 8, names  # channel I/O and dispatcher, executors, link posters and reapers
     elsewhere = [(name, cpus) for name, cpus in result["started"] if cpus != _cpu_text(target)]

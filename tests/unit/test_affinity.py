@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from ncclkv._affinity import omp_bound_cpus, parse_cpu_list, pinned, resolve_cpus
+from ncclkv._affinity import omp_bound_cpus, parse_cpu_list, pinned, resolve_cpus, vllm_bound_cpus
 from ncclkv._env import env_settings
 
 
@@ -37,6 +37,10 @@ def test_bad_cpu_lists_name_the_text(text: str, message: str) -> None:
     ({"GOMP_CPU_AFFINITY": "0-3"}, {0, 1, 2, 3}),
     ({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[2,3,6]"}, {2, 3, 6}),
     ({}, None),
+    # forms not parsed are refused whole: a partial set would hand out CPUs OpenMP uses
+    ({"OMP_PLACES": "{0:4}:4:4", "OMP_PROC_BIND": "true"}, None),  # replicated places: 16 CPUs
+    ({"OMP_PLACES": "{0,1},!{3}", "OMP_PROC_BIND": "true"}, None),
+    ({"GOMP_CPU_AFFINITY": "0 3 1-2 4-15:2"}, None),  # a stride
 ])
 def test_what_openmp_is_bound_to(environ: dict[str, str], cpus: set[int] | None) -> None:
     assert omp_bound_cpus(environ) == cpus
@@ -44,11 +48,24 @@ def test_what_openmp_is_bound_to(environ: dict[str, str], cpus: set[int] | None)
 
 def test_resolving_ncclkv_cpus() -> None:
     bound = {"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true"}
-    assert resolve_cpus("", bound, 8) is None
-    assert resolve_cpus("6-7", bound, 8) == {6, 7}
-    assert resolve_cpus("auto", bound, 4) == {3}  # the core OpenMP was not given
-    assert resolve_cpus("auto", {}, 4) is None  # nothing bound: threads keep their masks
-    assert resolve_cpus("auto", bound, 3) is None  # bound to every CPU
+    four = frozenset(range(4))
+    assert resolve_cpus("", bound, four) is None
+    assert resolve_cpus("6-7", bound, four) == {6, 7}
+    assert resolve_cpus("auto", bound, four) == {3}  # the core OpenMP was not given
+    assert resolve_cpus("auto", {}, four) is None  # nothing bound: threads keep their masks
+    assert resolve_cpus("auto", bound, frozenset({0, 1, 2})) is None  # bound to every CPU this process may use
+
+
+def test_auto_leaves_out_core_siblings_and_every_local_ranks_list() -> None:
+    # 4 cores x 2 threads (cpu n and n + 4 share a core); vLLM's x86 auto-bind gives OpenMP one thread per core.
+    siblings = {c: frozenset({c % 4, c % 4 + 4}) for c in range(8)}
+    smt = {"OMP_PLACES": "{4,5,6}", "OMP_PROC_BIND": "true"}
+    assert resolve_cpus("auto", smt, frozenset(range(8)), siblings) == {3, 7}  # not 0-2, the model's cores
+    # TP=2: this worker's OpenMP has 0-2, the other's 4-6 (VLLM_CPU_OMP_THREADS_BIND names both).
+    tp2 = {"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true", "VLLM_CPU_OMP_THREADS_BIND": "0-2|4-6"}
+    assert resolve_cpus("auto", tp2, frozenset(range(8))) == {3, 7}
+    assert vllm_bound_cpus({"VLLM_CPU_OMP_THREADS_BIND": "auto"}) == frozenset()
+    assert vllm_bound_cpus({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) == frozenset()
 
 
 def test_the_environment_variable_is_checked() -> None:
