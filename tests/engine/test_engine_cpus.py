@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ncclkv._affinity import core_siblings, usable_cpus
 from ncclkv.engine import EngineConfig
 from ncclkv.layout import KVGeometry, ParallelLayout
 
@@ -123,7 +124,9 @@ def test_cpus_come_from_the_environment_and_are_checked(monkeypatch: pytest.Monk
     monkeypatch.setenv("NCCLKV_CPUS", "auto")
     monkeypatch.setenv("OMP_PLACES", "{0},{1}")
     monkeypatch.setenv("OMP_PROC_BIND", "true")
-    free = frozenset(range(os.cpu_count() or 1)) - {0, 1}
+    usable = usable_cpus()
+    siblings = core_siblings(range(max(usable) + 1))
+    free = usable - {0, 1} - siblings.get(0, frozenset()) - siblings.get(1, frozenset())
     assert EngineConfig("e", 0, layout, geometry).cpus == (free or None)
     monkeypatch.delenv("NCCLKV_CPUS")
     assert EngineConfig("e", 0, layout, geometry).cpus is None  # unset: threads keep their starting mask
