@@ -7,7 +7,9 @@ import threading
 
 import pytest
 
-from ncclkv._affinity import omp_bound_cpus, parse_cpu_list, pinned, resolve_cpus, vllm_bound_cpus
+from ncclkv._affinity import (
+    core_siblings, omp_bound_cpus, parse_cpu_list, pinned, resolve_cpus, usable_cpus, vllm_bound_cpus,
+)
 from ncclkv._env import env_settings
 
 
@@ -96,3 +98,11 @@ def test_cpus_that_are_not_there_are_refused_by_name() -> None:
         with pinned(frozenset({100000})):
             pass
     assert os.sched_getaffinity(0)  # unchanged, still usable
+
+
+def test_this_machines_usable_cpus_and_core_siblings() -> None:
+    usable = usable_cpus()
+    assert os.sched_getaffinity(0) <= usable  # a thread's mask lies inside the cpuset
+    siblings = core_siblings(sorted(usable))
+    assert all(cpu in siblings[cpu] for cpu in usable)  # a CPU is a thread of its own core
+    assert core_siblings([10**6]) == {10**6: frozenset({10**6})}  # unreadable: the CPU alone
