@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
-from ._pipe import Pending
+from ._pipe import MIN_WAIT_S, Pending
 
 __all__ = [
     "AHEAD_BYTES", "BATCH", "EARLY_FLUSH_BYTES", "FLUSH_BYTES", "FRAME_TAG", "GRACE_S", "Frame", "Framing",
@@ -60,7 +60,6 @@ _HEAD_WORDS = 4  # magic, first frame index, count, reserved
 _ENTRY_WORDS = 8  # nbytes, dtype code, ndim, up to 5 dims
 _MAX_DIMS = _ENTRY_WORDS - 3
 _WORDS = _HEAD_WORDS + BATCH * _ENTRY_WORDS
-_MIN_WAIT_S = 0.001
 # Codes are positions: append only, both ends of a link must agree.
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -273,7 +272,7 @@ class RecvFrames:
                 self._ahead.append((header, self._post(header)))
         header, pending = self._ahead.popleft()
         try:
-            pending.wait(max(_MIN_WAIT_S, deadline - time.monotonic()))
+            pending.wait(max(MIN_WAIT_S, deadline - time.monotonic()))
         except Exception as exc:  # timed out, or the connection failed
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if isinstance(exc, TimeoutError) or time.monotonic() >= deadline - 0.02:

@@ -50,7 +50,7 @@ class TorchBackend:
         self._device = device
         self._store = store  # NCCL may still read it (lazily made communicators)
         # gloo writes a payload on the posting thread: data sends get a thread of their own (see _sender)
-        self._sender = None if device.type == "cuda" else SendThread(f"{name}-send", self._post_data_send)
+        self._sender = None if device.type == "cuda" else SendThread(f"{name}-send", self._post_data)
 
     @property
     def name(self) -> str:
@@ -59,10 +59,10 @@ class TorchBackend:
     def post_send(self, tensor: torch.Tensor) -> _WorkPending | DeferredSend:
         if self._sender is not None:
             return self._sender.submit(tensor)
-        return _WorkPending(self._post_data_send(tensor))
+        return self._post_data(tensor)
 
-    def _post_data_send(self, tensor: torch.Tensor) -> dist.Work:
-        return self._pg.send([tensor], self._peer, _TAG)
+    def _post_data(self, tensor: torch.Tensor) -> _WorkPending:
+        return _WorkPending(self._pg.send([tensor], self._peer, _TAG))
 
     def post_recv(self, tensor: torch.Tensor) -> _WorkPending:
         return _WorkPending(self._pg.recv([tensor], self._peer, _TAG))

@@ -350,8 +350,11 @@ class Link:
         before_send: Callable[[], torch.Tensor | None] | None,
         fill: Callable[[torch.Tensor], None] | None = None,
     ) -> Future:
-        timeout = self._timeout_s if timeout_s is None else timeout_s
-        check_timeout(f"link {self._link_id!r}: timeout_s", timeout)
+        if timeout_s is None:
+            timeout = self._timeout_s  # checked when the link was made
+        else:
+            check_timeout(f"link {self._link_id!r}: timeout_s", timeout_s)
+            timeout = timeout_s
         future: Future = Future()
         future.set_running_or_notify_cancel()  # a posted transfer cannot be cancelled
         with self._lock:  # seq order == queue order

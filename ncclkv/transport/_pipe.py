@@ -54,10 +54,10 @@ import torch
 
 from ..errors import ClosedError, NcclKVError, TransferError
 
-__all__ = ["Completed", "HookResultRefused", "Op", "Pending", "Pipe", "settle"]
+__all__ = ["MIN_WAIT_S", "Completed", "HookResultRefused", "Op", "Pending", "Pipe", "settle"]
 
 _log = logging.getLogger(__name__)
-_MIN_WAIT_S = 0.001  # backends read a zero timeout as "no timeout"
+MIN_WAIT_S = 0.001  # backends read a zero timeout as "no timeout"
 
 
 class Pending(Protocol):
@@ -392,7 +392,7 @@ class Pipe:
                 op = self._in_flight[0]
             assert op.pending is not None
             try:
-                op.pending.wait(max(_MIN_WAIT_S, op.deadline - time.monotonic()))
+                op.pending.wait(max(MIN_WAIT_S, op.deadline - time.monotonic()))
             except Exception as exc:
                 self._fail(op, exc)
                 continue

@@ -17,28 +17,25 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from ..errors import TransferError
+from ._pipe import MIN_WAIT_S, Pending
 
 __all__ = ["DeferredSend", "SendThread"]
 
 _ABORTED = "the link was aborted before this send was posted"
 
-_MIN_WAIT_S = 0.001
-
 
 class DeferredSend:
     """A send queued for the :class:`SendThread`; :meth:`wait` covers its posting and its completion."""
 
-    __slots__ = ("_posted", "_work", "_error")
+    __slots__ = ("_posted", "_pending", "_error")
 
     def __init__(self) -> None:
         self._posted = threading.Event()
-        self._work: dist.Work | None = None
+        self._pending: Pending | None = None
         self._error: BaseException | None = None
 
     def wait(self, timeout_s: float) -> None:
@@ -47,13 +44,11 @@ class DeferredSend:
             raise TimeoutError(f"send not posted within {timeout_s:g} s")
         if self._error is not None:
             raise self._error
-        assert self._work is not None
-        left = max(_MIN_WAIT_S, deadline - time.monotonic())
-        if self._work.wait(timedelta(seconds=left)) is False:
-            raise TimeoutError(f"work not done within {timeout_s:g} s")
+        assert self._pending is not None
+        self._pending.wait(max(MIN_WAIT_S, deadline - time.monotonic()))
 
-    def _settle(self, work: dist.Work | None, error: BaseException | None) -> None:
-        self._work, self._error = work, error
+    def _settle(self, pending: Pending | None, error: BaseException | None) -> None:
+        self._pending, self._error = pending, error
         self._posted.set()
 
 
@@ -64,7 +59,7 @@ class SendThread:
     frame header), so the next tensor on the wire would land in its receive (see ``_pipe``, where a
     failed post breaks the link at once)."""
 
-    def __init__(self, name: str, post: Callable[[torch.Tensor], dist.Work]) -> None:
+    def __init__(self, name: str, post: Callable[[torch.Tensor], Pending]) -> None:
         self._post = post
         self._queue: queue.SimpleQueue[tuple[torch.Tensor, DeferredSend] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -108,7 +103,7 @@ class SendThread:
                 pending._settle(None, TransferError(failed))
                 continue
             try:
-                work = self._post(tensor)
+                posted = self._post(tensor)
             except Exception as exc:  # handed to the waiter (the link's reaper), which breaks the link
                 # The peer was told of this send (its frame header) and expects it next: a later send
                 # would land in this one's receive. Refuse every later one until the link breaks.
@@ -116,4 +111,4 @@ class SendThread:
                     self._failed = self._failed or f"an earlier send's post failed ({exc!r}); not posted"
                 pending._settle(None, exc)
             else:
-                pending._settle(work, None)
+                pending._settle(posted, None)

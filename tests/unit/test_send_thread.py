@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -12,19 +13,35 @@ from ncclkv.errors import TransferError
 from ncclkv.transport import DataPlane
 from ncclkv.transport._sender import SendThread
 
+from link_probes import open_both
+
 WAIT_S = 20.0
 
 
 class _Work:
-    """What ``post`` returns: done once the test says so."""
+    """What ``post`` returns (a ``Pending``): done once the test says so; records the timeouts it is given."""
 
     def __init__(self, done: bool = True) -> None:
         self.done = threading.Event()
+        self.waits: list[float] = []
         if done:
             self.done.set()
 
-    def wait(self, timeout) -> bool:
-        return self.done.wait(timeout.total_seconds())
+    def wait(self, timeout_s: float) -> None:
+        self.waits.append(timeout_s)
+        if not self.done.wait(timeout_s):
+            raise TimeoutError(f"work not done within {timeout_s:g} s")
+
+
+@contextlib.contextmanager
+def running(post: Callable[[torch.Tensor], _Work]) -> Iterator[SendThread]:
+    """A send thread posting with ``post``, stopped after, its end checked."""
+    sender = SendThread("probe-send", post)
+    try:
+        yield sender
+    finally:
+        sender.stop()
+        assert sender.join(WAIT_S)
 
 
 def test_sends_are_posted_in_order_on_the_thread() -> None:
@@ -34,30 +51,23 @@ def test_sends_are_posted_in_order_on_the_thread() -> None:
         posted.append((tensor.item(), threading.current_thread().name))
         return _Work()
 
-    sender = SendThread("probe-send", post)
-    try:
+    with running(post) as sender:
         pendings = [sender.submit(torch.tensor(float(i))) for i in range(50)]
         for pending in pendings:
             pending.wait(WAIT_S)
-    finally:
-        sender.stop()
-        assert sender.join(WAIT_S)
     assert [value for value, _ in posted] == [float(i) for i in range(50)]
     assert {name for _, name in posted} == {"probe-send"}
 
 
 def test_wait_covers_the_work_after_the_post() -> None:
     work = _Work(done=False)
-    sender = SendThread("probe-send", lambda tensor: work)
-    try:
+    with running(lambda tensor: work) as sender:
         pending = sender.submit(torch.zeros(1))
-        with pytest.raises(TimeoutError, match="work not done within 0.05 s"):
+        with pytest.raises(TimeoutError, match="work not done within"):
             pending.wait(0.05)
+        assert len(work.waits) == 1 and 0 < work.waits[0] <= 0.05  # what the 0.05 s left after the post
         work.done.set()
         pending.wait(WAIT_S)
-    finally:
-        sender.stop()
-        assert sender.join(WAIT_S)
 
 
 def test_a_post_that_raises_fails_its_send_and_every_later_one() -> None:
@@ -70,8 +80,7 @@ def test_a_post_that_raises_fails_its_send_and_every_later_one() -> None:
         posted.append(tensor.item())
         return _Work()
 
-    sender = SendThread("probe-send", post)
-    try:
+    with running(post) as sender:
         first, second, third = (sender.submit(torch.tensor(float(i))) for i in range(3))
         first.wait(WAIT_S)
         with pytest.raises(RuntimeError, match="Connection closed by peer"):
@@ -81,9 +90,6 @@ def test_a_post_that_raises_fails_its_send_and_every_later_one() -> None:
                                                     r"closed by peer'\)\); not posted"):
                 later.wait(WAIT_S)
         assert posted == [0.0]
-    finally:
-        sender.stop()
-        assert sender.join(WAIT_S)
 
 
 def test_stop_fails_what_is_not_posted_and_ends_the_thread() -> None:
@@ -116,19 +122,16 @@ def test_stop_fails_what_is_not_posted_and_ends_the_thread() -> None:
 def test_a_gloo_link_posts_its_data_on_its_send_thread() -> None:
     """The payload's write (gloo writes on the posting thread) is off the link's poster; bytes arrive in order."""
     with DataPlane() as p0, DataPlane() as p1:
-        with ThreadPoolExecutor(2) as pool:
-            f0 = pool.submit(p0.open_link, "sendthread", 0, p0.address, "cpu", WAIT_S)
-            f1 = pool.submit(p1.open_link, "sendthread", 1, p0.address, "cpu", WAIT_S)
-            l0, l1 = f0.result(WAIT_S), f1.result(WAIT_S)
+        l0, l1 = open_both(p0, p1, "sendthread", p0.address, WAIT_S)
         backend = l0._backend  # noqa: SLF001 - which thread posts is what this test is about
         posting: list[str] = []
-        post = backend._post_data_send
+        post = backend._post_data
 
         def spy(tensor: torch.Tensor):
             posting.append(threading.current_thread().name)
             return post(tensor)
 
-        backend._post_data_send = spy
+        backend._post_data = spy
         backend._sender._post = spy  # the thread was built with the bound method
         sent = [torch.full((1 << 18,), float(i)) for i in range(12)]  # 1 MiB each
         recvs = [l1.recv(t.shape, t.dtype) for t in sent]
@@ -147,10 +150,7 @@ def test_a_gloo_link_whose_post_fails_sends_nothing_after_it() -> None:
     """Send 1's post fails once: its receive at the peer must not take send 2's bytes (gloo would end the
     peer on a longer one); the link breaks instead, and every send after 1 fails unsent."""
     with DataPlane() as p0, DataPlane() as p1:
-        with ThreadPoolExecutor(2) as pool:
-            f0 = pool.submit(p0.open_link, "postfails", 0, p0.address, "cpu", WAIT_S)
-            f1 = pool.submit(p1.open_link, "postfails", 1, p0.address, "cpu", WAIT_S)
-            l0, l1 = f0.result(WAIT_S), f1.result(WAIT_S)
+        l0, l1 = open_both(p0, p1, "postfails", p0.address, WAIT_S)
         sender = l0._backend._sender  # noqa: SLF001 - its post is what fails here
         real, calls = sender._post, []
 
