@@ -104,7 +104,7 @@ class IoLoop:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._links: dict[str, _Link] = {}
-        self._reading_before_loss = False  # _read_then_resend is reading: no nested read
+        self._reading_before_loss = False  # _send is reading after a lost route: no nested read
         self._hb_seq = 0
         self.address = ""
         self._thread = threading.Thread(target=self._run, name=f"ncclkv-channel-io[{peer_id}]", daemon=True)
@@ -317,43 +317,25 @@ class IoLoop:
         except zmq.ZMQError as exc:
             if counted:
                 self._counters.sent -= 1
-            if exc.errno == zmq.EHOSTUNREACH and link.dealer is None and self._read_then_resend(peer_id, frame,
-                                                                                                counted):
-                return  # it had said Bye (lost as closed, not as a failed send), or the frame went after all
+            if exc.errno == zmq.EHOSTUNREACH and link.dealer is None and not self._reading_before_loss:
+                # No route any more: read what the peer sent before it went (each turn runs its commands
+                # before it reads), so a Bye queued there makes it lost as closed, not as a failed send;
+                # a peer still there (a frame read may have come on a new connection) gets the frame again,
+                # and is lost by that send if it fails too. Not nested.
+                self._reading_before_loss = True
+                try:
+                    self._drain(self._router, None)
+                    if peer_id in self._links:
+                        self._send(peer_id, frame, counted)
+                finally:
+                    self._reading_before_loss = False
+                return
             self._declare_lost(peer_id, f"send failed: {exc}")
         except Exception as exc:  # a bug with this one frame: lose its peer, keep serving the others
             if counted:
                 self._counters.sent -= 1
             log.exception("channel %r: cannot send a frame to %r", self._peer_id, peer_id)
             self._declare_lost(peer_id, f"send failed: {type(exc).__name__}: {exc}")
-
-    def _read_then_resend(self, peer_id: str, frame: bytes, counted: bool) -> bool:
-        """Our ROUTER has no route to ``peer_id``: read what it sent before it went (each turn runs its
-        commands before it reads), so a Bye queued there is handled first, then send ``frame`` again if the
-        peer is still there (a frame read meanwhile may have come on a new connection). False: it is to be
-        lost as a failed send.
-
-        A peer that closes sends Bye, then disconnects; ZMQ drops the route at once, but the Bye waits in the
-        ROUTER's queue until the loop reads it. Not nested: a send failing while reading is lost as before."""
-        if self._reading_before_loss:
-            return False
-        self._reading_before_loss = True
-        try:
-            self._drain(self._router, None)
-        finally:
-            self._reading_before_loss = False
-        link = self._links.get(peer_id)
-        if link is None:  # the Bye: lost as closed
-            return True
-        if counted:
-            self._counters.sent += 1
-        try:
-            self._write(peer_id, link, frame)
-        except zmq.ZMQError:
-            if counted:
-                self._counters.sent -= 1
-            return False
-        return True
 
     def _write(self, peer_id: str, link: _Link, frame: bytes) -> None:
         """Seal ``frame`` and hand it to ZMQ on the peer's path; raises ``zmq.ZMQError``."""
