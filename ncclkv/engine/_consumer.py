@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import torch
 
-from .._affinity import pin_this_thread
+from .._affinity import pin_this_thread, pinned
 from ..channel import Channel
 from ..buffer import KVStoreBuffer
 from ..errors import CapacityError, NcclKVError, ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
@@ -129,6 +129,7 @@ class ConsumerSide:
         self._store = KVStoreBuffer(staging_bytes, evict=False)
         # Declines (see decline) wait on producers that may be gone: a worker of their own (made at the
         # first), never the executor that pulls, and a bounded queue.
+        self._cpus = cpus
         self._decliner = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ncclkv-decline[{engine_id}.r{rank}]",
                                             initializer=pin_this_thread, initargs=(cpus,))
         self._declines_queued = 0
@@ -185,8 +186,10 @@ class ConsumerSide:
                     self._store.put(_store_key(request_id, key, piece), None)
                     if tensor is not None:
                         staged_tensors.append((key, piece, tensor))
-        for key, piece, tensor in staged_tensors:
-            self._apply(req, key, piece, tensor, None)
+        if staged_tensors:
+            with pinned(self._cpus):  # scattered on this thread (EngineConfig.cpus)
+                for key, piece, tensor in staged_tensors:
+                    self._apply(req, key, piece, tensor, None)
         if push:
             return
         by_src: dict[int, list[Route]] = {src: [] for src in range(producer.layout.world_size)}

@@ -82,7 +82,7 @@ class TransferEngine:
                                     cfg.deadline_s)
             self._producer = ProducerSide(cfg.rank, cfg.layout, cfg.geometry, self._caches, self._channel,
                                           self._peers, self._executor, self._stats, cfg.hold_s, cfg.deadline_s,
-                                          cfg.piece_bytes, cfg.last_piece_bytes)
+                                          cfg.piece_bytes, cfg.last_piece_bytes, cfg.cpus)
             self._consumer = ConsumerSide(cfg.engine_id, cfg.rank, cfg.layout, cfg.geometry, self._caches,
                                           self._channel, self._peers, self._executor, self._stats, cfg.deadline_s,
                                           cfg.staging_bytes, cfg.hold_s, cfg.cpus)
@@ -124,8 +124,7 @@ class TransferEngine:
         """Push mode: no more layers. Pull mode: hold the request's blocks until every consumer rank
         pulled them (or ``hold_s`` passes). Either way :meth:`take_finished_sending` reports it."""
         self._check_open()
-        with pinned(self.config.cpus):  # a push's last sends are posted (and gathered) on this thread
-            self._producer.finish(request_id, block_ids, num_tokens)
+        self._producer.finish(request_id, block_ids, num_tokens)
 
     def release(self, request_id: str) -> bool:
         """Pull mode: stop holding ``request_id`` (its consumers' pulls fail). :meth:`take_finished_sending`
@@ -150,8 +149,7 @@ class TransferEngine:
         self._check_open()
         if producer.engine_id == self.config.engine_id:
             raise ValueError(f"request {request_id!r}: producer engine {producer.engine_id!r} is this engine")
-        with pinned(self.config.cpus):  # a push that landed in staging first is scattered on this thread
-            self._consumer.expect(request_id, producer, block_ids, tokens, push, keep_tokens)
+        self._consumer.expect(request_id, producer, block_ids, tokens, push, keep_tokens)
 
     def decline(self, request_id: str, producer: EngineRef, *, push: bool = False) -> None:
         """This rank will not take ``request_id``. Pull: tell ``producer``'s ranks, which free its blocks once

@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 import torch
 
+from .._affinity import pinned
 from ..channel import Channel
 from ..errors import ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
 from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, plan
@@ -57,8 +58,10 @@ class _Held:
 class ProducerSide:
     def __init__(self, rank: int, layout: ParallelLayout, geometry: KVGeometry, caches: RankCaches,
                  channel: Channel, peers: PeerLinks, executor: Executor, stats: EngineStats, hold_s: float,
-                 deadline_s: float, piece_bytes: int = 0, last_piece_bytes: int = 0) -> None:
+                 deadline_s: float, piece_bytes: int = 0, last_piece_bytes: int = 0,
+                 cpus: frozenset[int] | None = None) -> None:
         self._rank, self._layout, self._geometry = rank, layout, geometry
+        self._cpus = cpus  # where a push's last sends are posted from (EngineConfig.cpus)
         self._piece_bytes = piece_bytes  # each (layer, route) slice in pieces of at most this (0: whole)
         self._caches, self._channel, self._peers, self._stats = caches, channel, peers, stats
         self._hold_s, self._deadline_s = hold_s, deadline_s
@@ -83,7 +86,8 @@ class ProducerSide:
     def finish(self, request_id: str, block_ids: Sequence[int] | None = None, num_tokens: int | None = None) -> None:
         """End a pushed request (no more layers), or hold a request's blocks for the consumers to pull."""
         if self._pusher.pushing(request_id):
-            self._pusher.finish(request_id)
+            with pinned(self._cpus):  # its last sends are posted, gathers included, on this thread
+                self._pusher.finish(request_id)
             return
         if block_ids is None or num_tokens is None:
             raise ValueError(f"request {request_id!r} is not being pushed: finish() needs block_ids and num_tokens")
