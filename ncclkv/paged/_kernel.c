@@ -361,10 +361,11 @@ static void forget_pool_after_fork(void) {
     pthread_mutex_init(&pool_lock, NULL);
 }
 
-/* The whole slice, `bytes` of wire, on up to `threads` threads (the caller's one of them): wire token
- * ranges cut at block boundaries, so no two threads write the same block row or wire row. */
-static void move_slice(const Slice *slice, Segment segment, const void *job, Py_ssize_t bytes, int threads) {
+/* The whole slice (`parts` wire parts of its tokens and heads) on up to `threads` threads, the caller's one
+ * of them: wire token ranges cut at block boundaries, so no two threads write the same block row or wire row. */
+static void move_slice(const Slice *slice, Segment segment, const void *job, int parts, int threads) {
     const Py_ssize_t total = slice->num_tokens, start = slice->token_start, block_size = slice->block_size;
+    const Py_ssize_t bytes = total * slice->num_heads * slice->head_size * slice->elem * parts;
     const Py_ssize_t first_block = start / block_size;
     const Py_ssize_t blocks = total ? (start + total - 1) / block_size - first_block + 1 : 0;
     if (threads > bytes / MIN_THREAD_BYTES)
@@ -468,10 +469,9 @@ static PyObject *copy_parts(PyObject *self, PyObject *const *args, Py_ssize_t na
             .wire = (char *)(uintptr_t)a[5],
         };
     }
-    const Py_ssize_t bytes = job.s.num_tokens * job.s.num_heads * job.s.head_size * job.s.elem * num_parts;
     const int threads = copy_threads;  /* read with the GIL held: set_threads writes it under the GIL */
     Py_BEGIN_ALLOW_THREADS
-    move_slice(&job.s, job_segment, &job, bytes, threads);
+    move_slice(&job.s, job_segment, &job, (int)num_parts, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -566,10 +566,9 @@ static PyObject *copy_amx(PyObject *self, PyObject *const *args, Py_ssize_t narg
     job.s_head = v[SLICE_ARGS + 3];
     job.wire_keys = (char *)(uintptr_t)v[SLICE_ARGS + 4];
     job.wire_values = (char *)(uintptr_t)v[SLICE_ARGS + 5];
-    const Py_ssize_t bytes = job.s.num_tokens * job.s.num_heads * job.s.head_size * job.s.elem * 2;  /* K and V */
     const int threads = copy_threads;
     Py_BEGIN_ALLOW_THREADS
-    move_slice(&job.s, amx_segment, &job, bytes, threads);
+    move_slice(&job.s, amx_segment, &job, 2, threads);  /* K and V */
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
