@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 __all__ = [
@@ -98,11 +98,13 @@ def vllm_bound_cpus(environ: Mapping[str, str]) -> frozenset[int]:
 
 
 def resolve_cpus(setting: str, environ: Mapping[str, str], candidates: frozenset[int],
-                 siblings: Mapping[int, frozenset[int]] | None = None) -> frozenset[int] | None:
+                 siblings: Callable[[Iterable[int]], Mapping[int, frozenset[int]]] | None = None,
+                 ) -> frozenset[int] | None:
     """What ``NCCLKV_CPUS`` asks for: None (empty: threads keep the mask they start with), a list, or for
     ``auto`` the ``candidates`` (the CPUs this process may use) that neither OpenMP here nor an explicit
     ``VLLM_CPU_OMP_THREADS_BIND`` (every rank's list) is bound to, nor an SMT sibling of one (``siblings``:
-    CPU -> the CPUs of its core). None, logged, when OpenMP binds nothing or leaves nothing."""
+    the CPUs of each given CPU's core, asked only for those bound). None, logged, when OpenMP binds nothing
+    or leaves nothing."""
     if not setting:
         return None
     if setting != "auto":
@@ -112,8 +114,9 @@ def resolve_cpus(setting: str, environ: Mapping[str, str], candidates: frozenset
         log.info("NCCLKV_CPUS=auto: OpenMP binds no CPUs here; ncclkv's threads keep the mask they start with")
         return None
     taken = set(bound | vllm_bound_cpus(environ))
-    for cpu in list(taken):
-        taken |= (siblings or {}).get(cpu, frozenset())
+    if siblings is not None:
+        for core in siblings(sorted(taken)).values():
+            taken |= core
     free = candidates - taken
     if not free:
         log.warning("NCCLKV_CPUS=auto: OpenMP's threads and their core siblings hold every CPU this process may "
@@ -147,8 +150,7 @@ def cpus_from_setting(setting: str, environ: Mapping[str, str]) -> frozenset[int
     """:func:`resolve_cpus` with this machine's usable CPUs and core siblings (read only for ``auto``)."""
     if setting != "auto":
         return resolve_cpus(setting, environ, frozenset())
-    candidates = usable_cpus()
-    return resolve_cpus(setting, environ, candidates, core_siblings(range(max(candidates) + 1)))
+    return resolve_cpus(setting, environ, usable_cpus(), core_siblings)
 
 
 def pin_this_thread(cpus: frozenset[int] | None) -> None:

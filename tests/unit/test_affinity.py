@@ -60,9 +60,16 @@ def test_resolving_ncclkv_cpus() -> None:
 
 def test_auto_leaves_out_core_siblings_and_every_local_ranks_list() -> None:
     # 4 cores x 2 threads (cpu n and n + 4 share a core); vLLM's x86 auto-bind gives OpenMP one thread per core.
-    siblings = {c: frozenset({c % 4, c % 4 + 4}) for c in range(8)}
+    asked: list[list[int]] = []
+
+    def siblings(cpus):
+        asked.append(list(cpus))
+        return {c: frozenset({c % 4, c % 4 + 4}) for c in cpus}
+
     smt = {"OMP_PLACES": "{4,5,6}", "OMP_PROC_BIND": "true"}
     assert resolve_cpus("auto", smt, frozenset(range(8)), siblings) == {3, 7}  # not 0-2, the model's cores
+    assert asked == [[4, 5, 6]]  # only the bound CPUs' cores are read
+    assert resolve_cpus("auto", {}, frozenset(range(8)), siblings) is None and len(asked) == 1  # nor when none
     # TP=2: this worker's OpenMP has 0-2, the other's 4-6 (VLLM_CPU_OMP_THREADS_BIND names both).
     tp2 = {"OMP_PLACES": "{0,1,2}", "OMP_PROC_BIND": "true", "VLLM_CPU_OMP_THREADS_BIND": "0-2|4-6"}
     assert resolve_cpus("auto", tp2, frozenset(range(8))) == {3, 7}
