@@ -1,16 +1,31 @@
-"""Test helpers that hold a link's threads still, so who posts what can be asserted, not raced."""
+"""Test helpers for links: both ends of a link opened at once, and a link's threads held still, so who posts
+what can be asserted, not raced."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from ncclkv.transport import Link
+from ncclkv.transport import Link, LinkFactory
 
-__all__ = ["PARK_TIMEOUT_S", "sleepy_poster"]
+__all__ = ["OPEN_WAIT_S", "PARK_TIMEOUT_S", "open_both", "sleepy_poster"]
 
 PARK_TIMEOUT_S = 10.0
+OPEN_WAIT_S = 10.0
+
+
+def open_both(plane0: LinkFactory, plane1: LinkFactory, link_id: str, store: str, timeout_s: float = OPEN_WAIT_S,
+              **options: Any) -> tuple[Link, Link]:
+    """Open ``link_id`` on CPU between two planes at once, link rank 0 on ``plane0``, each open with ``timeout_s``
+    (and ``options``: ``op_timeout_s``, ``max_in_flight``, ...)."""
+    with ThreadPoolExecutor(2) as pool:
+        f0 = pool.submit(plane0.open_link, link_id, 0, store, "cpu", timeout_s, **options)
+        f1 = pool.submit(plane1.open_link, link_id, 1, store, "cpu", timeout_s, **options)
+        wait_s = max(timeout_s, OPEN_WAIT_S)
+        return f0.result(wait_s), f1.result(wait_s)
 
 
 class _Deaf(threading.Condition):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +14,7 @@ from ncclkv.paged import CacheLayout
 from ncclkv.scenario._kv import check_landed, fill_shard, global_kv, make_cache
 from ncclkv.transport import LinkFactory
 
-__all__ = ["RankSide", "build_sides", "close_sides", "engine_ref", "global_kv", "make_cache", "start_pull"]
+__all__ = ["RankSide", "build_sides", "close_sides", "engine_ref", "global_kv", "make_cache", "start_pull", "wait_sent"]
 
 
 @dataclass
@@ -83,3 +85,16 @@ def close_sides(*groups: list[RankSide]) -> None:
     for group in groups:
         for side in group:
             side.engine.close()
+
+
+def wait_sent(side: RankSide, *request_ids: str, timeout_s: float = 20.0) -> dict[str, BaseException | None]:
+    """Poll one producer rank until it reported every one of ``request_ids`` (the engine has no blocking
+    variant); their outcomes, and whatever else it reported meanwhile."""
+    deadline, finished = time.monotonic() + timeout_s, {}
+    while not set(request_ids) <= finished.keys():
+        assert time.monotonic() < deadline, (f"rank {side.engine.config.rank}: "
+                                              f"{sorted(set(request_ids) - finished.keys())} never finished sending")
+        finished.update(side.engine.take_finished_sending())
+        if not set(request_ids) <= finished.keys():
+            threading.Event().wait(0.005)
+    return finished

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from ncclkv._affinity import core_siblings, usable_cpus
+from ncclkv._affinity import core_siblings, parse_cpu_list, usable_cpus
 from ncclkv.engine import EngineConfig
 from ncclkv.layout import KVGeometry, ParallelLayout
 
 _CHILD = r"""
-import json, os, sys, threading, time
+import json, os, sys, threading
 from pathlib import Path
-from kvsim import build_sides, close_sides, engine_ref
+from kvsim import build_sides, close_sides, engine_ref, wait_sent
 from ncclkv.paged import set_copy_threads
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.paged import CacheLayout
@@ -58,12 +58,7 @@ try:
     for layer in range(2):
         prefill[0].engine.save_layer("r2", layer)
     prefill[0].engine.finish("r2")
-    deadline = time.monotonic() + 20
-    sent = {}
-    while "r2" not in sent and time.monotonic() < deadline:
-        sent.update(prefill[0].engine.take_finished_sending())
-        time.sleep(0.01)
-    assert sent.get("r2", "missing") is None, sent
+    assert wait_sent(prefill[0], "r2")["r2"] is None
     set_copy_threads(2)  # from here on copies take the pool, and the first is expect's, on this thread
     decode[0].engine.expect("r2", engine_ref("cpus-prefill", layout, prefill), staged_dst, 128, push=True)
     decode[0].engine.wait("r2", timeout_s=20)
@@ -79,20 +74,6 @@ started = {tid: value for tid, value in during.items() if tid not in before}
 print(json.dumps({"main_before": main_before, "main_after": sorted(os.sched_getaffinity(0)),
                   "started": sorted(started.values())}))
 """
-
-
-def _cpu_text(cpus: set[int]) -> str:
-    """As /proc writes Cpus_allowed_list: ranges of two or more joined by '-'."""
-    ordered, parts = sorted(cpus), []
-    start = prev = ordered[0]
-    for cpu in ordered[1:] + [None]:
-        if cpu is not None and cpu == prev + 1:
-            prev = cpu
-            continue
-        parts.append(f"{start}-{prev}" if prev > start else str(start))
-        if cpu is not None:
-            start = prev = cpu
-    return ",".join(parts)
 
 
 def test_every_thread_an_engine_starts_runs_on_its_cpus() -> None:
@@ -112,7 +93,7 @@ def test_every_thread_an_engine_starts_runs_on_its_cpus() -> None:
     for native in ("ZMQbg/IO/0", "pt_tcpstore_uv", "gloo_tcp_loop", "ncclkv-copy"):
         assert native in names, names
     assert names.count("python") >= 8, names  # channel I/O and dispatcher, executors, link posters and reapers
-    elsewhere = [(name, cpus) for name, cpus in result["started"] if cpus != _cpu_text(target)]
+    elsewhere = [(name, cpus) for name, cpus in result["started"] if parse_cpu_list(cpus) != target]
     assert not elsewhere, f"threads not on CPUs {sorted(target)}: {elsewhere}"
 
 
@@ -124,9 +105,8 @@ def test_cpus_come_from_the_environment_and_are_checked(monkeypatch: pytest.Monk
     monkeypatch.setenv("NCCLKV_CPUS", "auto")
     monkeypatch.setenv("OMP_PLACES", "{0},{1}")
     monkeypatch.setenv("OMP_PROC_BIND", "true")
-    usable = usable_cpus()
-    siblings = core_siblings(range(max(usable) + 1))
-    free = usable - {0, 1} - siblings.get(0, frozenset()) - siblings.get(1, frozenset())
+    siblings = core_siblings([0, 1])
+    free = usable_cpus() - siblings[0] - siblings[1]
     assert EngineConfig("e", 0, layout, geometry).cpus == (free or None)
     monkeypatch.delenv("NCCLKV_CPUS")
     assert EngineConfig("e", 0, layout, geometry).cpus is None  # unset: threads keep their starting mask

@@ -28,7 +28,7 @@ from ncclkv.paged import CacheLayout
 from ncclkv.protocol import Announce, RouteMsg
 from ncclkv.transport import LoopbackHub, LoopbackTransport
 
-from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull
+from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull, wait_sent
 
 GQA = KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32")
 ONE = ParallelLayout(1, 1)
@@ -64,13 +64,7 @@ def _until(poll: Any, what: str, timeout_s: float = WAIT_S) -> Any:
 
 
 def _sent(side: RankSide, request_id: str) -> BaseException | None:
-    finished: dict[str, BaseException | None] = {}
-
-    def poll() -> bool:
-        finished.update(side.engine.take_finished_sending())
-        return request_id in finished
-    _until(poll, f"producer's report of {request_id!r}")
-    return finished[request_id]
+    return wait_sent(side, request_id, timeout_s=WAIT_S)[request_id]
 
 
 def test_a_release_while_the_pull_waits_for_its_link_keeps_the_blocks_until_the_sends_end() -> None:

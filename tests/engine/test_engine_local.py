@@ -24,24 +24,15 @@ from ncclkv.protocol import Announce
 
 from link_probes import sleepy_poster
 
-from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull
+from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull, wait_sent
 
 GQA = KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32")
 
 
 def _wait_sent(sides: list[RankSide], request_id: str, timeout_s: float = 20) -> dict[str, BaseException | None]:
-    """Poll each producer rank until it reports ``request_id`` (the engine has no blocking variant)."""
-    outcome: dict[str, BaseException | None] = {}
-    for side in sides:
-        deadline = time.monotonic() + timeout_s
-        finished: dict[str, BaseException | None] = {}
-        while request_id not in finished:
-            assert time.monotonic() < deadline, f"rank {side.engine.config.rank} never finished {request_id}"
-            finished.update(side.engine.take_finished_sending())
-            if request_id not in finished:
-                threading.Event().wait(0.005)
-        outcome[f"{side.engine.config.rank}"] = finished[request_id]
-    return outcome
+    """Each producer rank's outcome of ``request_id``, by rank."""
+    return {f"{side.engine.config.rank}": wait_sent(side, request_id, timeout_s=timeout_s)[request_id]
+            for side in sides}
 
 
 LAYOUTS = [

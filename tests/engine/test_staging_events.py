@@ -19,7 +19,7 @@ from ncclkv.hashing import hash_request_tokens
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.paged import CacheLayout
 
-from .kvsim import RankSide, build_sides, close_sides, engine_ref
+from .kvsim import RankSide, build_sides, close_sides, engine_ref, wait_sent
 
 GQA = KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32")
 BLOCK = 16
@@ -49,11 +49,7 @@ def _wait_sent(prefill: list[RankSide], *transfer_ids: str, timeout_s: float = 2
     """Every producer rank's outcome of each of ``transfer_ids``, rank by rank."""
     outcomes = []
     for side in prefill:
-        deadline, finished = time.monotonic() + timeout_s, {}
-        while not set(transfer_ids) <= finished.keys():
-            assert time.monotonic() < deadline, f"{set(transfer_ids) - finished.keys()} never finished sending"
-            finished.update(side.engine.take_finished_sending())
-            threading.Event().wait(0.005)
+        finished = wait_sent(side, *transfer_ids, timeout_s=timeout_s)
         outcomes += [finished[t] for t in transfer_ids]
     return outcomes
 

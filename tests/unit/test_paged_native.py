@@ -276,19 +276,15 @@ def test_copy_threads_refuses_what_is_not_1_to_16(bad: object) -> None:
         _kernel.set_threads(0)
 
 
-def test_copy_threads_come_from_the_environment_until_set(monkeypatch) -> None:
+def test_copy_threads_come_from_the_environment_until_set(monkeypatch, copy_threads) -> None:
     from ncclkv.paged import _native
 
-    before = set_copy_threads(1)
+    copy_threads(1)
     monkeypatch.setattr(_native, "_threads_chosen", False)
     monkeypatch.setenv("NCCLKV_COPY_THREADS", "3")
-    try:
-        cache, spec, ids, tokens, heads = big_case("cpu", random.Random(5))
-        gather(cache, spec, ids, tokens, heads, torch.empty(spec.wire_shape(len(tokens), len(heads)),
-                                                            dtype=torch.bfloat16))
-        assert set_copy_threads(1) == 3  # the first copy applied the variable
-    finally:
-        set_copy_threads(before)
+    cache, spec, ids, tokens, heads = big_case("cpu", random.Random(5))
+    gather(cache, spec, ids, tokens, heads, torch.empty(spec.wire_shape(len(tokens), len(heads)), dtype=torch.bfloat16))
+    assert set_copy_threads(1) == 3  # the first copy applied the variable
 
 
 def test_copy_workers_are_named_and_take_no_signals(copy_threads) -> None:

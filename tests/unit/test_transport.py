@@ -32,7 +32,7 @@ from ncclkv.transport._base import check_link_args, split_address
 from ncclkv.transport._framing import BATCH, EARLY_FLUSH_BYTES
 from ncclkv.transport._pipe import Completed, Op, Pipe
 
-from link_probes import sleepy_poster
+from link_probes import open_both, sleepy_poster
 
 WAIT_S = 10.0
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8)
@@ -747,13 +747,6 @@ def listening_sockets() -> dict[str, tuple[str, int]]:
                     host = ".".join(str(int(raw[i : i + 2], 16)) for i in (6, 4, 2, 0)) if len(raw) == 8 else raw
                     found[cols[9]] = (host, int(port, 16))
     return found
-
-
-def open_both(plane0: DataPlane, plane1: DataPlane, link_id: str, store: str) -> tuple[Link, Link]:
-    with ThreadPoolExecutor(2) as pool:
-        f0 = pool.submit(plane0.open_link, link_id, 0, store, "cpu", WAIT_S)
-        f1 = pool.submit(plane1.open_link, link_id, 1, store, "cpu", WAIT_S)
-        return f0.result(WAIT_S), f1.result(WAIT_S)
 
 
 def test_gloo_links_between_two_data_planes() -> None:

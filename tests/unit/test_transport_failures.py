@@ -21,7 +21,7 @@ from ncclkv.transport import _opener
 from ncclkv.transport._base import MAX_TIMEOUT_S, split_address
 from ncclkv.transport._pipe import Completed
 
-from link_probes import sleepy_poster
+from link_probes import open_both, sleepy_poster
 
 WAIT_S = 10.0
 
@@ -157,10 +157,7 @@ def test_a_timeout_a_wait_cannot_take_is_refused_where_it_is_given(bad: float) -
 def test_the_longest_timeout_is_taken_by_a_gloo_link() -> None:
     """MAX_TIMEOUT_S is below where gloo's waits overflow (8e9 s timed out at once)."""
     with DataPlane() as p0, DataPlane() as p1:
-        with ThreadPoolExecutor(2) as pool:
-            f0 = pool.submit(p0.open_link, "longest", 0, p0.address, "cpu", WAIT_S, op_timeout_s=MAX_TIMEOUT_S)
-            f1 = pool.submit(p1.open_link, "longest", 1, p0.address, "cpu", WAIT_S, op_timeout_s=MAX_TIMEOUT_S)
-            l0, l1 = f0.result(WAIT_S), f1.result(WAIT_S)
+        l0, l1 = open_both(p0, p1, "longest", p0.address, WAIT_S, op_timeout_s=MAX_TIMEOUT_S)
         got = l1.recv((3,), torch.float32)
         assert l0.send(torch.arange(3.0)).result(WAIT_S) is None and got.result(WAIT_S).tolist() == [0.0, 1.0, 2.0]
 
@@ -175,10 +172,7 @@ def test_open_link_refuses_a_bad_window_before_it_meets_the_peer() -> None:
         with pytest.raises(ValueError, match="max_in_flight_bytes must be an int >= 1, got -5"):
             left.open_link("w1", 0, right.address, "cpu", WAIT_S, max_in_flight_bytes=-5)
         assert time.monotonic() - start < WAIT_S / 2 and left.links() == []
-        with ThreadPoolExecutor(2) as pool:  # the same id still opens
-            f0 = pool.submit(left.open_link, "w1", 0, right.address, "cpu", WAIT_S)
-            f1 = pool.submit(right.open_link, "w1", 1, right.address, "cpu", WAIT_S)
-            l0, l1 = f0.result(WAIT_S), f1.result(WAIT_S)
+        l0, l1 = open_both(left, right, "w1", right.address, WAIT_S)  # the same id still opens
         l0.send(torch.ones(1))
         assert l1.recv((1,), torch.float32).result(WAIT_S).tolist() == [1.0]
 
@@ -244,10 +238,7 @@ def test_two_loopback_ends_claiming_one_rank_both_fail_at_once() -> None:
 
 def test_a_store_connection_keeps_the_store_timeout_not_its_first_links_deadline() -> None:
     with DataPlane() as p0, DataPlane() as p1:
-        with ThreadPoolExecutor(2) as pool:
-            f0 = pool.submit(p0.open_link, "first", 0, p0.address, "cpu", 1.0)
-            f1 = pool.submit(p1.open_link, "first", 1, p0.address, "cpu", 1.0)
-            f0.result(WAIT_S), f1.result(WAIT_S)
+        open_both(p0, p1, "first", p0.address, 1.0)
         client = p1._clients[p0.address]  # noqa: SLF001 - the shared connection is what this is about
         assert client.timeout == timedelta(seconds=env_settings().deadline_s)
         assert p1._client_gates == {}  # noqa: SLF001 - a gate lives only while its store is being connected
@@ -277,10 +268,7 @@ def test_a_gloo_link_leaves_only_its_joined_keys_of_ours_in_the_store() -> None:
     """gpu/ and backend/ are read by the peer before its group starts, so once ours is up they go; joined/
     stays, since it is what refuses an id used before."""
     with DataPlane() as p0, DataPlane() as p1:
-        with ThreadPoolExecutor(2) as pool:
-            f0 = pool.submit(p0.open_link, "keys", 0, p0.address, "cpu", WAIT_S)
-            f1 = pool.submit(p1.open_link, "keys", 1, p0.address, "cpu", WAIT_S)
-            l0, l1 = f0.result(WAIT_S), f1.result(WAIT_S)
+        l0, l1 = open_both(p0, p1, "keys", p0.address, WAIT_S)
         store = p0._server  # noqa: SLF001
         assert store is not None
         for rank in (0, 1):
