@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from ..errors import ClosedError, PeerLostError, TransferError
 from ..launch import LaunchInfo, discover
-from ._common import add_common_arguments, topology_from_args
+from ._common import add_common_arguments, checked_topology
 from ._registry import EXIT_CHECK_FAILED, EXIT_OK, EXIT_PEER_FAILURE, SCENARIOS, ScenarioError, load_scenario, report
 
 __all__ = ["build_parser", "main"]
@@ -38,9 +38,7 @@ def build_parser(kind: str | None) -> argparse.ArgumentParser:
 def _check_pd_set(parser: argparse.ArgumentParser, args: argparse.Namespace, info: LaunchInfo) -> None:
     """Exit 2 (a usage error, like argparse's own) unless the P/D options agree with each other and the launcher."""
     try:
-        topology = topology_from_args(args)
-        if topology is not None:
-            topology.check_world(info.world_size, info.launcher)
+        checked_topology(args, info)
     except ValueError as exc:
         parser.error(str(exc))  # prints usage and the message naming the values, exits 2
 

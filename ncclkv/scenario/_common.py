@@ -12,7 +12,7 @@ from ..launch import LaunchInfo
 from ..layout import ParallelLayout
 from ._topology import PDTopology
 
-__all__ = ["add_common_arguments", "resolve_bind_host", "resolve_device", "topology_from_args"]
+__all__ = ["add_common_arguments", "checked_topology", "resolve_bind_host", "resolve_device", "topology_from_args"]
 
 
 def _positive_float(text: str) -> float:
@@ -73,6 +73,18 @@ def topology_from_args(args: argparse.Namespace) -> PDTopology | None:
         args.prefill, ParallelLayout(args.prefill_tp, args.prefill_pp),
         args.decode, ParallelLayout(args.decode_tp, args.decode_pp),
     )
+
+
+def checked_topology(args: argparse.Namespace, info: LaunchInfo) -> PDTopology | None:
+    """:func:`topology_from_args`, checked against the ranks the launcher started (ValueError naming the values).
+
+    ``__main__`` runs it before any scenario (a ValueError: a usage error, exit 2); a scenario's ``run``
+    calls it again for the topology, so that it is checked however ``run`` is reached.
+    """
+    topology = topology_from_args(args)
+    if topology is not None:
+        topology.check_world(info.world_size, info.launcher)
+    return topology
 
 
 def resolve_device(spec: str, info: LaunchInfo) -> torch.device:

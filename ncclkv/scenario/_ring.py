@@ -26,7 +26,7 @@ import torch
 
 from ..launch import LaunchInfo
 from ..transport import DataPlane, Link
-from ._common import resolve_bind_host, resolve_device, topology_from_args
+from ._common import checked_topology, resolve_bind_host, resolve_device
 from ._registry import ScenarioError, report
 from ._rendezvous import StoreRendezvous
 
@@ -154,9 +154,7 @@ def run(info: LaunchInfo, args: argparse.Namespace) -> None:
         count, nbytes = min(count, _SMALL_COUNT), min(nbytes, _SMALL_NBYTES)
     config = RingConfig(count, nbytes, args.deadline, args.kill_rank, args.kill_at)
     config.check_world(info.world_size)
-    topology = topology_from_args(args)
-    if topology is not None:
-        topology.check_world(info.world_size, info.launcher)
+    topology = checked_topology(args, info)
     place = f" as {topology.place(info.rank)}" if topology is not None else ""
     device = resolve_device(args.device, info)
     started = time.monotonic()

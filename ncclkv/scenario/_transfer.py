@@ -27,7 +27,7 @@ from ..errors import TransferTimeout
 from ..launch import LaunchInfo
 from ..layout import KVGeometry, ParallelLayout, Roi, shard_roi
 from ..paged import CacheLayout
-from ._common import resolve_bind_host, resolve_device, topology_from_args
+from ._common import checked_topology, resolve_bind_host, resolve_device
 from ._kv import check_landed, fill_shard, make_cache
 from ._registry import ScenarioError, report
 from ._rendezvous import StoreRendezvous
@@ -218,10 +218,9 @@ def config_from_args(args: argparse.Namespace) -> TransferConfig:
 
 
 def run(info: LaunchInfo, args: argparse.Namespace) -> None:
-    topology = topology_from_args(args)
+    topology = checked_topology(args, info)
     if topology is None:
         raise ValueError("--kind transfer needs a prefill/decode set: --prefill N --decode M [--prefill-tp ...]")
-    topology.check_world(info.world_size, info.launcher)
     cfg = config_from_args(args)
     topology.prefill.check(cfg.geometry)
     topology.decode.check(cfg.geometry)

@@ -187,26 +187,36 @@ def test_curve_raw_socket_never_gets_a_byte_through(make: Channels, certs: dict[
         context.term()
 
 
+class RankKeys:
+    """Per-rank CURVE keys: a fresh key pair for each of r0, r1, r2, every rank's public key allowed."""
+
+    def __init__(self) -> None:
+        self.pairs = {name: zmq.curve_keypair() for name in ("r0", "r1", "r2")}
+        self.allowed = frozenset(public for public, _ in self.pairs.values())
+
+    def public(self, name: str) -> bytes:
+        return self.pairs[name][0]
+
+    def auth(self, name: str) -> ChannelAuth:
+        """Rank ``name``'s own key pair, expecting r0's public key of the servers it connects to."""
+        public, secret = self.pairs[name]
+        return ChannelAuth(curve=CurveConfig(public, secret, self.public("r0"), self.allowed))
+
+
 def test_curve_binds_a_connected_peer_id_to_its_key(make: Channels) -> None:
     """Per-rank keys: the server (r0's keys) connected to r1 with r1's key, so r2, an allowed client too,
     cannot send under r1's id to its ROUTER; an id it never connected to is bound to no key (SECURITY.md)."""
-    keys = {name: zmq.curve_keypair() for name in ("r0", "r1", "r2")}
-    allowed = frozenset(public for public, _ in keys.values())
-
-    def rank(name: str, server: str = "r0") -> ChannelAuth:
-        public, secret = keys[name]
-        return ChannelAuth(curve=CurveConfig(public, secret, keys[server][0], allowed))
-
-    server = make.server(rank("r0"))
-    r1 = make.client("r1", rank("r1"), on_message=lambda sender, body: None)
-    server.channel.connect("r1", r1.address, server_key=keys["r1"][0])
+    keys = RankKeys()
+    server = make.server(keys.auth("r0"))
+    r1 = make.client("r1", keys.auth("r1"), on_message=lambda sender, body: None)
+    server.channel.connect("r1", r1.address, server_key=keys.public("r1"))
     r1.connect("server", server.channel.address)
     assert r1.request("server", Ready("real"), timeout_s=10) == Ack("real", None)
-    forger = make.client("r1", rank("r2"))  # r2's key pair, r1's name
+    forger = make.client("r1", keys.auth("r2"))  # r2's key pair, r1's name
     forger.connect("server", server.channel.address)
     forger.send("server", Ready("forged"))
     wait_until(lambda: server.channel.stats.auth_failures >= 1, WAIT_S)
-    unbound = make.client("r9", rank("r2"))
+    unbound = make.client("r9", keys.auth("r2"))
     unbound.connect("server", server.channel.address)
     assert unbound.request("server", Ready("unbound"), timeout_s=10) == Ack("unbound", None)
     assert [(sender, body) for sender, body in server.seen] == [("r1", Ready("real")), ("r9", Ready("unbound"))]
@@ -215,19 +225,13 @@ def test_curve_binds_a_connected_peer_id_to_its_key(make: Channels) -> None:
 def test_curve_binding_a_peer_an_impostor_reached_us_as_stops_answering_the_impostor(make: Channels) -> None:
     """r2's key, r1's name, reaching the server first; the server then connects to r1 with r1's key: its
     request goes to the real r1, not back on the impostor's connection, and the impostor is refused."""
-    keys = {name: zmq.curve_keypair() for name in ("r0", "r1", "r2")}
-    allowed = frozenset(public for public, _ in keys.values())
-
-    def rank(name: str) -> ChannelAuth:
-        public, secret = keys[name]
-        return ChannelAuth(curve=CurveConfig(public, secret, keys["r0"][0], allowed))
-
-    server = make.server(rank("r0"))
-    impostor = make.client("r1", rank("r2"), on_message=lambda sender, body: Ack(body.request_id, 666))
+    keys = RankKeys()
+    server = make.server(keys.auth("r0"))
+    impostor = make.client("r1", keys.auth("r2"), on_message=lambda sender, body: Ack(body.request_id, 666))
     impostor.connect("server", server.channel.address)
     assert impostor.request("server", Ready("first"), timeout_s=10) == Ack("first", None)
-    real = make.client("r1", rank("r1"), on_message=lambda sender, body: Ack(body.request_id, 1))
-    server.channel.connect("r1", real.address, server_key=keys["r1"][0])
+    real = make.client("r1", keys.auth("r1"), on_message=lambda sender, body: Ack(body.request_id, 1))
+    server.channel.connect("r1", real.address, server_key=keys.public("r1"))
     assert server.channel.request("r1", Ready("for-r1"), timeout_s=10) == Ack("for-r1", 1)
     assert server.channel.stats.auth_failures >= 1
     impostor.send("server", Ready("again"))

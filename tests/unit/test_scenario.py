@@ -20,7 +20,7 @@ from ncclkv.launch import LaunchInfo, free_port
 from ncclkv.layout import KVGeometry, ParallelLayout
 from ncclkv.scenario import EXIT_CHECK_FAILED, EXIT_OK, EXIT_PEER_FAILURE, SCENARIOS, PDTopology, ScenarioError, load_scenario
 from ncclkv.scenario.__main__ import build_parser, main
-from ncclkv.scenario._common import resolve_bind_host, resolve_device, topology_from_args
+from ncclkv.scenario._common import checked_topology, resolve_bind_host, resolve_device, topology_from_args
 from ncclkv.scenario._rendezvous import StoreRendezvous
 from ncclkv.scenario._ring import RingConfig, check_payload, ring_payload
 from ncclkv.scenario._transfer import TransferConfig, check_kill
@@ -63,6 +63,12 @@ def test_topology_options_come_together_or_not_at_all() -> None:
     assert topo == PDTopology(1, ParallelLayout(1, 1), 2, ParallelLayout(2, 1))
     with pytest.raises(ValueError, match=r"--prefill=1, --decode=None"):
         topology_from_args(parser.parse_args(["--kind", "ring", "--prefill", "1"]))
+    # What __main__ and every scenario's run check: the set against the ranks the launcher started.
+    pd_args = parser.parse_args(["--kind", "ring", "--prefill", "1", "--decode", "2", "--decode-tp", "2"])
+    assert checked_topology(pd_args, info(0, 5)) == topo
+    assert checked_topology(parser.parse_args(["--kind", "ring"]), info(0, 3)) is None
+    with pytest.raises(ValueError, match=r"1P\(tp=1,pp=1\)\+2D\(tp=2,pp=1\) needs 5 ranks, env started 4"):
+        checked_topology(pd_args, info(0, 4))
 
 
 @pytest.mark.parametrize(
@@ -230,6 +236,21 @@ def test_rendezvous_missing_rank_is_a_timeout_naming_it() -> None:
 # -- exit codes of python -m ncclkv.scenario -------------------------------------------
 
 
+def fake_scenario(monkeypatch: pytest.MonkeyPatch, kind: str, run: Callable[[LaunchInfo, argparse.Namespace], object],
+                  add_arguments: Callable[[argparse.ArgumentParser], object] = lambda parser: None) -> None:
+    """Register ``kind`` as a scenario module with this ``run`` and ``add_arguments``, for this test only; and
+    unset the variables of the launchers that discover() would take before plain RANK/WORLD_SIZE."""
+    module = types.ModuleType(f"ncclkv_test_{kind}")
+    module.HELP = f"the test's {kind} scenario"  # type: ignore[attr-defined]
+    module.add_arguments = add_arguments  # type: ignore[attr-defined]
+    module.run = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(SCENARIOS, kind, module.__name__)
+    for name in ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
+                 "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.parametrize(
     ("error", "code", "printed"),
     [
@@ -241,9 +262,6 @@ def test_rendezvous_missing_rank_is_a_timeout_naming_it() -> None:
 def test_main_maps_outcomes_to_exit_codes(
     error: Exception | None, code: int, printed: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    module = types.ModuleType("ncclkv_test_outcome")
-    module.HELP = "raises what the test says"  # type: ignore[attr-defined]
-    module.add_arguments = lambda parser: parser.add_argument("--flag", action="store_true")  # type: ignore[attr-defined]
     seen: list[argparse.Namespace] = []
 
     def run(launch: LaunchInfo, args: argparse.Namespace) -> None:
@@ -251,11 +269,8 @@ def test_main_maps_outcomes_to_exit_codes(
         if error is not None:
             raise error
 
-    module.run = run  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setitem(SCENARIOS, "outcome", module.__name__)
-    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK",
-                 "PMI_SIZE", "SLURM_PROCID"):
+    fake_scenario(monkeypatch, "outcome", run, lambda parser: parser.add_argument("--flag", action="store_true"))
+    for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     assert main(["--kind", "outcome", "--flag"]) == code
     assert seen and seen[0].flag is True
@@ -275,14 +290,8 @@ def test_main_reports_bad_pd_options_as_usage_errors(
 ) -> None:
     """Exit 2 with argparse's usage line and the values, before the scenario runs (was exit 1 with a traceback)."""
     ran: list[LaunchInfo] = []
-    module = types.ModuleType("ncclkv_test_usage")
-    module.HELP = "records that it ran"  # type: ignore[attr-defined]
-    module.add_arguments = lambda parser: None  # type: ignore[attr-defined]
-    module.run = lambda launch, args: ran.append(launch)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setitem(SCENARIOS, "usage", module.__name__)
-    for name in ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
-                 "SLURM_PROCID", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_STEP_NUM_NODES", "SLURM_NNODES"):
+    fake_scenario(monkeypatch, "usage", lambda launch, args: ran.append(launch))
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_STEP_NUM_NODES", "SLURM_NNODES"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

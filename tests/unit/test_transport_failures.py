@@ -106,21 +106,29 @@ def test_a_hook_run_ahead_whose_result_is_refused_breaks_the_link(framed: bool) 
         assert isinstance(a.broken, ShapeMismatchError)
 
 
-def test_a_hook_that_raises_one_of_our_errors_fails_its_send_alone_with_that_type() -> None:
-    """A wire buffer refused (CapacityError) is still a CapacityError to whoever waits for the send."""
-    a, b = loopback_pair("typed-hook", timeout_s=WAIT_S)
+@pytest.mark.parametrize(("error", "kind", "message"), [
+    (OSError("control channel down"), TransferError, "seq 1.*before_send failed.*control channel down"),
+    # A wire buffer refused (CapacityError) is still a CapacityError to whoever waits for the send.
+    (CapacityError("wire buffers: 8 bytes asked, 0 free"), CapacityError,
+     "seq 1.*before_send failed, not sent.*8 bytes asked, 0 free"),
+], ids=["foreign", "ours"])
+def test_a_hook_that_raises_fails_its_send_alone_typed(error: Exception, kind: type[Exception], message: str) -> None:
+    """The sends around it land and the link stays whole; the send's error keeps the hook's type when it is
+    one of ours, and is a TransferError otherwise."""
+    a, b = loopback_pair(f"typed-hook-{type(error).__name__}", timeout_s=WAIT_S)
     with a, b:
         def refuse() -> None:
-            raise CapacityError("wire buffers: 8 bytes asked, 0 free")
+            raise error
 
         first = a.send(torch.ones(2))
         skipped = a.send(torch.full((2,), 2.0), before_send=refuse)
         third = a.send(torch.full((2,), 3.0))
         r0, r1 = b.recv((2,), torch.float32), b.recv((2,), torch.float32)
-        with pytest.raises(CapacityError, match="seq 1.*before_send failed, not sent.*8 bytes asked, 0 free"):
+        with pytest.raises(kind, match=message):
             skipped.result(WAIT_S)
         assert r0.result(WAIT_S).tolist() == [1.0, 1.0] and r1.result(WAIT_S).tolist() == [3.0, 3.0]
-        assert first.result(WAIT_S) is None and third.result(WAIT_S) is None and a.broken is None
+        assert first.result(WAIT_S) is None and third.result(WAIT_S) is None
+        assert a.broken is None and a.stats().tensors_sent == 2
 
 
 # -- timeouts and windows that a link cannot take ----------------------------------------------
@@ -130,7 +138,7 @@ BAD_TIMEOUTS = [float("inf"), float("nan"), -float("inf"), 0, -1.0, MAX_TIMEOUT_
 
 @pytest.mark.parametrize("bad", BAD_TIMEOUTS, ids=repr)
 def test_a_timeout_a_wait_cannot_take_is_refused_where_it_is_given(bad: float) -> None:
-    match = re.escape(f"timeout_s must be > 0 and finite (at most {MAX_TIMEOUT_S:g} s), got {bad!r}")
+    match = re.escape(f"timeout_s must be a finite number of seconds > 0 (at most {MAX_TIMEOUT_S:g}), got {bad!r}")
     with pytest.raises(ValueError, match=match):
         loopback_pair("bad-timeout", timeout_s=bad)
     with pytest.raises(ValueError, match=match):
