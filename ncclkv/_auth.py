@@ -48,7 +48,8 @@ from .auth import AuthenticationError, ChannelAuth, CurveConfig
 from .errors import ProtocolError
 from .protocol import MAX_TEXT_CHARS, Envelope, ErrorCode, ErrorMsg, decode, encode
 
-__all__ = ["MAC_OVERHEAD", "FrameAuth", "FrameGate", "ZapGuard", "configure_curve_client"]
+__all__ = ["MAC_OVERHEAD", "WARNING_BURST", "WARNINGS_PER_S", "FrameAuth", "FrameGate", "ZapGuard",
+           "configure_curve_client"]
 
 log = logging.getLogger("ncclkv.channel")
 
@@ -61,7 +62,8 @@ _MAX_SENDERS = 1 << 16  # replay state kept for this many (sender, path) pairs, 
 ZAP_DOMAIN = "ncclkv"
 # Replies to rejected frames, and warning lines about them: a flood of bad frames costs at most this.
 _REPLIES_PER_S, _REPLY_BURST = 50.0, 100.0
-_WARNINGS_PER_S, _WARNING_BURST = 1.0, 5.0
+# Every warning a peer can trigger at will (bad frames, refused keys, unexpected replies in ncclkv.channel).
+WARNINGS_PER_S, WARNING_BURST = 1.0, 5.0
 
 
 def _ident(name: bytes) -> bytes:
@@ -127,7 +129,7 @@ class _AllowList:
     def __init__(self, allowed: frozenset[bytes], peer_id: str) -> None:
         self._allowed = allowed
         self._peer_id = peer_id
-        self._warnings = Budget(_WARNINGS_PER_S, _WARNING_BURST)  # a refused client retries every 100 ms
+        self._warnings = Budget(WARNINGS_PER_S, WARNING_BURST)  # a refused client retries every 100 ms
         self.denied = 0  # written by the ZAP thread only
 
     def callback(self, domain: str, key: bytes) -> bool:
@@ -222,7 +224,7 @@ class FrameGate:
         self._counters = counters
         self._next_msg_id = next_msg_id
         self._replies = Budget(_REPLIES_PER_S, _REPLY_BURST)
-        self._warnings = Budget(_WARNINGS_PER_S, _WARNING_BURST)
+        self._warnings = Budget(WARNINGS_PER_S, WARNING_BURST)
 
     def seal(self, receiver: bytes, frame: bytes, *, from_router: bool) -> bytes:
         return frame if self._sealer is None else self._sealer.seal(receiver, frame, from_router=from_router)
@@ -233,37 +235,35 @@ class FrameGate:
         logged and (if authentic, or with no auth configured) answered on ``sock``.
 
         ``client_key``: the CURVE key (Z85) of the client that sent a frame to our ROUTER."""
-        if client_key is not None:
-            name = origin.decode("utf-8", "replace")
-            expected = self._peer_keys.get(name)
-            if expected is not None and client_key != expected:  # an allowed client claiming another peer's id
-                self._counters.auth_failures += 1
-                self.reject(sock, routing_id, origin, AuthenticationError(
-                    f"CURVE client key {client_key} is not {expected}, the key of peer {name!r}"), authentic=False)
-                return None
-        if len(payload) != 1 and self._sealer is None:
-            self.reject(sock, routing_id, origin, ProtocolError(f"expected 1 payload frame, got {len(payload)}"))
-            return None
-        frame = payload[0]
-        if self._sealer is not None:
-            try:
-                if len(payload) != 1:  # cannot be authenticated: dropped like a bad MAC
-                    raise AuthenticationError(f"expected 1 payload frame, got {len(payload)}")
-                frame = self._sealer.open(origin, frame, via_router=routing_id is not None)
-            except AuthenticationError as exc:
-                self._counters.auth_failures += 1
-                self.reject(sock, routing_id, origin, exc, authentic=False)
-                return None
+        name = origin.decode("utf-8", "replace")  # checked against both the CURVE binding and the envelope
         try:
-            envelope = decode(frame, self._max_frame_bytes)
+            envelope = decode(self._open(name, origin, routing_id, payload, client_key), self._max_frame_bytes)
+            if envelope.sender != name:
+                raise ProtocolError(f"frame names sender {envelope.sender!r} but came from {name!r}")
+        except AuthenticationError as exc:  # a ProtocolError too: caught first, as it goes unanswered
+            self._counters.auth_failures += 1
+            self.reject(sock, routing_id, origin, exc, authentic=False)
+            return None
         except ProtocolError as exc:
             self.reject(sock, routing_id, origin, exc)
             return None
-        name = origin.decode("utf-8", "replace")
-        if envelope.sender != name:
-            self.reject(sock, routing_id, origin, ProtocolError(f"frame names sender {envelope.sender!r} but came from {name!r}"))
-            return None
         return envelope
+
+    def _open(self, name: str, origin: bytes, routing_id: bytes | None, payload: list[bytes],
+              client_key: str | None) -> bytes:
+        """The encoded envelope in ``payload``, authenticated if auth is on; raises
+        :class:`AuthenticationError` for a frame that may not come from ``origin``, and
+        :class:`ProtocolError` for a malformed but authentic one."""
+        if client_key is not None:
+            expected = self._peer_keys.get(name)
+            if expected is not None and client_key != expected:  # an allowed client claiming another peer's id
+                raise AuthenticationError(f"CURVE client key {client_key} is not {expected}, the key of peer {name!r}")
+        if len(payload) != 1:  # with a shared secret it cannot be authenticated: dropped like a bad MAC
+            error = ProtocolError if self._sealer is None else AuthenticationError
+            raise error(f"expected 1 payload frame, got {len(payload)}")
+        if self._sealer is None:
+            return payload[0]
+        return self._sealer.open(origin, payload[0], via_router=routing_id is not None)
 
     def reject(
         self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, exc: ProtocolError, authentic: bool = True

@@ -7,17 +7,18 @@ listed here, parsed once into a typed value.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ._affinity import parse_cpu_list
+from ._timeout import check_timeout
 
 __all__ = ["MAX_COPY_THREADS", "PAGED_KERNELS", "EnvSettings", "env_settings"]
 
 
-def _float(environ: Mapping[str, str], name: str, default: float) -> float:
+def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    """A timeout or interval, by the rule of :func:`ncclkv._timeout.check_timeout`."""
     text = environ.get(name)
     if text is None or text == "":
         return default
@@ -25,9 +26,7 @@ def _float(environ: Mapping[str, str], name: str, default: float) -> float:
         value = float(text)
     except ValueError:
         raise ValueError(f"{name}={text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):  # nan/inf would disable deadlines or break the poll loop
-        raise ValueError(f"{name}={text!r} must be a finite number > 0")
-    return value
+    return check_timeout(f"{name}={text!r}", value)  # the text as set, then the value it parsed to
 
 
 def _int(environ: Mapping[str, str], name: str, default: int, least: int = 1, most: int | None = None) -> int:
@@ -126,8 +125,8 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
     # An instance, not the class: on a slots dataclass the class attributes are member descriptors.
     default = EnvSettings()
     return EnvSettings(
-        deadline_s=_float(env, "NCCLKV_DEADLINE_S", default.deadline_s),
-        heartbeat_s=_float(env, "NCCLKV_HEARTBEAT_S", default.heartbeat_s),
+        deadline_s=_seconds(env, "NCCLKV_DEADLINE_S", default.deadline_s),
+        heartbeat_s=_seconds(env, "NCCLKV_HEARTBEAT_S", default.heartbeat_s),
         bind_host=env.get("NCCLKV_BIND_HOST") or default.bind_host,
         staging_bytes=_int(env, "NCCLKV_STAGING_BYTES", default.staging_bytes),
         wire_cache_bytes=_int(env, "NCCLKV_WIRE_CACHE_BYTES", default.wire_cache_bytes, least=0),  # 0: keep none

@@ -46,17 +46,18 @@ valid one unanswered, before decoding. See docs/SECURITY.md.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ._auth import WARNING_BURST, WARNINGS_PER_S
 from ._channel_io import IoLoop
 from ._clock import ActiveClock
 from ._dispatch import Dispatcher, MessageHandler, PeerLostHandler, ReplyThen
 from ._env import env_settings
 from ._peers import Budget, Counters, PeerTable
+from ._timeout import check_timeout
 from .auth import ChannelAuth, curve_key, load_channel_auth
 from .errors import ClosedError, PeerClosedError, PeerLostError, TransferTimeout
 from .protocol import Envelope, ErrorMsg, Message, encode
@@ -69,7 +70,6 @@ THREAD_PREFIX = "ncclkv-channel"
 
 _JOIN_S = 5.0  # how long close() waits for each thread
 _EXPIRED_KEEP = 4096  # msg ids of requests that ended unanswered, remembered to drop their late replies quietly
-_WARNINGS_PER_S, _WARNING_BURST = 1.0, 5.0  # warnings about unexpected replies (a peer controls how many come)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +139,8 @@ class Channel:
         self._closed = False
         self._pending: dict[int, _Pending] = {}
         self._expired: OrderedDict[int, None] = OrderedDict()
-        self._reply_warnings = Budget(_WARNINGS_PER_S, _WARNING_BURST)  # I/O thread only
+        # Warnings about unexpected replies: a peer controls how many come. I/O thread only.
+        self._reply_warnings = Budget(WARNINGS_PER_S, WARNING_BURST)
         self._peers = PeerTable()
         self._counters = Counters()
         # Deadlines here leave out the time this process could not run (see ncclkv._clock).
@@ -232,7 +233,7 @@ class Channel:
         (``timeout`` -> TransferTimeout, ``capacity`` -> CapacityError, ...,
         other codes -> TransferError), naming the peer, code, request and text.
         """
-        wait_s = self.deadline_s if timeout_s is None else _check_timeout(timeout_s)
+        wait_s = self.deadline_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
         pending = _Pending(peer_id)
         msg_id = self._send(peer_id, body, None, pending)
         if not self.clock.wait(pending.done.wait, wait_s):
@@ -256,7 +257,7 @@ class Channel:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every frame sent before this call is with ZMQ, whose own threads deliver it even
         while this process's Python threads cannot run; False after ``timeout_s`` (default ``deadline_s``)."""
-        wait_s = self.deadline_s if timeout_s is None else _check_timeout(timeout_s)
+        wait_s = self.deadline_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
         self._check_open()
         done = self._io.submit_flush()
         return self.clock.wait(done.wait, wait_s)
@@ -313,18 +314,17 @@ class Channel:
         self._peers.require_alive(peer_id)
         msg_id = self._peers.next_msg_id()
         frame = encode(Envelope(self.peer_id, msg_id, reply_to, body), self.max_frame_bytes)
-        if pending is not None:
-            with self._lock:
-                self._check_open()
-                self._pending[msg_id] = pending
-            if not self._peers.alive(peer_id):  # lost after the check above: _on_lost may have missed this entry
-                with self._lock:
-                    self._pending.pop(msg_id, None)
-                raise PeerLostError(f"peer {peer_id!r} was lost before {type(body).__name__} could be sent")
         # Queued under the lock that close() takes to mark the channel closed: a frame accepted here is
-        # in the queue before close() stops the I/O thread, whose last act is to send the queue.
+        # in the queue before close() stops the I/O thread, whose last act is to send the queue. Neither
+        # step can block (the submit only enqueues and writes a wake-up byte to a non-blocking socket).
         with self._lock:
             self._check_open()
+            if pending is not None:
+                # Rechecked under this lock: _on_lost marks the peer lost before it takes this lock to fail
+                # its entries, so a loss since require_alive above is seen either here or by _on_lost.
+                if not self._peers.alive(peer_id):
+                    raise PeerLostError(f"peer {peer_id!r} was lost before {type(body).__name__} could be sent")
+                self._pending[msg_id] = pending
             self._io.submit_send(peer_id, frame)
         return msg_id
 
@@ -389,20 +389,13 @@ def _check_peer_id(peer_id: str) -> None:
         raise ValueError(f"peer_id must be a non-empty str of at most 255 UTF-8 bytes, not starting with NUL; got {peer_id!r}")
 
 
-def _check_timeout(timeout_s: float) -> float:
-    """``timeout_s`` if it is a finite number > 0: nan never expires, inf is no deadline."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
-        raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
-    if not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
-    return float(timeout_s)
-
-
 def _check_args(peer_id: str, port: int, heartbeat_s: float, deadline_s: float, max_frame_bytes: int) -> None:
     _check_peer_id(peer_id)
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an int in [0, 65535] (0: a free port), got {port!r}")
-    if not (math.isfinite(heartbeat_s) and math.isfinite(deadline_s) and 0 < heartbeat_s < deadline_s):
-        raise ValueError(f"need finite 0 < heartbeat_s < deadline_s, got heartbeat_s={heartbeat_s}, deadline_s={deadline_s}")
+    check_timeout("heartbeat_s", heartbeat_s)
+    check_timeout("deadline_s", deadline_s)
+    if not heartbeat_s < deadline_s:  # a peer would be declared lost between two of its heartbeats
+        raise ValueError(f"heartbeat_s must be < deadline_s, got heartbeat_s={heartbeat_s}, deadline_s={deadline_s}")
     if max_frame_bytes < 1024:
         raise ValueError(f"max_frame_bytes must be >= 1024, got {max_frame_bytes}")

@@ -5,15 +5,14 @@ No vLLM import here, so the parsing is testable (and usable by tools) without vL
 
 from __future__ import annotations
 
-import math
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Literal, Union, get_args, get_origin, get_type_hints
 
+from .._timeout import check_timeout
 from ..engine import DEFAULT_LAST_PIECE_BYTES, Role
 from ..paged import CacheLayout
-from ..transport import MAX_TIMEOUT_S
 
 __all__ = ["KVRole", "NcclKVConfig", "engine_role"]
 
@@ -98,9 +97,8 @@ class NcclKVConfig:
             _check_type(f.name, getattr(self, f.name), hints[f.name])
         for name in ("deadline_s", "heartbeat_s", "hold_s"):
             value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
-                raise ValueError(f"kv_connector_extra_config[{name!r}] must be a finite number of seconds > 0 "
-                                 f"(at most {MAX_TIMEOUT_S:g}), got {value!r}")
+            if value is not None:  # its type was checked above: only ValueError can come
+                check_timeout(f"kv_connector_extra_config[{name!r}]", value)
         if not 0 <= self.idle_wait_ms <= 1000:
             raise ValueError(f"kv_connector_extra_config['idle_wait_ms'] must be in [0, 1000], got {self.idle_wait_ms!r}")
         for name in ("piece_bytes", "last_piece_bytes"):

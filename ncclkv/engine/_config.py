@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -10,9 +9,9 @@ from typing import Literal
 
 from .._affinity import cpus_from_setting
 from .._env import env_settings
+from .._timeout import check_timeout
 from ..auth import ChannelAuth, load_channel_auth
 from ..layout import KVGeometry, ParallelLayout
-from ..transport import MAX_TIMEOUT_S
 
 __all__ = ["DEFAULT_LAST_PIECE_BYTES", "EngineConfig", "EngineRef", "Role", "peer_id", "split_peer_id"]
 
@@ -88,7 +87,10 @@ class EngineConfig:
         self.layout.check(self.geometry)
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        self._check_times()
+        for name in ("deadline_s", "heartbeat_s", "hold_s"):
+            value = getattr(self, name)
+            if value is not None:  # None: from the environment below, which env_settings checked by the same rule
+                check_timeout(name, value)
         if self.staging_bytes is not None and not (_is_int(self.staging_bytes) and self.staging_bytes >= 1):
             raise ValueError(f"staging_bytes must be an int >= 1, got {self.staging_bytes!r}")
         for name in ("piece_bytes", "last_piece_bytes"):
@@ -117,20 +119,10 @@ class EngineConfig:
             object.__setattr__(self, "wire_cache_bytes", settings.wire_cache_bytes)
         if self.bind_host is None:
             object.__setattr__(self, "bind_host", settings.bind_host)
-        self._check_times()  # again: the environment's values too
         if self.auth is None:
             object.__setattr__(self, "auth", load_channel_auth(settings))
         elif not isinstance(self.auth, ChannelAuth):
             raise TypeError(f"auth must be a ChannelAuth or None, got {type(self.auth).__name__}")
-
-    def _check_times(self) -> None:
-        for name in ("deadline_s", "heartbeat_s", "hold_s"):
-            value = getattr(self, name)
-            # Finite and bounded: an infinite deadline is no deadline, and waits overflow past MAX_TIMEOUT_S.
-            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                          and math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
-                raise ValueError(f"{name} must be a finite number of seconds > 0 (at most {MAX_TIMEOUT_S:g}), "
-                                 f"got {value!r}")
 
     @property
     def peer_id(self) -> str:

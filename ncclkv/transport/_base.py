@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -11,6 +9,9 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+
+# Re-exported: links check their timeouts by the rule every ncclkv timeout follows.
+from .._timeout import MAX_TIMEOUT_S, check_timeout
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
@@ -33,12 +34,6 @@ __all__ = [
 # which count from posting, meaningful for large tensors.
 DEFAULT_MAX_IN_FLIGHT = 64
 DEFAULT_MAX_IN_FLIGHT_BYTES = 256 << 20
-
-# The longest timeout a link takes (about 31 years). Python's waits stop at
-# threading.TIMEOUT_MAX (9.2e9 s), but gloo's do earlier: a link whose ops had
-# 8e9 s timed out at once (a nanosecond deadline that overflows), at 4e9 s it
-# worked.
-MAX_TIMEOUT_S = 1e9
 
 _LINK_ID = re.compile(r"[A-Za-z0-9._:@+-]{1,200}")
 
@@ -161,19 +156,6 @@ def check_link_args(link_id: str, link_rank: int, device: torch.device | str, ti
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
-
-
-def check_timeout(name: str, timeout_s: float) -> None:
-    """Refuse a timeout that a wait cannot take: not a number, <= 0, nan, inf or above :data:`MAX_TIMEOUT_S`.
-
-    Checked up front because the waits (locks, events, c10d work) fail only
-    when they run (OverflowError, or gloo's instant timeout), on a link's
-    thread, which would break the link instead of refusing the call.
-    """
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds, got {type(timeout_s).__name__} {timeout_s!r}")
-    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
-        raise ValueError(f"{name} must be > 0 and finite (at most {MAX_TIMEOUT_S:g} s), got {timeout_s!r}")
 
 
 def check_window(max_in_flight: int, max_in_flight_bytes: int) -> None:

@@ -203,27 +203,29 @@ def test_an_engine_without_caches_says_so() -> None:
         close_sides(prefill)
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("staging_bytes", 0, "staging_bytes must be an int >= 1, got 0"),
-    ("staging_bytes", 1.5, "staging_bytes must be an int >= 1, got 1.5"),
-    ("deadline_s", math.inf, "deadline_s must be a finite number of seconds > 0 (at most 1e+09), got inf"),
-    ("hold_s", True, "hold_s must be a finite number of seconds > 0 (at most 1e+09), got True"),
-    ("heartbeat_s", math.nan, "heartbeat_s must be a finite number of seconds > 0 (at most 1e+09), got nan"),
-    ("hold_s", 2e9, "hold_s must be a finite number of seconds > 0 (at most 1e+09), got 2000000000.0"),
-    ("device", "tpu", "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
-    ("rank", True, "rank=True outside"),
+@pytest.mark.parametrize(("field", "value", "error", "message"), [
+    ("staging_bytes", 0, ValueError, "staging_bytes must be an int >= 1, got 0"),
+    ("staging_bytes", 1.5, ValueError, "staging_bytes must be an int >= 1, got 1.5"),
+    ("deadline_s", math.inf, ValueError, "deadline_s must be a finite number of seconds > 0 (at most 1e+09), got inf"),
+    ("hold_s", True, TypeError, "hold_s must be a number of seconds, got bool True"),
+    ("heartbeat_s", math.nan, ValueError, "heartbeat_s must be a finite number of seconds > 0 (at most 1e+09), got nan"),
+    ("hold_s", 2e9, ValueError, "hold_s must be a finite number of seconds > 0 (at most 1e+09), got 2000000000.0"),
+    ("device", "tpu", ValueError, "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    ("rank", True, ValueError, "rank=True outside"),
 ])
-def test_engine_config_refuses_bad_values_naming_them(field: str, value: object, message: str) -> None:
+def test_engine_config_refuses_bad_values_naming_them(field: str, value: object, error: type[Exception],
+                                                      message: str) -> None:
     kwargs: dict[str, Any] = {"engine_id": "e", "rank": 0, "layout": ONE, "geometry": GQA, field: value}
     before = {t.name for t in threading.enumerate()}
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(error, match=re.escape(message)):
         EngineConfig(**kwargs)
     assert not {t.name for t in threading.enumerate()} - before
 
 
 def test_engine_config_bounds_the_environments_deadline_too(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NCCLKV_DEADLINE_S", "2e9")  # finite, but past what a link's waits take
-    with pytest.raises(ValueError, match=r"deadline_s must be a finite number .*\(at most 1e\+09\), got 2000000000.0"):
+    with pytest.raises(ValueError, match=r"NCCLKV_DEADLINE_S='2e9' must be a finite number .*\(at most 1e\+09\), "
+                                         r"got 2000000000.0"):
         EngineConfig("e", 0, ONE, GQA)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -393,7 +394,7 @@ def test_send_checks_before_queueing(make_channel: Callable[..., Channel]) -> No
         a.send("b", Done("r", -2, 0))
     with pytest.raises(ValueError, match="address must be tcp"):
         a.connect("c", "127.0.0.1:5")
-    with pytest.raises(ValueError, match="heartbeat_s=1.0, deadline_s=0.5"):
+    with pytest.raises(ValueError, match="heartbeat_s must be < deadline_s, got heartbeat_s=1.0, deadline_s=0.5"):
         Channel("x", heartbeat_s=1.0, deadline_s=0.5)
     with pytest.raises(ValueError, match="peer_id"):
         Channel("")
@@ -563,11 +564,14 @@ def test_close_sends_the_frames_send_accepted_before_the_bye(make_channel: Calla
     assert got == [Ready("first"), Ready("last")]
 
 
-@pytest.mark.parametrize(("heartbeat_s", "deadline_s"), [(float("nan"), 10.0), (1.0, float("inf")),
-                                                         (float("inf"), float("inf")), (0.1, float("nan"))])
-def test_channel_times_must_be_finite(heartbeat_s: float, deadline_s: float) -> None:
-    with pytest.raises(ValueError, match=rf"finite 0 < heartbeat_s < deadline_s, got heartbeat_s={heartbeat_s}, "
-                                         rf"deadline_s={deadline_s}"):
+@pytest.mark.parametrize(("heartbeat_s", "deadline_s", "bad"), [
+    (float("nan"), 10.0, "heartbeat_s"), (1.0, float("inf"), "deadline_s"), (float("inf"), float("inf"), "heartbeat_s"),
+    (0.1, float("nan"), "deadline_s"), (1.0, 2e9, "deadline_s"),
+])
+def test_channel_times_must_be_finite(heartbeat_s: float, deadline_s: float, bad: str) -> None:
+    value = heartbeat_s if bad == "heartbeat_s" else deadline_s
+    with pytest.raises(ValueError, match=re.escape(
+            f"{bad} must be a finite number of seconds > 0 (at most 1e+09), got {value!r}")):
         Channel("x", heartbeat_s=heartbeat_s, deadline_s=deadline_s)
 
 
@@ -575,7 +579,7 @@ def test_request_and_flush_refuse_timeouts_that_never_expire(make_channel: Calla
     b = make_channel("b", on_message=ack_ready)
     a = make_channel("a")
     a.connect("b", b.address)
-    for bad in (float("nan"), float("inf"), 0.0, -1.0):
+    for bad in (float("nan"), float("inf"), 0.0, -1.0, 2e9):  # 2e9: past what a wait takes (MAX_TIMEOUT_S)
         for call in (lambda: a.request("b", Ready("never"), timeout_s=bad), lambda: a.flush(bad)):
             outcome: list[BaseException] = []
             caller = threading.Thread(target=lambda: _capture(outcome, call), daemon=True)  # nan used to spin forever
@@ -583,8 +587,8 @@ def test_request_and_flush_refuse_timeouts_that_never_expire(make_channel: Calla
             caller.join(WAIT_S)
             assert not caller.is_alive(), f"timeout_s={bad} still waits"
             assert len(outcome) == 1 and isinstance(outcome[0], ValueError), (bad, outcome)
-            assert f"timeout_s must be a finite number > 0, got {bad!r}" in str(outcome[0])
-    with pytest.raises(TypeError, match="timeout_s must be a number of seconds, got str"):
+            assert f"timeout_s must be a finite number of seconds > 0 (at most 1e+09), got {bad!r}" in str(outcome[0])
+    with pytest.raises(TypeError, match="timeout_s must be a number of seconds, got str '5'"):
         a.request("b", Ready("never"), timeout_s="5")  # type: ignore[arg-type]
     assert a.request("b", Ready("ok"), timeout_s=5) == Ack("ok", None)
     assert b.stats.received == 1  # the refused requests were never sent

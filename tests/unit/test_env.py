@@ -34,7 +34,8 @@ def test_variables_override() -> None:
      ("NCCLKV_STAGING_BYTES", "-1"), ("NCCLKV_MAX_FRAME_BYTES", "big"), ("NCCLKV_PAGED_KERNEL", "fast"),
      ("NCCLKV_WIRE_CACHE_BYTES", "lots"), ("NCCLKV_HEARTBEAT_S", "nan"), ("NCCLKV_DEADLINE_S", "inf"),
      ("NCCLKV_DEADLINE_S", "-inf"), ("NCCLKV_WIRE_CACHE_BYTES", "-1"), ("NCCLKV_STAGING_BYTES", "0"),
-     ("NCCLKV_COPY_THREADS", "0"), ("NCCLKV_COPY_THREADS", "17"), ("NCCLKV_COPY_THREADS", "two")],
+     ("NCCLKV_COPY_THREADS", "0"), ("NCCLKV_COPY_THREADS", "17"), ("NCCLKV_COPY_THREADS", "two"),
+     ("NCCLKV_DEADLINE_S", "2e9"), ("NCCLKV_HEARTBEAT_S", "2e9")],  # past MAX_TIMEOUT_S: no wait takes it
 )
 def test_bad_values_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(ValueError) as err:
