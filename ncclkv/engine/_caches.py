@@ -54,6 +54,7 @@ class RankCaches:
         self.shard = shard_roi(layout, geometry, rank, 0)
         self.wire_dtype = torch_dtype(geometry.dtype)
         self._layers: dict[int, _Layer] = {}
+        self._num_blocks = 0  # blocks every registered layer's cache has (the fewest of any layer's)
         self._buffers: WireBuffers | None = None  # on the caches' device, from register()
         self._wire_cache_bytes = wire_cache_bytes
         self._lock = threading.Lock()
@@ -79,7 +80,9 @@ class RankCaches:
             keep_views = cache.device.type == "cuda" and spec.layout is not CacheLayout.CPU_AMX
             layers[index] = _Layer(cache, spec, {} if keep_views else None)
         device = next(iter(layers.values())).cache.device if layers else torch.device("cpu")
+        num_blocks = min((entry.spec.num_blocks for entry in layers.values()), default=0)
         with self._lock:
+            self._num_blocks = num_blocks  # first: whoever sees the new layers sees their count
             self._layers = layers
             if self._buffers is None or self._buffers.device != device:
                 self._buffers = WireBuffers(device, self._wire_cache_bytes)
@@ -105,7 +108,8 @@ class RankCaches:
     def slot_map(self, block_ids: Sequence[int]) -> SlotMap:
         """The block table of a request, its ids checked against the caches: a bad id fails the call here, not
         a gather or scatter on a link's thread (which would break the link for every request on it)."""
-        num_blocks = min(entry.spec.num_blocks for entry in self._registered().values())
+        self._registered()  # none registered: that error, before any about the ids
+        num_blocks = self._num_blocks
         slots = SlotMap(list(block_ids), self.block_size())
         outside = [b for b in slots.block_ids if b >= num_blocks]
         if outside:

@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ __all__ = ["ConsumerSide"]
 log = logging.getLogger("ncclkv.engine")
 
 _Key = tuple[int, int, Route]  # (src rank, layer, route)
+_StagedTensor = tuple[_Key, Span, torch.Tensor]  # (slice, token piece, its wire buffer) taken from staging
 _MAX_REFUSALS = 4096  # failed pushes remembered for a later expect(), each at most hold_s
 _MAX_DECLINES_QUEUED = 256  # pulls of nothing waiting to go out; past it a decline is dropped (hold_s frees it)
 
@@ -123,8 +125,9 @@ class ConsumerSide:
         self._staged: dict[str, _Staged] = {}
         # Pushes that failed before this rank expected them (refused here for room, or the producer's error),
         # by request id: (when, producer engine id, why). The producer gave up, so an expect() of one from
-        # that producer fails at once instead of waiting hold_s for tensors that never come.
-        self._refused: dict[str, tuple[float, str, NcclKVError]] = {}
+        # that producer fails at once instead of waiting hold_s for tensors that never come. Oldest first,
+        # "when" never decreasing (see _remember_refusal): expiry stops at the first entry still held.
+        self._refused: OrderedDict[str, tuple[float, str, NcclKVError]] = OrderedDict()
         self._reserved = 0  # staging bytes promised to accepted push offers
         self._store = KVStoreBuffer(staging_bytes, evict=False)
         # Declines (see decline) wait on producers that may be gone: a worker of their own (made at the
@@ -163,7 +166,7 @@ class ConsumerSide:
         now = self._clock.now()
         req = _Expected(request_id, producer, slots, pending, per_src, remaining, time.monotonic(), now, push=push,
                         keep=keep_tokens)
-        staged_tensors: list[tuple[_Key, Span, torch.Tensor]] = []
+        staged_tensors: list[_StagedTensor] = []
         with self._cond:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected")
@@ -174,18 +177,13 @@ class ConsumerSide:
                                              f"{refused[2]}")
             staged = self._staged.pop(request_id, None) if push else None
             if staged is not None:
-                self._reserved -= staged.reserved
                 req.announced.update(staged.announced)
                 if staged.producer_engine_id != producer.engine_id:
                     req.error = ProtocolError(f"request {request_id!r} was pushed by {staged.producer_engine_id!r}, "
                                               f"expected from {producer.engine_id!r}")
                 req.error = req.error or staged.error
                 self._report_removed(staged, "taken" if req.error is None else "failed")
-                for key, piece in staged.landed:
-                    tensor = self._store.get(_store_key(request_id, key, piece))
-                    self._store.put(_store_key(request_id, key, piece), None)
-                    if tensor is not None:
-                        staged_tensors.append((key, piece, tensor))
+                staged_tensors = self._take_staged_locked(request_id, staged)
         if staged_tensors:
             with pinned(self._cpus):  # scattered on this thread (EngineConfig.cpus)
                 for key, piece, tensor in staged_tensors:
@@ -209,12 +207,8 @@ class ConsumerSide:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is expected here: abort() it instead of declining it")
             if push:
-                declined = TransferError(f"push of {request_id!r} was declined here (its request ended unloaded)")
-                staged = self._staged.get(request_id)
-                if staged is None:
-                    self._remember_refusal(request_id, producer.engine_id, declined)
-                elif staged.producer_engine_id == producer.engine_id:
-                    self._fail_staged_locked(request_id, staged, declined)
+                self._fail_unexpected_push_locked(request_id, producer.engine_id, TransferError(
+                    f"push of {request_id!r} was declined here (its request ended unloaded)"))
                 return
             if self._declines_queued + producer.layout.world_size > _MAX_DECLINES_QUEUED:
                 log.info("not declining %s: %d declines already queued (its producer frees it after hold_s)",
@@ -261,9 +255,11 @@ class ConsumerSide:
                     self._stats.record_request(req.error is not None)
                     if req.push and req.error is not None:  # a producer rank's late offer for it is refused
                         self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error))
-            for request_id, (since, _, _) in list(self._refused.items()):
-                if now - since > self._hold_s:  # never expected here: forget it
-                    del self._refused[request_id]
+            while self._refused:  # never expected here: forget it
+                since, _, _ = next(iter(self._refused.values()))
+                if now - since <= self._hold_s:  # and so is every later one
+                    break
+                self._refused.popitem(last=False)
             for request_id, staged in list(self._staged.items()):
                 if now - staged.since > self._hold_s:  # pushed, but never expected here: free its staging
                     if staged.error is None:
@@ -451,11 +447,7 @@ class ConsumerSide:
         with self._cond:
             req = self._requests.get(err.request_id)
             if req is None and peer is not None:  # a push that failed before it was expected here
-                staged = self._staged.get(err.request_id)
-                if staged is None:
-                    self._remember_refusal(err.request_id, peer.remote.engine_id, err.to_exception(sender))
-                elif staged.producer_engine_id == peer.remote.engine_id and staged.error is None:
-                    self._fail_staged_locked(err.request_id, staged, err.to_exception(sender))
+                self._fail_unexpected_push_locked(err.request_id, peer.remote.engine_id, err.to_exception(sender))
                 return
             if req is None or req.error is not None:
                 return
@@ -625,20 +617,43 @@ class ConsumerSide:
 
     def _give_back_locked(self, request_id: str, staged: _Staged) -> None:
         """Under ``self._cond``: ``staged``'s reservation, its tensors in the store and their wire buffers."""
+        for _, _, tensor in self._take_staged_locked(request_id, staged):
+            self._caches.recycle(tensor)
+
+    def _take_staged_locked(self, request_id: str, staged: _Staged) -> list[_StagedTensor]:
+        """Under ``self._cond``: give back ``staged``'s reservation and take its tensors out of the store; the
+        caller scatters or recycles them (they are wire buffers)."""
         self._reserved -= staged.reserved
         staged.reserved = 0
+        taken: list[_StagedTensor] = []
         for key, piece in staged.landed:
-            tensor = self._store.get(_store_key(request_id, key, piece))
-            self._store.put(_store_key(request_id, key, piece), None)
+            store_key = _store_key(request_id, key, piece)
+            tensor = self._store.get(store_key)
+            self._store.put(store_key, None)
             if tensor is not None:
-                self._caches.recycle(tensor)
+                taken.append((key, piece, tensor))
         staged.landed.clear()
+        return taken
+
+    def _fail_unexpected_push_locked(self, request_id: str, producer_engine_id: str, error: NcclKVError) -> None:
+        """Under ``self._cond``: a push of ``request_id`` not expected here ended with ``error`` (declined here, or
+        failed at its producer): what is staged for it from that producer is given back, or, if nothing is,
+        an expect() of it fails at once (a push staged from another producer is left alone)."""
+        staged = self._staged.get(request_id)
+        if staged is None:
+            self._remember_refusal(request_id, producer_engine_id, error)
+        elif staged.producer_engine_id == producer_engine_id and staged.error is None:  # else failed already
+            self._fail_staged_locked(request_id, staged, error)
 
     def _remember_refusal(self, request_id: str, producer_engine_id: str, error: NcclKVError) -> None:
-        """Under ``self._cond``: what an expect() of this pushed request will fail with (see ``_refused``)."""
-        if len(self._refused) >= _MAX_REFUSALS and request_id not in self._refused:  # bounded: drop the oldest
-            del self._refused[next(iter(self._refused))]
-        self._refused[request_id] = (self._clock.now(), producer_engine_id, error)
+        """Under ``self._cond``: what an expect() of this pushed request will fail with (see ``_refused``).
+
+        Expiry relies on times in insertion order: a refreshed entry moves to the end, and its time is at least
+        the newest one's (``now()`` steps back once a pause of this process is counted)."""
+        newest = next(reversed(self._refused.values()))[0] if self._refused else -math.inf
+        if self._refused.pop(request_id, None) is None and len(self._refused) >= _MAX_REFUSALS:
+            self._refused.popitem(last=False)  # bounded: drop the oldest
+        self._refused[request_id] = (max(self._clock.now(), newest), producer_engine_id, error)
 
     def _report_stored(self, request_id: str, staged: _Staged) -> None:
         """Under ``self._cond``: one "stored" event once every tensor of the push landed in staging."""

@@ -56,7 +56,7 @@ class PushState:
     blocks: PushBlocks | None = None  # what the consumer's staging events name
     links: dict[str, LinkBase] = field(default_factory=dict)  # accepted consumer ranks
     errors: dict[str, BaseException] = field(default_factory=dict)
-    saved: list[tuple[int, torch.cuda.Event | None]] = field(default_factory=list)  # (layer, its ready event)
+    saved: dict[int, torch.cuda.Event | None] = field(default_factory=dict)  # layer -> its ready event, in save order
     sends: dict[str, int] = field(default_factory=dict)  # sends queued per consumer rank
     open_sends: int = 0  # queued sends not completed yet, over every consumer rank
     failed: dict[str, BaseException] = field(default_factory=dict)  # first failed send per consumer rank
@@ -117,11 +117,11 @@ class Pusher:
         with state.lock:
             if state.finishing:
                 raise ValueError(f"request {request_id!r}: save_layer({layer}) after finish()")
-            if any(saved == layer for saved, _ in state.saved):  # its slices would go twice
+            if layer in state.saved:  # its slices would go twice
                 raise ValueError(f"request {request_id!r}: layer {layer} was already saved")
             # Recorded here, on the caller's stream: a backlog is sent later from another thread.
             ready = self._caches.ready_event()
-            state.saved.append((layer, ready))
+            state.saved[layer] = ready
             for dst, link in list(state.links.items()):  # a failed send removes its consumer rank
                 self._send_layer(state, dst, link, layer, ready)
 
@@ -130,9 +130,8 @@ class Pusher:
         state = self._state(request_id)
         with state.lock:
             state.finishing = True
-            saved = {layer for layer, _ in state.saved}
             for dst, routes in state.by_dst.items():  # a layer never saved would leave the consumer waiting
-                missing = sorted({layer for r in routes for layer in r.layers} - saved)
+                missing = sorted({layer for r in routes for layer in r.layers} - state.saved.keys())
                 if missing:
                     state.unsaved[dst] = TransferError(
                         f"push of {request_id!r}: finish() before layers {missing} were saved")
@@ -168,7 +167,7 @@ class Pusher:
         else:
             with state.lock:
                 state.links[dst] = link
-                for layer, ready in state.saved:  # the backlog, in save order
+                for layer, ready in state.saved.items():  # the backlog, in save order
                     self._send_layer(state, dst, link, layer, ready)
         self._maybe_complete(state)
 
