@@ -12,7 +12,7 @@ from ._worker import RankInfo
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["parallel_ranks", "rank_info"]
+__all__ = ["check_speculative", "parallel_ranks", "rank_info"]
 
 
 def parallel_ranks(tp_size: int, pp_size: int) -> tuple[int, int]:
@@ -56,3 +56,20 @@ def rank_info(vllm_config: VllmConfig, cache_dtype: torch.dtype) -> RankInfo:
         raise ValueError("kv_transfer_config.engine_id is not set")
     return RankInfo(str(engine_id), tp_rank, pp_rank, ParallelLayout(tp_size, pp_size, partition), geometry,
                     vllm_config.cache_config.block_size, str(vllm_config.cache_config.cache_dtype))
+
+
+def check_speculative(vllm_config: VllmConfig) -> None:
+    """Refuse speculative decoding whose drafter keeps a KV cache of its own (EAGLE, MTP, a draft model).
+
+    ncclkv moves the model's layers only: a drafter's layers would fail
+    registration (their indices run past the model's, or repeat them), and a
+    decode engine's drafter would attend over prompt positions of its own
+    layers that it never computed. Methods without a drafter KV cache
+    (``ngram``, ``suffix``) need nothing moved beyond the model's layers.
+    """
+    speculative = vllm_config.speculative_config
+    if speculative is not None and speculative.uses_draft_kv_cache():
+        raise ValueError(
+            f"ncclkv: speculative_config method {speculative.method!r} keeps a drafter KV cache, which ncclkv does "
+            "not move (only the model's layers): the decode engine's drafter would attend over prompt positions it "
+            "never computed. Use a method without one ('ngram', 'suffix') or no speculative decoding with ncclkv")

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                         SpeculativeConfig, VllmConfig)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -69,6 +70,28 @@ def expected_kv(layer: int, token_ids: list[int], start: int) -> torch.Tensor:
     return (base.view(1, -1, 1, 1) + part + offs).contiguous()
 
 
+def make_vllm_config(name: str, model_dir: Path, kv_role: str, extra: Mapping[str, Any] | None = None, *,
+                     max_num_batched_tokens: int = 512, prefix_caching: bool = True, policy: str = "recompute",
+                     speculative: Mapping[str, Any] | None = None) -> VllmConfig:
+    """An engine's config with ncclkv as its connector (``speculative``: a SpeculativeConfig's arguments)."""
+    model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=512)
+    parallel = ParallelConfig()
+    return VllmConfig(
+        model_config=model,
+        parallel_config=parallel,
+        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=512, enable_chunked_prefill=True, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="NcclKVConnector", kv_connector_module_path="ncclkv.connector", kv_role=kv_role,
+            kv_connector_extra_config=dict(extra or {}), kv_load_failure_policy=policy,
+            engine_id=f"{name}-{next(_ids)}"),
+        speculative_config=None if speculative is None else SpeculativeConfig(
+            target_model_config=model, target_parallel_config=parallel, **speculative),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Finished:
     token_ids: tuple[int, ...]
@@ -94,19 +117,10 @@ class EngineSim:
     @classmethod
     def build(cls, name: str, model_dir: Path, kv_role: str, extra: Mapping[str, Any] | None = None, *,
               num_blocks: int = 64, max_num_batched_tokens: int = 512, prefix_caching: bool = True,
-              policy: str = "recompute") -> EngineSim:
-        model = ModelConfig(model=str(model_dir), dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=512)
-        config = VllmConfig(
-            model_config=model,
-            scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
-                                             max_model_len=512, enable_chunked_prefill=True, is_encoder_decoder=False),
-            cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="NcclKVConnector", kv_connector_module_path="ncclkv.connector", kv_role=kv_role,
-                kv_connector_extra_config=dict(extra or {}), kv_load_failure_policy=policy,
-                engine_id=f"{name}-{next(_ids)}"),
-            device_config=DeviceConfig("cpu"),
-        )
+              policy: str = "recompute", speculative: Mapping[str, Any] | None = None) -> EngineSim:
+        config = make_vllm_config(name, model_dir, kv_role, extra, max_num_batched_tokens=max_num_batched_tokens,
+                                  prefix_caching=prefix_caching, policy=policy, speculative=speculative)
+        model = config.model_config
         names = [f"model.layers.{i}.self_attn.attn" for i in range(model.get_total_num_hidden_layers())]
         kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec(names, FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
