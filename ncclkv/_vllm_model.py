@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["TinyLlamaSpec", "build_tiny_llama", "MARKER_FILE"]
+__all__ = ["TinyLlamaSpec", "build_eagle_head", "build_tiny_llama", "MARKER_FILE"]
 
 # Written last, after the weights: its presence with an equal spec means done.
 MARKER_FILE = "ncclkv_tiny_model.json"
@@ -163,3 +163,38 @@ def _write_checkpoint(spec: TinyLlamaSpec, out: Path) -> None:
     # No sampling defaults from a generation config; tests set their own.
     GenerationConfig(bos_token_id=0, eos_token_id=1).save_pretrained(out)
     (out / MARKER_FILE).write_text(spec.to_json())
+
+
+def build_eagle_head(model_dir: Path, out_dir: Path, seed: int = 7) -> Path:
+    """A random EAGLE drafter (one decoder layer and the ``fc`` that joins embedding and hidden state) for the
+    model at ``model_dir``, in the checkpoint layout vLLM's ``EagleLlamaForCausalLM`` loads; it shares the
+    model's ``lm_head``. Its drafts are poor, which speculative decoding's verification makes harmless: the
+    outputs are the model's. Rebuilt on every call (a few MiB)."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config.update(architectures=["EagleLlamaForCausalLM"], num_hidden_layers=1)
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    q_size = config["num_attention_heads"] * config["head_dim"]
+    kv_size = config["num_key_value_heads"] * config["head_dim"]
+    shapes = {
+        "embed_tokens.weight": (config["vocab_size"], hidden),
+        "fc.weight": (hidden, 2 * hidden),
+        "layers.0.self_attn.q_proj.weight": (q_size, hidden),
+        "layers.0.self_attn.k_proj.weight": (kv_size, hidden),
+        "layers.0.self_attn.v_proj.weight": (kv_size, hidden),
+        "layers.0.self_attn.o_proj.weight": (hidden, q_size),
+        "layers.0.mlp.gate_proj.weight": (inner, hidden),
+        "layers.0.mlp.up_proj.weight": (inner, hidden),
+        "layers.0.mlp.down_proj.weight": (hidden, inner),
+    }
+    dtype = getattr(torch, config.get("dtype", "float32"))
+    generator = torch.Generator().manual_seed(seed)
+    weights = {name: (torch.randn(shape, generator=generator) * 0.02).to(dtype) for name, shape in shapes.items()}
+    weights["layers.0.post_attention_layernorm.weight"] = torch.ones(hidden, dtype=dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -42,7 +42,7 @@ from ._metadata import NcclKVMetadata
 from ._scheduler import SchedulerSide
 from ._stats import NcclKVPromMetrics, NcclKVStats
 from ._vllm_env import check_speculative, rank_info
-from ._worker import WorkerSide
+from ._worker import WorkerSide, layer_index
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -86,7 +86,8 @@ class NcclKVConnector(KVConnectorBase_V1):
         if self._worker is not None:
             raise RuntimeError("ncclkv: register_kv_caches called twice")
         first = next(iter(kv_caches.values()))
-        worker = WorkerSide(rank_info(self._worker_config, first.dtype), self.config, self._engine_role)
+        info = rank_info(self._worker_config, first.dtype, [layer_index(name) for name in kv_caches])
+        worker = WorkerSide(info, self.config, self._engine_role)
         worker.register_kv_caches(kv_caches)
         self._worker = worker
 

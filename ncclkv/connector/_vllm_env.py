@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,7 +13,7 @@ from ._worker import RankInfo
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["check_speculative", "parallel_ranks", "rank_info"]
+__all__ = ["check_speculative", "drafter_layers", "parallel_ranks", "rank_info"]
 
 
 def parallel_ranks(tp_size: int, pp_size: int) -> tuple[int, int]:
@@ -31,14 +32,21 @@ def parallel_ranks(tp_size: int, pp_size: int) -> tuple[int, int]:
     return 0, 0
 
 
-def rank_info(vllm_config: VllmConfig, cache_dtype: torch.dtype) -> RankInfo:
-    """Layout (with vLLM's pipeline layer split), geometry and ranks of this worker."""
+def rank_info(vllm_config: VllmConfig, cache_dtype: torch.dtype, layer_indices: Collection[int] = ()) -> RankInfo:
+    """Layout (with vLLM's pipeline layer split), geometry and ranks of this worker.
+
+    ``layer_indices``: the layers whose caches this worker registers. Those
+    past the model's are a speculative drafter's (EAGLE, MTP: vLLM numbers
+    them on), counted into the geometry as layers like the others once
+    :func:`check_speculative` allows the drafter.
+    """
     from vllm.distributed.utils import get_pp_indices
 
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     tp_rank, pp_rank = parallel_ranks(tp_size, pp_size)
     num_layers = model.get_total_num_hidden_layers()
+    num_layers += len(drafter_layers(vllm_config, num_layers, layer_indices))
     partition = None
     if pp_size > 1:  # vLLM's own split (it honours VLLM_PP_LAYER_PARTITION), carried to the peer explicitly
         bounds = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]
@@ -58,18 +66,57 @@ def rank_info(vllm_config: VllmConfig, cache_dtype: torch.dtype) -> RankInfo:
                     vllm_config.cache_config.block_size, str(vllm_config.cache_config.cache_dtype))
 
 
-def check_speculative(vllm_config: VllmConfig) -> None:
-    """Refuse speculative decoding whose drafter keeps a KV cache of its own (EAGLE, MTP, a draft model).
+def drafter_layers(vllm_config: VllmConfig, num_model_layers: int, layer_indices: Collection[int]) -> list[int]:
+    """The layers in ``layer_indices`` past the model's ``num_model_layers``: a speculative drafter's, which
+    must follow the model's without a gap; ValueError naming them when no drafter with a KV cache explains them."""
+    extra = sorted(i for i in layer_indices if i >= num_model_layers)
+    if not extra:
+        return []
+    speculative = vllm_config.speculative_config
+    if speculative is None or not speculative.uses_draft_kv_cache():
+        raise ValueError(f"ncclkv: KV cache layers {extra} lie past the model's {num_model_layers} layers, and no "
+                         "speculative drafter with a KV cache is configured")
+    if extra != list(range(num_model_layers, num_model_layers + len(extra))):
+        raise ValueError(f"ncclkv: the drafter's KV cache layers {extra} do not follow the model's "
+                         f"{num_model_layers} layers")
+    return extra
 
-    ncclkv moves the model's layers only: a drafter's layers would fail
-    registration (their indices run past the model's, or repeat them), and a
-    decode engine's drafter would attend over prompt positions of its own
-    layers that it never computed. Methods without a drafter KV cache
-    (``ngram``, ``suffix``) need nothing moved beyond the model's layers.
+
+def check_speculative(vllm_config: VllmConfig) -> None:
+    """Refuse a speculative drafter whose KV cache ncclkv cannot move as layers of the model's own geometry.
+
+    A drafter with a KV cache (EAGLE, EAGLE-3, single-module MTP) is moved as
+    extra layers after the model's: its layers follow the model's in vLLM's
+    numbering, share its block table (same kv heads, head size and dtype, so
+    the same KV cache group) and go through the same connector hooks (vLLM
+    saves the step's KV, the drafter's forward included, before
+    ``wait_for_save``). Refused, naming why: a separate draft model (its
+    layers restart at 0), ``extract_hidden_states``, multi-module MTP (the
+    prefill side's MTP layers hold unverified drafts at prompt positions),
+    a drafter under pipeline parallelism, and a drafter whose kv heads or
+    head size differ from the model's. Methods without a KV cache (``ngram``,
+    ``suffix``) need nothing.
     """
     speculative = vllm_config.speculative_config
-    if speculative is not None and speculative.uses_draft_kv_cache():
-        raise ValueError(
-            f"ncclkv: speculative_config method {speculative.method!r} keeps a drafter KV cache, which ncclkv does "
-            "not move (only the model's layers): the decode engine's drafter would attend over prompt positions it "
-            "never computed. Use a method without one ('ngram', 'suffix') or no speculative decoding with ncclkv")
+    if speculative is None or not speculative.uses_draft_kv_cache():
+        return
+    method = speculative.method
+    why = None
+    if speculative.uses_draft_model() or speculative.uses_extract_hidden_states():
+        why = "its KV cache layers are not numbered after the model's"
+    elif speculative.use_multi_module_mtp():
+        why = "the prefill side's MTP layers hold unverified drafts at prompt positions"
+    elif vllm_config.parallel_config.pipeline_parallel_size > 1:
+        why = "a drafter under pipeline parallelism is not supported"
+    else:
+        model, draft = vllm_config.model_config, speculative.draft_model_config
+        ours = (model.get_total_num_kv_heads(), model.get_head_size(), bool(model.use_mla))
+        theirs = (draft.get_total_num_kv_heads(), draft.get_head_size(), bool(draft.use_mla))
+        if ours != theirs:
+            why = (f"its (kv heads, head size, MLA) {theirs} differ from the model's {ours}: ncclkv moves a "
+                   "drafter's layers as layers of the model's geometry")
+    if why is not None:
+        raise ValueError(f"ncclkv: speculative_config method {method!r} keeps a drafter KV cache that ncclkv "
+                         f"cannot move ({why}). Use EAGLE, EAGLE-3 or single-module MTP with the model's kv heads "
+                         "and head size, a method without a drafter KV cache ('ngram', 'suffix'), or no "
+                         "speculative decoding with ncclkv")

@@ -80,6 +80,10 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._step_pushes: list[PushJob] = []  # this step's pushes, once started
         self._push_meta: NcclKVMetadata | None = None  # the step whose pushes were started
+        # Layers whose load / save hook ran in the step of _hooked_meta: a speculative drafter runs its forward
+        # once per draft token, and only its first pass writes the prompt's positions (later ones write past them).
+        self._hooked_meta: NcclKVMetadata | None = None
+        self._hooked: tuple[set[int], set[int]] = (set(), set())
         self._stats_base: StatsSnapshot | None = None
         self._transfer_s: list[float] = []
 
@@ -158,7 +162,7 @@ class WorkerSide:
 
     def wait_for_layer_load(self, meta: NcclKVMetadata, layer_name: str) -> None:
         layer = self._layers.get(layer_name)
-        if layer is None:
+        if layer is None or not self._first_hook(meta, 0, layer):
             return
         for job in meta.loads:
             load = self._loads.get(job.transfer_id)
@@ -174,7 +178,7 @@ class WorkerSide:
 
     def save_kv_layer(self, meta: NcclKVMetadata, layer_name: str) -> None:
         layer = self._layers.get(layer_name)
-        if layer is None:
+        if layer is None or not self._first_hook(meta, 1, layer):
             return
         for push in self._start_pushes(meta):
             try:
@@ -289,6 +293,19 @@ class WorkerSide:
             self.engine.wait_finished_receiving(wait_s)  # returns as soon as one lands
         elif self._sends:
             time.sleep(wait_s)  # held or pushed blocks: their completion can wait this long
+
+    def _first_hook(self, meta: NcclKVMetadata, kind: int, layer: int) -> bool:
+        """Whether this is the step's first load (``kind`` 0) or save (1) hook of ``layer``; each step binds
+        metadata of its own."""
+        if self._hooked_meta is not meta:
+            self._hooked_meta = meta
+            for seen in self._hooked:
+                seen.clear()
+        seen = self._hooked[kind]
+        if layer in seen:
+            return False
+        seen.add(layer)
+        return True
 
     def _start_pushes(self, meta: NcclKVMetadata) -> list[PushJob]:
         if self._push_meta is meta:

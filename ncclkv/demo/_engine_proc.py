@@ -82,6 +82,7 @@ class EngineOptions:
     model_dir: Path
     cpu_core: int = 0
     kv_transfer_config: Mapping[str, Any] | None = None
+    speculative_config: Mapping[str, Any] | None = None  # vLLM's SpeculativeConfig arguments
     max_model_len: int = 512
     block_size: int = 32  # the CPU attention backend needs a multiple of 32
     enable_prefix_caching: bool = True
@@ -110,6 +111,8 @@ class EngineOptions:
         )
         if self.kv_transfer_config is not None:
             kwargs["kv_transfer_config"] = dict(self.kv_transfer_config)
+        if self.speculative_config is not None:
+            kwargs["speculative_config"] = dict(self.speculative_config)
         return kwargs
 
     def env(self) -> dict[str, str]:

@@ -108,6 +108,9 @@ class EngineSim:
     scheduler: Scheduler
     worker: NcclKVConnector
     caches: dict[str, torch.Tensor]
+    # The last layer is a drafter's, its forward run this many times a step (vLLM: once per draft token; only
+    # the first writes this step's positions): 0, no drafter.
+    drafter_passes: int = 0
     finished: dict[str, Finished] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
     computed: dict[str, int] = field(default_factory=dict)  # tokens the stand-in model computed, per request
@@ -121,7 +124,10 @@ class EngineSim:
         config = make_vllm_config(name, model_dir, kv_role, extra, max_num_batched_tokens=max_num_batched_tokens,
                                   prefix_caching=prefix_caching, policy=policy, speculative=speculative)
         model = config.model_config
-        names = [f"model.layers.{i}.self_attn.attn" for i in range(model.get_total_num_hidden_layers())]
+        spec = config.speculative_config
+        # An EAGLE-like drafter: one more layer, numbered after the model's, in its KV cache group.
+        drafter = spec is not None and spec.uses_draft_kv_cache()
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(model.get_total_num_hidden_layers() + drafter)]
         kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec(names, FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
                                                       head_size=HEAD_SIZE, dtype=torch.float32))])
@@ -135,7 +141,7 @@ class EngineSim:
                               structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE)
         handshake = worker.get_handshake_metadata()
         scheduler.connector.set_xfer_handshake_metadata_pp_aware({} if handshake is None else {(0, 0): handshake})
-        return cls(name, config, scheduler, worker, caches)
+        return cls(name, config, scheduler, worker, caches, spec.num_speculative_tokens if drafter and spec else 0)
 
     # -- driving ---------------------------------------------------------------------------
     @property
@@ -244,6 +250,9 @@ class EngineSim:
             start = request.num_computed_tokens - num  # the scheduler already advanced it
             (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             tokens = list(request.all_token_ids)
+            # Draft tokens (speculative decoding) are scheduled past the known ones: the stand-in computes only
+            # the known ones, and its one sampled token rejects every draft.
+            num = min(num, len(tokens) - start)
             jobs.append((req_id, request, start, num, SlotMap(block_ids, BLOCK_SIZE), tokens))
             self.computed[req_id] = self.computed.get(req_id, 0) + num
         heads = Span(0, NUM_KV_HEADS)
@@ -266,4 +275,8 @@ class EngineSim:
                 if layer == len(self.caches) - 1 and stop >= request.num_tokens:  # the prompt is done: sample
                     sampled[req_id] = [2 + int(got.double().sum().item() * 1000) % (VOCAB - 2)]
             self.worker.save_kv_layer(name, cache, None)
+        last_name, last_cache = next(reversed(self.caches.items()))
+        for _ in range(self.drafter_passes - 1):  # the drafter's later passes, past this step's positions
+            self.worker.wait_for_layer_load(last_name)
+            self.worker.save_kv_layer(last_name, last_cache, None)
         return sampled

@@ -7,10 +7,12 @@ engine. See harness.py for what the stand-in model checks.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
+from ncclkv._vllm_model import build_eagle_head
 from ncclkv.connector import RemotePrefill
 
 from .harness import BLOCK_SIZE, EngineSim, make_prompts
@@ -24,16 +26,20 @@ NUM_LAYERS = 2
 
 
 def _pair(engines: list[EngineSim], model_dir: Path, prefill_extra: dict | None = None,
-          decode_extra: dict | None = None, **decode_kw: object) -> tuple[EngineSim, EngineSim]:
-    prefill = EngineSim.build("prefill", model_dir, "kv_producer", {**FAST, **(prefill_extra or {})})
+          decode_extra: dict | None = None, speculative: dict | None = None,
+          **decode_kw: object) -> tuple[EngineSim, EngineSim]:
+    prefill = EngineSim.build("prefill", model_dir, "kv_producer", {**FAST, **(prefill_extra or {})},
+                              speculative=speculative)
     engines.append(prefill)
-    decode = EngineSim.build("decode", model_dir, "kv_consumer", {**FAST, **(decode_extra or {})}, **decode_kw)
+    decode = EngineSim.build("decode", model_dir, "kv_consumer", {**FAST, **(decode_extra or {})},
+                             speculative=speculative, **decode_kw)
     engines.append(decode)
     return prefill, decode
 
 
-def _reference(engines: list[EngineSim], model_dir: Path, prompts: list[list[int]]) -> list[tuple[int, ...]]:
-    single = EngineSim.build("single", model_dir, "kv_both", FAST)
+def _reference(engines: list[EngineSim], model_dir: Path, prompts: list[list[int]],
+               speculative: dict | None = None) -> list[tuple[int, ...]]:
+    single = EngineSim.build("single", model_dir, "kv_both", FAST, speculative=speculative)
     engines.append(single)
     ids = [f"ref-{i}" for i in range(len(prompts))]
     for req_id, prompt in zip(ids, prompts):
@@ -389,3 +395,26 @@ def test_a_pushed_decode_request_that_never_loads_gives_its_staging_back(engines
     decode.abort("d-0")  # before it was ever scheduled: its staged KV is given back, not held hold_s
     decode.run(lambda: (consumer._reserved, consumer._store.used_bytes) == (0, 0), also=(prefill,))
     _settle(prefill, decode)
+
+
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+def test_an_eagle_drafters_layer_moves_with_the_models(engines: list[EngineSim], model_dir: Path,
+                                                       tmp_path: Path, push: bool,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """The drafter's layer (numbered after the model's) is pulled or pushed like them, though vLLM runs its
+    hooks once per draft token a step: the stand-in attention finds its loaded KV exact, as the model's, and
+    no hook fails (a second save of a layer in one step would)."""
+    speculative = {"method": "eagle", "model": str(build_eagle_head(model_dir, tmp_path / "eagle")),
+                   "num_speculative_tokens": 3}
+    expected = _reference(engines, model_dir, PROMPTS, speculative)
+    prefill, decode = _pair(engines, model_dir, speculative=speculative)
+    assert decode.drafter_passes == 3 and len(decode.caches) == NUM_LAYERS + 1
+    params = _prefill(prefill, PROMPTS, {"remote_decode": decode.ref} if push else None)
+    assert all(p["pushed"] == push for p in params)
+    ids = _decode(decode, PROMPTS, params, also=(prefill,))
+    assert decode.outputs(ids) == expected
+    assert decode.mismatches == [] and decode.load_errors == set()
+    _settle(prefill, decode)
+    assert _bytes(decode, "bytes_received") == sum(LENGTHS) * CELL_BYTES * (NUM_LAYERS + 1)
+    assert _bytes(prefill, "bytes_sent") == sum(LENGTHS) * CELL_BYTES * (NUM_LAYERS + 1)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

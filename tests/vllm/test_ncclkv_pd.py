@@ -191,6 +191,43 @@ def test_pd_in_bfloat16_reads_the_cpu_layout_vllm_writes(launch_engine, cpu_core
 
 
 
+def test_pd_with_an_eagle_drafter_moves_its_layer_too(tiny_model_dir: Path, launch_engine, cpu_cores: list[int],
+                                                      tmp_path: Path) -> None:
+    """Speculative decoding with an EAGLE drafter on both sides: its layer, numbered after the model's, is
+    registered and moved with them (vLLM runs its hooks once per draft token a step), pulled and pushed, and
+    the outputs equal one engine's with the same drafter (verification keeps them the model's)."""
+    from ncclkv._vllm_model import build_eagle_head
+
+    speculative = {"method": "eagle", "model": str(build_eagle_head(tiny_model_dir, tmp_path / "eagle")),
+                   "num_speculative_tokens": 2}
+    ref_path = tmp_path / "decode_ref.json"
+    prefill = launch_engine("prefill", cpu_core=cpu_cores[0], speculative_config=speculative,
+                            kv_transfer_config=_connector("kv_producer"))
+    decode = launch_engine("decode", cpu_core=cpu_cores[-1], speculative_config=speculative,
+                           enable_prefix_caching=False, log_stats=True,
+                           kv_transfer_config=_connector("kv_consumer", ref_path=str(ref_path)))
+    prefill.wait_ready()
+    decode.wait_ready()
+    # Bytes a prompt's KV takes in all layers, the drafter's included: (K, V) x kv heads x head size x float32.
+    prompt_bytes = sum(PROMPT_LENGTHS) * 2 * TINY_SPEC.num_kv_heads * TINY_SPEC.head_size * 4 * (TINY_SPEC.num_layers + 1)
+    expected = _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS))  # one engine, the same drafter
+    decoded = decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=_prefill(prefill, PULL_PROMPTS))
+    assert _ids(decoded) == expected
+    assert decode.metrics("vllm:ncclkv_bytes_received")["vllm:ncclkv_bytes_received"] == prompt_bytes
+    params = _prefill(prefill, PULL_PROMPTS, remote_decode=json.loads(ref_path.read_text()))
+    assert all(p["pushed"] for p in params)
+    assert _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) == expected
+    assert decode.metrics("vllm:ncclkv_bytes_received")["vllm:ncclkv_bytes_received"] == 2 * prompt_bytes
+    assert prefill.drain() == 0
+    assert load_failures(decode) == []  # every layer loaded, the drafter's too: nothing recomputed
+    # No hook failed: a second save of a layer in one step would ("ncclkv: push of ... layer 2 failed: ... was
+    # already saved", printed by Python's last-resort handler: vLLM formats its own loggers only).
+    for engine in (prefill, decode):
+        errors = [line for line in engine.log_path.read_text(errors="replace").splitlines()
+                  if line.startswith(("ncclkv: push of", "ncclkv: cannot"))]
+        assert errors == [], (engine.name, errors)
+
+
 @pytest.mark.timeout(500)
 def test_prefill_tp2_to_decode_tp1(tiny_model_dir: Path, launch_engine, cpu_cores: list[int],
                                    tmp_path: Path) -> None:
