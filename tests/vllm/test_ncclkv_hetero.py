@@ -36,6 +36,8 @@ from engine_proc import (EngineOptions, EngineProcess, ParallelEngineOptions, Re
                          session_scheduling)
 from tiny_model import TINY_SPEC, make_prompts
 
+from ncclkv._vllm_model import build_eagle_head
+
 pytestmark = pytest.mark.vllm
 
 BLOCK_SIZE = 32
@@ -43,7 +45,7 @@ PROMPT_LENGTHS = (45, 77, 130)  # 2, 3 and 5 blocks, each with a partial last bl
 MAX_TOKENS = 12
 PROMPTS = make_prompts(PROMPT_LENGTHS, seed=21)
 # K and V of one token, every layer and kv-head, float32: what a decode engine receives per prompt token.
-BYTES_PER_TOKEN = TINY_SPEC.num_layers * 2 * TINY_SPEC.num_kv_heads * TINY_SPEC.head_size * 4
+BYTES_PER_TOKEN = 2 * TINY_SPEC.num_kv_heads * TINY_SPEC.head_size * 4  # per layer: (K, V) x heads x size x fp32
 METRIC = "vllm:ncclkv_"
 # A stalled transfer fails (and is recomputed) after this. Well past the whole-VM stalls of ~10 s seen
 # on this 2-core machine while a TP=2 engine's workers spin in vLLM's shm message queue (sched_yield).
@@ -83,7 +85,7 @@ def _prefill(engine: EngineProcess, layout: tuple[int, int], **params: Any) -> l
 
 
 def _decode_and_check(prefill: EngineProcess, decode: EngineProcess, layout: tuple[int, int],
-                      expected: list[tuple[int, ...]], **intent: Any) -> float:
+                      expected: list[tuple[int, ...]], layers: int = TINY_SPEC.num_layers, **intent: Any) -> float:
     """One P/D round; checks outputs and the decode engine's transfer counters; returns its seconds."""
     before = decode.metrics(METRIC)
     started = time.monotonic()
@@ -98,7 +100,7 @@ def _decode_and_check(prefill: EngineProcess, decode: EngineProcess, layout: tup
         return round(after.get(METRIC + name, 0.0) - before.get(METRIC + name, 0.0))
 
     # Every prompt token of every layer and head landed on the decode side, and nothing failed.
-    assert delta("bytes_received") == sum(PROMPT_LENGTHS) * BYTES_PER_TOKEN, (before, after)
+    assert delta("bytes_received") == sum(PROMPT_LENGTHS) * BYTES_PER_TOKEN * layers, (before, after)
     assert delta("transfers_failed") == 0, (before, after)
     assert prefill.drain() == 0  # every prefill rank reported its transfers done: the held blocks are freed
     return seconds
@@ -125,17 +127,24 @@ def _launch(options: EngineOptions, tmp_path: Path, name: str) -> EngineProcess:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("drafter", [False, True], ids=["plain", "eagle"])
 def test_prefill_tp1_to_decode_tp2(tiny_model_dir: Path, cpu_cores: list[int], tmp_path: Path,
-                                   reference: dict[str, list[tuple[int, ...]]]) -> None:
-    """Each decode rank takes its 2 of the 4 kv-heads from the single prefill rank, pulled and pushed."""
+                                   reference: dict[str, list[tuple[int, ...]]], drafter: bool) -> None:
+    """Each decode rank takes its 2 of the 4 kv-heads from the single prefill rank, pulled and pushed; with an
+    EAGLE drafter on both sides, of its layer too (speculative decoding keeps the outputs the model's)."""
     t0 = time.monotonic()
     ref_path = tmp_path / "decode_ref.json"
-    base = EngineOptions(model_dir=tiny_model_dir)
+    speculative = None
+    if drafter:
+        head = build_eagle_head(tiny_model_dir, tmp_path / "eagle")
+        speculative = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
+    layers = TINY_SPEC.num_layers + drafter
+    base = EngineOptions(model_dir=tiny_model_dir, speculative_config=speculative)
     prefill_cores, decode_cores = (cpu_cores[0],), (cpu_cores[-1],)  # the spinning engine keeps to its own core
     with _launch(replace(base, cpu_core=cpu_cores[0], cpu_affinity=prefill_cores,
                          kv_transfer_config=_connector("kv_producer")), tmp_path, "prefill_tp1") as prefill, \
             _launch(ParallelEngineOptions(model_dir=tiny_model_dir, tensor_parallel_size=2, log_stats=True,
-                                          cpu_affinity=decode_cores,
+                                          cpu_affinity=decode_cores, speculative_config=speculative,
                                           enable_prefix_caching=False,  # every round moves every prompt token
                                           kv_transfer_config=_connector("kv_consumer", ref_path=str(ref_path))),
                     tmp_path, "decode_tp2") as decode:
@@ -149,8 +158,8 @@ def test_prefill_tp1_to_decode_tp2(tiny_model_dir: Path, cpu_cores: list[int], t
         assert set(found) == {(os.SCHED_IDLE, frozenset(decode_cores))}, found
         decode_ref = json.loads(ref_path.read_text())
         assert decode_ref["tp_size"] == 2 and len(decode_ref["control_addrs"]) == 2, decode_ref
-        pull_s = _decode_and_check(prefill, decode, (1, 1), expected)
-        push_s = _decode_and_check(prefill, decode, (1, 1), expected, remote_decode=decode_ref)
+        pull_s = _decode_and_check(prefill, decode, (1, 1), expected, layers)
+        push_s = _decode_and_check(prefill, decode, (1, 1), expected, layers, remote_decode=decode_ref)
         assert load_failures(decode) == []
     print(f"pull {pull_s:.2f} s, push {push_s:.2f} s; test body {time.monotonic() - t0:.1f} s")
 
