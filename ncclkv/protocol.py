@@ -80,6 +80,10 @@ def encode(envelope: Envelope, max_frame_bytes: int = _DEFAULT_MAX_FRAME_BYTES) 
     return frame
 
 
+# What a mismatch most often means, beyond a different model.
+_HINTS = {"num_layers": " (a speculative drafter's KV layers count as layers: both sides need the same drafter)"}
+
+
 def check_compatible(local: Handshake, remote: Handshake) -> None:
     """Raise :class:`HandshakeError` listing every way ``remote`` cannot talk to ``local``.
 
@@ -95,11 +99,12 @@ def check_compatible(local: Handshake, remote: Handshake) -> None:
 
     def compare(name: str, mine: object, theirs: object) -> None:
         if mine != theirs:
-            problems.append(f"{name} mismatch: local {mine!r}, remote {theirs!r}")
+            problems.append(f"{name} mismatch: local {mine!r}, remote {theirs!r}{_HINTS.get(name, '')}")
 
     compare("protocol_version", local.protocol_version, remote.protocol_version)
     for name in ("num_layers", "num_kv_heads", "head_size", "use_mla", "dtype"):
         compare(name, getattr(local.geometry, name), getattr(remote.geometry, name))
+
     compare("wire_dtype", local.wire_dtype, remote.wire_dtype)
     if local.role == remote.role != "both":
         problems.append(f"role mismatch: local {local.role!r}, remote {remote.role!r} (nothing to exchange)")

@@ -17,7 +17,7 @@ from ncclkv._vllm_model import build_eagle_head
 from ncclkv.connector import NcclKVConnector
 from ncclkv.connector._vllm_env import drafter_layers
 
-from .harness import EngineSim, make_vllm_config
+from .harness import EngineSim, make_prompts, make_vllm_config
 
 ROLES = pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER],
                                 ids=["scheduler", "worker"])
@@ -79,3 +79,27 @@ def test_a_drafter_without_a_kv_cache_is_served(model_dir: Path) -> None:
         assert engine.worker.get_handshake_metadata() is not None and engine.ref["engine_id"]
     finally:
         engine.close()
+
+
+def test_a_drafter_on_one_side_only_fails_the_load_naming_it_and_vllm_recomputes(
+        model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The prefill side has one more layer than the decode side: the handshake refuses the pull, the load
+    fails with that reason, and the decode engine computes the prompt itself (kv_load_failure_policy)."""
+    fast = {"deadline_s": 2.0, "heartbeat_s": 0.25}
+    prompt = make_prompts([45])[0]
+    sims = [EngineSim.build("p", model_dir, "kv_producer", fast, speculative=_eagle(model_dir, tmp_path / "e")),
+            EngineSim.build("d", model_dir, "kv_consumer", fast), EngineSim.build("single", model_dir, "kv_both", fast)]
+    prefill, decode, single = sims
+    try:
+        single.add("ref", prompt, 3)
+        single.run(lambda: "ref" in single.finished)
+        prefill.add("p", prompt, 1, {"do_remote_decode": True, "remote_engine_id": None})
+        prefill.run(lambda: "p" in prefill.finished)
+        decode.add("d", prompt, 3, prefill.finished["p"].kv_transfer_params)
+        decode.run(lambda: "d" in decode.finished, also=(prefill,))
+        assert decode.outputs(["d"]) == single.outputs(["ref"]) and decode.load_errors
+        assert any("num_layers mismatch: local 3, remote 2 (a speculative drafter's KV layers count as layers"
+                   in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        for sim in sims:
+            sim.close()

@@ -248,7 +248,9 @@ def test_handshake_create_fills_version_and_wire_dtype() -> None:
     ("remote", "message"),
     [
         (handshake(role="consumer", geometry=KVGeometry(16, 4, 128)), "num_kv_heads mismatch: local 8, remote 4"),
-        (handshake(role="consumer", geometry=KVGeometry(12, 8, 128)), "num_layers mismatch: local 16, remote 12"),
+        (handshake(role="consumer", geometry=KVGeometry(12, 8, 128)),
+         "num_layers mismatch: local 16, remote 12 (a speculative drafter's KV layers count as layers: both sides "
+         "need the same drafter)"),
         (handshake(role="consumer", geometry=KVGeometry(16, 8, 64)), "head_size mismatch: local 128, remote 64"),
         (handshake(role="consumer", geometry=KVGeometry(16, 8, 128, "float16")), "dtype mismatch: local 'bfloat16', remote 'float16'"),
         (handshake(role="consumer", wire_dtype="float16"), "wire_dtype mismatch: local 'bfloat16', remote 'float16'"),
