@@ -129,8 +129,9 @@ class Channel:
         self.auth = load_channel_auth(settings) if auth is None else auth
         if not isinstance(self.auth, ChannelAuth):
             raise TypeError(f"auth must be a ChannelAuth, got {type(self.auth).__name__}")
-        self.heartbeat_s = settings.heartbeat_s if heartbeat_s is None else float(heartbeat_s)
-        self.deadline_s = settings.deadline_s if deadline_s is None else float(deadline_s)
+        # Checked as given (env_settings checked its own): a bool or a string is no number of seconds.
+        self.heartbeat_s = settings.heartbeat_s if heartbeat_s is None else check_timeout("heartbeat_s", heartbeat_s)
+        self.deadline_s = settings.deadline_s if deadline_s is None else check_timeout("deadline_s", deadline_s)
         self.max_frame_bytes = settings.max_frame_bytes if max_frame_bytes is None else int(max_frame_bytes)
         host = settings.bind_host if bind_host is None else bind_host
         _check_args(peer_id, port, self.heartbeat_s, self.deadline_s, self.max_frame_bytes)
@@ -393,8 +394,6 @@ def _check_args(peer_id: str, port: int, heartbeat_s: float, deadline_s: float, 
     _check_peer_id(peer_id)
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an int in [0, 65535] (0: a free port), got {port!r}")
-    check_timeout("heartbeat_s", heartbeat_s)
-    check_timeout("deadline_s", deadline_s)
     if not heartbeat_s < deadline_s:  # a peer would be declared lost between two of its heartbeats
         raise ValueError(f"heartbeat_s must be < deadline_s, got heartbeat_s={heartbeat_s}, deadline_s={deadline_s}")
     if max_frame_bytes < 1024:

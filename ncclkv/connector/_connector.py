@@ -123,7 +123,9 @@ class NcclKVConnector(KVConnectorBase_V1):
         return sending or None, receiving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._work().get_block_ids_with_load_errors()
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        with torch.inference_mode(False):  # a drafter's layer-wise loads are waited for here (scatters)
+            return self._work().get_block_ids_with_load_errors(meta if isinstance(meta, NcclKVMetadata) else None)
 
     def get_kv_connector_kv_cache_events(self) -> NcclKVEvents | None:
         """This worker's staging events since the last step (None when there are none)."""

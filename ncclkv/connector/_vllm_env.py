@@ -13,7 +13,7 @@ from ._worker import RankInfo
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["check_speculative", "drafter_layers", "parallel_ranks", "rank_info"]
+__all__ = ["MOVABLE_DRAFTERS", "check_speculative", "drafter_layers", "parallel_ranks", "rank_info"]
 
 
 def parallel_ranks(tp_size: int, pp_size: int) -> tuple[int, int]:
@@ -46,7 +46,8 @@ def rank_info(vllm_config: VllmConfig, cache_dtype: torch.dtype, layer_indices: 
     tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     tp_rank, pp_rank = parallel_ranks(tp_size, pp_size)
     num_layers = model.get_total_num_hidden_layers()
-    num_layers += len(drafter_layers(vllm_config, num_layers, layer_indices))
+    drafter = drafter_layers(vllm_config, num_layers, layer_indices)
+    num_layers += len(drafter)
     partition = None
     if pp_size > 1:  # vLLM's own split (it honours VLLM_PP_LAYER_PARTITION), carried to the peer explicitly
         bounds = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]
@@ -63,7 +64,7 @@ def rank_info(vllm_config: VllmConfig, cache_dtype: torch.dtype, layer_indices: 
     if not engine_id:
         raise ValueError("kv_transfer_config.engine_id is not set")
     return RankInfo(str(engine_id), tp_rank, pp_rank, ParallelLayout(tp_size, pp_size, partition), geometry,
-                    vllm_config.cache_config.block_size, str(vllm_config.cache_config.cache_dtype))
+                    vllm_config.cache_config.block_size, str(vllm_config.cache_config.cache_dtype), tuple(drafter))
 
 
 def drafter_layers(vllm_config: VllmConfig, num_model_layers: int, layer_indices: Collection[int]) -> list[int]:
@@ -82,28 +83,38 @@ def drafter_layers(vllm_config: VllmConfig, num_model_layers: int, layer_indices
     return extra
 
 
+# Drafters whose KV layers follow the model's and whose forward writes a step's positions in its first pass and
+# later ones past them (vLLM 0.32: EagleProposer); others (DFlash, which stores context KV outside the layer hooks,
+# DSpark, ...) are refused by name until they are shown to work.
+MOVABLE_DRAFTERS = ("eagle", "eagle3", "mtp")
+
+
 def check_speculative(vllm_config: VllmConfig) -> None:
     """Refuse a speculative drafter whose KV cache ncclkv cannot move as layers of the model's own geometry.
 
-    A drafter with a KV cache (EAGLE, EAGLE-3, single-module MTP) is moved as
+    A drafter of :data:`MOVABLE_DRAFTERS` (single-module MTP) is moved as
     extra layers after the model's: its layers follow the model's in vLLM's
     numbering, share its block table (same kv heads, head size and dtype, so
     the same KV cache group) and go through the same connector hooks (vLLM
-    saves the step's KV, the drafter's forward included, before
-    ``wait_for_save``). Refused, naming why: a separate draft model (its
-    layers restart at 0), ``extract_hidden_states``, multi-module MTP (the
-    prefill side's MTP layers hold unverified drafts at prompt positions),
-    a drafter under pipeline parallelism, and a drafter whose kv heads or
-    head size differ from the model's. Methods without a KV cache (``ngram``,
-    ``suffix``) need nothing.
+    defers ``wait_for_save`` past the drafter's forward). Refused, naming
+    why: any other method with a drafter KV cache (a separate draft model,
+    whose layers restart at 0; ``extract_hidden_states``, which caches hidden
+    states; DFlash; ...), multi-module MTP (the prefill side's MTP layers
+    hold unverified drafts at prompt positions), a drafter under pipeline
+    parallelism, and a drafter whose kv heads or head size differ from the
+    model's. Methods without a KV cache (``ngram``, ``suffix``) need nothing.
     """
     speculative = vllm_config.speculative_config
     if speculative is None or not speculative.uses_draft_kv_cache():
         return
     method = speculative.method
     why = None
-    if speculative.uses_draft_model() or speculative.uses_extract_hidden_states():
-        why = "its KV cache layers are not numbered after the model's"
+    if speculative.uses_draft_model():
+        why = "a separate draft model's KV cache layers are numbered from 0, not after the model's"
+    elif speculative.uses_extract_hidden_states():
+        why = "it caches hidden states, not KV"
+    elif method not in MOVABLE_DRAFTERS:
+        why = f"ncclkv moves the drafters of {', '.join(MOVABLE_DRAFTERS)} only"
     elif speculative.use_multi_module_mtp():
         why = "the prefill side's MTP layers hold unverified drafts at prompt positions"
     elif vllm_config.parallel_config.pipeline_parallel_size > 1:

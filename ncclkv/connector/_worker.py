@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,10 +52,20 @@ class RankInfo:
     geometry: KVGeometry
     block_size: int
     kv_cache_dtype: str = "auto"
+    drafter_layers: tuple[int, ...] = ()  # a speculative drafter's layers, numbered after the model's
 
     @property
     def rank(self) -> int:
         return self.layout.rank(self.tp_rank, self.pp_rank)
+
+
+@dataclass(slots=True)
+class _Step:
+    """This worker's part of one step (the metadata vLLM bound): its pushes once started, the layers saved."""
+
+    meta: NcclKVMetadata
+    pushes: list[PushJob] | None = None  # None: not started (no save hook ran yet)
+    saved: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -78,12 +88,10 @@ class WorkerSide:
         self._finished: set[str] = set()  # request ids the scheduler finished (may be reported as sent)
         self._done_recv: set[str] = set()
         self._load_errors: set[int] = set()
-        self._step_pushes: list[PushJob] = []  # this step's pushes, once started
-        self._push_meta: NcclKVMetadata | None = None  # the step whose pushes were started
-        # Layers whose load / save hook ran in the step of _hooked_meta: a speculative drafter runs its forward
-        # once per draft token, and only its first pass writes the prompt's positions (later ones write past them).
-        self._hooked_meta: NcclKVMetadata | None = None
-        self._hooked: tuple[set[int], set[int]] = (set(), set())
+        self._step: _Step | None = None  # the step under way, until wait_for_save
+        # A speculative drafter's layers: vLLM runs their hooks once per draft token a step (the first pass writes
+        # the step's positions, later ones past them), after the model's and after it asked for load errors.
+        self._drafter = frozenset(info.drafter_layers)
         self._stats_base: StatsSnapshot | None = None
         self._transfer_s: list[float] = []
 
@@ -162,8 +170,10 @@ class WorkerSide:
 
     def wait_for_layer_load(self, meta: NcclKVMetadata, layer_name: str) -> None:
         layer = self._layers.get(layer_name)
-        if layer is None or not self._first_hook(meta, 0, layer):
-            return
+        if layer is not None and layer not in self._drafter:  # the drafter's: see get_block_ids_with_load_errors
+            self._wait_layer(meta, layer)
+
+    def _wait_layer(self, meta: NcclKVMetadata, layer: int) -> None:
         for job in meta.loads:
             load = self._loads.get(job.transfer_id)
             if not job.sync or load is None:
@@ -178,9 +188,13 @@ class WorkerSide:
 
     def save_kv_layer(self, meta: NcclKVMetadata, layer_name: str) -> None:
         layer = self._layers.get(layer_name)
-        if layer is None or not self._first_hook(meta, 1, layer):
+        if layer is None:
             return
-        for push in self._start_pushes(meta):
+        step = self._step_of(meta)
+        if layer in self._drafter and layer in step.saved:  # the drafter's later passes: past the step's positions
+            return
+        step.saved.add(layer)
+        for push in self._start_pushes(step):
             try:
                 self.engine.save_layer(push.transfer_id, layer)
             except Exception as err:  # the push completes with an error; its blocks are still released
@@ -201,13 +215,17 @@ class WorkerSide:
             except Exception as err:  # nothing held: the decode side's pull fails and it recomputes
                 log.error("ncclkv: cannot hold %s (%s): %s", hold.req_id, hold.transfer_id, err)
                 self._sent.add(hold.req_id)
-        if meta.pushes and self._push_meta is not meta:  # no layer hook ran: push every layer now
-            for push in self._start_pushes(meta):
-                for layer in sorted(self._caches):
+        step = self._step_of(meta)
+        # No layer hook ran: every layer goes now. vLLM skipped the drafter this step (a sequence near its
+        # max_model_len): its layers go as they are, which beats failing the push.
+        unsaved = sorted(self._caches) if step.pushes is None else sorted(self._drafter - step.saved)
+        if meta.pushes and unsaved:
+            for push in self._start_pushes(step):
+                for layer in unsaved:
                     self._try(push, lambda tid=push.transfer_id, i=layer: self.engine.save_layer(tid, i))
-        for push in self._step_pushes:
+        for push in step.pushes or ():
             self._try(push, lambda tid=push.transfer_id: self.engine.finish(tid))
-        self._step_pushes, self._push_meta = [], None
+        self._step = None
 
     def handle_preemptions(self, meta: NcclKVMetadata) -> None:
         """A preempted request's blocks are about to be reused: drop its hold, let running sends finish
@@ -262,7 +280,13 @@ class WorkerSide:
         receiving, self._done_recv = self._done_recv, set()
         return sending, receiving
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
+    def get_block_ids_with_load_errors(self, meta: NcclKVMetadata | None) -> set[int]:
+        """The blocks of loads that failed since the last call. vLLM asks after the model's forward and before
+        the drafter's: the drafter's layers of this step's layer-wise loads are waited for here, so a failure
+        of theirs is reported in this step with the model's."""
+        if meta is not None:
+            for layer in sorted(self._drafter):
+                self._wait_layer(meta, layer)
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -294,24 +318,17 @@ class WorkerSide:
         elif self._sends:
             time.sleep(wait_s)  # held or pushed blocks: their completion can wait this long
 
-    def _first_hook(self, meta: NcclKVMetadata, kind: int, layer: int) -> bool:
-        """Whether this is the step's first load (``kind`` 0) or save (1) hook of ``layer``; each step binds
-        metadata of its own."""
-        if self._hooked_meta is not meta:
-            self._hooked_meta = meta
-            for seen in self._hooked:
-                seen.clear()
-        seen = self._hooked[kind]
-        if layer in seen:
-            return False
-        seen.add(layer)
-        return True
+    def _step_of(self, meta: NcclKVMetadata) -> _Step:
+        """The step ``meta`` belongs to: each step binds metadata of its own."""
+        if self._step is None or self._step.meta is not meta:
+            self._step = _Step(meta)
+        return self._step
 
-    def _start_pushes(self, meta: NcclKVMetadata) -> list[PushJob]:
-        if self._push_meta is meta:
-            return self._step_pushes
-        self._push_meta, self._step_pushes = meta, []
-        for push in meta.pushes:
+    def _start_pushes(self, step: _Step) -> list[PushJob]:
+        if step.pushes is not None:
+            return step.pushes
+        step.pushes = []
+        for push in step.meta.pushes:
             try:
                 self.engine.start_push(push.transfer_id, push.consumer, push.block_ids, push.num_tokens,
                                        push.blocks)
@@ -320,8 +337,8 @@ class WorkerSide:
                 self._sent.add(push.req_id)
                 continue
             self._sends[push.transfer_id] = push.req_id
-            self._step_pushes.append(push)
-        return self._step_pushes
+            step.pushes.append(push)
+        return step.pushes
 
     def _collect_sent(self) -> None:
         for tid, error in self.engine.take_finished_sending().items():

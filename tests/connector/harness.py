@@ -111,6 +111,7 @@ class EngineSim:
     # The last layer is a drafter's, its forward run this many times a step (vLLM: once per draft token; only
     # the first writes this step's positions): 0, no drafter.
     drafter_passes: int = 0
+    skip_drafter: bool = False  # vLLM skips the drafter for a step (a sequence near the drafter's max_model_len)
     finished: dict[str, Finished] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
     computed: dict[str, int] = field(default_factory=dict)  # tokens the stand-in model computed, per request
@@ -190,10 +191,13 @@ class EngineSim:
         worker.bind_connector_metadata(so.kv_connector_metadata)
         if so.has_sync_kv_loads:
             worker.start_load_kv(None)  # type: ignore[arg-type]
-        sampled = self._forward(so)
+        jobs = self._jobs(so)
+        model_layers = list(self.caches.items())[:len(self.caches) - bool(self.drafter_passes)]
+        sampled = self._forward(jobs, model_layers)
         if not so.has_sync_kv_loads:
             worker.start_load_kv(None)  # type: ignore[arg-type]
-        worker.wait_for_save()
+        if not self.drafter_passes:  # with a drafter, vLLM defers wait_for_save past the drafter's forward
+            worker.wait_for_save()
         results = worker.get_transfer_results(so.finished_req_ids)
         invalid = worker.get_block_ids_with_load_errors()
         self.load_errors |= invalid
@@ -201,6 +205,11 @@ class EngineSim:
         if stats is not None:
             self.stats.append(stats.data)
         events = worker.get_kv_connector_kv_cache_events()
+        if self.drafter_passes:
+            drafter = list(self.caches.items())[-1:]
+            for done in range(0 if self.skip_drafter else self.drafter_passes):  # once per draft token
+                self._forward(jobs if done == 0 else [], drafter)  # later passes write past these positions
+            worker.wait_for_save()
         worker.clear_connector_metadata()
         req_ids = list(so.num_scheduled_tokens)
         return ModelRunnerOutput(
@@ -242,8 +251,8 @@ class EngineSim:
         self._spec = PagedCacheSpec.from_tensor(first, layout)
         self._isa = _get_attn_isa(torch.float32, BLOCK_SIZE, HEAD_SIZE, "auto")
 
-    def _forward(self, so: Any) -> dict[str, list[int]]:
-        sampled: dict[str, list[int]] = {}
+    def _jobs(self, so: Any) -> list[tuple[str, Any, int, int, SlotMap, list[int]]]:
+        """What the stand-in model computes this step: (request id, request, first position, tokens, slots, ids)."""
         jobs = []
         for req_id, num in so.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
@@ -255,8 +264,17 @@ class EngineSim:
             num = min(num, len(tokens) - start)
             jobs.append((req_id, request, start, num, SlotMap(block_ids, BLOCK_SIZE), tokens))
             self.computed[req_id] = self.computed.get(req_id, 0) + num
+        return jobs
+
+    def _forward(self, jobs: list[tuple[str, Any, int, int, SlotMap, list[int]]],
+                 layers: list[tuple[str, torch.Tensor]]) -> dict[str, list[int]]:
+        """The stand-in model over ``layers`` (name, cache): writes the jobs' KV, runs the layer hooks, checks
+        every loaded token; samples from the last layer."""
+        sampled: dict[str, list[int]] = {}
         heads = Span(0, NUM_KV_HEADS)
-        for layer, (name, cache) in enumerate(self.caches.items()):
+        indices = {name: i for i, name in enumerate(self.caches)}
+        for name, cache in layers:
+            layer = indices[name]
             for req_id, request, start, num, slots, tokens in jobs:  # this step's KV, written before the layer hooks
                 kv = expected_kv(layer, tokens[start:start + num], start)
                 where = torch.tensor([slots.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
@@ -272,11 +290,7 @@ class EngineSim:
                 bad = (got != expected_kv(layer, tokens[:stop], 0)).any(dim=(0, 2, 3)).nonzero().flatten()
                 if len(bad):
                     self.mismatches.append(f"{req_id} layer {layer}: {len(bad)} tokens, first at {int(bad[0])}")
-                if layer == len(self.caches) - 1 and stop >= request.num_tokens:  # the prompt is done: sample
+                if name == layers[-1][0] and stop >= request.num_tokens:  # the prompt is done: sample
                     sampled[req_id] = [2 + int(got.double().sum().item() * 1000) % (VOCAB - 2)]
             self.worker.save_kv_layer(name, cache, None)
-        last_name, last_cache = next(reversed(self.caches.items()))
-        for _ in range(self.drafter_passes - 1):  # the drafter's later passes, past this step's positions
-            self.worker.wait_for_layer_load(last_name)
-            self.worker.save_kv_layer(last_name, last_cache, None)
         return sampled

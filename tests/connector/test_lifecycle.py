@@ -397,17 +397,18 @@ def test_a_pushed_decode_request_that_never_loads_gives_its_staging_back(engines
     _settle(prefill, decode)
 
 
-@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+@pytest.mark.parametrize(("push", "async_load"), [(False, True), (False, False), (True, True)],
+                         ids=["pull", "pull-layerwise", "push"])
 def test_an_eagle_drafters_layer_moves_with_the_models(engines: list[EngineSim], model_dir: Path,
-                                                       tmp_path: Path, push: bool,
+                                                       tmp_path: Path, push: bool, async_load: bool,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     """The drafter's layer (numbered after the model's) is pulled or pushed like them, though vLLM runs its
-    hooks once per draft token a step: the stand-in attention finds its loaded KV exact, as the model's, and
-    no hook fails (a second save of a layer in one step would)."""
+    hooks once per draft token a step, after asking for the step's load errors: the stand-in attention finds
+    its loaded KV exact, as the model's, and no hook fails (a second save of a layer in one step would)."""
     speculative = {"method": "eagle", "model": str(build_eagle_head(model_dir, tmp_path / "eagle")),
                    "num_speculative_tokens": 3}
     expected = _reference(engines, model_dir, PROMPTS, speculative)
-    prefill, decode = _pair(engines, model_dir, speculative=speculative)
+    prefill, decode = _pair(engines, model_dir, decode_extra={"async_load": async_load}, speculative=speculative)
     assert decode.drafter_passes == 3 and len(decode.caches) == NUM_LAYERS + 1
     params = _prefill(prefill, PROMPTS, {"remote_decode": decode.ref} if push else None)
     assert all(p["pushed"] == push for p in params)
@@ -415,6 +416,24 @@ def test_an_eagle_drafters_layer_moves_with_the_models(engines: list[EngineSim],
     assert decode.outputs(ids) == expected
     assert decode.mismatches == [] and decode.load_errors == set()
     _settle(prefill, decode)
+    loaded = sum(LENGTHS) if async_load else sum(n - 1 for n in LENGTHS)  # layer-wise: the last token computed
+    assert _bytes(decode, "bytes_received") == loaded * CELL_BYTES * (NUM_LAYERS + 1)
+    assert _bytes(prefill, "bytes_sent") == loaded * CELL_BYTES * (NUM_LAYERS + 1)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_a_push_in_a_step_vllm_skipped_the_drafter_still_completes(engines: list[EngineSim], model_dir: Path,
+                                                                    tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM skips the drafter for a step when a sequence nears the drafter's max_model_len: no hook of its
+    layer runs, and wait_for_save sends that layer as it is instead of failing the push."""
+    speculative = {"method": "eagle", "model": str(build_eagle_head(model_dir, tmp_path / "eagle")),
+                   "num_speculative_tokens": 2}
+    prefill, decode = _pair(engines, model_dir, speculative=speculative)
+    prefill.skip_drafter = decode.skip_drafter = True  # the decode side would find the unwritten layer
+    params = _prefill(prefill, PROMPTS, {"remote_decode": decode.ref})
+    ids = _decode(decode, PROMPTS, params, also=(prefill,))
+    assert decode.mismatches == [] and decode.load_errors == set() and len(decode.outputs(ids)) == len(PROMPTS)
+    _settle(prefill, decode)
     assert _bytes(decode, "bytes_received") == sum(LENGTHS) * CELL_BYTES * (NUM_LAYERS + 1)
-    assert _bytes(prefill, "bytes_sent") == sum(LENGTHS) * CELL_BYTES * (NUM_LAYERS + 1)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

@@ -11,11 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from ncclkv._vllm_model import build_eagle_head
 from ncclkv.connector import NcclKVConnector
-from ncclkv.connector._vllm_env import drafter_layers
+from ncclkv.connector._config import NcclKVConfig
+from ncclkv.connector._metadata import LoadJob, NcclKVMetadata, PushJob
+from ncclkv.connector._vllm_env import check_speculative, drafter_layers, rank_info
+from ncclkv.connector._worker import RankInfo, WorkerSide, _Load
+from ncclkv.engine import EngineRef
+from ncclkv.layout import KVGeometry, ParallelLayout
 
 from .harness import EngineSim, make_prompts, make_vllm_config
 
@@ -35,8 +41,9 @@ def _eagle(model_dir: Path, out: Path, **config: Any) -> dict[str, Any]:
 def test_an_eagle_drafter_of_the_models_geometry_is_taken(model_dir: Path, tmp_path: Path,
                                                           role: KVConnectorRole) -> None:
     config = make_vllm_config("spec", model_dir, "kv_consumer", speculative=_eagle(model_dir, tmp_path / "eagle"))
-    assert NcclKVConnector(config, role).config is not None
-    assert drafter_layers(config, 2, [0, 1, 2]) == [2]
+    NcclKVConnector(config, role)  # not refused
+    info = rank_info(config, torch.float32, [0, 1, 2])
+    assert info.geometry.num_layers == 3 and info.drafter_layers == (2,)
 
 
 def test_drafter_layers_must_follow_the_models_and_need_a_drafter(model_dir: Path, tmp_path: Path) -> None:
@@ -66,7 +73,7 @@ def test_a_separate_draft_model_is_refused(model_dir: Path, role: KVConnectorRol
     speculative = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 2}
     config = make_vllm_config("spec", model_dir, "kv_consumer", speculative=speculative)
     with pytest.raises(ValueError, match=r"method 'draft_model' keeps a drafter KV cache that ncclkv cannot move "
-                                         r"\(its KV cache layers are not numbered after the model's\)"):
+                                         r"\(a separate draft model's KV cache layers are numbered from 0"):
         NcclKVConnector(config, role)
 
 
@@ -103,3 +110,92 @@ def test_a_drafter_on_one_side_only_fails_the_load_naming_it_and_vllm_recomputes
     finally:
         for sim in sims:
             sim.close()
+
+
+class _Engine:
+    """What the worker's hooks ask of an engine: layer-wise waits and saves, recorded in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def wait_layer(self, transfer_id: str, layer: int) -> None:
+        self.calls.append(("wait", layer))
+
+    def start_push(self, *args: object) -> None:
+        self.calls.append(("start_push", -1))
+
+    def save_layer(self, transfer_id: str, layer: int) -> None:
+        self.calls.append(("save", layer))
+
+    def finish(self, transfer_id: str) -> None:
+        self.calls.append(("finish", -1))
+
+
+def _worker_with_a_drafter() -> tuple[WorkerSide, _Engine]:
+    """A worker of layers 0, 1 and a drafter's 2 over a recording engine (a unit test of the hooks alone)."""
+    info = RankInfo("e", 0, 0, ParallelLayout(1, 1), KVGeometry(3, 4, 64, "float32"), 32, drafter_layers=(2,))
+    worker = WorkerSide(info, NcclKVConfig(), "consumer")
+    engine = _Engine()
+    worker._engine = engine  # type: ignore[assignment]  # noqa: SLF001 - the hooks' engine, recorded
+    worker._layers = {f"model.layers.{i}.self_attn.attn": i for i in range(3)}  # noqa: SLF001
+    worker._caches = dict.fromkeys(range(3))  # type: ignore[arg-type]  # noqa: SLF001 - the layers, no tensors
+    return worker, engine
+
+
+def test_a_layerwise_load_waits_for_the_drafters_layer_when_vllm_asks_for_load_errors() -> None:
+    """vLLM asks for the step's load errors after the model's forward and before the drafter's, whose own
+    hooks then find the layer landed: a failure of it is reported with the model's, in this step."""
+    worker, engine = _worker_with_a_drafter()
+    producer = EngineRef("p", ParallelLayout(1, 1), ("tcp://127.0.0.1:1",))
+    job = LoadJob("r", "t", producer, (0, 1), ((0, 40),), 40, sync=True)
+    meta = NcclKVMetadata(loads=(job,))
+    worker._loads["t"] = _Load(job, 0.0)  # noqa: SLF001 - started by start_load_kv
+    for name in ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"):
+        worker.wait_for_layer_load(meta, name)
+    assert engine.calls == [("wait", 0), ("wait", 1)]
+    assert worker.get_block_ids_with_load_errors(meta) == set()
+    assert engine.calls[2:] == [("wait", 2)]
+    for _ in range(2):  # the drafter's passes: nothing left to wait for
+        worker.wait_for_layer_load(meta, "model.layers.2.self_attn.attn")
+    assert engine.calls[3:] == []
+
+
+def test_a_push_saves_the_drafters_layer_once_a_step_and_in_wait_for_save_if_vllm_skipped_it() -> None:
+    worker, engine = _worker_with_a_drafter()
+    consumer = EngineRef("d", ParallelLayout(1, 1), ("tcp://127.0.0.1:1",))
+    push = PushJob("r", "t", consumer, (0, 1), 40)
+    step = NcclKVMetadata(pushes=(push,))
+    for name in ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn", *["model.layers.2.self_attn.attn"] * 3):
+        worker.save_kv_layer(step, name)
+    worker.wait_for_save(step)
+    assert engine.calls == [("start_push", -1), ("save", 0), ("save", 1), ("save", 2), ("finish", -1)]
+    engine.calls.clear()
+    skipped = NcclKVMetadata(pushes=(push,))  # the next step: vLLM skipped the drafter
+    for name in ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"):
+        worker.save_kv_layer(skipped, name)
+    worker.wait_for_save(skipped)
+    assert engine.calls == [("start_push", -1), ("save", 0), ("save", 1), ("save", 2), ("finish", -1)]
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"method": "dflash"}, r"ncclkv moves the drafters of eagle, eagle3, mtp only"),
+    ({"method": "extract_hidden_states"}, r"it caches hidden states, not KV"),
+    ({"method": "mtp", "num_nextn_predict_layers": 2}, r"the prefill side's MTP layers hold unverified drafts"),
+    ({"pipeline_parallel_size": 2}, r"a drafter under pipeline parallelism is not supported"),
+], ids=["dflash", "extract_hidden_states", "multi-module-mtp", "pp2"])
+def test_other_drafters_are_refused_naming_why(model_dir: Path, tmp_path: Path, change: dict[str, Any],
+                                               why: str) -> None:
+    """vLLM's own SpeculativeConfig of an EAGLE head, then changed where building the real one needs a model
+    this test does not have (the method, the MTP module count, the pipeline)."""
+    config = make_vllm_config("spec", model_dir, "kv_consumer", speculative=_eagle(model_dir, tmp_path / "eagle"))
+    speculative = config.speculative_config
+    assert speculative is not None
+    if "method" in change:
+        object.__setattr__(speculative, "method", change["method"])
+    if "num_nextn_predict_layers" in change:
+        speculative.draft_model_config.hf_config.num_nextn_predict_layers = change["num_nextn_predict_layers"]
+    if "pipeline_parallel_size" in change:
+        object.__setattr__(config.parallel_config, "pipeline_parallel_size", change["pipeline_parallel_size"])
+    assert speculative.uses_draft_kv_cache()
+    with pytest.raises(ValueError, match=rf"keeps a drafter KV cache that ncclkv cannot move \({why}"):
+        check_speculative(config)

@@ -575,6 +575,12 @@ def test_channel_times_must_be_finite(heartbeat_s: float, deadline_s: float, bad
         Channel("x", heartbeat_s=heartbeat_s, deadline_s=deadline_s)
 
 
+@pytest.mark.parametrize("bad", [True, "0.5"], ids=repr)
+def test_channel_times_must_be_numbers(bad: object) -> None:
+    with pytest.raises(TypeError, match=re.escape(f"heartbeat_s must be a number of seconds, got {type(bad).__name__}")):
+        Channel("x", heartbeat_s=bad, deadline_s=10.0)  # type: ignore[arg-type]
+
+
 def test_request_and_flush_refuse_timeouts_that_never_expire(make_channel: Callable[..., Channel]) -> None:
     b = make_channel("b", on_message=ack_ready)
     a = make_channel("a")

@@ -44,8 +44,8 @@ BLOCK_SIZE = 32
 PROMPT_LENGTHS = (45, 77, 130)  # 2, 3 and 5 blocks, each with a partial last block
 MAX_TOKENS = 12
 PROMPTS = make_prompts(PROMPT_LENGTHS, seed=21)
-# K and V of one token, every layer and kv-head, float32: what a decode engine receives per prompt token.
-BYTES_PER_TOKEN = 2 * TINY_SPEC.num_kv_heads * TINY_SPEC.head_size * 4  # per layer: (K, V) x heads x size x fp32
+# K and V of one token in one layer, every kv-head, float32: what a decode engine receives per prompt token and layer.
+BYTES_PER_TOKEN = 2 * TINY_SPEC.num_kv_heads * TINY_SPEC.head_size * 4
 METRIC = "vllm:ncclkv_"
 # A stalled transfer fails (and is recomputed) after this. Well past the whole-VM stalls of ~10 s seen
 # on this 2-core machine while a TP=2 engine's workers spin in vLLM's shm message queue (sched_yield).
