@@ -104,7 +104,6 @@ def check_compatible(local: Handshake, remote: Handshake) -> None:
     compare("protocol_version", local.protocol_version, remote.protocol_version)
     for name in ("num_layers", "num_kv_heads", "head_size", "use_mla", "dtype"):
         compare(name, getattr(local.geometry, name), getattr(remote.geometry, name))
-
     compare("wire_dtype", local.wire_dtype, remote.wire_dtype)
     if local.role == remote.role != "both":
         problems.append(f"role mismatch: local {local.role!r}, remote {remote.role!r} (nothing to exchange)")
