@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from .._timeout import check_timeout
 from ..errors import ClosedError, TransferTimeout
 
 __all__ = ["LayerPrefetcher"]
@@ -30,12 +31,10 @@ class LayerPrefetcher(Generic[T]):
                  prepare: Callable[[], None] | None = None, lookahead: int = 2, deadline_s: float = 10.0) -> None:
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
             raise ValueError(f"lookahead must be an int >= 1, got {lookahead!r}")
-        if not deadline_s > 0:
-            raise ValueError(f"deadline_s must be > 0, got {deadline_s!r}")
         self.name = name
         self.num_layers = num_layers
         self.lookahead = lookahead
-        self.deadline_s = float(deadline_s)
+        self.deadline_s = check_timeout("deadline_s", deadline_s)
         self._produce = produce
         self._prepare = prepare
         self._cond = threading.Condition()

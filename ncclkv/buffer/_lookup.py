@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .._timeout import check_timeout
 from ..errors import TransferTimeout
 from ..hashing import BlockHash
 from ..layout import KVGeometry, Roi
@@ -161,8 +161,7 @@ class KVLookupBuffer(LockedLRU[int, _Record]):
 
         Raises TransferTimeout past the deadline and ClosedError if the buffer is (or gets) closed.
         """
-        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
-            raise ValueError(f"wait_select: timeout must be a finite number of seconds > 0, got {timeout!r}")
+        check_timeout("wait_select: timeout", timeout)
         query = self._query(input_tokens, roi, "wait_select")
         deadline = time.monotonic() + timeout
         with self._lock:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .._timeout import check_timeout
+
 if TYPE_CHECKING:  # ncclkv.demo is imported only when the demo runs: the parser stays light
     from ..demo import DemoSettings
 
@@ -104,8 +106,8 @@ def transport_args(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.timeout is not None and not args.timeout > 0:
-        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    if args.timeout is not None:
+        check_timeout("--timeout", args.timeout)
     return _run_transport(args) if args.transport_only else _run_vllm(args)
 
 

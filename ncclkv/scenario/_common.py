@@ -8,6 +8,7 @@ import socket
 import torch
 
 from .._env import env_settings
+from .._timeout import check_timeout
 from ..launch import LaunchInfo
 from ..layout import ParallelLayout
 from ._topology import PDTopology
@@ -15,14 +16,15 @@ from ._topology import PDTopology
 __all__ = ["add_common_arguments", "checked_topology", "resolve_bind_host", "resolve_device", "topology_from_args"]
 
 
-def _positive_float(text: str) -> float:
+def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
+    try:
+        return check_timeout(repr(text), value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -37,7 +39,7 @@ def _positive_int(text: str) -> int:
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--deadline", type=_positive_float, default=env_settings().deadline_s,
+        "--deadline", type=_seconds, default=env_settings().deadline_s,
         help="seconds any single wait may take (default: NCCLKV_DEADLINE_S, else 10)",
     )
     parser.add_argument(

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .._timeout import check_timeout
 from ..errors import PeerLostError, TransferTimeout
 from ..launch import LaunchInfo
 
@@ -30,8 +31,7 @@ class StoreRendezvous:
     """Publish values, gather everyone's, and agree that all ranks finished (or one failed)."""
 
     def __init__(self, info: LaunchInfo, *, prefix: str, deadline_s: float) -> None:
-        if not deadline_s > 0:
-            raise ValueError(f"deadline_s must be > 0, got {deadline_s!r}")
+        check_timeout("deadline_s", deadline_s)
         self._info = info
         self._deadline_s = deadline_s
         self._hosting = info.is_master and not info.store_hosted

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._timeout import check_timeout
 from ..launch import LaunchInfo
 from ..transport import DataPlane, Link
 from ._common import checked_topology, resolve_bind_host, resolve_device
@@ -54,8 +55,7 @@ class RingConfig:
             raise ValueError(f"count must be >= 1, got {self.count}")
         if self.nbytes < _HEADER_BYTES or self.nbytes % 8:
             raise ValueError(f"nbytes must be a multiple of 8 and >= {_HEADER_BYTES}, got {self.nbytes}")
-        if not self.deadline_s > 0:
-            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
+        check_timeout("deadline_s", self.deadline_s)
         if self.kill_rank is not None and not 0 <= self.kill_at < self.count:
             raise ValueError(f"kill_at must be in [0, count={self.count}), got {self.kill_at}")
 

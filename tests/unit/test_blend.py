@@ -360,3 +360,16 @@ def test_executor_rejects_out_of_order_and_bad_config() -> None:
         BlendConfig(recompute_ratio=1.5)
     with pytest.raises(ValueError, match="rotary_dim"):
         RopeSpec(rotary_dim=7)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"lookahead": 0}, ValueError, "lookahead must be an int >= 1, got 0"),
+    ({"deadline_s": math.inf}, ValueError, "deadline_s must be a finite number of seconds > 0 (at most 1e+09), got inf"),
+    ({"deadline_s": True}, TypeError, "deadline_s must be a number of seconds, got bool True"),
+])
+def test_the_prefetcher_refuses_bad_settings_naming_them(kwargs: dict[str, object], error: type[Exception],
+                                                         message: str) -> None:
+    with pytest.raises(error) as refused:
+        LayerPrefetcher("bad", 2, lambda layer: layer, **kwargs)  # type: ignore[arg-type]
+    assert message in str(refused.value)
+    assert not [t for t in threading.enumerate() if t.name.startswith("bad")]  # nothing started

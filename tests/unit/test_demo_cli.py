@@ -44,7 +44,8 @@ def test_explicit_values_win_over_quick() -> None:
     (["--min-tokens", "300", "--max-tokens", "200"], "shortest prompt (300 tokens) is longer than the longest (200)"),
     (["--max-tokens", "1000", "--gen-tokens", "32"], "longest prompt 1000 + 32 generated tokens exceed"),
     (["--rounds", "-1"], "rounds must be an int >= 1, got -1"),
-    (["--timeout", "0"], "--timeout must be > 0, got 0.0"),
+    (["--timeout", "0"], "--timeout must be a finite number of seconds > 0 (at most 1e+09), got 0.0"),
+    (["--timeout", "inf"], "--timeout must be a finite number of seconds > 0 (at most 1e+09), got inf"),
     (["--transport-only", "--gen-tokens", "4"], "--gen-tokens apply to the vLLM demo, not to --transport-only"),
     (["--transport-only", "--requests", "0"], "--requests and --max-tokens must be >= 1, got 0 and 512"),
 ])

@@ -105,12 +105,25 @@ def test_payload_check_names_ranks_seq_and_first_bad_byte() -> None:
     assert not torch.equal(ring_payload(0, 5, 4096), ring_payload(1, 5, 4096))
 
 
+@pytest.mark.parametrize(("value", "message"), [
+    ("0", "'0' must be a finite number of seconds > 0 (at most 1e+09), got 0.0"),
+    ("inf", "'inf' must be a finite number of seconds > 0 (at most 1e+09), got inf"),
+    ("soon", "'soon' is not a number"),
+])
+def test_the_deadline_option_takes_the_timeout_rule(value: str, message: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser("ring").parse_args(["--kind", "ring", "--deadline", value])
+    assert exited.value.code == 2 and f"argument --deadline: {message}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"count": 0}, r"count must be >= 1, got 0"),
         ({"nbytes": 20}, r"nbytes must be a multiple of 8 and >= 24, got 20"),
-        ({"deadline_s": 0.0}, r"deadline_s must be > 0"),
+        ({"deadline_s": 0.0}, r"deadline_s must be a finite number of seconds > 0 \(at most 1e\+09\), got 0.0"),
+        ({"deadline_s": float("inf")}, r"deadline_s must be a finite number of seconds > 0 \(at most 1e\+09\), got inf"),
         ({"kill_rank": 1, "kill_at": 8}, r"kill_at must be in \[0, count=8\), got 8"),
     ],
 )
