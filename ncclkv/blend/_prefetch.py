@@ -54,7 +54,7 @@ class LayerPrefetcher(Generic[T]):
     def get(self, layer: int, timeout_s: float | None = None) -> T:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"{self.name}: layer must be an int in [0, {self.num_layers}), got {layer!r}")
-        timeout = self.deadline_s if timeout_s is None else timeout_s
+        timeout = self.deadline_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
         with self._cond:
             if layer in self._taken:
                 raise ValueError(f"{self.name}: layer {layer} was already taken")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .._env import env_settings
+from .._timeout import check_timeout
 from ..errors import ShapeMismatchError
 from ..hashing import as_token_ids
 from ._prefetch import LayerPrefetcher
@@ -51,7 +52,7 @@ class BlendRetriever:
         self.store = store
         self.device = torch.device(device)
         self.lookahead = lookahead
-        self.deadline_s = env_settings().deadline_s if deadline_s is None else float(deadline_s)
+        self.deadline_s = env_settings().deadline_s if deadline_s is None else check_timeout("deadline_s", deadline_s)
 
     def new_request(self, full_prompts: Sequence[torch.Tensor], indices: Sequence[Sequence[int]]) -> BlendRetrieverTask:
         """Start retrieving for a batch; ``indices[i]`` are the chunk starts within ``full_prompts[i]``."""

@@ -17,9 +17,9 @@ worker role (one per TP x PP rank; owns a TransferEngine)
     save_kv_layer / wait_for_save  push: stream each layer / mark the push complete
     get_finished                 sends done, async loads landed (or failed)
     get_block_ids_with_load_errors  blocks of failed loads: vLLM recomputes them
-                                    (use kv_load_failure_policy="recompute"); asked before a
-                                    speculative drafter's forward, so it waits for the drafter's
-                                    layers of layer-wise loads first
+                                    (use kv_load_failure_policy="recompute"); vLLM's V1 runner
+                                    asks before a speculative drafter's forward, so it waits for
+                                    the drafter's layers of layer-wise loads (V2: their hooks did)
     get_kv_connector_kv_cache_events  D: this rank's staging events as BlockStored / BlockRemoved
 """
 

@@ -115,8 +115,9 @@ def check_speculative(vllm_config: VllmConfig) -> None:
         why = "it caches hidden states, not KV"
     elif method not in MOVABLE_DRAFTERS:
         why = f"ncclkv moves the drafters of {', '.join(MOVABLE_DRAFTERS)} only"
-    elif speculative.use_multi_module_mtp():
-        why = "the prefill side's MTP layers hold unverified drafts at prompt positions"
+    elif method == "mtp" and getattr(speculative.draft_model_config.hf_config, "num_nextn_predict_layers", 1) > 1:
+        # With more modules than draft tokens the unused ones would still be sent, never written.
+        why = "multi-module MTP: the prefill side's MTP layers hold unverified drafts at prompt positions"
     elif vllm_config.parallel_config.pipeline_parallel_size > 1:
         why = "a drafter under pipeline parallelism is not supported"
     else:

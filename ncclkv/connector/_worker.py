@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -61,11 +61,13 @@ class RankInfo:
 
 @dataclass(slots=True)
 class _Step:
-    """This worker's part of one step (the metadata vLLM bound): its pushes once started, the layers saved."""
+    """This worker's part of one step (the metadata vLLM bound): its pushes once started, the layers saved, the
+    drafter's layers waited for."""
 
     meta: NcclKVMetadata
     pushes: list[PushJob] | None = None  # None: not started (no save hook ran yet)
     saved: set[int] = field(default_factory=set)
+    waited: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -88,9 +90,10 @@ class WorkerSide:
         self._finished: set[str] = set()  # request ids the scheduler finished (may be reported as sent)
         self._done_recv: set[str] = set()
         self._load_errors: set[int] = set()
-        self._step: _Step | None = None  # the step under way, until wait_for_save
+        self._step: _Step | None = None  # the latest step's (vLLM binds new metadata every step)
         # A speculative drafter's layers: vLLM runs their hooks once per draft token a step (the first pass writes
-        # the step's positions, later ones past them), after the model's and after it asked for load errors.
+        # the step's positions, later ones past them), after the model's; its V1 runner asks for load errors
+        # before the drafter's forward, V2 after it.
         self._drafter = frozenset(info.drafter_layers)
         self._stats_base: StatsSnapshot | None = None
         self._transfer_s: list[float] = []
@@ -170,7 +173,18 @@ class WorkerSide:
 
     def wait_for_layer_load(self, meta: NcclKVMetadata, layer_name: str) -> None:
         layer = self._layers.get(layer_name)
-        if layer is not None and layer not in self._drafter:  # the drafter's: see get_block_ids_with_load_errors
+        if layer is not None:
+            self._wait_layers(meta, (layer,))
+
+    def _wait_layers(self, meta: NcclKVMetadata, layers: Iterable[int]) -> None:
+        """Wait for ``layers`` of this step's layer-wise loads; a drafter's layer once a step, at the first of
+        its load hook and the load-error query (whichever vLLM's runner calls first)."""
+        step = self._step_of(meta)
+        for layer in layers:
+            if layer in self._drafter:
+                if layer in step.waited:
+                    continue
+                step.waited.add(layer)
             self._wait_layer(meta, layer)
 
     def _wait_layer(self, meta: NcclKVMetadata, layer: int) -> None:
@@ -225,7 +239,6 @@ class WorkerSide:
                     self._try(push, lambda tid=push.transfer_id, i=layer: self.engine.save_layer(tid, i))
         for push in step.pushes or ():
             self._try(push, lambda tid=push.transfer_id: self.engine.finish(tid))
-        self._step = None
 
     def handle_preemptions(self, meta: NcclKVMetadata) -> None:
         """A preempted request's blocks are about to be reused: drop its hold, let running sends finish
@@ -281,12 +294,11 @@ class WorkerSide:
         return sending, receiving
 
     def get_block_ids_with_load_errors(self, meta: NcclKVMetadata | None) -> set[int]:
-        """The blocks of loads that failed since the last call. vLLM asks after the model's forward and before
-        the drafter's: the drafter's layers of this step's layer-wise loads are waited for here, so a failure
-        of theirs is reported in this step with the model's."""
+        """The blocks of loads that failed since the last call. vLLM's V1 runner asks before the drafter's
+        forward: the drafter's layers of this step's layer-wise loads are waited for here unless their hooks
+        did already (V2), so a failure of theirs is reported in this step with the model's."""
         if meta is not None:
-            for layer in sorted(self._drafter):
-                self._wait_layer(meta, layer)
+            self._wait_layers(meta, sorted(self._drafter))
         errors, self._load_errors = self._load_errors, set()
         return errors
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._timeout import MAX_TIMEOUT_S, check_timeout
 from ..engine import EngineConfig, EngineRef, TransferEngine
 from ..errors import TransferTimeout
 from ..launch import LaunchInfo
@@ -55,6 +56,12 @@ class TransferConfig:
             raise ValueError(f"mode must be pull or push, got {self.mode!r}")
         if not self.tokens or min(self.tokens) < 1:
             raise ValueError(f"every request needs >= 1 token, got {self.tokens}")
+        check_timeout("deadline_s", self.deadline_s)
+
+    @property
+    def run_deadline_s(self) -> float:
+        """How long the whole run's waits (every send done, every rank finished) may take: three deadlines."""
+        return min(3 * self.deadline_s, MAX_TIMEOUT_S)
 
     def blocks(self, request: int, block_size: int) -> list[int]:
         """The block ids of ``request`` on a side with ``block_size``: its own contiguous run."""
@@ -139,7 +146,7 @@ def run_rank(info: LaunchInfo, place: RankPlace, topology: PDTopology, cfg: Tran
                         if info.rank == cfg.kill_rank:
                             os._exit(9)  # a producer dies mid-request: its consumers must report it
                     engine.finish(f"req{i}")
-            _wait_sent(engine, [f"req{i}" for i in mine], cfg.deadline_s * 3)
+            _wait_sent(engine, [f"req{i}" for i in mine], cfg.run_deadline_s)
         else:
             for i in mine:
                 producer_ref = refs[("prefill", pair_of(i, topology)[0])]
@@ -170,7 +177,7 @@ def transfer_on_rank(info: LaunchInfo, topology: PDTopology, cfg: TransferConfig
 
     A failure here is reported to every other rank (their waits end at once) and raised.
     """
-    rendezvous = StoreRendezvous(info, prefix="ncclkv/transfer", deadline_s=cfg.deadline_s * 3)
+    rendezvous = StoreRendezvous(info, prefix="ncclkv/transfer", deadline_s=cfg.run_deadline_s)
     try:
         return run_rank(info, topology.place(info.rank), topology, cfg, device, bind_host, rendezvous)
     except BaseException as exc:

@@ -142,9 +142,12 @@ def _worker_with_a_drafter() -> tuple[WorkerSide, _Engine]:
     return worker, engine
 
 
-def test_a_layerwise_load_waits_for_the_drafters_layer_when_vllm_asks_for_load_errors() -> None:
-    """vLLM asks for the step's load errors after the model's forward and before the drafter's, whose own
-    hooks then find the layer landed: a failure of it is reported with the model's, in this step."""
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_layerwise_load_waits_for_the_drafters_layer_once_at_its_first_hook_or_the_error_query(
+        runner: str) -> None:
+    """vLLM's V1 runner asks for the step's load errors after the model's forward and before the drafter's
+    (so the wait is there, and a failure is reported with the model's); V2 runs the drafter first and asks
+    after wait_for_save (so the wait is at the drafter's first hook). Either way once a step."""
     worker, engine = _worker_with_a_drafter()
     producer = EngineRef("p", ParallelLayout(1, 1), ("tcp://127.0.0.1:1",))
     job = LoadJob("r", "t", producer, (0, 1), ((0, 40),), 40, sync=True)
@@ -152,12 +155,20 @@ def test_a_layerwise_load_waits_for_the_drafters_layer_when_vllm_asks_for_load_e
     worker._loads["t"] = _Load(job, 0.0)  # noqa: SLF001 - started by start_load_kv
     for name in ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"):
         worker.wait_for_layer_load(meta, name)
-    assert engine.calls == [("wait", 0), ("wait", 1)]
-    assert worker.get_block_ids_with_load_errors(meta) == set()
-    assert engine.calls[2:] == [("wait", 2)]
-    for _ in range(2):  # the drafter's passes: nothing left to wait for
-        worker.wait_for_layer_load(meta, "model.layers.2.self_attn.attn")
-    assert engine.calls[3:] == []
+
+    def drafter_passes() -> None:
+        for _ in range(2):
+            worker.wait_for_layer_load(meta, "model.layers.2.self_attn.attn")
+
+    if runner == "v1":
+        assert worker.get_block_ids_with_load_errors(meta) == set()
+        drafter_passes()
+        worker.wait_for_save(meta)
+    else:
+        drafter_passes()
+        worker.wait_for_save(meta)
+        assert worker.get_block_ids_with_load_errors(meta) == set()
+    assert engine.calls == [("wait", 0), ("wait", 1), ("wait", 2)]
 
 
 def test_a_push_saves_the_drafters_layer_once_a_step_and_in_wait_for_save_if_vllm_skipped_it() -> None:
@@ -180,9 +191,10 @@ def test_a_push_saves_the_drafters_layer_once_a_step_and_in_wait_for_save_if_vll
 @pytest.mark.parametrize(("change", "why"), [
     ({"method": "dflash"}, r"ncclkv moves the drafters of eagle, eagle3, mtp only"),
     ({"method": "extract_hidden_states"}, r"it caches hidden states, not KV"),
-    ({"method": "mtp", "num_nextn_predict_layers": 2}, r"the prefill side's MTP layers hold unverified drafts"),
+    ({"method": "mtp", "num_nextn_predict_layers": 2}, r"multi-module MTP: the prefill side's MTP layers hold"),
+    ({"method": "mtp", "num_nextn_predict_layers": 2, "num_speculative_tokens": 1}, r"multi-module MTP"),
     ({"pipeline_parallel_size": 2}, r"a drafter under pipeline parallelism is not supported"),
-], ids=["dflash", "extract_hidden_states", "multi-module-mtp", "pp2"])
+], ids=["dflash", "extract_hidden_states", "multi-module-mtp", "multi-module-mtp-one-token", "pp2"])
 def test_other_drafters_are_refused_naming_why(model_dir: Path, tmp_path: Path, change: dict[str, Any],
                                                why: str) -> None:
     """vLLM's own SpeculativeConfig of an EAGLE head, then changed where building the real one needs a model
@@ -194,8 +206,18 @@ def test_other_drafters_are_refused_naming_why(model_dir: Path, tmp_path: Path, 
         object.__setattr__(speculative, "method", change["method"])
     if "num_nextn_predict_layers" in change:
         speculative.draft_model_config.hf_config.num_nextn_predict_layers = change["num_nextn_predict_layers"]
+    if "num_speculative_tokens" in change:
+        object.__setattr__(speculative, "num_speculative_tokens", change["num_speculative_tokens"])
     if "pipeline_parallel_size" in change:
         object.__setattr__(config.parallel_config, "pipeline_parallel_size", change["pipeline_parallel_size"])
     assert speculative.uses_draft_kv_cache()
     with pytest.raises(ValueError, match=rf"keeps a drafter KV cache that ncclkv cannot move \({why}"):
         check_speculative(config)
+
+
+def test_a_push_whose_step_ran_no_layer_hook_sends_every_layer_in_wait_for_save() -> None:
+    """vLLM's kv_connector_no_forward: no hook runs, wait_for_save is all there is."""
+    worker, engine = _worker_with_a_drafter()
+    push = PushJob("r", "t", EngineRef("d", ParallelLayout(1, 1), ("tcp://127.0.0.1:1",)), (0, 1), 40)
+    worker.wait_for_save(NcclKVMetadata(pushes=(push,)))
+    assert engine.calls == [("start_push", -1), ("save", 0), ("save", 1), ("save", 2), ("finish", -1)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import threading
 
 import pytest
@@ -373,3 +374,20 @@ def test_the_prefetcher_refuses_bad_settings_naming_them(kwargs: dict[str, objec
         LayerPrefetcher("bad", 2, lambda layer: layer, **kwargs)  # type: ignore[arg-type]
     assert message in str(refused.value)
     assert not [t for t in threading.enumerate() if t.name.startswith("bad")]  # nothing started
+
+
+def test_the_retriever_and_a_layer_wait_take_the_timeout_rule() -> None:
+    store = ChunkStore(KVStoreBuffer(1 << 20), CFG.num_layers)
+    with pytest.raises(ValueError, match=re.escape("deadline_s must be a finite number of seconds > 0 (at most "
+                                                   "1e+09), got inf")):
+        BlendRetriever(store, deadline_s=math.inf)
+    with pytest.raises(TypeError, match="deadline_s must be a number of seconds, got str '5'"):
+        BlendRetriever(store, deadline_s="5")  # type: ignore[arg-type]
+    prefetcher = LayerPrefetcher("rule", 1, lambda layer: layer)
+    try:
+        with pytest.raises(ValueError, match=re.escape("timeout_s must be a finite number of seconds > 0 (at "
+                                                       "most 1e+09), got inf")):
+            prefetcher.get(0, math.inf)
+        assert prefetcher.get(0, 5.0) == 0  # the refused wait took nothing
+    finally:
+        prefetcher.close()

@@ -6,6 +6,7 @@ The scenarios themselves run under real launchers in tests/launchers.
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from ncclkv._timeout import MAX_TIMEOUT_S
 from ncclkv.errors import PeerLostError, TransferTimeout
 from ncclkv.launch import LaunchInfo, free_port
 from ncclkv.layout import KVGeometry, ParallelLayout
@@ -103,6 +105,15 @@ def test_payload_check_names_ranks_seq_and_first_bad_byte() -> None:
     with pytest.raises(ScenarioError, match=r"it carries rank 1 seq 6"):  # out of order: says what arrived instead
         check_payload(ring_payload(1, 6, 4096), receiver=2, sender=1, seq=5)
     assert not torch.equal(ring_payload(0, 5, 4096), ring_payload(1, 5, 4096))
+
+
+def test_a_transfer_run_waits_three_deadlines_at_most_the_longest_timeout() -> None:
+    geometry = KVGeometry(2, 2, 8, "float32")
+    assert TransferConfig(geometry, (16,), deadline_s=10.0).run_deadline_s == 30.0
+    assert TransferConfig(geometry, (16,), deadline_s=9e8).run_deadline_s == MAX_TIMEOUT_S
+    with pytest.raises(ValueError, match=re.escape("deadline_s must be a finite number of seconds > 0 (at most "
+                                                   "1e+09), got inf")):
+        TransferConfig(geometry, (16,), deadline_s=float("inf"))
 
 
 @pytest.mark.parametrize(("value", "message"), [
