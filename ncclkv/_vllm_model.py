@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["TinyLlamaSpec", "build_eagle_head", "build_tiny_llama", "MARKER_FILE"]
+__all__ = ["TinyLlamaSpec", "build_eagle_head", "build_tiny_llama", "eagle_speculative_config", "MARKER_FILE"]
 
 # Written last, after the weights: its presence with an equal spec means done.
 MARKER_FILE = "ncclkv_tiny_model.json"
@@ -198,3 +198,9 @@ def build_eagle_head(model_dir: Path, out_dir: Path, seed: int = 7) -> Path:
     save_file(weights, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def eagle_speculative_config(model_dir: Path, out_dir: Path, num_speculative_tokens: int = 2) -> dict[str, object]:
+    """vLLM's ``speculative_config`` for a :func:`build_eagle_head` drafter (built into ``out_dir``)."""
+    head = build_eagle_head(model_dir, out_dir)
+    return {"method": "eagle", "model": str(head), "num_speculative_tokens": num_speculative_tokens}

@@ -118,16 +118,15 @@ class NcclKVConnector(KVConnectorBase_V1):
                 self._worker.handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        idle = isinstance(meta, NcclKVMetadata) and meta.idle
+        meta = self._bound_meta()
+        idle = meta is not None and meta.idle
         with torch.inference_mode(False):
             sending, receiving = self._work().get_finished(finished_req_ids, idle=idle)
         return sending or None, receiving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         with torch.inference_mode(False):  # a drafter's layer-wise loads are waited for here (scatters)
-            return self._work().get_block_ids_with_load_errors(meta if isinstance(meta, NcclKVMetadata) else None)
+            return self._work().get_block_ids_with_load_errors(self._bound_meta())
 
     def get_kv_connector_kv_cache_events(self) -> NcclKVEvents | None:
         """This worker's staging events since the last step (None when there are none)."""
@@ -206,6 +205,11 @@ class NcclKVConnector(KVConnectorBase_V1):
         return NcclKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ============================== internals ==============================
+    def _bound_meta(self) -> NcclKVMetadata | None:
+        """This step's metadata for the hooks vLLM may also call with none bound (or another connector's)."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        return meta if isinstance(meta, NcclKVMetadata) else None
+
     def _meta(self) -> NcclKVMetadata:
         meta = self._get_connector_metadata()
         if not isinstance(meta, NcclKVMetadata):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ncclkv._vllm_model import build_eagle_head
+from ncclkv._vllm_model import eagle_speculative_config
 from ncclkv.connector import RemotePrefill
 
 from .harness import BLOCK_SIZE, EngineSim, make_prompts
@@ -405,8 +405,7 @@ def test_an_eagle_drafters_layer_moves_with_the_models(engines: list[EngineSim],
     """The drafter's layer (numbered after the model's) is pulled or pushed like them, though vLLM runs its
     hooks once per draft token a step, after asking for the step's load errors: the stand-in attention finds
     its loaded KV exact, as the model's, and no hook fails (a second save of a layer in one step would)."""
-    speculative = {"method": "eagle", "model": str(build_eagle_head(model_dir, tmp_path / "eagle")),
-                   "num_speculative_tokens": 3}
+    speculative = eagle_speculative_config(model_dir, tmp_path / "eagle", num_speculative_tokens=3)
     expected = _reference(engines, model_dir, PROMPTS, speculative)
     prefill, decode = _pair(engines, model_dir, decode_extra={"async_load": async_load}, speculative=speculative)
     assert decode.drafter_passes == 3 and len(decode.caches) == NUM_LAYERS + 1
@@ -427,8 +426,7 @@ def test_a_push_in_a_step_vllm_skipped_the_drafter_still_completes(engines: list
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     """vLLM skips the drafter for a step when a sequence nears the drafter's max_model_len: no hook of its
     layer runs, and wait_for_save sends that layer as it is instead of failing the push."""
-    speculative = {"method": "eagle", "model": str(build_eagle_head(model_dir, tmp_path / "eagle")),
-                   "num_speculative_tokens": 2}
+    speculative = eagle_speculative_config(model_dir, tmp_path / "eagle")
     prefill, decode = _pair(engines, model_dir, speculative=speculative)
     prefill.skip_drafter = decode.skip_drafter = True  # the decode side would find the unwritten layer
     params = _prefill(prefill, PROMPTS, {"remote_decode": decode.ref})

@@ -14,7 +14,7 @@ import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from ncclkv._vllm_model import build_eagle_head
+from ncclkv._vllm_model import eagle_speculative_config
 from ncclkv.connector import NcclKVConnector
 from ncclkv.connector._config import NcclKVConfig
 from ncclkv.connector._metadata import LoadJob, NcclKVMetadata, PushJob
@@ -30,11 +30,12 @@ ROLES = pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorR
 
 
 def _eagle(model_dir: Path, out: Path, **config: Any) -> dict[str, Any]:
-    head = build_eagle_head(model_dir, out)
+    """An EAGLE drafter's speculative_config, its head's config changed by ``config``."""
+    speculative = eagle_speculative_config(model_dir, out)
     if config:
-        path = head / "config.json"
+        path = out / "config.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
-    return {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
+    return speculative
 
 
 @ROLES

@@ -36,7 +36,7 @@ from engine_proc import (EngineOptions, EngineProcess, ParallelEngineOptions, Re
                          session_scheduling)
 from tiny_model import TINY_SPEC, make_prompts
 
-from ncclkv._vllm_model import build_eagle_head
+from ncclkv._vllm_model import eagle_speculative_config
 
 pytestmark = pytest.mark.vllm
 
@@ -134,10 +134,7 @@ def test_prefill_tp1_to_decode_tp2(tiny_model_dir: Path, cpu_cores: list[int], t
     EAGLE drafter on both sides, of its layer too (speculative decoding keeps the outputs the model's)."""
     t0 = time.monotonic()
     ref_path = tmp_path / "decode_ref.json"
-    speculative = None
-    if drafter:
-        head = build_eagle_head(tiny_model_dir, tmp_path / "eagle")
-        speculative = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
+    speculative = eagle_speculative_config(tiny_model_dir, tmp_path / "eagle") if drafter else None
     layers = TINY_SPEC.num_layers + drafter
     base = EngineOptions(model_dir=tiny_model_dir, speculative_config=speculative)
     prefill_cores, decode_cores = (cpu_cores[0],), (cpu_cores[-1],)  # the spinning engine keeps to its own core

@@ -37,7 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 from engine_proc import EngineProcess, ParallelEngineOptions, RequestResult, load_failures, session_scheduling
 from tiny_model import TINY_SPEC, make_prompts
 
-from ncclkv._vllm_model import build_eagle_head
+from ncclkv._vllm_model import eagle_speculative_config
 
 pytestmark = pytest.mark.vllm
 
@@ -198,8 +198,7 @@ def test_pd_with_an_eagle_drafter_moves_its_layer_too(tiny_model_dir: Path, laun
     """Speculative decoding with an EAGLE drafter on both sides: its layer, numbered after the model's, is
     registered and moved with them (vLLM runs its hooks once per draft token a step), pulled and pushed, and
     the outputs equal one engine's with the same drafter (verification keeps them the model's)."""
-    speculative = {"method": "eagle", "model": str(build_eagle_head(tiny_model_dir, tmp_path / "eagle")),
-                   "num_speculative_tokens": 2}
+    speculative = eagle_speculative_config(tiny_model_dir, tmp_path / "eagle")
     ref_path = tmp_path / "decode_ref.json"
     prefill = launch_engine("prefill", cpu_core=cpu_cores[0], speculative_config=speculative,
                             kv_transfer_config=_connector("kv_producer"))
