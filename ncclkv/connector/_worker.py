@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..engine import EngineConfig, Role, StatsSnapshot, TransferEngine
 from ..layout import KVGeometry, ParallelLayout, Span, shard_roi
-from ..paged import PagedCacheSpec, SlotMap, detect_layout, gather, scatter
+from ..paged import CacheLayout, PagedCacheSpec, SlotMap, detect_layout, gather, scatter
 from ._config import NcclKVConfig
 from ._cpu_cache import cpu_cache_layout
 from ._metadata import LoadJob, NcclKVHandshake, NcclKVMetadata, PushJob
@@ -83,6 +83,7 @@ class WorkerSide:
         self._engine: TransferEngine | None = None
         self._layers: dict[str, int] = {}  # vLLM layer name -> global layer index
         self._caches: dict[int, tuple[torch.Tensor, PagedCacheSpec]] = {}
+        self._blocks_per_id = 1  # the caches' (kernel) blocks per vLLM block id
         self._loads: dict[str, _Load] = {}  # transfer id -> load in flight
         self._sends: dict[str, str] = {}  # transfer id -> request id, held or pushed
         self._dropped: set[str] = set()  # transfer ids of preempted requests: completion not reported
@@ -106,16 +107,11 @@ class WorkerSide:
         layers = {name: layer_index(name) for name in kv_caches}
         if len(set(layers.values())) != len(layers):
             raise ValueError(f"KV cache layer names map to repeated layer indices: {layers}")
-        shard = shard_roi(info.layout, info.geometry, info.rank, 0)
-        first = next(iter(kv_caches.values()))
-        configured = self._config.layout()
-        cache_layout = configured or detect_layout(first, len(shard.heads), info.geometry.head_size, info.block_size)
-        # CPU and CPU_KT share a shape: vLLM's own cache op says which one its kernels write.
-        cache_layout = cpu_cache_layout(cache_layout, first, info.block_size, info.geometry.head_size,
-                                        info.kv_cache_dtype, configured=configured is not None)
         by_index = {layers[name]: tensor for name, tensor in kv_caches.items()}
+        cache_layout, kernel_block_size = self._cache_layout(by_index)
         engine = TransferEngine(EngineConfig(
-            info.engine_id, info.rank, info.layout, info.geometry, role=self._role, device=str(first.device),
+            info.engine_id, info.rank, info.layout, info.geometry, role=self._role,
+            device=str(next(iter(by_index.values())).device),
             bind_host=self._config.bind_host, deadline_s=self._config.deadline_s,
             heartbeat_s=self._config.heartbeat_s, staging_bytes=self._config.staging_bytes, hold_s=self._config.hold_s,
             piece_bytes=self._config.piece_bytes, last_piece_bytes=self._config.last_piece_bytes,
@@ -126,10 +122,51 @@ class WorkerSide:
             engine.close()
             raise
         self._engine, self._layers = engine, layers
+        # vLLM may split each of its blocks into kernel blocks its attention backend supports
+        # (``kernel_block_sizes``): the caches then hold that many blocks per block id it schedules.
+        self._blocks_per_id = info.block_size // kernel_block_size
         self._caches = {i: (t, PagedCacheSpec.from_tensor(t, cache_layout)) for i, t in by_index.items()}
         self._stats_base = engine.stats()
         log.info("ncclkv: %s rank %d (tp %d, pp %d) registered layers %s as %s at %s", info.engine_id, info.rank,
                  info.tp_rank, info.pp_rank, sorted(by_index), cache_layout.value, engine.address)
+
+    def _cache_layout(self, by_index: Mapping[int, torch.Tensor]) -> tuple[CacheLayout, int]:
+        """The layout every layer's cache is read with, and the caches' block size (vLLM's kernel block size,
+        a divisor of the block size it schedules); ValueError naming the layers whose caches differ."""
+        info = self._info
+        heads, head_size = len(shard_roi(info.layout, info.geometry, info.rank, 0).heads), info.geometry.head_size
+        configured = self._config.layout()
+        found: dict[tuple[CacheLayout, int], list[int]] = {}
+        for index in sorted(by_index):
+            cache = by_index[index]
+            try:
+                layout = configured or detect_layout(cache, heads, head_size)
+                block_size = PagedCacheSpec.from_tensor(cache, layout).block_size
+            except ValueError as err:
+                raise ValueError(f"ncclkv: layer {index}'s KV cache: {err}") from err
+            found.setdefault((layout, block_size), []).append(index)
+        if len(found) > 1:
+            readings = "; ".join(f"{layout.name} in blocks of {size} for layers {layers}"
+                                 for (layout, size), layers in found.items())
+            raise ValueError(f"ncclkv: this rank's KV caches are not all laid out alike ({readings}); ncclkv reads "
+                             "every layer of a rank one way (a speculative drafter with its own attention_backend "
+                             "or kv_cache_dtype?)")
+        ((layout, block_size),) = found
+        if info.block_size % block_size:
+            raise ValueError(f"ncclkv: the KV caches hold blocks of {block_size} tokens, which do not divide vLLM's "
+                             f"block size {info.block_size}")
+        # CPU, CPU_KT and CPU_AMX share a shape: vLLM's own cache op says which one its kernels write.
+        first = by_index[min(by_index)]
+        layout = cpu_cache_layout(layout, first, block_size, head_size, info.kv_cache_dtype,
+                                  configured=configured is not None)
+        return layout, block_size
+
+    def _cache_blocks(self, block_ids: Sequence[int]) -> Sequence[int]:
+        """vLLM's block ids as the caches' (kernel) block ids: block ``b`` is kernel blocks ``b*r .. b*r+r-1``."""
+        ratio = self._blocks_per_id
+        if ratio == 1:
+            return block_ids
+        return [block * ratio + part for block in block_ids for part in range(ratio)]
 
     def handshake(self) -> NcclKVHandshake | None:
         if self._engine is None:
@@ -165,7 +202,7 @@ class WorkerSide:
             try:
                 # A push sends every token; those before the first to load are this engine's own prefix hit
                 # (blocks other requests share): they land but are not written.
-                engine.expect(job.transfer_id, job.producer, job.block_ids,
+                engine.expect(job.transfer_id, job.producer, self._cache_blocks(job.block_ids),
                               job.num_tokens if job.push else job.token_set(), push=job.push,
                               keep_tokens=job.token_set().bounds.start if job.push else 0)
             except Exception as err:
@@ -224,7 +261,7 @@ class WorkerSide:
         already: nothing computes behind that layer."""
         for hold in meta.holds:  # after the forward: every layer of the prompt is in the blocks now
             try:
-                self.engine.finish(hold.transfer_id, hold.block_ids, hold.num_tokens)
+                self.engine.finish(hold.transfer_id, self._cache_blocks(hold.block_ids), hold.num_tokens)
                 self._sends[hold.transfer_id] = hold.req_id
             except Exception as err:  # nothing held: the decode side's pull fails and it recomputes
                 log.error("ncclkv: cannot hold %s (%s): %s", hold.req_id, hold.transfer_id, err)
@@ -342,8 +379,8 @@ class WorkerSide:
         step.pushes = []
         for push in step.meta.pushes:
             try:
-                self.engine.start_push(push.transfer_id, push.consumer, push.block_ids, push.num_tokens,
-                                       push.blocks)
+                self.engine.start_push(push.transfer_id, push.consumer, self._cache_blocks(push.block_ids),
+                                       push.num_tokens, push.blocks)
             except Exception as err:  # nothing was sent: release the blocks when vLLM finishes the request
                 log.error("ncclkv: cannot push %s to %s: %s", push.req_id, push.consumer.engine_id, err)
                 self._sent.add(push.req_id)
@@ -391,7 +428,7 @@ class WorkerSide:
     def _flip_sign(self, job: LoadJob, layer: int) -> None:
         """TEST-ONLY (corrupt_for_test): flip the sign bit of every loaded value of ``layer``."""
         cache, spec = self._caches[layer]
-        slots = SlotMap(job.block_ids, spec.block_size)
+        slots = SlotMap(self._cache_blocks(job.block_ids), spec.block_size)
         heads = Span(0, spec.num_kv_heads)
         for span in job.token_set():
             wire = torch.empty(spec.wire_shape(len(span), len(heads)), dtype=cache.dtype, device=cache.device)

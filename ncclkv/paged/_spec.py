@@ -35,7 +35,16 @@ class CacheLayout(enum.Enum):
       (tiles of 16 tokens; per token, pairs of dims), V ``[D/16, bs/2, 16, 2]`` (tiles
       of 16 dims; per dim, pairs of tokens). Needs ``bs`` and ``D`` multiples of 16;
       :func:`amx_views` reads it. Like ``CPU_KT``, never detected from the shape.
-    - ``MLA``: ``[nb, bs, latent]``, one latent per token (``H`` = 1, ``D`` = latent).
+    - ``PACKED``: vLLM's GPU attention backends (0.32: FlashAttention, FlashInfer, Triton,
+      FlexAttention, ...), ``[nb, H, bs, 2*D]`` whose last dim holds, per token and head,
+      K then V (they read it as ``cache.transpose(1, 2).split(D, dim=-1)``). The shape is
+      ``CPU``'s, the order inside it is not. The first three dims may lie in any memory
+      order (vLLM's ``KVCacheLayout``: heads before tokens, tokens before heads, or blocks
+      outermost, each block holding every layer's page): the strides say which. Never
+      detected on a CPU tensor, where this shape is vLLM's CPU backend's (see
+      :func:`detect_layout`).
+    - ``MLA``: ``[nb, bs, latent]``, one latent per token (``H`` = 1, ``D`` = latent); vLLM
+      0.32 hands it over as ``[nb, 1, bs, latent]``, which reads the same.
     """
 
     FLASH_NHD = "flash_nhd"
@@ -44,6 +53,7 @@ class CacheLayout(enum.Enum):
     CPU = "cpu"
     CPU_KT = "cpu_kt"
     CPU_AMX = "cpu_amx"
+    PACKED = "packed"
     MLA = "mla"
 
 
@@ -60,7 +70,8 @@ _PATTERNS = {
     CacheLayout.CPU: "[num_blocks, num_kv_heads, block_size, 2*head_size]",
     CacheLayout.CPU_KT: "[num_blocks, num_kv_heads, block_size, 2*head_size]",
     CacheLayout.CPU_AMX: "[num_blocks, num_kv_heads, block_size, 2*head_size], block_size and head_size multiples of 16",
-    CacheLayout.MLA: "[num_blocks, block_size, latent]",
+    CacheLayout.PACKED: "[num_blocks, num_kv_heads, block_size, 2*head_size] (any memory order of the first three)",
+    CacheLayout.MLA: "[num_blocks, block_size, latent] or [num_blocks, 1, block_size, latent]",
 }
 
 
@@ -116,7 +127,7 @@ class PagedCacheSpec:
             return (2, nb, heads, bs, dim)
         if layout is CacheLayout.FLASHINFER:
             return (nb, 2, bs, heads, dim)
-        if layout in CPU_LAYOUTS:
+        if layout in CPU_LAYOUTS or layout is CacheLayout.PACKED:
             return (nb, heads, bs, 2 * dim)
         return (nb, bs, dim)
 
@@ -127,13 +138,16 @@ class PagedCacheSpec:
     def from_tensor(cls, tensor: torch.Tensor, layout: CacheLayout) -> PagedCacheSpec:
         """Read the geometry of ``tensor`` taken as ``layout``; ValueError naming expected vs actual."""
         shape = tuple(tensor.shape)
-        ndim = 4 if layout in CPU_LAYOUTS else 3 if layout is CacheLayout.MLA else 5
+        four_dims = layout in CPU_LAYOUTS or layout is CacheLayout.PACKED
+        if layout is CacheLayout.MLA and len(shape) == 4 and shape[1] == 1:
+            shape = (shape[0], *shape[2:])  # vLLM 0.32's [B, H=1, N, C] view
+        ndim = 4 if four_dims else 3 if layout is CacheLayout.MLA else 5
         bad = len(shape) != ndim or any(size < 1 for size in shape)
         if not bad and layout in (CacheLayout.FLASH_NHD, CacheLayout.FLASH_HND):
             bad = shape[0] != 2
         elif not bad and layout is CacheLayout.FLASHINFER:
             bad = shape[1] != 2
-        elif not bad and layout in CPU_LAYOUTS:
+        elif not bad and four_dims:
             bad = shape[3] % 2 != 0
         if bad:
             raise ValueError(f"a {layout.name} cache must be {_PATTERNS[layout]}, got shape {list(shape)}")
@@ -143,7 +157,7 @@ class PagedCacheSpec:
             nb, heads, bs, dim = shape[1:] if _hnd_is_physical(tensor) else (shape[1], shape[3], shape[2], shape[4])
         elif layout is CacheLayout.FLASHINFER:
             nb, _, bs, heads, dim = shape
-        elif layout in CPU_LAYOUTS:
+        elif four_dims:
             nb, heads, bs, dim = shape[0], shape[1], shape[2], shape[3] // 2
         else:
             (nb, bs, dim), heads = shape, 1
@@ -171,7 +185,10 @@ def _check_cache(cache: torch.Tensor, spec: PagedCacheSpec) -> None:
     if cache.dtype != spec.dtype:
         raise ShapeMismatchError(f"cache dtype is {cache.dtype}, spec says {spec.dtype}")
     hnd_view = spec.layout is CacheLayout.FLASH_HND and cache.dim() == 5 and not _hnd_is_physical(cache)
-    if not hnd_view and tuple(cache.shape) != spec.shape:
+    shape = tuple(cache.shape)
+    if spec.layout is CacheLayout.MLA and len(shape) == 4 and shape[1] == 1:
+        shape = (shape[0], *shape[2:])
+    if not hnd_view and shape != spec.shape:
         raise ShapeMismatchError(
             f"{spec.layout.name} cache has shape {list(cache.shape)}, spec expects {list(spec.shape)}"
         )
@@ -247,6 +264,10 @@ def kv_view(cache: torch.Tensor, spec: PagedCacheSpec) -> torch.Tensor:
         _check_cpu_rows(cache, spec)
         nb, heads, bs, dim = spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size
         view = cache.view(nb, heads, 2, bs, dim).permute(2, 0, 3, 1, 4)
+    elif layout is CacheLayout.PACKED:
+        view = cache.unflatten(3, (2, spec.head_size)).permute(3, 0, 2, 1, 4)
+    elif cache.dim() == 4:  # MLA as [nb, 1, bs, latent]
+        view = cache.transpose(1, 2).unsqueeze(0)
     else:
         view = cache.unsqueeze(0).unsqueeze(3)
     expected = (spec.kv_parts, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
@@ -260,14 +281,19 @@ def detect_layout(
 ) -> CacheLayout:
     """The layout of ``tensor`` when its shape (and, for HND, strides) allows only one reading.
 
-    Never answers CPU_KT or CPU_AMX: their shape is CPU's, so a ``[num_blocks, num_kv_heads,
-    block_size, 2*head_size]`` tensor reads as CPU and a caller whose keys may be
-    transposed (vLLM's CPU kernels) must choose between the two itself.
+    A ``[num_blocks, num_kv_heads, block_size, 2*head_size]`` tensor is what vLLM 0.32
+    hands every attention backend; how K and V share its last dim depends on the
+    backend, not the shape: it reads as ``PACKED`` (vLLM's GPU backends: K then V per
+    token) on a GPU and as ``CPU`` (vLLM's CPU backend: K then V per block and head) on
+    the CPU. Never answers CPU_KT or CPU_AMX, the CPU backend's other orders in the same
+    shape: a caller whose keys may be transposed (vLLM's CPU kernels) must choose itself.
     Raises ValueError naming the shape when no layout fits or several read it differently.
     """
+    on_cpu = tensor.device.type == "cpu"
+    skipped = {CacheLayout.CPU_KT, CacheLayout.CPU_AMX, CacheLayout.PACKED if on_cpu else CacheLayout.CPU}
     fits: dict[CacheLayout, torch.Tensor] = {}
     for layout in CacheLayout:
-        if layout in (CacheLayout.CPU_KT, CacheLayout.CPU_AMX):
+        if layout in skipped:
             continue
         try:
             spec = PagedCacheSpec.from_tensor(tensor, layout)

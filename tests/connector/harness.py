@@ -31,12 +31,14 @@ from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfi
                          SpeculativeConfig, VllmConfig)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
 
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -117,11 +119,20 @@ class EngineSim:
     computed: dict[str, int] = field(default_factory=dict)  # tokens the stand-in model computed, per request
     load_errors: set[int] = field(default_factory=set)
     stats: list[dict[str, Any]] = field(default_factory=list)
+    # The caches as vLLM's GPU model runner makes them (a KVCacheLayout name; see build), else None: the CPU's.
+    gpu_layout: str | None = None
 
     @classmethod
     def build(cls, name: str, model_dir: Path, kv_role: str, extra: Mapping[str, Any] | None = None, *,
               num_blocks: int = 64, max_num_batched_tokens: int = 512, prefix_caching: bool = True,
-              policy: str = "recompute", speculative: Mapping[str, Any] | None = None) -> EngineSim:
+              policy: str = "recompute", speculative: Mapping[str, Any] | None = None,
+              gpu_layout: str | None = None, kernel_block_size: int = BLOCK_SIZE) -> EngineSim:
+        """``gpu_layout`` (a vLLM ``KVCacheLayout`` name, e.g. ``BLNHC``): the caches are made by vLLM's own
+        ``allocate_kv_cache``, in blocks of ``kernel_block_size``, as its GPU model runner makes them, and
+        written and read as its GPU backends do (K then V per token); ncclkv is told ``cache_layout: packed``,
+        since on the CPU it would take them for the CPU backend's."""
+        if gpu_layout is not None:
+            extra = {**(extra or {}), "cache_layout": CacheLayout.PACKED.value}
         config = make_vllm_config(name, model_dir, kv_role, extra, max_num_batched_tokens=max_num_batched_tokens,
                                   prefix_caching=prefix_caching, policy=policy, speculative=speculative)
         model = config.model_config
@@ -129,20 +140,31 @@ class EngineSim:
         # An EAGLE-like drafter: one more layer, numbered after the model's, in its KV cache group.
         drafter = spec is not None and spec.uses_draft_kv_cache()
         names = [f"model.layers.{i}.self_attn.attn" for i in range(model.get_total_num_hidden_layers() + drafter)]
-        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec(names, FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
-                                                      head_size=HEAD_SIZE, dtype=torch.float32))])
+        attention = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
+                                      dtype=torch.float32)
+        groups = [KVCacheGroupSpec(names, attention)]
+        if gpu_layout is None:
+            kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+            storage = torch.full((len(names), num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE), -1.0)
+            caches = {n: storage[i] for i, n in enumerate(names)}  # views of one buffer, layer-major ("LBHNC")
+        else:
+            config.cache_config.kv_cache_layout = gpu_layout
+            kv_cache_config = get_kv_cache_config_from_groups(config, groups,
+                                                              num_blocks * len(names) * attention.page_size_bytes)
+            caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout[gpu_layout],
+                                       [kernel_block_size])
+            for cache in caches.values():
+                cache.fill_(-1.0)
         config.cache_config.num_gpu_blocks = num_blocks
         # The worker side first, as in vLLM: the caches are registered before the scheduler exists.
         worker = NcclKVConnector(config, KVConnectorRole.WORKER, kv_cache_config)
-        storage = torch.full((len(names), num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE), -1.0)
-        caches = {n: storage[i] for i, n in enumerate(names)}  # views of one buffer, layer-major ("LBHNC")
         worker.register_kv_caches(caches)
         scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
                               structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE)
         handshake = worker.get_handshake_metadata()
         scheduler.connector.set_xfer_handshake_metadata_pp_aware({} if handshake is None else {(0, 0): handshake})
-        return cls(name, config, scheduler, worker, caches, spec.num_speculative_tokens if drafter and spec else 0)
+        return cls(name, config, scheduler, worker, caches, spec.num_speculative_tokens if drafter and spec else 0,
+                   gpu_layout=gpu_layout)
 
     # -- driving ---------------------------------------------------------------------------
     @property
@@ -247,9 +269,40 @@ class EngineSim:
     def __post_init__(self) -> None:
         self._partial: dict[str, list[int]] = {}
         first = next(iter(self.caches.values()))
-        layout = cpu_cache_layout(CacheLayout.CPU, first, BLOCK_SIZE, HEAD_SIZE)  # the CPU layout vLLM writes
-        self._spec = PagedCacheSpec.from_tensor(first, layout)
-        self._isa = _get_attn_isa(torch.float32, BLOCK_SIZE, HEAD_SIZE, "auto")
+        if self.gpu_layout is None:
+            layout = cpu_cache_layout(CacheLayout.CPU, first, BLOCK_SIZE, HEAD_SIZE)  # the CPU layout vLLM writes
+            self._spec = PagedCacheSpec.from_tensor(first, layout)
+            self._isa = _get_attn_isa(torch.float32, BLOCK_SIZE, HEAD_SIZE, "auto")
+
+    def _write(self, cache: torch.Tensor, kv: torch.Tensor, positions: range, slots: SlotMap) -> None:
+        """Write ``kv`` ([2, T, H, D]) at ``positions`` the way vLLM's attention backend of these caches does."""
+        if self.gpu_layout is None:
+            where = torch.tensor([slots.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions])
+            keys, values = cache.view(-1, NUM_KV_HEADS, 2 * BLOCK_SIZE, HEAD_SIZE).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(kv[0], kv[1], keys, values, where, self._isa, k_scale=1.0,
+                                           v_scale=1.0, kv_cache_dtype="auto")
+            return
+        # vLLM's GPU backends (flash_attn.py do_kv_cache_update): K and V views [blocks, tokens, heads, D] of the
+        # [B, H, N, 2*D] cache; reshape_and_cache_flash stores token i at its slot in the kernel blocks.
+        keys, values = cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
+        for i, (block, offset) in enumerate(self._kernel_slots(cache, positions, slots)):
+            keys[block, offset], values[block, offset] = kv[0, i], kv[1, i]
+
+    def _read(self, cache: torch.Tensor, stop: int, slots: SlotMap) -> torch.Tensor:
+        """What attention reads of positions [0, stop), as [2, stop, H, D]."""
+        if self.gpu_layout is None:
+            return gather(cache, self._spec, slots, Span(0, stop), Span(0, NUM_KV_HEADS),
+                          torch.empty(2, stop, NUM_KV_HEADS, HEAD_SIZE))
+        keys, values = cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
+        where = self._kernel_slots(cache, range(stop), slots)
+        return torch.stack([torch.stack([part[block, offset] for block, offset in where]) for part in (keys, values)])
+
+    @staticmethod
+    def _kernel_slots(cache: torch.Tensor, positions: range, slots: SlotMap) -> list[tuple[int, int]]:
+        """(kernel block, offset) of each position: vLLM's block b holds kernel blocks b*r .. b*r+r-1."""
+        kernel = cache.size(2)
+        ratio = BLOCK_SIZE // kernel
+        return [(slots.block_ids[p // BLOCK_SIZE] * ratio + p % BLOCK_SIZE // kernel, p % kernel) for p in positions]
 
     def _jobs(self, so: Any) -> list[tuple[str, Any, int, int, SlotMap, list[int]]]:
         """What the stand-in model computes this step: (request id, request, first position, tokens, slots, ids)."""
@@ -271,22 +324,16 @@ class EngineSim:
         """The stand-in model over ``layers`` (name, cache): writes the jobs' KV, runs the layer hooks, checks
         every loaded token; samples from the last layer."""
         sampled: dict[str, list[int]] = {}
-        heads = Span(0, NUM_KV_HEADS)
         indices = {name: i for i, name in enumerate(self.caches)}
         for name, cache in layers:
             layer = indices[name]
             for req_id, request, start, num, slots, tokens in jobs:  # this step's KV, written before the layer hooks
-                kv = expected_kv(layer, tokens[start:start + num], start)
-                where = torch.tensor([slots.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                                      for p in range(start, start + num)])
-                keys, values = cache.view(-1, NUM_KV_HEADS, 2 * BLOCK_SIZE, HEAD_SIZE).chunk(2, dim=2)
-                ops.cpu_attn_reshape_and_cache(kv[0], kv[1], keys, values, where, self._isa, k_scale=1.0,
-                                               v_scale=1.0, kv_cache_dtype="auto")
+                self._write(cache, expected_kv(layer, tokens[start:start + num], start), range(start, start + num),
+                            slots)
             self.worker.wait_for_layer_load(name)
             for req_id, request, start, num, slots, tokens in jobs:  # "attention": read the whole context
                 stop = start + num
-                got = gather(cache, self._spec, slots, Span(0, stop), heads,
-                             torch.empty(2, stop, NUM_KV_HEADS, HEAD_SIZE))
+                got = self._read(cache, stop, slots)
                 bad = (got != expected_kv(layer, tokens[:stop], 0)).any(dim=(0, 2, 3)).nonzero().flatten()
                 if len(bad):
                     self.mismatches.append(f"{req_id} layer {layer}: {len(bad)} tokens, first at {int(bad[0])}")

@@ -10,9 +10,16 @@ import torch
 from ncclkv.layout import Span
 from ncclkv.paged import CacheLayout
 
-# "hnd" is the contiguous physical tensor, "hnd_view" vLLM's permuted view of it.
-VARIANTS = ["nhd", "hnd", "hnd_view", "flashinfer", "cpu", "cpu_kt", "cpu_amx"]
+# "hnd" is the contiguous physical tensor, "hnd_view" vLLM's permuted view of it. The "packed" variants are
+# vLLM 0.32's GPU view [nb, H, bs, 2*D] (K then V per token) in three of its KVCacheLayouts: LBHNC (contiguous),
+# LBNHC (tokens before heads) and BLNHC (blocks outermost: each block holds two layers' pages; layer 1 is read).
+VARIANTS = ["nhd", "hnd", "hnd_view", "flashinfer", "cpu", "cpu_kt", "cpu_amx", "packed", "packed_nhd", "packed_outer"]
+PACKED_VARIANTS = ("packed", "packed_nhd", "packed_outer")
 LAYOUTS = {
+    "packed": CacheLayout.PACKED,
+    "packed_nhd": CacheLayout.PACKED,
+    "packed_outer": CacheLayout.PACKED,
+    "mla4": CacheLayout.MLA,
     "nhd": CacheLayout.FLASH_NHD,
     "hnd": CacheLayout.FLASH_HND,
     "hnd_view": CacheLayout.FLASH_HND,
@@ -23,6 +30,8 @@ LAYOUTS = {
     "mla": CacheLayout.MLA,
 }
 CPU_VARIANTS = ("cpu", "cpu_kt", "cpu_amx")
+# MLA as a 3-d tensor, and as vLLM 0.32's 4-d [nb, 1, bs, latent] view.
+MLA_VARIANTS = ("mla", "mla4")
 # CPU_AMX packs 16-row tiles: its block size and head size are multiples of 16.
 AMX_MIN = 16
 DTYPES = [torch.float32, torch.bfloat16]
@@ -50,10 +59,19 @@ def make_cache(variant: str, nb: int, bs: int, heads: int, dim: int, dtype: torc
         "cpu": (nb, heads, bs, 2 * dim),
         "cpu_kt": (nb, heads, bs, 2 * dim),
         "cpu_amx": (nb, heads, bs, 2 * dim),
+        "packed": (nb, heads, bs, 2 * dim),
+        "packed_nhd": (nb, bs, heads, 2 * dim),
+        "packed_outer": (nb, 2, bs, heads, 2 * dim),
         "mla": (nb, bs, dim),
+        "mla4": (nb, 1, bs, dim),
     }[variant]
     raw = random_bits(shape, dtype, rng)
-    return (raw.permute(0, 1, 3, 2, 4) if variant == "hnd_view" else raw), raw
+    views = {
+        "hnd_view": lambda: raw.permute(0, 1, 3, 2, 4),
+        "packed_nhd": lambda: raw.permute(0, 2, 1, 3),
+        "packed_outer": lambda: raw[:, 1].permute(0, 2, 1, 3),
+    }
+    return (views[variant]() if variant in views else raw), raw
 
 
 def ref_cell(raw: torch.Tensor, variant: str, part: int, block: int, offset: int, head: int) -> torch.Tensor:
@@ -67,6 +85,13 @@ def ref_cell(raw: torch.Tensor, variant: str, part: int, block: int, offset: int
         return raw[block, part, offset, head]
     if variant == "mla":
         return raw[block, offset]
+    if variant == "mla4":
+        return raw[block, 0, offset]
+    if variant in PACKED_VARIANTS:  # per token and head: K [D] then V [D]
+        dim = raw.shape[-1] // 2
+        row = {"packed": lambda: raw[block, head, offset], "packed_nhd": lambda: raw[block, offset, head],
+               "packed_outer": lambda: raw[block, 1, offset, head]}[variant]()
+        return row[part * dim : (part + 1) * dim]
     _, num_heads, bs, two_dim = raw.shape
     dim = two_dim // 2
     half = ((block * num_heads + head) * 2 + part) * bs * dim  # K [bs, D] (cpu_kt: [D, bs]) then V [bs, D]
@@ -83,16 +108,16 @@ def ref_cell(raw: torch.Tensor, variant: str, part: int, block: int, offset: int
 
 
 def ref_gather(raw, variant, bs, block_ids, tokens: Span, heads: Span) -> torch.Tensor:
-    parts = 1 if variant == "mla" else 2
-    dim = raw.shape[-1] // 2 if variant in CPU_VARIANTS else raw.shape[-1]
+    parts = 1 if variant in MLA_VARIANTS else 2
+    dim = raw.shape[-1] // 2 if variant in CPU_VARIANTS + PACKED_VARIANTS else raw.shape[-1]
     wire = torch.empty(parts, len(tokens), len(heads), dim, dtype=raw.dtype)
     for part, t, h in itertools.product(range(parts), tokens, heads):
         wire[part, t - tokens.start, h - heads.start] = ref_cell(raw, variant, part, block_ids[t // bs], t % bs, h).reshape(-1)
-    return wire.view(1, len(tokens) * len(heads), dim) if variant == "mla" else wire
+    return wire.view(1, len(tokens) * len(heads), dim) if variant in MLA_VARIANTS else wire
 
 
 def ref_scatter(wire, raw, variant, bs, block_ids, tokens: Span, heads: Span) -> None:
-    parts = 1 if variant == "mla" else 2
+    parts = 1 if variant in MLA_VARIANTS else 2
     wire = wire.view(parts, len(tokens), len(heads), wire.shape[-1])
     for part, t, h in itertools.product(range(parts), tokens, heads):
         cell = ref_cell(raw, variant, part, block_ids[t // bs], t % bs, h)

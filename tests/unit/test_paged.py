@@ -18,7 +18,8 @@ from ncclkv.paged import (
 )
 
 from _paged_helpers import (
-    ALL_SIZES, AMX_MIN, DTYPES, KERNELS, LAYOUTS, VARIANTS, make_cache, ref_cell, ref_gather, ref_scatter, same_bytes,
+    ALL_SIZES, AMX_MIN, DTYPES, KERNELS, LAYOUTS, MLA_VARIANTS, VARIANTS, make_cache, ref_cell, ref_gather, ref_scatter,
+    same_bytes,
 )
 
 
@@ -34,7 +35,8 @@ def round_trip(
     ``dim`` defaults to 8, or 16 where a side is cpu_amx (its tiles are 16 dims)."""
     if dim is None:
         dim = AMX_MIN if "cpu_amx" in (src_variant, dst_variant) else 8
-    num_heads_src, num_heads_dst = (1, 1) if src_variant == "mla" else (4, 3)
+    mla = src_variant in MLA_VARIANTS
+    num_heads_src, num_heads_dst = (1, 1) if mla else (4, 3)
     need_src, need_dst = -(-tokens.stop // bs_src), -(-tokens.stop // bs_dst)
     src, src_raw = make_cache(src_variant, need_src + 3, bs_src, num_heads_src, dim, dtype, rng)
     dst, dst_raw = make_cache(dst_variant, need_dst + 2, bs_dst, num_heads_dst, dim, dtype, rng)
@@ -43,7 +45,7 @@ def round_trip(
     dst_spec = PagedCacheSpec.from_tensor(dst, LAYOUTS[dst_variant])
     src_before = src_raw.clone()
 
-    wire = torch.full(wire_shape(len(tokens), len(heads_src), dim, src_variant == "mla"), 7.0, dtype=dtype)
+    wire = torch.full(wire_shape(len(tokens), len(heads_src), dim, mla), 7.0, dtype=dtype)
     assert gather(src, src_spec, src_ids, tokens, heads_src, wire, kernel=kernel) is wire
     assert same_bytes(wire, ref_gather(src_raw, src_variant, bs_src, src_ids, tokens, heads_src))
     assert same_bytes(src_raw, src_before)
@@ -55,7 +57,7 @@ def round_trip(
     scatter(wire, dst, dst_spec, dst_ids, tokens, heads_dst, kernel=kernel)
     assert same_bytes(dst_raw, expected)  # the slice landed and nothing else moved
     assert same_bytes(wire, wire_before)
-    parts = 1 if src_variant == "mla" else 2
+    parts = 1 if mla else 2
     for part, t, h in itertools.product(range(parts), tokens, range(len(heads_src))):
         got = ref_cell(dst_raw, dst_variant, part, dst_ids[t // bs_dst], t % bs_dst, heads_dst.start + h)
         want = ref_cell(src_raw, src_variant, part, src_ids[t // bs_src], t % bs_src, heads_src.start + h)
@@ -83,7 +85,8 @@ def test_round_trip_every_layout_pair(src_variant: str, dst_variant: str, dtype:
 def test_round_trip_mla(bs_src: int, bs_dst: int, dtype: torch.dtype, kernel: str) -> None:
     rng = random.Random(bs_src * 100 + bs_dst)
     tokens = Span(5, 5 + 2 * bs_dst + bs_src // 2)
-    round_trip("mla", "mla", bs_src, bs_dst, dtype, tokens, Span(0, 1), 0, rng, dim=24, kernel=kernel)
+    src, dst = MLA_VARIANTS if bs_src <= bs_dst else MLA_VARIANTS[::-1]  # 3-d and vLLM's 4-d view, both ways
+    round_trip(src, dst, bs_src, bs_dst, dtype, tokens, Span(0, 1), 0, rng, dim=24, kernel=kernel)
 
 
 @pytest.mark.parametrize(
@@ -290,6 +293,22 @@ def test_from_tensor_reads_each_layout() -> None:
         assert (spec.block_size, spec.num_kv_heads) == (1, 4)
     mla = PagedCacheSpec.from_tensor(torch.empty(5, 16, 576, dtype=torch.bfloat16), CacheLayout.MLA)
     assert (mla.num_kv_heads, mla.head_size, mla.kv_parts, mla.dtype) == (1, 576, 1, torch.bfloat16)
+    assert PagedCacheSpec.from_tensor(torch.empty(5, 1, 16, 576, dtype=torch.bfloat16), CacheLayout.MLA) == mla
+
+
+def test_packed_reads_k_then_v_per_token_whatever_the_memory_order() -> None:
+    """vLLM 0.32's GPU backends read a layer as ``cache.transpose(1, 2).split(head_size, dim=-1)``
+    (vllm/v1/attention/backends/flash_attn.py): the views must see the same keys and values."""
+    physical = torch.arange(2 * 5 * 16 * 4 * 16, dtype=torch.float32).view(2, 5, 16, 4, 16)  # [L, B, N, H, 2D]
+    for cache in (physical[1].permute(0, 2, 1, 3),  # LBNHC: tokens before heads
+                  physical.permute(1, 0, 3, 2, 4)[:, 1].contiguous(),  # LBHNC
+                  physical.permute(1, 0, 2, 3, 4)[:, 1].permute(0, 2, 1, 3)):  # BLNHC: layer 1 of each block
+        spec = PagedCacheSpec.from_tensor(cache, CacheLayout.PACKED)
+        assert (spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size) == (5, 4, 16, 8)
+        keys, values = cache.transpose(1, 2).split(spec.head_size, dim=-1)  # vLLM's reading: [B, N, H, D] each
+        view = kv_view(cache, spec)
+        assert torch.equal(view[0], keys) and torch.equal(view[1], values)
+        assert all(torch.equal(a, b) for a, b in zip(part_views(cache, spec), (keys, values)))
 
 
 @pytest.mark.parametrize(
@@ -299,7 +318,9 @@ def test_from_tensor_reads_each_layout() -> None:
         ((5, 16, 4, 8), CacheLayout.FLASHINFER, r"got shape \[5, 16, 4, 8\]"),
         ((5, 4, 16, 15), CacheLayout.CPU, r"2\*head_size\], got shape \[5, 4, 16, 15\]"),
         ((5, 4, 16), CacheLayout.CPU_KT, r"CPU_KT cache must be .*got shape \[5, 4, 16\]"),
-        ((5, 16), CacheLayout.MLA, r"\[num_blocks, block_size, latent\], got shape \[5, 16\]"),
+        ((5, 16), CacheLayout.MLA, r"\[num_blocks, block_size, latent\] .*, got shape \[5, 16\]"),
+        ((5, 2, 16, 8), CacheLayout.MLA, r"got shape \[5, 2, 16, 8\]"),  # 4-d only with one head
+        ((5, 4, 16, 15), CacheLayout.PACKED, r"PACKED cache must be .*2\*head_size\].*got shape \[5, 4, 16, 15\]"),
     ],
 )
 def test_from_tensor_rejects_wrong_shapes(shape, layout, pattern) -> None:
@@ -314,6 +335,9 @@ def test_detect_layout() -> None:
     assert detect_layout(torch.empty(7, 2, 16, 4, 8), 4, 8) is CacheLayout.FLASHINFER
     assert detect_layout(torch.empty(7, 4, 32, 16), 4, 8) is CacheLayout.CPU  # never CPU_KT: same shape
     assert detect_layout(torch.empty(7, 16, 64), 1, 64) is CacheLayout.MLA
+    assert detect_layout(torch.empty(7, 1, 16, 576), 1, 576) is CacheLayout.MLA  # vLLM 0.32's view
+    assert detect_layout(torch.empty(7, 1, 16, 576), 1, 288) is CacheLayout.CPU  # one head of 288
+    assert detect_layout(torch.empty(7, 4, 32, 16, device="meta"), 4, 8) is CacheLayout.PACKED  # not on the CPU
     # Two blocks: NHD and FlashInfer both fit; the block size does not tell them apart.
     with pytest.raises(ValueError, match=r"\[2, 2, 16, 4, 8\] is ambiguous: it reads as FLASH_NHD, FLASHINFER"):
         detect_layout(torch.empty(2, 2, 16, 4, 8), 4, 8, block_size=16)
@@ -401,18 +425,18 @@ def test_benchmark_quick_mode_writes_json(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("variant", VARIANTS + ["mla"])
+@pytest.mark.parametrize("variant", VARIANTS + list(MLA_VARIANTS))
 def test_hot_path_allocates_nothing(variant: str, kernel: str) -> None:
     """Once a request's SlotMap exists and a first layer ran, gather and scatter allocate no memory."""
     from torch.profiler import ProfilerActivity, profile
 
     rng = random.Random(11)
-    heads = 1 if variant == "mla" else 4
+    heads = 1 if variant in MLA_VARIANTS else 4
     cache, _ = make_cache(variant, 24, 16, heads, 64, torch.bfloat16, rng)
     spec = PagedCacheSpec.from_tensor(cache, LAYOUTS[variant])
     slots = SlotMap(shuffled_blocks(24, 20, rng), 16)
     tokens, head_span = Span(5, 300), Span(0, heads)  # partial first and last blocks, 17 whole ones
-    wire = torch.empty(wire_shape(len(tokens), heads, 64, variant == "mla"), dtype=torch.bfloat16)
+    wire = torch.empty(wire_shape(len(tokens), heads, 64, variant in MLA_VARIANTS), dtype=torch.bfloat16)
 
     def layer() -> None:
         gather(cache, spec, slots, tokens, head_span, wire, kernel=kernel)
