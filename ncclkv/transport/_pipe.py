@@ -193,6 +193,10 @@ class Pipe:
                     op = self._queued[0]
                     needs_poster = op.before_send is not None or op.fill is not None
                     if (needs_poster and hooked < 1) or not self._has_room(op):
+                        # A kick, not a bare notify: the poster may be between its idle turn and its wait,
+                        # and a header held for the op just posted (its predecessor in flight) would then
+                        # wait for the window this op needs, which waits for that header.
+                        self._kicks += 1
                         self._posting.notify()
                         return
                     hooked -= needs_poster

@@ -7,12 +7,16 @@ over loopback wires, where every step can be ordered exactly.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
+
 import pytest
 import torch
 
 from ncclkv.errors import ProtocolError, ShapeMismatchError, TransferError
 from ncclkv.transport import loopback_pair
 from ncclkv.transport._framing import BATCH, Frame, check, decode, encode
+from ncclkv.transport._pipe import Op
 
 WAIT_S = 10.0
 
@@ -87,3 +91,51 @@ def test_framed_link_refuses_a_mismatched_receive_after_the_earlier_ones_landed(
         assert sends[0].result(WAIT_S) is None
         with pytest.raises(TransferError):  # the peer's end fails too: its bytes never went out
             sends[1].result(WAIT_S)
+
+
+def test_a_header_held_when_the_window_fills_goes_out_although_the_poster_was_about_to_sleep() -> None:
+    """post_queued posts B on the caller's thread (its header held: A is in flight), then stops at C, which
+    needs the window B holds: the poster must flush B's header even if it had just ended an idle turn and
+    was between its gate and its wait (a bare notify is lost there, and B, then C, would wait for the deadline)."""
+    a, b = loopback_pair("framed-gap", framed=True, timeout_s=WAIT_S, max_in_flight=8, max_in_flight_bytes=1000)
+    pipe = a._pipes[0]  # noqa: SLF001 - the send pipe, to stop its poster at the exact point
+    gate, in_gap, go_on, armed = pipe._gate, threading.Event(), threading.Event(), threading.Event()  # noqa: SLF001
+
+    class GapGate:  # the poster's gate; once armed, the poster stops right after releasing it
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            return gate.acquire(blocking, timeout)
+
+        def release(self) -> None:
+            gate.release()
+
+        def __enter__(self) -> GapGate:
+            gate.acquire()
+            return self
+
+        def __exit__(self, *exc_info: object) -> None:
+            gate.release()
+            if armed.is_set() and threading.current_thread().name.endswith("-post"):
+                armed.clear()
+                in_gap.set()
+                assert go_on.wait(WAIT_S)
+
+    pipe._gate = GapGate()  # noqa: SLF001
+    with a, b:
+        first, second, third = torch.ones(25), torch.full((200,), 2.0), torch.full((100,), 3.0)  # 100, 800, 400 B
+        sent_first = a.send(first)  # posted at once, its header flushed: nothing else was in flight
+        armed.set()
+        pipe._wake_poster()  # noqa: SLF001 - one idle turn (nothing held), then it stops in the gap
+        assert in_gap.wait(WAIT_S)
+        ops = []
+        for tensor in (second, third):
+            future: Future = Future()
+            future.set_running_or_notify_cancel()
+            ops.append(Op(f"send {tensor.nbytes} B", tensor, future, WAIT_S))
+            pipe.submit(ops[-1], wake=False)
+        pipe.post_queued()  # posts the second (header held), stops at the third: 900 + 400 B > 1000
+        assert torch.equal(b.recv(first.shape, first.dtype).result(WAIT_S), first)
+        assert sent_first.result(WAIT_S) is None
+        received = [b.recv(t.shape, t.dtype) for t in (second, third)]
+        go_on.set()
+        assert ops[0].future.result(WAIT_S) is None and ops[1].future.result(WAIT_S) is None
+        assert torch.equal(received[0].result(WAIT_S), second) and torch.equal(received[1].result(WAIT_S), third)
