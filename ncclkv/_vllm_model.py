@@ -19,7 +19,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["TinyLlamaSpec", "build_eagle_head", "build_tiny_llama", "eagle_speculative_config", "MARKER_FILE"]
+__all__ = ["MLA_ENGINE_OPTIONS", "TinyLlamaSpec", "build_eagle_head", "build_tiny_deepseek", "build_tiny_llama",
+           "eagle_speculative_config", "MARKER_FILE"]
 
 # Written last, after the weights: its presence with an equal spec means done.
 MARKER_FILE = "ncclkv_tiny_model.json"
@@ -204,3 +205,38 @@ def eagle_speculative_config(model_dir: Path, out_dir: Path, num_speculative_tok
     """vLLM's ``speculative_config`` for a :func:`build_eagle_head` drafter (built into ``out_dir``)."""
     head = build_eagle_head(model_dir, out_dir)
     return {"method": "eagle", "model": str(head), "num_speculative_tokens": num_speculative_tokens}
+
+
+# vLLM 0.32's LLM arguments for an MLA model on the CPU: its reference MLA backend (the AMX one needs blocks of
+# 32 and keeps chunked prefill on) and the rotary embedding in torch: the CPU op rotates MLA's strided 3-d query
+# wrongly (only its first rows, at positions 0..T-1), so outputs would change with how a prompt's prefill is
+# split, a KV load included.
+MLA_ENGINE_OPTIONS: dict[str, object] = {"attention_config": {"backend": "CPU_MLA"},
+                                         "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+
+
+def build_tiny_deepseek(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny random DeepSeek-V2 (MLA attention: a 512-dim latent and a 64-dim rotary key per token and layer,
+    the only shape vLLM's CPU MLA kernel takes; 2 dense layers, bfloat16), written to ``out_dir`` on every
+    call (a few MiB). Serve it with :data:`MLA_ENGINE_OPTIONS` and blocks of 16."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, GenerationConfig
+
+    config = DeepseekV2Config(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=4096, initializer_range=0.2, rms_norm_eps=1e-6,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+        # Every layer dense (first_k_dense_replace = the layer count): the MoE sizes are never used.
+        first_k_dense_replace=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        moe_intermediate_size=128, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DeepseekV2ForCausalLM(config)
+    model = model.to(torch.bfloat16)
+    model.config.dtype = "bfloat16"
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    GenerationConfig(bos_token_id=0, eos_token_id=1).save_pretrained(out)
+    return out

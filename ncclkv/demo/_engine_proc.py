@@ -96,6 +96,7 @@ class EngineOptions:
     # they share (docs/VLLM_NOTES.md).
     cpu_affinity: tuple[int, ...] | None = None
     sched_idle: bool = False
+    llm_overrides: Mapping[str, Any] = field(default_factory=dict)  # more LLM() arguments, last
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(
@@ -113,7 +114,7 @@ class EngineOptions:
             kwargs["kv_transfer_config"] = dict(self.kv_transfer_config)
         if self.speculative_config is not None:
             kwargs["speculative_config"] = dict(self.speculative_config)
-        return kwargs
+        return {**kwargs, **self.llm_overrides}
 
     def env(self) -> dict[str, str]:
         # Scheduler and worker in one process: an engine starts in half the time.

@@ -37,7 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 from engine_proc import EngineProcess, ParallelEngineOptions, RequestResult, load_failures, session_scheduling
 from tiny_model import TINY_SPEC, make_prompts
 
-from ncclkv._vllm_model import eagle_speculative_config
+from ncclkv._vllm_model import MLA_ENGINE_OPTIONS, build_tiny_deepseek, eagle_speculative_config
 
 pytestmark = pytest.mark.vllm
 
@@ -225,6 +225,33 @@ def test_pd_with_an_eagle_drafter_moves_its_layer_too(tiny_model_dir: Path, laun
         errors = [line for line in engine.log_path.read_text(errors="replace").splitlines()
                   if "ncclkv: push of" in line or "ncclkv: cannot" in line]
         assert errors == [], (engine.name, errors)
+
+
+def test_pd_of_an_mla_model_moves_its_latent(launch_engine, cpu_cores: list[int], tmp_path: Path) -> None:
+    """DeepSeek-V2's MLA on vLLM's CPU MLA backend: vLLM hands each layer's cache as ``[blocks, 1, tokens,
+    latent]`` (576 values a token: the 512-dim latent and the 64-dim rotary key); ncclkv moves it, pulled and
+    pushed, and the outputs equal one engine's (vLLM runs MLA without prefix caching on the CPU)."""
+    options = dict(model_dir=build_tiny_deepseek(tmp_path / "deepseek"), dtype="bfloat16", block_size=16,
+                   llm_overrides=MLA_ENGINE_OPTIONS)
+    ref_path = tmp_path / "decode_ref.json"
+    prefill = launch_engine("prefill", cpu_core=cpu_cores[0], kv_transfer_config=_connector("kv_producer"),
+                            **options)
+    decode = launch_engine("decode", cpu_core=cpu_cores[-1], log_stats=True,
+                           kv_transfer_config=_connector("kv_consumer", ref_path=str(ref_path)), **options)
+    prefill.wait_ready()
+    decode.wait_ready()
+    prompt_bytes = sum(PROMPT_LENGTHS) * 576 * 2 * 2  # tokens x latent x bfloat16 x layers
+    expected = _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS))
+    assert len(set(expected)) == len(expected)  # not degenerate: a wrong latent would show
+    decoded = decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=_prefill(prefill, PULL_PROMPTS))
+    assert _ids(decoded) == expected
+    assert decode.metrics("vllm:ncclkv_bytes_received")["vllm:ncclkv_bytes_received"] == prompt_bytes
+    params = _prefill(prefill, PULL_PROMPTS, remote_decode=json.loads(ref_path.read_text()))
+    assert all(p["pushed"] for p in params)
+    assert _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) == expected
+    assert decode.metrics("vllm:ncclkv_bytes_received")["vllm:ncclkv_bytes_received"] == 2 * prompt_bytes
+    assert prefill.drain() == 0
+    assert load_failures(decode) == []  # the latent was loaded, not recomputed
 
 
 @pytest.mark.timeout(500)
