@@ -13,7 +13,10 @@ idle) or, when the request names its decode engine, to push its KV layer by
 layer during that step. When it finishes, its blocks stay allocated until
 the workers report the transfer done, and its final output carries the
 :class:`RemotePrefill` the decode engine needs. A preempted request is held
-again, under a new transfer id, when its recomputed prompt completes.
+again, under a new transfer id, when its recomputed prompt completes (this can
+be in the very step whose output names the preemption, when vLLM preempted it
+outside ``schedule()``); one that finishes after a preemption no step has named
+yet holds nothing (vLLM freed its blocks at the preemption).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class _Produce:
     request: Request
     push_to: EngineRef | None
     transfer_id: str | None = None  # set in the step that completes the prompt (hold or push issued)
+    preemptions: int = 0  # the request's num_preemptions when that hold or push was issued
 
 
 def _prefilled_for(request: Request, remote: RemotePrefill) -> bool:
@@ -163,16 +167,18 @@ class SchedulerSide:
         preempted = frozenset(scheduler_output.preempted_req_ids or ())
         holds, pushes = [], []
         for req_id, produce in self._produce.items():
-            if req_id in preempted:  # its blocks are gone; the workers drop the hold, a new one follows
+            # Its blocks are gone: the workers drop the hold (or push) before this step's forward, and a new one
+            # follows. vLLM may resume a request preempted outside schedule() (reset_prefix_cache) in this very
+            # step: then the new one may be issued now, and the workers register it after dropping the old.
+            if req_id in preempted:
                 produce.transfer_id = None
-                continue
             scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             request = produce.request
             # The step that completes the prompt: after it every layer holds every prompt token.
             if produce.transfer_id is not None or not scheduled or \
                     request.num_computed_tokens + scheduled < request.num_prompt_tokens:
                 continue
-            produce.transfer_id = _new_transfer_id()
+            produce.transfer_id, produce.preemptions = _new_transfer_id(), request.num_preemptions
             (block_ids, *_) = block_ids_of(req_id)
             if produce.push_to is None:
                 holds.append(HoldJob(req_id, produce.transfer_id, tuple(block_ids), request.num_prompt_tokens))
@@ -211,6 +217,12 @@ class SchedulerSide:
         self._issued.discard(req_id)
         produce = self._produce.pop(req_id, None)
         if produce is None or produce.transfer_id is None:  # the prompt never completed: nothing held
+            return False, None
+        if request.num_preemptions != produce.preemptions:
+            # Preempted outside schedule() since the hold or push was issued (vLLM's reset_prefix_cache with
+            # reset_running_requests: LLM.reset_prefix_cache, pause with clear_cache), and finished before a
+            # schedule() named the preemption. vLLM freed its blocks then; the next step's preempted_req_ids
+            # still name it, so the workers drop the transfer and never report it sent. Nothing is held.
             return False, None
         # The workers hold (or are pushing from) these blocks: free them when they report the transfer done.
         self._held.add(req_id)

@@ -102,12 +102,28 @@ def check_speculative(vllm_config: VllmConfig) -> None:
     states; DFlash; ...), multi-module MTP (the prefill side's MTP layers
     hold unverified drafts at prompt positions), a drafter under pipeline
     parallelism, and a drafter whose kv heads or head size differ from the
-    model's. Methods without a KV cache (``ngram``, ``suffix``) need nothing.
+    model's. Methods without a KV cache (``ngram``, ``suffix``) need nothing,
+    except on a KV producer under pipeline parallelism, refused for any
+    method: vLLM's V1 model runner defers ``wait_for_save`` past the drafter
+    whenever a ``speculative_config`` is set, and its non-last pipeline ranks
+    return before that point, so they would never hold a prompt nor finish a
+    push, and never free its blocks.
     """
     speculative = vllm_config.speculative_config
-    if speculative is None or not speculative.uses_draft_kv_cache():
+    if speculative is None:
         return
     method = speculative.method
+    kv, pp_size = vllm_config.kv_transfer_config, vllm_config.parallel_config.pipeline_parallel_size
+    if pp_size > 1 and (kv is None or kv.is_kv_producer):
+        raise ValueError(
+            f"ncclkv: speculative_config method {method!r} with pipeline_parallel_size={pp_size} on a KV producer "
+            f"(kv_role {kv.kv_role if kv is not None else None!r}) is not supported: with any speculative method "
+            "vLLM's V1 model runner defers wait_for_save until after the drafter, which the runner's non-last "
+            "pipeline ranks never reach, so those ranks would never hold a prompt for its pull nor finish its push, "
+            "and vLLM would never free its blocks. Run the prefill engine without speculative decoding or without "
+            "pipeline parallelism")
+    if not speculative.uses_draft_kv_cache():
+        return
     why = None
     if speculative.uses_draft_model():
         why = "a separate draft model's KV cache layers are numbered from 0, not after the model's"

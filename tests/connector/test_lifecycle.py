@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from vllm.v1.core.sched.interface import PauseState
 
 from ncclkv._vllm_model import eagle_speculative_config
 from ncclkv.connector import RemotePrefill
@@ -340,7 +341,10 @@ def test_a_pushing_request_preempted_then_aborted_is_not_reported_sent(engines: 
     worker = prefill.worker._work()
     prefill.run(lambda: "p-0" in worker._sent, also=(decode,))  # pushed while it still decodes
     prefill.preempt("p-0")
+    # Paused ("keep"), else this step would resume it and push its recomputed prompt anew (test_preemption.py).
+    prefill.scheduler.set_pause_state(PauseState.PAUSED_ALL)
     prefill.step()  # preempted: its transfer is forgotten, its prompt waits to be recomputed
+    prefill.scheduler.set_pause_state(PauseState.UNPAUSED)
     prefill.abort("p-0")  # vLLM frees it at once: nothing was held for it since
     assert "p-0" not in prefill.scheduler.requests
     prefill.run(lambda: prefill.idle)  # before: the worker reported p-0 sent and vLLM's scheduler asserted

@@ -216,6 +216,29 @@ def test_other_drafters_are_refused_naming_why(model_dir: Path, tmp_path: Path, 
         check_speculative(config)
 
 
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_both"])
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@ROLES
+def test_any_speculative_method_on_a_pipelined_producer_is_refused_naming_why(
+        model_dir: Path, kv_role: str, method: str, role: KVConnectorRole) -> None:
+    """vLLM's V1 runner defers wait_for_save past the drafter for any speculative_config, and its non-last
+    pipeline ranks return before it: they would never hold or finish a push. A consumer does nothing there."""
+    speculative = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    config = make_vllm_config("spec", model_dir, kv_role, speculative=speculative)
+    assert config.speculative_config is not None
+    object.__setattr__(config.speculative_config, "method", method)  # suffix needs a package this test lacks
+    assert not config.speculative_config.uses_draft_kv_cache()
+    NcclKVConnector(config, role)  # no pipeline: taken
+    object.__setattr__(config.parallel_config, "pipeline_parallel_size", 2)
+    with pytest.raises(ValueError, match=rf"speculative_config method '{method}' with pipeline_parallel_size=2 on a "
+                                         rf"KV producer \(kv_role '{kv_role}'\) is not supported: .*non-last "
+                                         r"pipeline ranks never reach"):
+        NcclKVConnector(config, role)
+    consumer = make_vllm_config("spec", model_dir, "kv_consumer", speculative=speculative)
+    object.__setattr__(consumer.parallel_config, "pipeline_parallel_size", 2)
+    check_speculative(consumer)  # wait_for_save has nothing to do on a consumer: taken
+
+
 def test_a_push_whose_step_ran_no_layer_hook_sends_every_layer_in_wait_for_save() -> None:
     """vLLM's kv_connector_no_forward: no hook runs, wait_for_save is all there is."""
     worker, engine = _worker_with_a_drafter()

@@ -1,0 +1,92 @@
+"""Prefill requests preempted outside ``schedule()``, under vLLM's real scheduler, with real transfer engines.
+
+vLLM's ``Scheduler.reset_prefix_cache(reset_running_requests=True)`` (reached
+through ``LLM.reset_prefix_cache``, the dev ``/reset_prefix_cache`` route and
+``pause_scheduler(clear_cache=True)``) preempts every running request between
+two steps: their blocks are freed at once, and only the next step's
+``preempted_req_ids`` tells the connector. Before that step the request may
+be aborted, or that very step may resume it (see docs/VLLM_NOTES.md).
+Every test ends with the prefill engine idle: nothing left in vLLM or the
+connector.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .harness import EngineSim
+from .test_lifecycle import (CELL_BYTES, FAST, LENGTHS, MAX_TOKENS, NUM_LAYERS, PROMPTS, _bytes, _decode, _pair,
+                             _reference, _settle)
+
+MODES = pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+
+
+def _reset_prefix_cache(sim: EngineSim) -> None:
+    """vLLM's own preemption outside schedule(): every running request back to the waiting queue."""
+    assert sim.scheduler.reset_prefix_cache(reset_running_requests=True)
+
+
+@MODES
+def test_a_request_preempted_outside_schedule_then_aborted_is_freed_at_once(engines: list[EngineSim],
+                                                                            model_dir: Path, push: bool) -> None:
+    # hold_s far beyond the test's deadlines on the prefill side: nothing but the fix frees the request in time.
+    prefill, decode = _pair(engines, model_dir, prefill_extra={"hold_s": 600.0}, decode_extra={"hold_s": 0.5})
+    params = {"do_remote_decode": True, **({"remote_decode": decode.ref} if push else {})}
+    prefill.add("p-0", PROMPTS[1], 50, params)  # decodes on here after the step that completed its prompt
+    worker = prefill.worker._work()
+    prefill.run(lambda: "p-0" in set(worker._sends.values()) | worker._sent, timeout_s=10)  # held / pushed
+    _reset_prefix_cache(prefill)
+    prefill.abort("p-0")  # the client goes away before the next step
+    # vLLM freed its blocks at the preemption: the connector holds nothing and vLLM forgets it now (before:
+    # delayed free, while the workers dropped the transfer at the next step and never reported it sent).
+    assert "p-0" not in prefill.scheduler.requests
+    assert prefill.connector._sched().num_tracked_requests == 0
+    prefill.step()  # names the preemption and the finish: the workers drop the transfer, report nothing
+    assert "p-0" not in set(worker._sends.values()) | worker._sent
+    _settle(prefill, decode)
+
+
+@MODES
+def test_a_request_preempted_outside_schedule_completes_its_prompt_in_the_step_that_resumes_it(
+        engines: list[EngineSim], model_dir: Path, push: bool) -> None:
+    expected = _reference(engines, model_dir, PROMPTS[1:2])
+    prefill = EngineSim.build("prefill", model_dir, "kv_producer", FAST, max_num_batched_tokens=100)
+    engines.append(prefill)
+    decode = EngineSim.build("decode", model_dir, "kv_consumer", {**FAST, "hold_s": 0.5})
+    engines.append(decode)
+    prefill.add("a", PROMPTS[0], 1)  # 45 tokens, no transfer
+    prefill.add("p-0", PROMPTS[1], 1, {"do_remote_decode": True, **({"remote_decode": decode.ref} if push else {})})
+    prefill.step()
+    assert prefill.scheduler.requests["p-0"].num_computed_tokens == 100 - LENGTHS[0]  # a first chunk
+    _reset_prefix_cache(prefill)
+    prefill.step()  # names the preemption and resumes it: its whole prompt, its one token
+    params = prefill.finished["p-0"].kv_transfer_params
+    assert params is not None and params["remote_num_tokens"] == LENGTHS[1] and params["pushed"] == push
+    (req,) = _decode(decode, PROMPTS[1:2], [params], also=(prefill,))
+    assert decode.outputs([req]) == expected and decode.mismatches == [] and not decode.load_errors
+    assert decode.computed[req] == MAX_TOKENS  # loaded, not recomputed
+    assert _bytes(decode, "transfers_received") == 1
+    _settle(prefill, decode)
+
+
+def test_a_held_request_preempted_outside_schedule_is_held_anew_in_the_step_that_resumes_it(
+        engines: list[EngineSim], model_dir: Path) -> None:
+    """In one step the workers drop the old hold (before the forward) and register the new one (after it)."""
+    expected = _reference(engines, model_dir, PROMPTS[1:2])
+    prefill, decode = _pair(engines, model_dir)
+    prefill.add("p-0", PROMPTS[1], 2, {"do_remote_decode": True})
+    worker = prefill.worker._work()
+    prefill.step()  # completes the prompt: held from the end of this step
+    (first,) = worker._sends
+    _reset_prefix_cache(prefill)
+    prefill.step()  # resumed: prompt and first token recomputed, the second sampled; finished
+    params = prefill.finished["p-0"].kv_transfer_params
+    assert params is not None and params["transfer_id"] != first
+    assert set(worker._sends) == {params["transfer_id"]}  # the old hold dropped, the new one stands
+    (req,) = _decode(decode, PROMPTS[1:2], [params], also=(prefill,))
+    assert decode.outputs([req]) == expected and decode.mismatches == [] and not decode.load_errors
+    assert decode.computed[req] == MAX_TOKENS
+    _settle(prefill, decode)
+    assert _bytes(prefill, "bytes_sent") == LENGTHS[1] * CELL_BYTES * NUM_LAYERS  # the new hold, pulled once
