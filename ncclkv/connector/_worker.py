@@ -301,7 +301,9 @@ class WorkerSide:
         engine = self.engine
         if idle:
             self._idle_wait()
-        ours = set(self._sends.values()) | self._sent
+        # A dropped transfer (its request preempted) still sending is not the request's any more: it is
+        # never reported, so counting its request finished here would keep it in _finished for good.
+        ours = {req_id for tid, req_id in self._sends.items() if tid not in self._dropped} | self._sent
         self._finished |= finished_req_ids & ours
         for tid, load in list(self._loads.items()):
             if load.job.req_id in finished_req_ids:  # aborted while loading: stop writing its blocks

@@ -90,3 +90,32 @@ def test_a_held_request_preempted_outside_schedule_is_held_anew_in_the_step_that
     assert decode.computed[req] == MAX_TOKENS
     _settle(prefill, decode)
     assert _bytes(prefill, "bytes_sent") == LENGTHS[1] * CELL_BYTES * NUM_LAYERS  # the new hold, pulled once
+
+
+class _Quiet:
+    """An engine with nothing finished (a unit test of get_finished's bookkeeping alone)."""
+
+    def take_finished_receiving(self) -> dict[str, BaseException | None]:
+        return {}
+
+    def take_finished_sending(self) -> dict[str, BaseException | None]:
+        return {}
+
+
+def test_a_request_whose_dropped_transfer_still_sends_is_not_kept_as_finished() -> None:
+    """handle_preemptions gave up waiting for a preempted request's sends (it logs that); when vLLM then
+    finishes the request, the worker must not keep it as finished for a transfer it will never report."""
+    from ncclkv.connector import NcclKVConfig
+    from ncclkv.connector._worker import RankInfo, WorkerSide
+    from ncclkv.layout import KVGeometry, ParallelLayout
+
+    worker = WorkerSide(RankInfo("e", 0, 0, ParallelLayout(1, 1), KVGeometry(2, 4, 64, "float32"), 32),
+                        NcclKVConfig(), "producer")
+    worker._engine = _Quiet()  # type: ignore[assignment]  # noqa: SLF001
+    worker._sends["t-old"] = "p-0"  # noqa: SLF001 - dropped at the preemption, its sends still running
+    worker._dropped.add("t-old")  # noqa: SLF001
+    assert worker.get_finished({"p-0"}) == (set(), set())
+    assert worker._finished == set()  # noqa: SLF001
+    worker._sends["t-new"] = "p-1"  # noqa: SLF001 - a live hold of another request still counts
+    worker.get_finished({"p-1"})
+    assert worker._finished == {"p-1"}  # noqa: SLF001
