@@ -40,12 +40,12 @@ MLA = KVGeometry(num_layers=4, num_kv_heads=1, head_size=64, dtype="bfloat16", u
 
 
 @pytest.mark.parametrize(("src", "dst", "src_cache", "dst_cache", "geometry"), [
-    ((2, 1), (1, 2), (CacheLayout.CPU, 16), (CacheLayout.FLASH_NHD, 32), GQA),
+    ((2, 1), (1, 2), (CacheLayout.CPU, 16), (CacheLayout.PACKED, 32), GQA),  # vLLM 0.32's GPU view
     ((4, 1), (2, 2), (CacheLayout.FLASH_HND, 8), (CacheLayout.FLASHINFER, 16), GQA),
     ((2, 1), (1, 1), (CacheLayout.CPU_KT, 32), (CacheLayout.CPU_KT, 16), GQA),
     ((1, 2), (2, 1), (CacheLayout.FLASH_NHD, 16), (CacheLayout.CPU, 32), GQA),
     ((4, 1), (1, 1), (CacheLayout.CPU, 16), (CacheLayout.FLASH_NHD, 16), GQA_FEW_HEADS),
-    ((1, 1), (4, 1), (CacheLayout.FLASH_NHD, 16), (CacheLayout.CPU_KT, 32), GQA_FEW_HEADS),
+    ((1, 1), (4, 1), (CacheLayout.PACKED, 16), (CacheLayout.CPU_KT, 32), GQA_FEW_HEADS),
     ((2, 1), (1, 2), (CacheLayout.MLA, 16), (CacheLayout.MLA, 32), MLA),
 ], ids=["2x1-to-1x2", "4x1-to-2x2", "2x1-to-1x1", "1x2-to-2x1", "4x1-to-1x1-few-heads", "1x1-to-4x1-few-heads",
         "2x1-to-1x2-mla"])
