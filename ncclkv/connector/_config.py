@@ -66,7 +66,7 @@ class NcclKVConfig:
         only every switch interval (5 ms). 0 turns it off. It delays a new
         request arriving during such a step by at most this much.
     cache_layout
-        Name of a :class:`ncclkv.paged.CacheLayout` (``"cpu"``, ``"flash_nhd"``,
+        Name of a :class:`ncclkv.paged.CacheLayout` (``"packed"``, ``"cpu"``,
         ...) when the shape of vLLM's KV cache is ambiguous; default: detected.
     ref_path
         When set, the scheduler writes this engine's ``EngineRef`` (JSON, every

@@ -6,7 +6,7 @@ from prefill instance ``i % P`` to decode instance ``(i // P) % D``, so every
 pair of instances carries traffic. Producers write each request's
 deterministic KV into their paged caches (vLLM CPU layout, block 16) and
 either hold it for pulling or push it layer by layer; consumers receive into
-flash NHD caches with block 32 and check every byte. Control addresses travel
+caches in vLLM 0.32's GPU view (K and V packed per token) with block 32 and check every byte. Control addresses travel
 through the launcher's TCPStore; so do the per-rank results that rank 0
 prints as one table.
 """
@@ -38,7 +38,7 @@ __all__ = ["HELP", "TransferConfig", "add_arguments", "run", "summary_json", "tr
 
 HELP = "prefill engines send KV to decode engines (pull or push), checked byte-exact on every decode rank"
 PRODUCER_LAYOUT, PRODUCER_BLOCK = CacheLayout.CPU, 16
-CONSUMER_LAYOUT, CONSUMER_BLOCK = CacheLayout.FLASH_NHD, 32
+CONSUMER_LAYOUT, CONSUMER_BLOCK = CacheLayout.PACKED, 32  # vLLM 0.32's GPU view
 
 
 @dataclass(frozen=True, slots=True)
