@@ -27,10 +27,12 @@ import torch
 from .._affinity import pin_this_thread, pinned
 from ..channel import Channel
 from ..buffer import KVStoreBuffer
-from ..errors import CapacityError, NcclKVError, ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
+from ..errors import (CapacityError, ClosedError, NcclKVError, ProtocolError, ShapeMismatchError, TransferError,
+                      TransferTimeout)
 from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, Route, Span, SpanSet, TransferPlan, plan
 from ..paged import SlotMap
 from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, PushOffer, RouteMsg
+from ..transport import LinkBase
 from ._caches import RankCaches, torch_dtype
 from ._config import EngineRef, split_peer_id
 from ._links import PeerLinks
@@ -69,6 +71,7 @@ class _Expected:
     push: bool = False  # pushed: nothing arrives before the producer's prefill runs
     applying: int = 0  # scatters into the request's blocks running right now
     keep: int = 0  # tokens below this are already in the blocks (shared with other requests): never written
+    unsent: int = 0  # pulls with routes not yet acknowledged by their producer rank (see _stall_at)
 
 
 @dataclass(slots=True)
@@ -104,6 +107,12 @@ def _add_piece(pieces: dict[_Key, SpanSet], key: _Key, piece: Span) -> SpanSet |
     return merged
 
 
+def _overlaps(pieces: dict[_Key, SpanSet], key: _Key, piece: Span) -> bool:
+    """Whether ``piece`` overlaps a piece of slice ``key`` recorded before (what ``_add_piece`` refuses)."""
+    seen = pieces.get(key)
+    return seen is not None and not seen.intersect(piece).empty
+
+
 def _covers_slice(tokens: SpanSet, key: _Key) -> bool:
     """Whether ``tokens`` (pieces inside the slice's route, checked as announced) are all of the slice's."""
     return tokens.spans == (key[2].tokens,)
@@ -116,7 +125,7 @@ class ConsumerSide:
         self._engine_id, self._rank, self._layout, self._geometry = engine_id, rank, layout, geometry
         self._caches, self._channel, self._peers, self._executor = caches, channel, peers, executor
         self._clock = channel.clock  # deadlines leave out pauses of this process (ncclkv._clock)
-        self._stats, self._deadline_s, self._staging_bytes = stats, deadline_s, staging_bytes
+        self._stats, self._deadline_s = stats, deadline_s
         self._cond = threading.Condition()
         self._requests: dict[str, _Expected] = {}
         self._recv_seq: dict[str, int] = {}  # link id -> seq the next announcement must carry
@@ -137,6 +146,9 @@ class ConsumerSide:
                                             initializer=pin_this_thread, initargs=(cpus,))
         self._declines_queued = 0
         self._staging_log = StagingLog()
+        # The largest (layer, route) slice this rank planned to receive (expected, or a push staged): what an
+        # unwanted tensor may plausibly be (see _drain). Pulled slices are not bounded by staging_bytes.
+        self._largest_slice = 0
 
     def expect(self, request_id: str, producer: EngineRef, block_ids: Sequence[int], tokens: SpanSet | int,
                push: bool = False, keep_tokens: int = 0) -> None:
@@ -157,6 +169,10 @@ class ConsumerSide:
             raise ValueError(f"request {request_id!r}: tokens {token_set!r} do not fit {len(block_ids)} blocks "
                              f"of {slots.block_size}")
         routes = _cached_plan(producer.layout, self._layout, self._geometry, token_set).routes_to(self._rank)
+        largest = max((self._slice_bytes(r) for r in routes), default=0)
+        by_src: dict[int, list[Route]] = {src: [] for src in range(producer.layout.world_size)}
+        for route in routes:
+            by_src[route.src].append(route)
         pending = {(r.src, layer, r) for r in routes for layer in r.layers}
         per_src: dict[int, int] = {}
         remaining = {layer: 0 for layer in self._caches.shard.layers}
@@ -165,12 +181,13 @@ class ConsumerSide:
             remaining[layer] += 1
         now = self._clock.now()
         req = _Expected(request_id, producer, slots, pending, per_src, remaining, time.monotonic(), now, push=push,
-                        keep=keep_tokens)
+                        keep=keep_tokens, unsent=0 if push else sum(1 for src_routes in by_src.values() if src_routes))
         staged_tensors: list[_StagedTensor] = []
         with self._cond:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected")
             self._requests[request_id] = req
+            self._largest_slice = max(self._largest_slice, largest)
             refused = self._refused.pop(request_id, None) if push else None
             if refused is not None and refused[1] == producer.engine_id:
                 req.error = type(refused[2])(f"request {request_id!r}: its push failed before it was expected: "
@@ -190,11 +207,8 @@ class ConsumerSide:
                     self._apply(req, key, piece, tensor, None)
         if push:
             return
-        by_src: dict[int, list[Route]] = {src: [] for src in range(producer.layout.world_size)}
-        for route in routes:
-            by_src[route.src].append(route)
         for src, src_routes in by_src.items():
-            self._executor.submit(self._pull, request_id, producer, src, src_routes, token_set)
+            self._executor.submit(self._pull, req, src, src_routes, token_set)
 
     def decline(self, request_id: str, producer: EngineRef, push: bool = False) -> None:
         """This rank will not take ``request_id``; returns at once.
@@ -210,12 +224,17 @@ class ConsumerSide:
                 self._fail_unexpected_push_locked(request_id, producer.engine_id, TransferError(
                     f"push of {request_id!r} was declined here (its request ended unloaded)"))
                 return
-            if self._declines_queued + producer.layout.world_size > _MAX_DECLINES_QUEUED:
+        self._queue_declines(request_id, producer, range(producer.layout.world_size))
+
+    def _queue_declines(self, request_id: str, producer: EngineRef, srcs: Sequence[int]) -> None:
+        """Queue a pull of nothing to each of ``srcs`` on the decline worker (see ``decline``), within its bound."""
+        with self._cond:
+            if self._declines_queued + len(srcs) > _MAX_DECLINES_QUEUED:
                 log.info("not declining %s: %d declines already queued (its producer frees it after hold_s)",
                          request_id, self._declines_queued)
                 return
-            self._declines_queued += producer.layout.world_size
-        for src in range(producer.layout.world_size):
+            self._declines_queued += len(srcs)
+        for src in srcs:
             self._decliner.submit(self._decline, request_id, producer, src)
 
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
@@ -281,6 +300,8 @@ class ConsumerSide:
             req = self._requests.pop(request_id, None)
             if req is not None and req.error is None:
                 req.error = TransferError(f"request {request_id!r} aborted")
+            if req is not None and req.push:  # a producer's later offer for it is refused, not staged for no one
+                self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error))
             self._cond.notify_all()
             limit = time.monotonic() + self._deadline_s
             while req is not None and req.applying and time.monotonic() < limit:
@@ -291,6 +312,10 @@ class ConsumerSide:
 
     def close(self) -> None:
         with self._cond:
+            for request_id, req in self._requests.items():  # their waiters see it now, not a stall after deadline_s
+                if req.error is None:
+                    req.error = ClosedError(f"engine rank {self._engine_id}.r{self._rank} closed while request "
+                                            f"{request_id!r} was expected")
             self._staged.clear()
             self._refused.clear()
             self._reserved = 0
@@ -319,8 +344,22 @@ class ConsumerSide:
             self.fail_peer(sender, ProtocolError(f"{sender!r} announced seq {ann.seq}, expected {want_seq}"))
             return
         self._recv_seq[link.link_id] = want_seq + 1
+        # The tensor is on its way whatever we make of it: one receive must be posted for it (its wire buffer, or
+        # scratch), or the link's next receive takes its bytes and every later request lands wrong KV silently.
+        try:
+            self._receive(sender, peer.remote.rank, peer.remote.engine_id, link, ann)
+        except Exception as err:  # nothing posted: close the link rather than let it go out of step
+            error = _as_ncclkv(err)
+            reason = f"no receive posted for announcement seq {ann.seq} of {ann.request_id!r}: {error}"
+            self.fail_peer(sender, type(error)(f"{sender!r}: {reason}; link closed"))
+            self._peers.drop(sender, reason)
+
+    def _receive(self, sender: str, src: int, engine_id: str, link: LinkBase, ann: Announce) -> None:
+        """Post the receive of one announced tensor from rank ``src`` of engine ``engine_id``: into a wire buffer
+        if its request takes it (checked against the plan), else into scratch (``_drain``). Raises only if
+        nothing was posted."""
         route = Route(ann.route.src, ann.route.dst, *ann.route.spans())
-        key = (peer.remote.rank, ann.layer, route)
+        key = (src, ann.layer, route)
         piece = route.tokens if ann.piece is None else Span(*ann.piece)
         shape = self._caches.wire_shape(piece, route.heads)
 
@@ -328,12 +367,14 @@ class ConsumerSide:
             return f"{sender!r} announced layer {ann.layer} {route}" + (
                 "" if ann.piece is None else f" tokens {piece!r}")
         problem = None
+        failure: type[NcclKVError] = ShapeMismatchError  # what the request fails with, for a problem of its own
+        buf: torch.Tensor | None = None
         with self._cond:
             req = self._requests.get(ann.request_id)
             staged = self._staged.get(ann.request_id) if req is None else None
             # Only the request's producer can fail it: any handshaken engine can announce (its tensor is drained).
             owner = req.producer.engine_id if req is not None else staged.producer_engine_id if staged else None
-            own = owner == peer.remote.engine_id
+            own = owner == engine_id
             if owner is not None and not own:
                 problem = f"{what()} for request {ann.request_id!r}, whose producer is {owner!r}"
             elif piece.empty or not route.tokens.covers(piece):
@@ -343,7 +384,7 @@ class ConsumerSide:
                     problem = f"{what()} which push {ann.request_id!r} did not offer"
                 elif tuple(ann.shape) != shape or ann.dtype != self._geometry.dtype:
                     problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
-                elif _add_piece(staged.announced, key, piece) is None:
+                elif _overlaps(staged.announced, key, piece):
                     problem = f"{what()} of push {ann.request_id!r} again"
             elif req is None or req.error is not None:
                 problem = f"request {ann.request_id!r} is not expected (finished, failed or aborted)"
@@ -351,21 +392,38 @@ class ConsumerSide:
                 problem = f"{what()} which request {ann.request_id!r} does not expect"
             elif tuple(ann.shape) != shape or ann.dtype != self._geometry.dtype:
                 problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
-            elif _add_piece(req.announced, key, piece) is None:
+            elif _overlaps(req.announced, key, piece):
                 problem = f"{what()} of request {ann.request_id!r} again"
-            else:
-                req.progress = self._clock.now()  # an announcement is progress: its tensor is on the way
-            if problem is not None and own and staged is not None and staged.error is None:
+            if problem is None:
+                # Taken before anything is recorded: if it fails (out of memory), the request fails alone and
+                # its tensor is drained, as for any announcement it cannot take.
+                try:
+                    buf = self._caches.wire_buffer(piece, route.heads)
+                except Exception as err:
+                    problem, failure = f"no wire buffer for {what()}: {type(err).__name__}: {err}", TransferError
+            if buf is not None:
+                if req is not None:
+                    _add_piece(req.announced, key, piece)
+                    req.progress = self._clock.now()  # an announcement is progress: its tensor is on the way
+                else:
+                    assert staged is not None
+                    _add_piece(staged.announced, key, piece)
+            elif own and staged is not None and staged.error is None:
                 # Its expect() fails at once, not after a stall.
-                self._fail_staged_locked(ann.request_id, staged, ShapeMismatchError(problem))
-        if problem is None:
-            buf = self._caches.wire_buffer(piece, route.heads)
-            link.recv(shape, self._caches.wire_dtype, out=buf).add_done_callback(
-                lambda fut: self._landed(ann.request_id, key, piece, buf, fut))
+                self._fail_staged_locked(ann.request_id, staged, failure(problem))
+        if buf is not None:
+            out: torch.Tensor = buf
+            try:
+                future = link.recv(shape, self._caches.wire_dtype, out=out)
+            except BaseException:
+                self._caches.recycle(out)  # never posted: nothing writes it
+                raise
+            future.add_done_callback(lambda fut: self._landed(ann.request_id, key, piece, out, fut))
             return
+        assert problem is not None
         log.warning("dropping announced tensor from %s: %s", sender, problem)
         if own and req is not None and req.error is None:
-            self._fail(req, ShapeMismatchError(problem))
+            self._fail(req, failure(problem))
         self._drain(sender, link, ann)
 
     def on_push_offer(self, sender: str, offer: PushOffer) -> Ack:
@@ -420,6 +478,7 @@ class ConsumerSide:
             staged.keys |= keys
             staged.reserved += nbytes
             self._reserved += nbytes
+            self._largest_slice = max(self._largest_slice, max((self._slice_bytes(r) for r in routes), default=0))
         return Ack(offer.request_id, None)
 
     def on_done(self, sender: str, done: Done) -> None:
@@ -477,25 +536,46 @@ class ConsumerSide:
             if self._peers.known(peer_id) is not None and not self._channel.peer_alive(peer_id):
                 log.info("not declining %s to %s: it was lost (it frees the blocks after hold_s)", request_id, peer_id)
                 return
-            self._pull(request_id, producer, src, [], SpanSet(()))
+            self._send_pull(request_id, producer, src, [], SpanSet(()))
+        except Exception as err:
+            log.warning("empty pull (declined) of %s from %s failed: %s", request_id, producer.peer_id(src), err)
         finally:
             with self._cond:
                 self._declines_queued -= 1
 
-    def _pull(self, request_id: str, producer: EngineRef, src: int, routes: list[Route], tokens: SpanSet) -> None:
-        peer_id = producer.peer_id(src)
+    def _pull(self, req: _Expected, src: int, routes: list[Route], tokens: SpanSet) -> None:
+        """On the executor: ask producer rank ``src`` for ``routes`` of ``req``.
+
+        A request that ended while this waited for a worker (aborted, or failed: a lost producer fails
+        all of its requests) is declined instead, on the decline worker: its producer frees the blocks,
+        and no handshake with a producer that may be dead holds a worker other pulls wait for."""
+        request_id, producer = req.request_id, req.producer
+        with self._cond:
+            ended = self._requests.get(request_id) is not req or req.error is not None
+        if ended:
+            self._queue_declines(request_id, producer, (src,))
+            return
         try:
-            self._peers.ensure(peer_id, producer.control_addrs[src], need_link=bool(routes))
-            self._channel.request(peer_id, PullRequest(
-                request_id, self._rank, self._engine_id, tuple(RouteMsg.from_route(r) for r in routes),
-                tokens.bounds.stop), self._deadline_s)
+            self._send_pull(request_id, producer, src, routes, tokens)
         except Exception as err:  # the request fails; the error names the producer rank
             log.log(logging.ERROR if routes else logging.WARNING, "%s of %s from %s failed: %s",
-                    "pull" if routes else "empty pull (nothing to receive, or declined)", request_id, peer_id, err)
+                    "pull" if routes else "empty pull (nothing to receive)", request_id, producer.peer_id(src), err)
+            if routes:
+                self._fail(req, err if isinstance(err, NcclKVError) else TransferError(str(err)))
+            return
+        if routes:
             with self._cond:
-                req = self._requests.get(request_id)
-                if req is not None and req.error is None and routes:
-                    self._fail_locked(req, err if isinstance(err, NcclKVError) else TransferError(str(err)))
+                req.unsent -= 1
+                req.progress = self._clock.now()  # its no-progress deadline counts from here (see _stall_at)
+
+    def _send_pull(self, request_id: str, producer: EngineRef, src: int, routes: list[Route],
+                   tokens: SpanSet) -> None:
+        """Shake hands with producer rank ``src`` if needed and send it the pull; returns once it is acknowledged."""
+        peer_id = producer.peer_id(src)
+        self._peers.ensure(peer_id, producer.control_addrs[src], need_link=bool(routes))
+        self._channel.request(peer_id, PullRequest(
+            request_id, self._rank, self._engine_id, tuple(RouteMsg.from_route(r) for r in routes),
+            tokens.bounds.stop), self._deadline_s)
 
     def _landed(self, request_id: str, key: _Key, piece: Span, buf: torch.Tensor, fut: Future[torch.Tensor]) -> None:
         """On the link's receive thread: stage a landed tensor, or scatter it unless its request failed."""
@@ -565,12 +645,14 @@ class ConsumerSide:
             tail = buf[:, req.keep - piece.start:].contiguous()
             self._caches.scatter(layer, tail, req.slots, Span(req.keep, piece.stop), heads)
 
-    def _drain(self, sender: str, link, ann: Announce) -> None:  # type: ignore[no-untyped-def]
-        """Receive an unwanted tensor into scratch to keep the link in step, or break the link if implausible."""
+    def _drain(self, sender: str, link: LinkBase, ann: Announce) -> None:
+        """Receive an unwanted tensor into scratch to keep the link in step, or break the link if implausible:
+        larger than any slice this rank planned to receive (a peer's lie would size our scratch)."""
         itemsize = DTYPE_SIZES.get(ann.dtype)
         numel = math.prod(ann.shape)
-        if itemsize is None or numel * itemsize != ann.nbytes or ann.nbytes > self._staging_bytes:
-            reason = f"implausible announcement {tuple(ann.shape)} {ann.dtype} {ann.nbytes} B"
+        if itemsize is None or numel * itemsize != ann.nbytes or ann.nbytes > self._largest_slice:
+            reason = (f"implausible announcement {tuple(ann.shape)} {ann.dtype} {ann.nbytes} B (the largest slice "
+                      f"planned here is {self._largest_slice} B)")
             # Fail its requests first: once the link is closed (what the peer sees), they have failed.
             self.fail_peer(sender, ProtocolError(f"{sender!r} sent an {reason}; link closed"))
             self._peers.drop(sender, reason)
@@ -668,24 +750,37 @@ class ConsumerSide:
             staged.reported = None
 
     def _stall_at(self, req: _Expected) -> float:
-        """When ``req`` counts as stalled: ``deadline_s`` without progress.
+        """When ``req`` counts as stalled (see ``_stall_limit``)."""
+        return req.progress + self._stall_limit(req)[0]
+
+    def _stall_limit(self, req: _Expected) -> tuple[float, str]:
+        """How long ``req`` may go without progress, and which limit that is: ``deadline_s``.
 
         A pushed request whose first announcement has not come yet may wait
         ``hold_s`` instead (its prefill may be queued), but only while one of
         its producer ranks is known and alive here: a producer never heard
-        from, or lost, gets ``deadline_s`` like any other.
+        from, or lost, gets ``deadline_s`` like any other. A pulled request
+        counts from its last pull's acknowledgement; while a pull is not yet
+        acknowledged it may wait ``hold_s``, as long as its producer holds it:
+        the pull may wait for a worker, and each of its own waits has a deadline.
         """
-        if req.push and not req.announced and any(
+        if req.push and not req.announced and self._hold_s != self._deadline_s and any(
             self._peers.get(peer) is not None and self._channel.peer_alive(peer)
             for peer in {req.producer.peer_id(src) for src, _, _ in req.pending}
         ):
-            return req.progress + self._hold_s
-        return req.progress + self._deadline_s
+            return self._hold_s, "hold_s, a push not yet announced"
+        if req.unsent and self._hold_s > self._deadline_s:
+            # A pull waits for a worker (others may wait deadline_s each on a dead producer) or for its answer.
+            return self._hold_s, "hold_s, a pull not yet acknowledged"
+        return self._deadline_s, "deadline_s"
+
+    def _slice_bytes(self, route: Route) -> int:
+        """Bytes of one layer of ``route`` on the wire."""
+        return math.prod(self._caches.wire_shape(route.tokens, route.heads)) * self._caches.wire_dtype.itemsize
 
     def _stall_error(self, req: _Expected) -> TransferTimeout:
         missing = sorted({(src, layer) for src, layer, _ in req.pending})[:8]
-        limit = self._stall_at(req) - req.progress
-        which = "hold_s, a push not yet announced" if limit == self._hold_s != self._deadline_s else "deadline_s"
+        limit, which = self._stall_limit(req)
         return TransferTimeout(
             f"request {req.request_id!r}: no progress for {limit:g}s ({which}); still missing "
             f"{len(req.pending)} tensors, e.g. (src rank, layer) {missing}")

@@ -276,7 +276,7 @@ def test_announcement_beyond_the_plan_fails_its_request_and_allocates_nothing(pr
     outcome = _pull(producer, "lie-ann-p", consumer, "lie-ann-d", ref_p, [lie])["lie"]
     assert outcome.error_type == "ShapeMismatchError", outcome
     assert "announced (2, 1000000000, 4, 32) float32, the plan says (2, 40, 4, 32) float32" in outcome.message, outcome
-    # Beyond the staging bound: not even drained into scratch; the link is closed instead.
+    # Beyond any slice planned here: not even drained into scratch; the link is closed instead.
     assert consumer.call("logs", contains="implausible announcement (2, 1000000000, 4, 32)"), consumer.call("logs")
     # The producer sees its link closed, after the consumer failed every request of the liar.
     assert producer.call("take_sent", key="lie-ann-p", rids=["lie"])["lie"].error_type in PEER_FAILURES

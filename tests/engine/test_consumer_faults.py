@@ -1,0 +1,288 @@
+"""Faults on the receive side that must stay with one request and never put a link out of step.
+
+A wire buffer or a receive that cannot be had for an announced tensor, pulls
+queued behind handshakes with a dead producer, an abort of a push before its
+offer or of a pull whose tensors are in flight, and a close while requests are
+expected. Links are real gloo links where the stream's order is what is
+tested, loopback links elsewhere; order is forced with events, never sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from ncclkv.engine import EngineRef
+from ncclkv.errors import ClosedError, NcclKVError, TransferError, TransferTimeout
+from ncclkv.launch import free_port
+from ncclkv.layout import Span
+from ncclkv.paged import CacheLayout
+from ncclkv.protocol import Announce, RouteMsg
+from ncclkv.transport import LoopbackHub
+
+from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull
+from .test_engine_failures import GQA, ONE, WAIT_S, _pair, _push, _sent, _sides, _staging, _until
+
+EXECUTOR_WORKERS = 4  # TransferEngine's executor: the workers pulls run on
+
+
+@pytest.fixture
+def gloo_pair() -> Iterator[tuple[list[RankSide], list[RankSide]]]:
+    """A one-rank producer and consumer on real data planes (gloo links), a short deadline."""
+    prefill = build_sides("prefill", ONE, GQA, CacheLayout.CPU, 16, "producer", deadline_s=3.0)
+    decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer", deadline_s=3.0)
+    try:
+        yield prefill, decode
+    finally:
+        close_sides(prefill, decode)
+
+
+def _outcomes(side: RankSide, *request_ids: str) -> dict[str, BaseException | None]:
+    """Poll a consumer rank until it reported each of ``request_ids``; their outcomes."""
+    got: dict[str, BaseException | None] = {}
+
+    def poll() -> bool:
+        got.update(side.engine.take_finished_receiving())
+        return set(request_ids) <= got.keys()
+    _until(poll, f"{request_ids} reported")
+    return got
+
+
+def _fail_call(n: int, real: Callable[..., Any], error: BaseException,
+               which: Callable[..., bool] = lambda *args, **kwargs: True) -> Callable[..., Any]:
+    """``real``, except that the ``n``-th of its calls that ``which`` picks raises ``error``."""
+    calls = [0]
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if which(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == n:
+                raise error
+        return real(*args, **kwargs)
+    return flaky
+
+
+def _link_id(side: RankSide, peer_id: str) -> str | None:
+    peer = side.engine._peers.get(peer_id)  # noqa: SLF001
+    return None if peer is None else peer.link_id
+
+
+def test_a_wire_buffer_that_cannot_be_taken_fails_its_request_alone_and_keeps_the_link_in_step(
+        gloo_pair: tuple[list[RankSide], list[RankSide]]) -> None:
+    prefill, decode = gloo_pair
+    start_pull("warm", prefill, decode, 9, [5], [5], 10)  # the link is up
+    decode[0].engine.wait("warm", timeout_s=WAIT_S)
+    link_before = _link_id(decode[0], "prefill.r0")
+    caches = decode[0].engine._caches  # noqa: SLF001 - one allocation fails (CUDA OOM under vLLM's budget)
+    caches.wire_buffer = _fail_call(  # type: ignore[method-assign]
+        2, caches.wire_buffer, RuntimeError("out of memory (test)"), lambda tokens, heads: len(tokens) == 20)
+    start_pull("a", prefill, decode, 1, [1, 2], [1, 2], 20)  # a's second slice of 20 tokens finds no buffer
+    start_pull("b", prefill, decode, 2, [3, 4], [3, 4], 24)  # its tensors beside a's on the link
+    out = _outcomes(decode[0], "a", "b")
+    assert isinstance(out["a"], TransferError) and "no wire buffer for" in str(out["a"]), out
+    assert "out of memory (test)" in str(out["a"])
+    # Before: a's tensor was never received, and b's receives took the tensors before their own.
+    assert out["b"] is None, out
+    assert decode[0].mismatches(2, [3, 4], 24, Span(0, 24)) == []
+    assert _link_id(decode[0], "prefill.r0") == link_before  # drained: the link stayed in step, and open
+
+
+def test_a_wire_buffer_that_cannot_be_taken_fails_a_staged_push_at_once(
+        gloo_pair: tuple[list[RankSide], list[RankSide]]) -> None:
+    prefill, decode = gloo_pair
+    ref, producer = engine_ref("decode", ONE, decode), engine_ref("prefill", ONE, prefill)
+    caches = decode[0].engine._caches  # noqa: SLF001
+    caches.wire_buffer = _fail_call(2, caches.wire_buffer, RuntimeError("out of memory (test)"))  # type: ignore[method-assign]
+    prefill[0].fill(seed=3, block_ids=[0, 1], num_tokens=32)
+    _push(prefill[0], "p", ref, [0, 1], 32)  # staged here: not expected yet; its layer 1 finds no buffer
+    _sent(prefill[0], "p")  # every send of p completed (received into staging or drained)
+    _push(prefill[0], "q", ref, [0, 1], 32)  # right behind p on the link
+    assert _sent(prefill[0], "q") is None
+    assert _staging(decode[0]) == (128 * 1024, 128 * 1024)  # q's only: p's staging was given back at once
+    decode[0].engine.expect("p", producer, [2, 3], 32, push=True)
+    with pytest.raises(TransferError, match="no wire buffer for"):
+        decode[0].engine.wait("p", timeout_s=WAIT_S)
+    decode[0].engine.expect("q", producer, [4, 5], 32, push=True)
+    decode[0].engine.wait("q", timeout_s=WAIT_S)  # its tensors were received in their own place
+    assert decode[0].mismatches(3, [4, 5], 32, Span(0, 32)) == []
+
+
+def test_a_receive_that_cannot_be_posted_closes_the_link_and_the_next_request_lands(
+        gloo_pair: tuple[list[RankSide], list[RankSide]]) -> None:
+    prefill, decode = gloo_pair
+    start_pull("warm", prefill, decode, 9, [5], [5], 10)
+    decode[0].engine.wait("warm", timeout_s=WAIT_S)
+    link_before = _link_id(decode[0], "prefill.r0")
+    link = decode[0].engine._peers.link("prefill.r0")  # noqa: SLF001 - its second receive cannot be posted
+    link.recv = _fail_call(2, link.recv, ClosedError("receive refused (test)"))  # type: ignore[method-assign]
+    start_pull("a", prefill, decode, 1, [1, 2], [1, 2], 20)
+    error = _outcomes(decode[0], "a")["a"]
+    # Before: the link stayed open, a waited deadline_s, and the next receive took the unreceived tensor.
+    assert isinstance(error, ClosedError) and "no receive posted for announcement seq" in str(error), error
+    assert "link closed" in str(error)
+    start_pull("b", prefill, decode, 2, [3, 4], [3, 4], 20)
+    decode[0].engine.wait("b", timeout_s=WAIT_S)
+    assert decode[0].mismatches(2, [3, 4], 20, Span(0, 20)) == []
+    assert _link_id(decode[0], "prefill.r0") not in (None, link_before)  # a new link
+
+
+class _BusyWorkers:
+    """Holds every worker of an engine's executor until released (a handshake with a dead producer each)."""
+
+    def __init__(self, side: RankSide) -> None:
+        self._started = threading.Semaphore(0)
+        self._release = threading.Event()
+        for _ in range(EXECUTOR_WORKERS):
+            side.engine._executor.submit(self._hold)  # noqa: SLF001
+        for _ in range(EXECUTOR_WORKERS):
+            assert self._started.acquire(timeout=WAIT_S), "an executor worker never started"
+
+    def _hold(self) -> None:
+        self._started.release()
+        assert self._release.wait(WAIT_S)
+
+    def release(self) -> None:
+        self._release.set()
+
+
+def test_a_pull_waiting_for_a_worker_counts_its_deadline_from_when_it_is_sent() -> None:
+    deadline_s = 1.0
+    with _pair(consumer=dict(deadline_s=deadline_s)) as (prefill, decode):
+        prefill[0].fill(seed=5, block_ids=[1, 2], num_tokens=20)
+        prefill[0].engine.finish("ok", [1, 2], 20)
+        busy = _BusyWorkers(decode[0])
+        try:
+            decode[0].engine.expect("ok", engine_ref("prefill", ONE, prefill), [3, 4], 20)
+            with pytest.raises(TransferTimeout, match="not landed within"):  # the wait's own limit, not a stall
+                decode[0].engine.wait("ok", timeout_s=1.5 * deadline_s)
+            assert "ok" not in decode[0].engine.take_finished_receiving()  # before: failed, no progress for 1s
+        finally:
+            busy.release()
+        decode[0].engine.wait("ok", timeout_s=WAIT_S)
+        assert decode[0].mismatches(5, [3, 4], 20, Span(0, 20)) == []
+
+
+def test_a_pull_whose_request_was_aborted_while_queued_is_declined_not_sent() -> None:
+    with _pair(producer=dict(hold_s=600.0)) as (prefill, decode):
+        prefill[0].fill(seed=6, block_ids=[1, 2], num_tokens=20)
+        prefill[0].engine.finish("a", [1, 2], 20)
+        busy = _BusyWorkers(decode[0])
+        try:
+            decode[0].engine.expect("a", engine_ref("prefill", ONE, prefill), [3, 4], 20)
+            decode[0].engine.abort("a")
+        finally:
+            busy.release()
+        assert _sent(prefill[0], "a") is None  # a pull of nothing: freed at once, not after hold_s
+        assert prefill[0].engine.stats().tensors_sent == 0  # before: served, and every tensor drained
+
+
+def test_pulls_to_a_dead_producer_do_not_starve_a_pull_from_a_live_one() -> None:
+    with _pair(producer=dict(deadline_s=2.0), consumer=dict(deadline_s=2.0)) as (prefill, decode):
+        dead = EngineRef("deadprefill", ONE, (f"tcp://127.0.0.1:{free_port()}",))  # a crashed prefill engine
+        dead_ids = [f"dead{i}" for i in range(2 * EXECUTOR_WORKERS)]  # more than the executor's workers
+        for i, request_id in enumerate(dead_ids):
+            decode[0].engine.expect(request_id, dead, [8 + i], 10)
+        prefill[0].fill(seed=1, block_ids=[1, 2], num_tokens=20)
+        prefill[0].engine.finish("ok", [1, 2], 20)
+        decode[0].engine.expect("ok", engine_ref("prefill", ONE, prefill), [1, 2], 20)
+        # Before: queued behind the dead pulls, each waiting deadline_s, it stalled first.
+        decode[0].engine.wait("ok", timeout_s=WAIT_S)
+        assert decode[0].mismatches(1, [1, 2], 20, Span(0, 20)) == []
+        out = _outcomes(decode[0], *dead_ids)
+        assert all(isinstance(out[r], NcclKVError) for r in dead_ids), out  # each failed, typed
+
+
+def test_an_offer_after_the_abort_of_an_expected_push_is_refused() -> None:
+    with _pair(consumer=dict(hold_s=600.0)) as (prefill, decode):
+        ref, producer = engine_ref("decode", ONE, decode), engine_ref("prefill", ONE, prefill)
+        decode[0].engine.expect("p", producer, [0, 1], 32, push=True)  # before the producer's offer came
+        decode[0].engine.abort("p")  # its decode request was cancelled
+        _push(prefill[0], "p", ref, [0, 1], 32)
+        error = _sent(prefill[0], "p")
+        # Before: staged for no one until hold_s, and the producer told it succeeded.
+        assert isinstance(error, TransferError) and "already failed here" in str(error), error
+        assert "'p' aborted" in str(error)
+        assert _staging(decode[0]) == (0, 0)
+        assert "p" not in decode[0].engine._consumer._staged  # noqa: SLF001
+
+
+def test_an_aborted_pull_larger_than_the_staging_is_drained_and_the_link_kept() -> None:
+    # 20 KiB slices, 4 KiB of staging (pushes unused): what is drained is bounded by the plan, not the staging.
+    with _pair(producer=dict(hold_s=30.0), consumer=dict(staging_bytes=4096)) as (prefill, decode):
+        producer = engine_ref("prefill", ONE, prefill)
+        decode[0].engine.expect("a", producer, [1, 2], 20)
+        decode[0].engine.expect("b", producer, [3, 4], 20)
+        early = prefill[0].engine._producer._early  # noqa: SLF001 - both pulls wait at the producer
+        _until(lambda: {"a", "b"} <= early.keys(), "both pulls parked at the producer")
+        link_before = _link_id(decode[0], "prefill.r0")
+        decode[0].engine.abort("a")  # its tensors come after this, on the link b's come on
+        for request_id, blocks in (("a", [1, 2]), ("b", [3, 4])):
+            prefill[0].fill(seed=2, block_ids=blocks, num_tokens=20)
+            prefill[0].engine.finish(request_id, blocks, 20)
+        decode[0].engine.wait("b", timeout_s=WAIT_S)  # before: a's drain broke the link, and b failed
+        assert decode[0].mismatches(2, [3, 4], 20, Span(0, 20)) == []
+        assert _sent(prefill[0], "a") is None  # served, and drained here
+        assert _link_id(decode[0], "prefill.r0") == link_before
+
+
+def test_close_fails_expected_requests_and_wakes_their_waiters() -> None:
+    with _pair(consumer=dict(deadline_s=60.0)) as (prefill, decode):
+        decode[0].engine.expect("r", engine_ref("prefill", ONE, prefill), [1, 2], 20)  # its pull waits: not held
+        early = prefill[0].engine._producer._early  # noqa: SLF001
+        _until(lambda: "r" in early, "the pull parked at the producer")
+        got: dict[str, BaseException | bool] = {}
+        waiting = threading.Barrier(3, timeout=WAIT_S)
+
+        def wait_layer() -> None:
+            waiting.wait()
+            try:
+                decode[0].engine.wait_layer("r", 0, timeout_s=WAIT_S)
+            except BaseException as err:  # noqa: BLE001 - what the waiter saw is the outcome
+                got["wait_layer"] = err
+
+        def wait_finished() -> None:
+            waiting.wait()
+            got["wait_finished"] = decode[0].engine.wait_finished_receiving(WAIT_S)
+        threads = [threading.Thread(target=wait_layer), threading.Thread(target=wait_finished)]
+        for thread in threads:
+            thread.start()
+        waiting.wait()
+        started = time.monotonic()
+        decode[0].engine.close()
+        for thread in threads:
+            thread.join(WAIT_S)
+        # Before: the waiters ran into their own limits (wait_layer: TransferTimeout), not the close.
+        assert time.monotonic() - started < WAIT_S / 2, got
+        assert isinstance(got.get("wait_layer"), ClosedError), got
+        assert "closed while request 'r' was expected" in str(got["wait_layer"])
+        assert got.get("wait_finished") is True, got
+        assert isinstance(decode[0].engine.take_finished_receiving().get("r"), ClosedError)
+
+
+def test_a_tensor_beyond_any_slice_planned_here_closes_the_link(caplog: pytest.LogCaptureFixture) -> None:
+    hub = LoopbackHub()
+    prefill = _sides(hub, "prefill", "producer")
+    decode = _sides(hub, "decode", "consumer")  # staging_bytes: 1 GiB by default
+    other = _sides(hub, "other", "producer")
+    try:
+        decode[0].engine.expect("r", engine_ref("prefill", ONE, prefill), [1, 2], 20)  # slices of 20 KiB
+        peer = other[0].engine._peers.ensure("decode.r0", decode[0].engine.address, need_link=True)  # noqa: SLF001
+        with caplog.at_level(logging.WARNING, logger="ncclkv.engine"):
+            other[0].engine._channel.send("decode.r0", Announce(  # noqa: SLF001 - 40 KiB, for no request here
+                "x", 0, RouteMsg(0, 0, (0, 4), (0, 4), (0, 40)), (2, 40, 4, 32), "float32", 2 * 40 * 4 * 32 * 4,
+                0, peer.link_id, None))
+            _until(lambda: decode[0].engine._peers.get("other.r0") is None,  # noqa: SLF001
+                   "the link to the announcing engine closed")
+        assert any("implausible announcement (2, 40, 4, 32) float32 40960 B (the largest slice planned here is "
+                   "20480 B)" in r.getMessage() for r in caplog.records)
+        prefill[0].fill(seed=4, block_ids=[1, 2], num_tokens=20)  # its own producer's request is untouched
+        prefill[0].engine.finish("r", [1, 2], 20)
+        decode[0].engine.wait("r", timeout_s=WAIT_S)
+        assert decode[0].mismatches(4, [1, 2], 20, Span(0, 20)) == []
+    finally:
+        close_sides(prefill, decode, other)
