@@ -156,7 +156,10 @@ ANALYSIS = """\
 On the CPU the native kernel (ncclkv/paged/_kernel.c) does one memcpy per
 contiguous run: a token's heads in the NHD layouts, one head of one token in
 the head-major ones, with K and V of each (block, head) back to back (adjacent
-in the vLLM CPU layouts, so the cache is read front to back). CPU_KT (what
+in the vLLM CPU layouts, so the cache is read front to back). PACKED is vLLM
+0.32's GPU view (K then V of each token and head side by side; here
+contiguous, heads before tokens): its runs are one head of one token, K and V
+read from the same cache line. On a GPU the torch-op path moves it. CPU_KT (what
 vLLM 0.32's CPU backend writes: keys transposed per block) needs a real
 transpose of each [head_size, block_size] key tile: 16x16 AVX2 blocks (8x8
 SSE2 on ragged tiles or without AVX2; `native_isa` above says which ran), with
