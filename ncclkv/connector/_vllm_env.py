@@ -12,8 +12,10 @@ from ._worker import RankInfo
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["MOVABLE_DRAFTERS", "check_speculative", "drafter_layers", "parallel_ranks", "rank_info"]
+__all__ = ["MOVABLE_DRAFTERS", "check_kv_cache_groups", "check_speculative", "drafter_layers", "parallel_ranks",
+           "rank_info"]
 
 
 def parallel_ranks(tp_size: int, pp_size: int) -> tuple[int, int]:
@@ -148,3 +150,31 @@ def check_speculative(vllm_config: VllmConfig) -> None:
                          f"cannot move ({why}). Use EAGLE, EAGLE-3 or single-module MTP with the model's kv heads "
                          "and head size, a method without a drafter KV cache ('ngram', 'suffix'), or no "
                          "speculative decoding with ncclkv")
+
+
+def check_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse KV caches whose blocks vLLM may free while a transfer still reads or writes them.
+
+    ncclkv moves every prompt token of every layer through the blocks of the
+    request's one KV cache group; vLLM (hybrid manager off, as for any
+    connector without ``SupportsHMA``) gives full-attention models exactly
+    that, and turns sliding windows into full attention when a model mixes
+    them. A model of sliding-window or chunked-local layers only keeps its
+    own manager, which frees the blocks behind the window (its block table
+    then names the null block there), and state caches (Mamba) hold no
+    tokens: refused, naming the group and its spec.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
+
+    if kv_cache_config is None:
+        return
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        refused = sorted({type(s).__name__ for s in specs if not isinstance(s, FullAttentionSpec)})
+        if refused:
+            raise ValueError(f"ncclkv: KV cache group {index} (layers {group.layer_names[:3]}"
+                             f"{'...' if len(group.layer_names) > 3 else ''}) is {', '.join(refused)}: ncclkv moves "
+                             "full-attention KV caches only (vLLM frees a sliding window's or chunked-local "
+                             "layer's blocks behind the window while a transfer may still use them; a state "
+                             "cache holds no tokens)")
