@@ -70,6 +70,23 @@ def _prefill(engine: Any, prompts: list[list[int]], **params: Any) -> list[dict[
     return out  # type: ignore[return-value]
 
 
+def _pull_then_push_equal_one_engine(prefill: Any, decode: Any, ref_path: Path, prompt_bytes: int) -> None:
+    """PULL_PROMPTS pulled, then pushed into ``decode`` (which logs stats and writes its EngineRef to
+    ``ref_path``): each time the outputs equal ``decode``'s own run of them (not degenerate), the decode engine
+    counts ``prompt_bytes`` more received, and nothing is recomputed or left held."""
+    expected = _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS))
+    assert len(set(expected)) == len(expected)  # distinct outputs: a wrong KV would show
+    decoded = decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=_prefill(prefill, PULL_PROMPTS))
+    assert _ids(decoded) == expected
+    assert decode.metrics("vllm:ncclkv_bytes_received")["vllm:ncclkv_bytes_received"] == prompt_bytes
+    params = _prefill(prefill, PULL_PROMPTS, remote_decode=json.loads(ref_path.read_text()))
+    assert all(p["pushed"] for p in params)
+    assert _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) == expected
+    assert decode.metrics("vllm:ncclkv_bytes_received")["vllm:ncclkv_bytes_received"] == 2 * prompt_bytes
+    assert prefill.drain() == 0
+    assert load_failures(decode) == []  # every layer loaded: nothing recomputed
+
+
 def _auth_env(tmp_path: Path) -> dict[str, str]:
     """Authentication on, as a deployment sets it (docs/SECURITY.md): a shared CURVE key pair and an HMAC key."""
     secret_file = tmp_path / "ncclkv.secret"
@@ -209,16 +226,7 @@ def test_pd_with_an_eagle_drafter_moves_its_layer_too(tiny_model_dir: Path, laun
     decode.wait_ready()
     # Bytes a prompt's KV takes in all layers, the drafter's included: (K, V) x kv heads x head size x float32.
     prompt_bytes = sum(PROMPT_LENGTHS) * 2 * TINY_SPEC.num_kv_heads * TINY_SPEC.head_size * 4 * (TINY_SPEC.num_layers + 1)
-    expected = _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS))  # one engine, the same drafter
-    decoded = decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=_prefill(prefill, PULL_PROMPTS))
-    assert _ids(decoded) == expected
-    assert decode.metrics("vllm:ncclkv_bytes_received")["vllm:ncclkv_bytes_received"] == prompt_bytes
-    params = _prefill(prefill, PULL_PROMPTS, remote_decode=json.loads(ref_path.read_text()))
-    assert all(p["pushed"] for p in params)
-    assert _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) == expected
-    assert decode.metrics("vllm:ncclkv_bytes_received")["vllm:ncclkv_bytes_received"] == 2 * prompt_bytes
-    assert prefill.drain() == 0
-    assert load_failures(decode) == []  # every layer loaded, the drafter's too: nothing recomputed
+    _pull_then_push_equal_one_engine(prefill, decode, ref_path, prompt_bytes)  # the drafter's layer too
     # No hook failed: a second save of a layer in one step would ("ncclkv: push of ... layer 2 failed: ... was
     # already saved"; vLLM formats its own loggers only, so the line may come bare or with a prefix).
     for engine in (prefill, decode):
@@ -240,18 +248,8 @@ def test_pd_of_an_mla_model_moves_its_latent(launch_engine, cpu_cores: list[int]
                            kv_transfer_config=_connector("kv_consumer", ref_path=str(ref_path)), **options)
     prefill.wait_ready()
     decode.wait_ready()
-    prompt_bytes = sum(PROMPT_LENGTHS) * 576 * 2 * 2  # tokens x latent x bfloat16 x layers
-    expected = _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS))
-    assert len(set(expected)) == len(expected)  # not degenerate: a wrong latent would show
-    decoded = decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=_prefill(prefill, PULL_PROMPTS))
-    assert _ids(decoded) == expected
-    assert decode.metrics("vllm:ncclkv_bytes_received")["vllm:ncclkv_bytes_received"] == prompt_bytes
-    params = _prefill(prefill, PULL_PROMPTS, remote_decode=json.loads(ref_path.read_text()))
-    assert all(p["pushed"] for p in params)
-    assert _ids(decode.generate(PULL_PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) == expected
-    assert decode.metrics("vllm:ncclkv_bytes_received")["vllm:ncclkv_bytes_received"] == 2 * prompt_bytes
-    assert prefill.drain() == 0
-    assert load_failures(decode) == []  # the latent was loaded, not recomputed
+    _pull_then_push_equal_one_engine(prefill, decode, ref_path,
+                                     sum(PROMPT_LENGTHS) * 576 * 2 * 2)  # tokens x latent x bfloat16 x layers
 
 
 @pytest.mark.timeout(500)
