@@ -5,6 +5,8 @@ test_ncclkv_pd.py):
 
 - prefill TP=1 -> decode TP=2: each decode rank takes its 2 of the 4 kv-heads
   from the one prefill rank, pulled and pushed;
+- MLA, prefill TP=1 -> decode TP=2: each decode rank takes the whole latent
+  (MLA keeps one latent per token, replicated on every tensor-parallel rank);
 - prefill PP=2 -> decode TP=1: the decode rank takes layer 0 from the first
   pipeline stage and layer 1 from the second, pulled and pushed. The PP=2
   engine runs with compilation on (``enforce_eager=False``): in eager mode with
@@ -36,7 +38,7 @@ from engine_proc import (EngineOptions, EngineProcess, ParallelEngineOptions, Re
                          session_scheduling)
 from tiny_model import TINY_SPEC, make_prompts
 
-from ncclkv._vllm_model import eagle_speculative_config
+from ncclkv._vllm_model import MLA_ENGINE_OPTIONS, build_tiny_deepseek, eagle_speculative_config
 
 pytestmark = pytest.mark.vllm
 
@@ -187,3 +189,34 @@ def test_prefill_pp2_to_decode_tp1(tiny_model_dir: Path, cpu_cores: list[int], t
         push_s = _decode_and_check(prefill, decode, (1, 2), expected, remote_decode=json.loads(ref_path.read_text()))
         assert load_failures(decode) == []
     print(f"pull {pull_s:.2f} s, push {push_s:.2f} s; test body {time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.timeout(600)
+def test_mla_prefill_tp1_to_decode_tp2(cpu_cores: list[int], tmp_path: Path) -> None:
+    """A tiny DeepSeek-V2 on vLLM's CPU MLA backend: both decode ranks take every token's latent (576 values,
+    bfloat16) of both layers from the one prefill rank, pulled and pushed; outputs equal the prefill engine's
+    own run of the prompts."""
+    ref_path = tmp_path / "decode_ref.json"
+    mla = dict(model_dir=build_tiny_deepseek(tmp_path / "deepseek"), dtype="bfloat16", block_size=16,
+               llm_overrides=MLA_ENGINE_OPTIONS)
+    with _launch(EngineOptions(cpu_core=cpu_cores[0], cpu_affinity=(cpu_cores[0],),
+                               kv_transfer_config=_connector("kv_producer"), **mla), tmp_path, "prefill_tp1") as prefill, \
+            _launch(ParallelEngineOptions(tensor_parallel_size=2, log_stats=True, cpu_affinity=(cpu_cores[-1],),
+                                          kv_transfer_config=_connector("kv_consumer", ref_path=str(ref_path)), **mla),
+                    tmp_path, "decode_tp2") as decode:
+        prefill.wait_ready(START_TIMEOUT_S)
+        decode.wait_ready(START_TIMEOUT_S)
+        expected = _ids(prefill.generate(PROMPTS, max_tokens=MAX_TOKENS))
+        assert len(set(expected)) == len(expected)  # distinct outputs: a wrong latent would show
+        latent_bytes = sum(PROMPT_LENGTHS) * 576 * 2 * 2 * 2  # tokens x latent x bfloat16 x layers x decode ranks
+        for round_, intent in enumerate(({}, {"remote_decode": json.loads(ref_path.read_text())}), start=1):
+            results = prefill.generate(PROMPTS, max_tokens=1, kv_transfer_params=[
+                {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, **intent}] * len(PROMPTS))
+            params = [r.kv_transfer_params for r in results]
+            assert all(p is not None and p["pushed"] == bool(intent) for p in params), params
+            assert _ids(decode.generate(PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)) == expected
+            counters = decode.metrics(METRIC)
+            assert counters[METRIC + "bytes_received"] == round_ * latent_bytes, counters
+            assert counters.get(METRIC + "transfers_failed", 0) == 0, counters
+            assert prefill.drain() == 0
+        assert load_failures(decode) == []
