@@ -291,16 +291,18 @@ class IoLoop:
                 del self._links[peer_id]
         if peer_id in self._links:  # already reachable: keep its path, so its frames stay in order
             return
-        dealer = self._router.context.socket(zmq.DEALER)
-        self._configure(dealer)
-        dealer.setsockopt(zmq.ROUTING_ID, self._peer_id.encode())  # the peer's ROUTER knows us by name
-        if self._auth.curve is not None:
-            configure_curve_client(dealer, self._auth, server_key)
-        try:
+        dealer: zmq.Socket | None = None
+        try:  # any failure (too many sockets, an address ZMQ refuses) loses this peer, never the I/O thread
+            dealer = self._router.context.socket(zmq.DEALER)
+            self._configure(dealer)
+            dealer.setsockopt(zmq.ROUTING_ID, self._peer_id.encode())  # the peer's ROUTER knows us by name
+            if self._auth.curve is not None:
+                configure_curve_client(dealer, self._auth, server_key)
             dealer.connect(address)
-        except zmq.ZMQError as exc:
-            dealer.close(linger=0)
-            self._declare_lost(peer_id, f"cannot connect to {address!r}: {exc}")
+        except Exception as exc:
+            if dealer is not None:
+                dealer.close(linger=0)
+            self._declare_lost(peer_id, f"cannot connect to {address!r}: {type(exc).__name__}: {exc}")
             return
         self._poller.register(dealer, zmq.POLLIN)
         self._links[peer_id] = _Link(dealer=dealer)

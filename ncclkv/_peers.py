@@ -4,6 +4,7 @@ and the token buckets that bound what a flood of bad frames can cost (log lines,
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -78,7 +79,9 @@ class PeerTable:
         self._lock = threading.Lock()
         self._states: dict[str, _PeerState] = {}
         self._lost: OrderedDict[str, None] = OrderedDict()  # lost peers, oldest first
-        self._ids = itertools.count(1)
+        # From a random start: a peer may answer a late request of this channel's previous life (a process
+        # restarted under the same id), and replies are matched by (msg id, sender) only.
+        self._ids = itertools.count(secrets.randbits(48) + 1)
 
     def next_msg_id(self) -> int:
         with self._lock:

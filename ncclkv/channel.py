@@ -206,8 +206,7 @@ class Channel:
         """
         self._check_open()
         _check_peer_id(peer_id)
-        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"address must be tcp://host:port or ipc://path, got {address!r}")
+        _check_address(address)
         key = curve_key(server_key, "server_key") if server_key is not None else None
         if key is not None and self.auth.curve is None:
             raise ValueError(f"server_key given for peer {peer_id!r} but this channel has no CURVE auth")
@@ -259,8 +258,9 @@ class Channel:
         """Wait until every frame sent before this call is with ZMQ, whose own threads deliver it even
         while this process's Python threads cannot run; False after ``timeout_s`` (default ``deadline_s``)."""
         wait_s = self.deadline_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
-        self._check_open()
-        done = self._io.submit_flush()
+        with self._lock:  # as close() marks the channel closed: queued before the I/O thread's last turn
+            self._check_open()
+            done = self._io.submit_flush()
         return self.clock.wait(done.wait, wait_s)
 
     def peer_alive(self, peer_id: str) -> bool:
@@ -382,6 +382,21 @@ class Channel:
         for entry in entries:
             self._finish(entry, None, kind(f"peer {peer_id!r} lost while waiting for a reply: {reason}"))
         self._dispatcher.put_lost(peer_id, kind(f"peer {peer_id!r} lost: {reason}"))
+
+
+def _check_address(address: object) -> None:
+    """``tcp://host:port`` or ``ipc://path``, encodable for ZMQ; ValueError naming it (addresses come from
+    other engines' kv_transfer_params: a bad one must fail its caller, not the channel's I/O thread)."""
+    if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"address must be tcp://host:port or ipc://path, got {address!r}")
+    try:
+        address.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"address {address!r} is not valid UTF-8") from None
+    if address.startswith("tcp://"):
+        host, colon, port = address[len("tcp://"):].rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"address must be tcp://host:port with a port 1-65535, got {address!r}")
 
 
 def _check_peer_id(peer_id: str) -> None:

@@ -394,6 +394,11 @@ def test_send_checks_before_queueing(make_channel: Callable[..., Channel]) -> No
         a.send("b", Done("r", -2, 0))
     with pytest.raises(ValueError, match="address must be tcp"):
         a.connect("c", "127.0.0.1:5")
+    for no_port in ("tcp://127.0.0.1", "tcp://127.0.0.1:", "tcp://127.0.0.1:70000", "tcp://:5"):
+        with pytest.raises(ValueError, match="tcp://host:port with a port 1-65535, got"):
+            a.connect("c", no_port)
+    with pytest.raises(ValueError, match="is not valid UTF-8"):  # as json.loads('"\\ud800"') gives it
+        a.connect("c", "tcp://\ud800:1")
     with pytest.raises(ValueError, match="heartbeat_s must be < deadline_s, got heartbeat_s=1.0, deadline_s=0.5"):
         Channel("x", heartbeat_s=1.0, deadline_s=0.5)
     with pytest.raises(ValueError, match="peer_id"):
@@ -727,3 +732,29 @@ def test_a_send_that_meets_a_gone_peer_first_reads_what_it_sent(make_channel: Ca
     else:
         assert not isinstance(lost[0], errors.PeerClosedError) and "send failed: Host unreachable" in str(lost[0])
     assert client.stats.sent == 0  # neither the failed send nor its second try counts as sent
+
+
+def test_a_connect_the_io_thread_cannot_make_loses_that_peer_only(make_channel: Callable[..., Channel]) -> None:
+    """Whatever fails while opening a DEALER (ZMQ out of sockets, an address it refuses) loses that one peer;
+    the I/O thread goes on serving the others."""
+    lost: list[str] = []
+    bad_lost = threading.Event()
+    a = make_channel("a", on_peer_lost=lambda p, e: (lost.append(str(e)), bad_lost.set()), **FAST)
+    b = make_channel("b", on_message=ack_ready, **FAST)
+    a.connect("b", b.address)
+    assert a.request("b", Ready("before"), timeout_s=5) == Ack("before", None)
+    a._peers.add("bad", a.clock.now())  # noqa: SLF001 - past Channel.connect's checks, straight to the I/O thread
+    a._io.submit_connect("bad", "tcp://\ud800:1", None)  # noqa: SLF001 - ZMQ cannot encode it
+    assert bad_lost.wait(WAIT_S)
+    assert lost == ["peer 'bad' lost: cannot connect to 'tcp://\\ud800:1': UnicodeEncodeError: "
+                    "'utf-8' codec can't encode character '\\ud800' in position 6: surrogates not allowed"], lost
+    assert a.request("b", Ready("after"), timeout_s=5) == Ack("after", None)
+
+
+def test_message_ids_start_at_random() -> None:
+    """A restarted process under the same peer id must not take a late reply meant for its previous life: its
+    first message ids are not those of every other channel."""
+    from ncclkv._peers import PeerTable
+
+    firsts = {PeerTable().next_msg_id() for _ in range(8)}
+    assert len(firsts) == 8 and all(0 < i < 2**62 for i in firsts)
