@@ -253,8 +253,8 @@ class IoLoop:
             if turn.now >= next_beat:
                 self._beat()
                 next_beat = turn.now + self._heartbeat_s
-            for peer_id in self._peers.overdue(turn.now, self._deadline_s):
-                self._lose(peer_id, f"nothing heard for more than deadline_s={self._deadline_s}s")
+            for peer_id, reason in self._peers.overdue(turn.now, self._deadline_s):
+                self._lose(peer_id, reason)
 
     def _run_commands(self, woken: bool) -> None:
         # Read the wake-up bytes BEFORE clearing the flag: a submit that saw the
@@ -410,6 +410,7 @@ class IoLoop:
             if envelope.reply_to is None:  # echo, so the sender can measure the round trip
                 self._send(sender, self._frame(body, envelope.msg_id))
             else:
+                self._peers.echoed(sender, self._clock.now())
                 rtt_s = (time.monotonic_ns() - body.sent_ns) / 1e9
                 if rtt_s >= 0:
                     self._peers.set_rtt(sender, rtt_s)

@@ -61,6 +61,7 @@ class Budget:
 @dataclass(slots=True)
 class _PeerState:
     last_heard: float  # the channel clock (ncclkv._clock) at the last frame from the peer, or at connect()
+    last_echo: float  # the same clock at the last echo of our heartbeats from it, or when it became known
     lost: bool = False
     rtt_s: float | None = None
 
@@ -93,7 +94,7 @@ class PeerTable:
             state = self._states.get(peer_id)
             if state is not None and not state.lost:
                 return False
-            self._states[peer_id] = _PeerState(last_heard=now)
+            self._states[peer_id] = _PeerState(last_heard=now, last_echo=now)
             self._lost.pop(peer_id, None)
             return True
 
@@ -102,11 +103,18 @@ class PeerTable:
         with self._lock:
             state = self._states.get(peer_id)
             if state is None or state.lost:
-                self._states[peer_id] = _PeerState(last_heard=now)
+                self._states[peer_id] = _PeerState(last_heard=now, last_echo=now)
                 self._lost.pop(peer_id, None)
                 return True
             state.last_heard = max(state.last_heard, now)
             return False
+
+    def echoed(self, peer_id: str, now: float) -> None:
+        """Record the echo of one of our heartbeats from ``peer_id``: our path to it reaches it."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            if state is not None and not state.lost:
+                state.last_echo = max(state.last_echo, now)
 
     def require_alive(self, peer_id: str) -> None:
         """Raise ``ValueError`` for a peer never seen, :class:`PeerLostError` for a lost one."""
@@ -119,11 +127,22 @@ class PeerTable:
             if state.lost:
                 raise PeerLostError(f"peer {peer_id!r} is lost (nothing heard within the deadline)")
 
-    def overdue(self, now: float, deadline_s: float) -> list[str]:
-        """Mark lost, and return, the alive peers not heard from for more than ``deadline_s``."""
+    def overdue(self, now: float, deadline_s: float) -> list[tuple[str, str]]:
+        """Mark lost, and return with the reason, the alive peers not heard from for more than ``deadline_s``,
+        or whose echoes of our heartbeats stopped that long: what we send them no longer reaches them (a
+        process that died without a Bye and came back under the same id keeps talking to us, while our
+        frames still go to the dead one's address)."""
         with self._lock:
-            late = [p for p, s in self._states.items() if not s.lost and now - s.last_heard > deadline_s]
-            for peer_id in late:
+            late = []
+            for peer_id, state in self._states.items():
+                if state.lost:
+                    continue
+                if now - state.last_heard > deadline_s:
+                    late.append((peer_id, f"nothing heard for more than deadline_s={deadline_s}s"))
+                elif now - state.last_echo > deadline_s:
+                    late.append((peer_id, f"none of our heartbeats echoed for more than deadline_s={deadline_s}s "
+                                          "(what we send no longer reaches it: restarted under the same id?)"))
+            for peer_id, _ in late:
                 self._set_lost(peer_id)
             return late
 

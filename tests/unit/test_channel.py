@@ -758,3 +758,32 @@ def test_message_ids_start_at_random() -> None:
 
     firsts = {PeerTable().next_msg_id() for _ in range(8)}
     assert len(firsts) == 8 and all(0 < i < 2**62 for i in firsts)
+
+
+def test_a_peer_restarted_under_its_id_without_a_bye_is_reached_again(make_channel: Callable[..., Channel]) -> None:
+    """B dies without a Bye and comes back under the same id at a new address within deadline_s, and keeps
+    asking: A hears it all along, but its replies go down its DEALER to the dead address. A loses the old B
+    when its heartbeats stop being echoed, and the new B's next requests are answered on their connection."""
+    lost: list[str] = []
+    old_lost = threading.Event()
+    a = make_channel("A", on_message=ack_ready, on_peer_lost=lambda p, e: (lost.append(str(e)), old_lost.set()),
+                     heartbeat_s=0.05, deadline_s=1.0)
+    old = make_channel("B", on_message=ack_ready, heartbeat_s=0.05, deadline_s=1.0)
+    a.connect("B", old.address)  # A's path to B: a DEALER to the old address
+    old.connect("A", a.address)
+    assert old.request("A", Ready("first"), timeout_s=5) == Ack("first", None)
+    assert a.request("B", Ready("back"), timeout_s=5) == Ack("back", None)
+    old._io._say_bye = lambda: None  # noqa: SLF001 - it crashes: no Bye
+    old.close()
+    new = make_channel("B", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
+    new.connect("A", a.address)
+    answered = None
+    deadline = time.monotonic() + 10.0
+    while answered is None and time.monotonic() < deadline:  # it keeps asking, as a restarted engine would
+        try:
+            answered = new.request("A", Ready("again"), timeout_s=0.5)
+        except errors.TransferTimeout:
+            continue
+    assert answered == Ack("again", None)
+    assert old_lost.is_set() and "none of our heartbeats echoed for more than deadline_s=1.0s" in lost[0], lost
+    assert a.peer_alive("B")
