@@ -596,6 +596,8 @@ class ConsumerSide:
                         count = staged.landed_tokens[key] = staged.landed_tokens.get(key, 0) + len(piece)
                         staged.covered += int(count == len(key[2].tokens))
                         self._report_stored(request_id, staged)
+                elif error is None:  # its request ended meanwhile (aborted, expired): nothing takes it
+                    self._caches.recycle(buf)
                 return
         self._apply(req, key, piece, buf, error)
 

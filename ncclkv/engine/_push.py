@@ -178,6 +178,17 @@ class Pusher:
         A link closed meanwhile (its peer lost, or broken) fails this consumer rank only; the
         caller's ``save_layer`` goes on for the others and never raises for it.
         """
+        # A send that completed before its callback was added runs it here, on this thread (state.lock is
+        # re-entrant): counted open until every route of this layer is queued, the push cannot complete
+        # (and its blocks be handed back) while its later sends are not even queued.
+        state.open_sends += 1
+        try:
+            self._queue_layer(state, dst, link, layer, ready)
+        finally:
+            state.open_sends -= 1
+
+    def _queue_layer(self, state: PushState, dst: str, link: LinkBase, layer: int,
+                     ready: torch.cuda.Event | None) -> None:
         queued = 0
         for route in state.by_dst[dst]:
             if layer not in route.layers or dst not in state.links:

@@ -3,8 +3,10 @@
 A wire buffer or a receive that cannot be had for an announced tensor, pulls
 queued behind handshakes with a dead producer, an abort of a push before its
 offer or of a pull whose tensors are in flight, and a close while requests are
-expected. Links are real gloo links where the stream's order is what is
-tested, loopback links elsewhere; order is forced with events, never sleeps.
+expected, a tensor landing after its request ended; and, on the sending
+side, a push whose backlog is queued at its offer. Links are real gloo links
+where the stream's order is what is tested, loopback links elsewhere; order is
+forced with events, never sleeps.
 """
 
 from __future__ import annotations
@@ -286,3 +288,88 @@ def test_a_tensor_beyond_any_slice_planned_here_closes_the_link(caplog: pytest.L
         assert decode[0].mismatches(4, [1, 2], 20, Span(0, 20)) == []
     finally:
         close_sides(prefill, decode, other)
+
+
+def test_a_push_finished_before_its_offer_is_not_complete_until_its_backlog_is_sent(
+        gloo_pair: tuple[list[RankSide], list[RankSide]]) -> None:
+    """finish() before the consumer accepted the offer: every layer is backlog, queued in one go by the offer.
+    A first send that completes before its callback is added (the offer thread descheduled right after
+    link.send) must not complete the push, and hand its blocks back, while the later layers are not even
+    queued: each later layer is gathered while the push is still open, and every layer lands right."""
+    prefill, decode = gloo_pair
+    producer = prefill[0].engine
+    pusher = producer._producer._pusher  # noqa: SLF001 - the push side, to hold its offer and first send
+    offer_go, completed_at_gather = threading.Event(), []
+    real_offer, real_link, real_gather = pusher._offer, pusher._peers.link, producer._caches.gather  # noqa: SLF001
+
+    def held_offer(*args: Any) -> None:  # the offer's round trip outlasts the prefill's forward
+        assert offer_go.wait(WAIT_S)
+        real_offer(*args)
+
+    class FirstSendReturnsWhenDone:
+        def __init__(self, link: Any) -> None:
+            self._link, self._first = link, True
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._link, name)
+
+        def send(self, *args: Any, **kwargs: Any) -> Any:
+            future = self._link.send(*args, **kwargs)
+            if self._first:  # the offer thread resumes only once that send completed
+                self._first = False
+                done = threading.Event()
+                future.add_done_callback(lambda _: done.set())
+                assert done.wait(WAIT_S)
+            return future
+
+    def gather(layer: int, *args: Any) -> Any:
+        if layer >= 1:
+            completed_at_gather.append("x" not in pusher._pushes)  # noqa: SLF001 - reported complete already?
+        return real_gather(layer, *args)
+
+    pusher._offer = held_offer  # noqa: SLF001
+    pusher._peers.link = lambda dst: FirstSendReturnsWhenDone(real_link(dst))  # noqa: SLF001
+    producer._caches.gather = gather  # noqa: SLF001
+    n, blocks = 40, [1, 2, 3]
+    prefill[0].fill(seed=7, block_ids=blocks, num_tokens=n)
+    producer.start_push("x", engine_ref("decode", ONE, decode), blocks, n)
+    for layer in range(GQA.num_layers):
+        producer.save_layer("x", layer)
+    producer.finish("x")
+    offer_go.set()
+    assert _sent(prefill[0], "x") is None
+    assert completed_at_gather == [False] * (GQA.num_layers - 1)
+    decode[0].engine.expect("x", engine_ref("prefill", ONE, prefill), [5, 6, 7], n, push=True)
+    decode[0].engine.wait("x", timeout_s=WAIT_S)
+    assert decode[0].mismatches(7, [5, 6, 7], n, Span(0, n)) == []
+
+
+def test_a_tensor_landing_after_its_request_ended_gives_its_wire_buffer_back(
+        gloo_pair: tuple[list[RankSide], list[RankSide]]) -> None:
+    """A receive posted for an expected push lands after the request was aborted: nothing takes it, and its
+    wire buffer is given back (else the buffers' count of bytes out stays high and their cache bound drifts)."""
+    prefill, decode = gloo_pair
+    consumer = decode[0].engine._consumer  # noqa: SLF001
+    landing, go = threading.Event(), threading.Event()
+    real_landed = consumer._landed  # noqa: SLF001
+
+    def held_landed(*args: Any) -> None:  # the receive thread: the first landing waits for the abort
+        landing.set()
+        assert go.wait(WAIT_S)
+        real_landed(*args)
+
+    consumer._landed = held_landed  # noqa: SLF001
+    n, blocks = 40, [1, 2, 3]
+    prefill[0].fill(seed=7, block_ids=blocks, num_tokens=n)
+    decode[0].engine.expect("a", engine_ref("prefill", ONE, prefill), [4, 5, 6], n, push=True)
+    prefill[0].engine.start_push("a", engine_ref("decode", ONE, decode), blocks, n)
+    prefill[0].engine.save_layer("a", 0)
+    assert landing.wait(WAIT_S)
+    decode[0].engine.abort("a")
+    go.set()
+    for layer in range(1, GQA.num_layers):
+        prefill[0].engine.save_layer("a", layer)
+    prefill[0].engine.finish("a")
+    _sent(prefill[0], "a")
+    buffers = decode[0].engine._caches._buffers  # noqa: SLF001
+    _until(lambda: buffers._lent_bytes == 0, "every wire buffer given back")  # noqa: SLF001
