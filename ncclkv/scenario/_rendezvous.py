@@ -1,8 +1,10 @@
 """A job-wide rendezvous through the TCPStore at MASTER_ADDR:MASTER_PORT.
 
 Rank 0 hosts the store (unless the launcher already serves one there, as
-torchrun does); every other rank connects as a client. Each wait has the
-deadline given at construction. Failures are typed: the store vanishing is a
+torchrun does); every other rank connects as a client. Keys live under the
+caller's prefix and the launch attempt (``LaunchInfo.attempt``): torchrun's
+store outlives an attempt's workers, and a restart must not read its values.
+Each wait has the deadline given at construction. Failures are typed: the store vanishing is a
 :class:`PeerLostError`, a deadline a :class:`TransferTimeout`, and a failure
 one rank reports reaches the others through :meth:`finish`.
 """
@@ -42,9 +44,17 @@ class StoreRendezvous:
                 info.master_addr, info.master_port, is_master=self._hosting,
                 timeout=timedelta(seconds=deadline_s), wait_for_workers=False,
             )
-        self._store: dist.Store = dist.PrefixStore(prefix, store)
+        # The attempt in every key: torchrun's agent store outlives its workers, so an elastic restart
+        # would read the previous attempt's values (stale addresses, a finished outcome) under the same name.
+        self._prefix = f"{prefix}/attempt{info.attempt}"
+        self._store: dist.Store = dist.PrefixStore(self._prefix, store)
         self._raw_store = store  # the server lives as long as this object on rank 0
         self._left = False
+
+    @property
+    def prefix(self) -> str:
+        """Where this rendezvous keeps its keys in the store: the caller's prefix and the launch attempt."""
+        return self._prefix
 
     @property
     def hosting(self) -> bool:

@@ -94,8 +94,13 @@ def test_hydra_inside_sbatch_stays_mpich() -> None:
         # Rank 0 matches the batch step's SLURM_PROCID=0 and SLURM_NTASKS=8, but that is no srun step.
         ({**SBATCH_2_NODES, "PMI_RANK": "0", "PMI_SIZE": "8", "MASTER_ADDR": "h0", "MASTER_PORT": "1"},
          ["mpich: MPI_LOCALRANKID is not set", "SLURM_NNODES=2"]),
-        ({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h0", "MASTER_PORT": "1", "SLURM_STEP_NUM_NODES": "2",
-          "SLURM_NNODES": "3"}, ["env: LOCAL_RANK is not set", "SLURM_STEP_NUM_NODES=2", "LOCAL_WORLD_SIZE"]),
+        # Plain RANK/WORLD_SIZE inside a two-node srun step, with the step's own SLURM_PROCID as srun sets it.
+        ({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h0", "MASTER_PORT": "1", "SLURM_PROCID": "0",
+          "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_NNODES": "3"},
+         ["env: LOCAL_RANK is not set", "SLURM_STEP_NUM_NODES=2", "LOCAL_WORLD_SIZE"]),
+        # ... and inside a two-node batch script (SLURM_PROCID=0, the job's SLURM_NNODES).
+        ({**SBATCH_2_NODES, "RANK": "3", "WORLD_SIZE": "8", "MASTER_ADDR": "h0", "MASTER_PORT": "1"},
+         ["env: LOCAL_RANK is not set", "SLURM_NNODES=2"]),
     ],
 )
 def test_no_local_info_in_a_multi_node_slurm_job_is_refused(env: dict[str, str], names: list[str]) -> None:
@@ -106,8 +111,51 @@ def test_no_local_info_in_a_multi_node_slurm_job_is_refused(env: dict[str, str],
 
 
 def test_no_local_info_in_a_one_node_slurm_job_is_one_node() -> None:
-    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "5555", "SLURM_NNODES": "1"}
+    # `srun --pty bash` (one task: SLURM_PROCID=0) or a one-node batch script, then RANK/WORLD_SIZE by hand.
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "5555", "SLURM_NNODES": "1", "SLURM_PROCID": "0",
+           "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_NUM_NODES": "1", "SLURM_LOCALID": "0",
+           "SLURM_JOB_NODELIST": "gpu07", "SLURM_JOB_ID": "4242"}
     assert discover(env) == LaunchInfo("env", 1, 2, 1, 2, "127.0.0.1", 5555)
+
+
+@pytest.mark.parametrize("slurm", [SLURM, SBATCH_2_NODES, SRUN_PMI2 | {"PMI_RANK": "0", "PMI_SIZE": "1"}],
+                         ids=["srun-step", "sbatch-script", "srun-pmi2"])
+def test_plain_rank_and_world_size_win_over_the_slurm_step_around_them(slurm: dict[str, str]) -> None:
+    """Slurm never sets RANK/WORLD_SIZE: a process given both inside a step or batch script was placed by them."""
+    slurm = {k: v for k, v in slurm.items() if not k.startswith("PMI_")}
+    env = {**slurm, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "5555"}
+    assert discover(env) == LaunchInfo("env", 3, 4, 3, 4, "10.0.0.1", 5555)
+    # Only one of them: Slurm's variables place the task, as before (RANK alone is no launch).
+    assert discover({**slurm, "RANK": "3"}).launcher == "slurm"
+
+
+def test_torchrun_attempt_comes_from_the_restart_count() -> None:
+    """An elastic restart's rendezvous keys must differ from the previous attempt's (same agent store)."""
+    assert discover(TORCHRUN).attempt == 0
+    assert discover({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "0"}).attempt == 0
+    assert discover({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "2"}).attempt == 2
+    # Only torchrun restarts: another launcher's processes inherit a stray count from an outer torchrun's agent.
+    assert discover({**OPENMPI, "MASTER_PORT": "1", "TORCHELASTIC_RESTART_COUNT": "2"}).attempt == 0
+    assert discover({"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "1"}).attempt == 0
+    assert discover({}).attempt == 0
+    with pytest.raises(ValueError, match=r"TORCHELASTIC_RESTART_COUNT='x' is not an integer"):
+        discover({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "x"})
+
+
+def test_a_local_rank_without_the_node_size_names_the_missing_size() -> None:
+    """Not "spans several nodes": with LOCAL_RANK and no LOCAL_WORLD_SIZE, nothing says where the ranks are."""
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_PORT": "5555"}
+    with pytest.raises(ValueError) as err:
+        discover(env)
+    text = str(err.value)
+    assert "LOCAL_WORLD_SIZE is not set" in text and "LOCAL_WORLD_SIZE=2" in text and "MASTER_ADDR" in text, text
+    assert "spans several nodes" not in text, text
+    assert discover({**env, "LOCAL_WORLD_SIZE": "2"}) == LaunchInfo("env", 1, 2, 1, 2, "127.0.0.1", 5555)
+    assert discover({**env, "MASTER_ADDR": "h0"}) == LaunchInfo("env", 1, 2, 1, None, "h0", 5555)
+    # A node size that says the job spans nodes still says so.
+    with pytest.raises(ValueError, match=r"spans several nodes \(LOCAL_WORLD_SIZE=1\) and MASTER_ADDR is not set"):
+        discover({**env, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
 
 
 @pytest.mark.parametrize(

@@ -6,16 +6,20 @@ The scenarios themselves run under real launchers in tests/launchers.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
 import threading
 import types
 from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from ncclkv._env import env_settings
 from ncclkv._timeout import MAX_TIMEOUT_S
 from ncclkv.errors import PeerLostError, TransferTimeout
 from ncclkv.launch import LaunchInfo, free_port
@@ -257,6 +261,37 @@ def test_rendezvous_missing_rank_is_a_timeout_naming_it() -> None:
     assert all(isinstance(exc, TransferTimeout) and "missing ['value/2']" in str(exc) for exc in outcomes), outcomes
 
 
+def test_a_restarted_attempt_reads_none_of_the_previous_attempts_keys() -> None:
+    """torchrun's agent store outlives its workers: attempt 1 meets in the same store as attempt 0 did.
+
+    Under attempt 0's keys, rank 0 of attempt 1 got attempt 0's addresses at once, before its peer even started.
+    """
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=WAIT_S), wait_for_workers=False)
+
+    def attempt_info(rank: int, attempt: int) -> LaunchInfo:
+        return LaunchInfo("torchrun", rank, 2, rank, 2, "127.0.0.1", port, store_hosted=True, attempt=attempt)
+
+    def attempt_body(attempt: int) -> Callable[[int], list[str]]:
+        def body(rank: int) -> list[str]:
+            rendezvous = StoreRendezvous(attempt_info(rank, attempt), prefix="t", deadline_s=WAIT_S)
+            values = rendezvous.exchange(f"addr-{rank}-attempt{attempt}")
+            rendezvous.finish()
+            return values
+        return body
+
+    try:
+        assert on_ranks(2, attempt_body(0)) == [["addr-0-attempt0", "addr-1-attempt0"]] * 2
+        # Attempt 1's rank 0 alone: its peer has published nothing in this attempt yet.
+        alone = StoreRendezvous(attempt_info(0, 1), prefix="t", deadline_s=0.5)
+        assert alone.prefix == "t/attempt1"
+        with pytest.raises(TransferTimeout, match=r"missing \['value/1'\]"):
+            alone.exchange("addr-0-attempt1")
+        assert on_ranks(2, attempt_body(2)) == [["addr-0-attempt2", "addr-1-attempt2"]] * 2
+    finally:
+        del agent
+
+
 # -- exit codes of python -m ncclkv.scenario -------------------------------------------
 
 
@@ -359,3 +394,33 @@ def test_transfer_kill_rank_must_inject_something(mode: str, kill_rank: int, mes
         check_kill(cfg, topology, 4)
     check_kill(TransferConfig(cfg.geometry, (16,), "push", 10.0, 0), topology, 4)  # prefill[0] pushes request 0
 
+
+
+def test_ncclkv_bind_host_auto_is_resolved_by_the_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCLKV_BIND_HOST=auto worked only as --bind-host auto: a direct run bound the literal host 'auto'."""
+    seen: list[tuple[str | None, str | None, str | None]] = []
+
+    def run(launch: LaunchInfo, args: argparse.Namespace) -> None:
+        seen.append((args.bind_host, resolve_bind_host(args.bind_host, launch), os.environ.get("NCCLKV_BIND_HOST")))
+        env_settings()  # what the data plane and the engine read: no 'auto' left in it
+
+    fake_scenario(monkeypatch, "bindhost", run)
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_STEP_NUM_NODES", "SLURM_NNODES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("NCCLKV_BIND_HOST", "auto")
+    assert main(["--kind", "bindhost"]) == EXIT_OK
+    assert seen == [("auto", "127.0.0.1", None)]
+    monkeypatch.setenv("NCCLKV_BIND_HOST", "auto")
+    assert main(["--kind", "bindhost", "--bind-host", "127.0.0.2"]) == EXIT_OK  # the option wins
+    assert seen[1] == ("127.0.0.2", "127.0.0.2", None)
+    monkeypatch.setenv("NCCLKV_BIND_HOST", "127.0.0.3")  # an address stays where every reader finds it
+    assert main(["--kind", "bindhost"]) == EXIT_OK
+    assert seen[2] == (None, None, "127.0.0.3")
+    # Outside the scenario nothing knows MASTER_ADDR: an engine or the connector refuses 'auto' by name.
+    with pytest.raises(ValueError, match=r"NCCLKV_BIND_HOST='auto': 'auto' .* is understood only by "
+                                         r"python -m ncclkv.scenario"):
+        env_settings({"NCCLKV_BIND_HOST": "auto"})

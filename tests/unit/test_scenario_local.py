@@ -65,3 +65,11 @@ def test_inherited_launcher_variables_do_not_leak_into_the_ranks() -> None:
                 "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3"}
     outcome = run_local(2, ["--prefill", "1", "--decode", "1", "--small", "--deadline", "60"], 120, env=polluted)
     assert outcome.ok, outcome.failure_text()
+
+
+def test_ncclkv_bind_host_auto_runs_without_the_option() -> None:
+    """NCCLKV_BIND_HOST=auto in the environment, no --bind-host: each rank binds the address on its route to
+    MASTER_ADDR (127.0.0.1 here), not the host 'auto'."""
+    outcome = run_local(2, ["--small"], timeout_s=120, kind="ring", env={**os.environ, "NCCLKV_BIND_HOST": "auto"})
+    assert outcome.ok, outcome.failure_text()
+    assert all("received byte-exact" in text for text in outcome.outputs), outcome.failure_text()
