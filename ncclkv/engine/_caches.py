@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +101,29 @@ class RankCaches:
         if self.device.type != "cuda":
             return None
         return torch.cuda.current_stream(self.device).record_event()
+
+    def scattered(self, buf: torch.Tensor) -> torch.cuda.Event | None:
+        """CUDA: after a scatter from ``buf`` queued on the calling thread's current stream, keep ``buf`` from
+        being handed out again before that stream is past it (it may come from another stream's pool: a staged
+        push's), and return an event after the scatter, for readers to wait on. CPU: None, the scatter is done."""
+        if not buf.is_cuda:
+            return None
+        stream = torch.cuda.current_stream(buf.device)
+        buf.record_stream(stream)
+        return stream.record_event()
+
+    def order_after(self, events: Iterable[torch.cuda.Event]) -> None:
+        """CUDA: what the calling thread queues next on its current stream (vLLM's attention) runs after
+        ``events`` (scatters, which ran on the landing threads' streams); the host does not wait."""
+        for event in events:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    @staticmethod
+    def wait_done(events: Iterable[torch.cuda.Event]) -> None:
+        """CUDA: block until ``events`` (scatters) are done on the device: before a load is reported complete
+        or its blocks are handed back, whatever stream reads or rewrites them next."""
+        for event in events:
+            event.synchronize()
 
     def block_size(self) -> int:
         return self._any_layer().spec.block_size

@@ -17,7 +17,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -72,6 +72,9 @@ class _Expected:
     applying: int = 0  # scatters into the request's blocks running right now
     keep: int = 0  # tokens below this are already in the blocks (shared with other requests): never written
     unsent: int = 0  # pulls with routes not yet acknowledged by their producer rank (see _stall_at)
+    # CUDA: per layer, an event after each scatter into the request's blocks (the landing threads' streams are
+    # not the forward's): waited for by the forward's stream (wait_layer) or the host (take_finished, abort).
+    scattered: dict[int, list[torch.cuda.Event]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -241,10 +244,14 @@ class ConsumerSide:
         """Block until ``layer`` of ``request_id`` has landed; raise the request's error if it failed."""
         if layer not in self._caches.shard.layers:
             raise ValueError(f"layer {layer} is not on this rank (layers {self._caches.shard.layers!r})")
-        self._wait(request_id, lambda req: req.remaining[layer] == 0, timeout_s, f"layer {layer}")
+        events = self._wait(request_id, lambda req: req.remaining[layer] == 0, timeout_s, f"layer {layer}",
+                            lambda req: req.scattered.get(layer, ()))
+        self._caches.order_after(events)  # CUDA: the caller's next kernels (the layer's attention) read it after
 
     def wait_all(self, request_id: str, timeout_s: float | None = None) -> None:
-        self._wait(request_id, lambda req: not req.pending, timeout_s, "all layers")
+        events = self._wait(request_id, lambda req: not req.pending, timeout_s, "all layers",
+                            lambda req: [e for layer_events in req.scattered.values() for e in layer_events])
+        self._caches.order_after(events)
 
     def wait_finished(self, timeout_s: float) -> bool:
         """Block until some expected request completed or failed (what :meth:`take_finished` would report,
@@ -264,12 +271,14 @@ class ConsumerSide:
             self._clock.settle()
             now = self._clock.now()
         out: dict[str, BaseException | None] = {}
+        scattered: list[torch.cuda.Event] = []
         with self._cond:
             for request_id, req in list(self._requests.items()):
                 if req.error is None and req.pending and now > self._stall_at(req):
                     self._fail_locked(req, self._stall_error(req))
                 if (req.error is not None or not req.pending) and req.applying == 0:
                     out[request_id] = req.error
+                    scattered += [event for events in req.scattered.values() for event in events]
                     del self._requests[request_id]
                     self._stats.record_request(req.error is not None)
                     if req.push and req.error is not None:  # a producer rank's late offer for it is refused
@@ -290,6 +299,7 @@ class ConsumerSide:
                     self._remember_refusal(request_id, staged.producer_engine_id, _as_ncclkv(
                         staged.error or TransferTimeout(f"push of {request_id!r} expired in staging after "
                                                         f"{self._hold_s:g}s, not expected here")))
+        self._caches.wait_done(scattered)  # CUDA: reported done (or failed: recomputed) once on the device too
         return out
 
     def abort(self, request_id: str) -> None:
@@ -309,6 +319,8 @@ class ConsumerSide:
             if req is not None and req.applying:  # never silent: the caller is about to reuse these blocks
                 log.error("request %s aborted, but %d scatter(s) into its blocks still ran after %ss",
                           request_id, req.applying, self._deadline_s)
+            scattered = [] if req is None else [event for events in req.scattered.values() for event in events]
+        self._caches.wait_done(scattered)  # CUDA: the blocks are the caller's once the device is past them too
 
     def close(self) -> None:
         with self._cond:
@@ -609,15 +621,19 @@ class ConsumerSide:
                     self._caches.recycle(buf)  # nothing reads it any more
                 return
             req.applying += 1  # abort() and take_finished() wait for this scatter
+        done = None
         if error is None:
             _, layer, route = key
             try:
                 self._scatter(req, layer, buf, piece, route.heads)
+                done = self._caches.scattered(buf)
             except Exception as err:  # reported on the request
                 error = err
             else:
                 self._caches.recycle(buf)  # only its shape is read below
         with self._cond:
+            if done is not None:  # before the layer counts as landed: its waiters take every event
+                req.scattered.setdefault(key[1], []).append(done)
             req.applying -= 1
             self._cond.notify_all()
             if error is not None:
@@ -661,7 +677,9 @@ class ConsumerSide:
             return
         link.recv(tuple(ann.shape), torch_dtype(ann.dtype))
 
-    def _wait(self, request_id: str, ready: Callable[[_Expected], bool], timeout_s: float | None, what: str) -> None:
+    def _wait(self, request_id: str, ready: Callable[[_Expected], bool], timeout_s: float | None, what: str,
+              events: Callable[[_Expected], Iterable[torch.cuda.Event]]) -> list[torch.cuda.Event]:
+        """Block until ``ready(req)``; the request's ``events`` then (taken under the lock)."""
         limit = None if timeout_s is None else self._clock.now() + timeout_s
         settled_for: float | None = None  # the stall time last checked against a settled clock
         with self._cond:
@@ -672,7 +690,7 @@ class ConsumerSide:
                 if req.error is not None:
                     raise req.error
                 if ready(req):
-                    return
+                    return list(events(req))
                 now = self._clock.now()
                 stall_at = self._stall_at(req)
                 if now >= stall_at and settled_for != stall_at:  # count a pause of this process first

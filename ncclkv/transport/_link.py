@@ -162,9 +162,11 @@ class Link:
         The send thread runs ``before_send()`` before posting, in send order
         (so what it emits is ordered like the data), then posts the send; a send without a
         hook that fits the window is posted on the calling thread instead, still
-        in call order (see ``_pipe``). On CUDA the hook
-        and the send run on the link's stream, after ``ready_event`` (default:
-        an event recorded now on the caller's current stream). ``tensor`` must stay unmodified until the
+        in call order (see ``_pipe``). On CUDA the hook, the fill and the send run
+        on the link's stream, the fill (or, without one, the hook) and the send
+        after ``ready_event`` (default: an event recorded now on the caller's
+        current stream); a hook with a fill does not wait for it (hooks run
+        ahead: the next sends' compute would hold this one's fill). ``tensor`` must stay unmodified until the
         future completes. The deadline ``timeout_s`` (default: the link's)
         counts from the moment the send is posted.
 
@@ -207,7 +209,9 @@ class Link:
             if ready_event is None:
                 ready_event = torch.cuda.current_stream(self._device).record_event()
             if before_send is not None:
-                before_send = self._hook_on_link_stream(before_send, ready_event)
+                # With a fill, the hook only takes a buffer and announces it; the fill waits for ready_event.
+                # Waiting here would hold this send's fill behind the next ones' compute (their hooks run ahead).
+                before_send = self._hook_on_link_stream(before_send, None if fill is not None else ready_event)
         return self._submit(0, tensor, timeout_s, ready_event, before_send, fill)
 
     def _materializing(self, placeholder: torch.Tensor,
@@ -230,9 +234,9 @@ class Link:
         return materialize
 
     def _hook_on_link_stream(self, hook: Callable[[], torch.Tensor | None],
-                             ready_event: object) -> Callable[[], torch.Tensor | None]:
-        # What the hook queues (a gather into the tensor) must run after ``ready_event``
-        # and before the send reads the tensor: both hold on the link's own stream.
+                             ready_event: object | None) -> Callable[[], torch.Tensor | None]:
+        # The hook runs on the link's own stream, so what it allocates and queues comes before the send there;
+        # a hook that writes the tensor itself (no fill) waits for ``ready_event`` first.
         def on_link_stream() -> torch.Tensor | None:
             with self._on_link_stream(ready_event):
                 return hook()

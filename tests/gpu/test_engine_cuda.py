@@ -36,7 +36,7 @@ LAYOUTS = [
 
 def sides(hub: LoopbackHub, engine_id: str, layout: ParallelLayout, geometry: KVGeometry, role: str,
           **config: object) -> list[RankSide]:
-    cache_layout = CacheLayout.MLA if geometry.use_mla else CacheLayout.FLASH_NHD
+    cache_layout = CacheLayout.MLA if geometry.use_mla else CacheLayout.PACKED  # vLLM 0.32's GPU view
     transports = [LoopbackTransport(hub) for _ in range(layout.world_size)]
     return build_sides(engine_id, layout, geometry, cache_layout, 16, role, transports=transports, device="cuda",
                        **config)
@@ -125,5 +125,38 @@ def test_push_after_each_layers_compute_on_the_callers_stream(piece_bytes: int) 
             side.engine.finish("p")
         decode[0].engine.wait("p", timeout_s=WAIT_S)
         check_landed(decode, "p", 4, blocks, num_tokens)
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_a_layers_reader_on_another_stream_sees_it_landed() -> None:
+    """vLLM's forward runs on a stream of its own, not the one the landing threads scatter on. A scatter held
+    back on the device (a sleep queued before it) must still come before what the waiter queues on its stream
+    right after wait_layer, with no host sync between."""
+    hub = LoopbackHub()
+    prefill = sides(hub, "prefill", ParallelLayout(1, 1), GQA, "producer")
+    decode = sides(hub, "decode", ParallelLayout(1, 1), GQA, "consumer")
+    try:
+        side = decode[0]
+        caches = side.engine._caches  # noqa: SLF001 - each scatter queued behind tens of ms of GPU time
+        real_scatter = caches.scatter
+
+        def late_scatter(*args: object, **kwargs: object) -> None:
+            torch.cuda._sleep(50_000_000)
+            real_scatter(*args, **kwargs)
+
+        caches.scatter = late_scatter  # type: ignore[method-assign]
+        num_tokens, src_blocks, dst_blocks = 45, [5, 2, 9], [3, 0, 7]
+        start_pull("req", prefill, decode, 1, src_blocks, dst_blocks, num_tokens)
+        reader = torch.cuda.Stream()
+        with torch.cuda.stream(reader):
+            copies = {}
+            for layer in side.shard.layers:
+                side.engine.wait_layer("req", layer, timeout_s=WAIT_S)
+                copies[layer] = side.caches[layer].clone()  # queued on the reader's stream, the host goes on
+        reader.synchronize()
+        torch.cuda.synchronize()
+        assert all(torch.equal(copies[layer], side.caches[layer]) for layer in side.shard.layers)
+        check_landed(decode, "req", 1, dst_blocks, num_tokens)
     finally:
         close_sides(prefill, decode)

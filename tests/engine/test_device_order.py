@@ -1,0 +1,70 @@
+"""The consumer's device ordering, wired end to end on the CPU: RankCaches' CUDA hooks recorded.
+
+On CUDA each scatter leaves an event (RankCaches.scattered), a layer's waiter
+orders its stream after that layer's events (order_after), and a request is
+reported done, or handed back by an abort, only once the device is past all of
+them (wait_done). On the CPU those hooks do nothing; here they record, so the
+wiring is checked where it runs in CI. tests/gpu checks the streams themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ncclkv.engine._caches import RankCaches
+from ncclkv.paged import CacheLayout
+
+from .kvsim import build_sides, close_sides, start_pull
+from .test_engine_failures import GQA, ONE, WAIT_S, _until
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[Any]]]:
+    """Each scatter's 'event' (the wire tensor's shape, and a count), and what order_after and wait_done got."""
+    seen: dict[str, list[Any]] = {"scattered": [], "order_after": [], "wait_done": []}
+
+    def scattered(self: RankCaches, buf: Any) -> tuple[str, int]:
+        event = ("event", len(seen["scattered"]))
+        seen["scattered"].append(event)
+        return event
+
+    monkeypatch.setattr(RankCaches, "scattered", scattered)
+    monkeypatch.setattr(RankCaches, "order_after", lambda self, events: seen["order_after"].append(list(events)))
+    monkeypatch.setattr(RankCaches, "wait_done", staticmethod(lambda events: seen["wait_done"].append(list(events))))
+    yield seen
+
+
+def test_a_layers_waiter_orders_after_that_layers_scatters_and_the_report_after_all(
+        recorded: dict[str, list[Any]]) -> None:
+    prefill = build_sides("prefill", ONE, GQA, CacheLayout.CPU, 16, "producer")
+    decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer")
+    try:
+        engine = decode[0].engine
+        start_pull("r", prefill, decode, 3, [1, 2, 3], [4, 5, 6], 40)
+        for layer in range(GQA.num_layers):
+            engine.wait_layer("r", layer, timeout_s=WAIT_S)
+        assert len(recorded["scattered"]) == GQA.num_layers  # one slice a layer here
+        # Each wait ordered after its own layer's scatter alone.
+        assert [len(events) for events in recorded["order_after"]] == [1] * GQA.num_layers
+        assert sorted(e for events in recorded["order_after"] for e in events) == sorted(recorded["scattered"])
+        done = _until(lambda: engine.take_finished_receiving(), "r reported")
+        assert done == {"r": None}
+        assert sorted(recorded["wait_done"][-1]) == sorted(recorded["scattered"])  # reported after every one
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_an_abort_hands_the_blocks_back_after_the_scatters_done(recorded: dict[str, list[Any]]) -> None:
+    prefill = build_sides("prefill", ONE, GQA, CacheLayout.CPU, 16, "producer")
+    decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer")
+    try:
+        engine = decode[0].engine
+        start_pull("r", prefill, decode, 3, [1, 2, 3], [4, 5, 6], 40)
+        engine.wait_layer("r", 0, timeout_s=WAIT_S)
+        engine.abort("r")
+        assert recorded["wait_done"] and set(recorded["wait_done"][-1]) >= {recorded["scattered"][0]}
+    finally:
+        close_sides(prefill, decode)
