@@ -127,6 +127,10 @@ class WorkerSide:
         self._blocks_per_id = info.block_size // kernel_block_size
         self._caches = {i: (t, PagedCacheSpec.from_tensor(t, cache_layout)) for i, t in by_index.items()}
         self._stats_base = engine.stats()
+        if self._role == "both" and engine.config.device.startswith("cuda"):
+            log.warning("ncclkv: kv_role kv_both on a GPU: one NCCL communicator carries both directions of a link, "
+                        "so two kv_both engines pushing to each other at once may block until the deadline (and "
+                        "recompute); give prefill engines kv_producer and decode engines kv_consumer")
         log.info("ncclkv: %s rank %d (tp %d, pp %d) registered layers %s as %s at %s", info.engine_id, info.rank,
                  info.tp_rank, info.pp_rank, sorted(by_index), cache_layout.value, engine.address)
 
