@@ -113,7 +113,10 @@ def _native_token_array(token_ids: Sequence[int], what: str) -> array:
     except (TypeError, OverflowError, ValueError):
         _raise_bad_token(seq, what)
         raise  # not reached for lists; keeps the original error for anything odder
-    if bool in set(map(type, seq)):  # type: ignore[call-overload]
+    types = set(map(type, seq))  # type: ignore[call-overload]
+    # array() takes anything with __index__: a bool, or a 0-d bool tensor or array, would hash as 0 or 1.
+    if bool in types or (types - {int} and any(str(getattr(x, "dtype", "")).endswith("bool")
+                                               for x in seq if type(x) is not int)):  # type: ignore[attr-defined]
         _raise_bad_token(seq, what)
     return ids
 
@@ -131,7 +134,7 @@ def _raise_bad_token(token_ids: object, what: str) -> None:
     if not isinstance(token_ids, (list, tuple)):
         raise TypeError(f"{what} must be a sequence of ints, got {type(token_ids).__name__} {token_ids!r}")
     for index, token in enumerate(token_ids):
-        if isinstance(token, bool) or not hasattr(token, "__index__"):
+        if isinstance(token, bool) or not hasattr(token, "__index__") or str(getattr(token, "dtype", "")).endswith("bool"):
             raise TypeError(f"{what}[{index}] must be an int, got {type(token).__name__} {token!r}")
         value = token.__index__()
         if not 0 <= value < 2**64:

@@ -15,6 +15,10 @@ Buffer entries, under ``<namespace>/<chunk hex>/``:
 The buffer evicts entries one by one, so a lookup takes a chunk only if
 ``pos`` and every layer are present, and then holds references to all of
 them (the buffer stores by reference: later evictions cannot take them away).
+Stores, lookups and drops of chunks hold the buffer's ``group_lock``: two
+stores of one chunk at other positions, or a lookup beside a store, never mix
+one store's positions with the other's layers (every ChunkStore on one buffer
+shares that lock).
 """
 
 from __future__ import annotations
@@ -104,14 +108,15 @@ class ChunkStore:
             # Its own layers would evict each other: the chunk could never be found.
             raise CapacityError(f"chunk {key} of {num_tokens} tokens needs {nbytes} bytes, the buffer holds "
                                 f"{self.buffer.capacity_bytes}")
-        self.buffer.put(self._key(key, "pos"), None)  # not findable while half written
         part = "pos"
         try:
-            for layer, tensor in enumerate(kv):
-                part = f"L{layer}"
-                self.buffer.put(self._key(key, part), tensor)
-            part = "pos"
-            self.buffer.put(self._key(key, part), pos)
+            with self.buffer.group_lock:
+                self.buffer.put(self._key(key, "pos"), None)  # not findable while half written
+                for layer, tensor in enumerate(kv):
+                    part = f"L{layer}"
+                    self.buffer.put(self._key(key, part), tensor)
+                part = "pos"
+                self.buffer.put(self._key(key, part), pos)
         except CapacityError as error:
             # Without pos the layers already put could never be found, yet they would hold capacity
             # for good with eviction off: drop them (and any older copy's layers, equally unreachable).
@@ -125,15 +130,16 @@ class ChunkStore:
     def lookup(self, token_ids: Sequence[int] | torch.Tensor) -> StoredChunk | None:
         """The stored chunk of exactly these tokens, with every layer, or None."""
         key = self.chunk_key(token_ids)
-        pos = self.buffer.get(self._key(key, "pos"))
-        if pos is None:
-            return None
-        kv = []
-        for layer in range(self.num_layers):
-            tensor = self.buffer.get(self._key(key, f"L{layer}"))
-            if tensor is None:
-                return None  # partly evicted
-            kv.append(tensor)
+        with self.buffer.group_lock:  # one store's positions and layers, not two stores' mixed
+            pos = self.buffer.get(self._key(key, "pos"))
+            if pos is None:
+                return None
+            kv = []
+            for layer in range(self.num_layers):
+                tensor = self.buffer.get(self._key(key, f"L{layer}"))
+                if tensor is None:
+                    return None  # partly evicted
+                kv.append(tensor)
         return StoredChunk(key, pos, tuple(kv))
 
     def drop_chunk(self, token_ids: Sequence[int] | torch.Tensor) -> None:
@@ -141,9 +147,10 @@ class ChunkStore:
         self._drop(self.chunk_key(token_ids))
 
     def _drop(self, key: str) -> None:
-        self.buffer.put(self._key(key, "pos"), None)  # first: never findable with layers missing
-        for layer in range(self.num_layers):
-            self.buffer.put(self._key(key, f"L{layer}"), None)
+        with self.buffer.group_lock:
+            self.buffer.put(self._key(key, "pos"), None)  # first: never findable with layers missing
+            for layer in range(self.num_layers):
+                self.buffer.put(self._key(key, f"L{layer}"), None)
 
     def _key(self, chunk_key: str, part: str) -> str:
         return f"{self.namespace}/{chunk_key}/{part}"

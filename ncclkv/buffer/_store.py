@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -38,6 +39,10 @@ class KVStoreBuffer(LockedLRU[str, torch.Tensor]):
     ) -> None:
         super().__init__("KVStoreBuffer", capacity_bytes, evict)
         self._on_evict = on_evict
+        # For callers that keep one object as several entries (ncclkv.blend's chunks: a layer each, then its
+        # positions): held around the whole group, it keeps a reader from mixing two writes of the object.
+        # Never taken by put/get themselves.
+        self.group_lock = threading.RLock()
 
     def __contains__(self, key: object) -> bool:
         with self._lock:

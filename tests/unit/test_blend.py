@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 import re
 import threading
 
@@ -282,6 +283,47 @@ def test_chunk_store_keys_eviction_and_input_checks() -> None:
         store.store_chunk([1, 2], [torch.zeros(2, 2, 8)], [torch.zeros(2, 2, 8)], [0, 1])
     with pytest.raises(ValueError, match="positions must be 2 integers"):
         store.store_chunk([1, 2], [torch.zeros(2, 2, 8)] * 2, [torch.zeros(2, 2, 8)] * 2, [0])
+
+
+def test_a_lookup_and_a_store_of_one_chunk_never_mix_two_stores() -> None:
+    """A chunk is several buffer entries (a layer each, then its positions): a store of it at other positions
+    running beside a lookup, on another thread, must not give the lookup one store's positions with the other's
+    layers. The store starts right after the lookup read the positions and is given a second to get through."""
+    layers, tokens = 2, [5, 6, 7, 8]
+
+    def kv_at(start: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        k = torch.full((4, 1, 8), float(start))
+        return [k] * layers, [k] * layers, list(range(start, start + 4))
+
+    class Buffer(KVStoreBuffer):
+        after_pos: Callable[[], None] | None = None
+
+        def get(self, key: str) -> torch.Tensor | None:
+            value = super().get(key)
+            if key.endswith("/pos") and self.after_pos is not None:
+                hook, self.after_pos = self.after_pos, None
+                hook()
+            return value
+
+    buffer = Buffer(1 << 20)
+    store = ChunkStore(buffer, layers)
+    store.store_chunk(tokens, *kv_at(0))
+    stored = threading.Event()
+    other = threading.Thread(target=lambda: (store.store_chunk(tokens, *kv_at(1000)), stored.set()))
+
+    def store_beside() -> None:
+        other.start()
+        stored.wait(1.0)  # without the group lock it gets through here, between the positions and the layers
+
+    buffer.after_pos = store_beside
+    found = store.lookup(tokens)
+    other.join(5.0)
+    assert not other.is_alive() and stored.is_set()
+    assert found is not None
+    start = int(found.positions[0])
+    assert all(bool((kv == start).all()) for kv in found.kv), (start, [float(kv.flatten()[0]) for kv in found.kv])
+    again = store.lookup(tokens)
+    assert again is not None and int(again.positions[0]) == 1000 and all(bool((kv == 1000).all()) for kv in again.kv)
 
 
 def test_chunk_store_refused_part_way_leaves_nothing_behind() -> None:

@@ -223,6 +223,8 @@ def test_block_hash_value() -> None:
         (2, [1, 2**64], None, ValueError, r"token_ids\[1\]=18446744073709551616"),
         (2, [1, 2.0], None, TypeError, r"token_ids\[1\] must be an int, got float 2.0"),
         (2, [True, 1], None, TypeError, r"token_ids\[0\] must be an int, got bool True"),
+        (2, [1, torch.tensor(True)], None, TypeError, r"token_ids\[1\] must be an int, got Tensor"),
+        (2, [np.bool_(True), 1], None, TypeError, r"token_ids\[0\] must be an int, got bool"),
         (2, [1, None], None, TypeError, r"token_ids\[1\] must be an int, got NoneType"),
         (2, "abc", None, TypeError, "got str"),
         (2, b"\x01" * 16, None, TypeError, "got bytes"),
