@@ -75,6 +75,8 @@ class BlendRetrieverTask:
         self._valid_mask = torch.zeros(self.num_tokens, dtype=torch.bool)
         self._original_positions = torch.zeros(self.num_tokens, dtype=torch.int64)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self._stream is not None:  # chunks this thread stored are still being written on its stream
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         self._prefetcher: LayerPrefetcher[BlendRetrieverResult] = LayerPrefetcher(
             "blend-retriever", self.num_layers, self._assemble, prepare=self._lookup,
             lookahead=retriever.lookahead, deadline_s=retriever.deadline_s)
