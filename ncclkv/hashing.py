@@ -15,7 +15,7 @@ All integers are little-endian; ``u64`` is unsigned, ``i64`` two's complement::
             + u64(len(extra_keys)) + key(k) for k in extra_keys
     key(None)    = b"N"
     key(int k)   = b"I" + i64(k)                      # -2**63 <= k < 2**63
-    key(str k)   = b"S" + u64(len(utf8)) + utf8       # utf8 = k.encode("utf-8")
+    key(str k)   = b"S" + u64(len(utf8)) + utf8       # utf8 = k.encode("utf-8", "surrogatepass")
     key(bytes k) = b"B" + u64(len(k)) + k
     digest = sha256(message)                          # full 32 bytes, not truncated
 
@@ -157,7 +157,7 @@ def _encode_extra_keys(extra_keys: ExtraKeys | None) -> bytes:
                 raise ValueError(f"extra_keys[{index}]={key} does not fit in a signed 64-bit int")
             parts.append(b"I" + _I64.pack(key))
         elif isinstance(key, str):
-            data = key.encode("utf-8")
+            data = key.encode("utf-8", "surrogatepass")  # a lone surrogate (vLLM takes such a cache_salt) too
             parts.append(b"S" + _U64.pack(len(data)) + data)
         elif isinstance(key, bytes):
             parts.append(b"B" + _U64.pack(len(key)) + key)

@@ -162,7 +162,15 @@ class EngineRef:
     def from_dict(cls, data: dict[str, object]) -> EngineRef:
         try:
             partition = data.get("layer_partition")
-            layout = ParallelLayout(int(data["tp_size"]), int(data["pp_size"]), tuple(partition) if partition else None)  # type: ignore[arg-type]
+            sizes = {name: data[name] for name in ("tp_size", "pp_size")}
+            # From other engines' kv_transfer_params, through clients: ints only (int(1e999) raises OverflowError).
+            for name, value in sizes.items():
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise ValueError(f"engine reference {name} must be an int, got {value!r}")
+            if partition and (not isinstance(partition, (list, tuple))
+                              or not all(isinstance(n, int) and not isinstance(n, bool) for n in partition)):
+                raise ValueError(f"engine reference layer_partition must be a list of ints, got {partition!r}")
+            layout = ParallelLayout(sizes["tp_size"], sizes["pp_size"], tuple(partition) if partition else None)  # type: ignore[arg-type]
             return cls(str(data["engine_id"]), layout, tuple(str(a) for a in data["control_addrs"]))  # type: ignore[union-attr]
         except KeyError as err:
             raise ValueError(f"engine reference is missing {err.args[0]!r}: {data!r}") from None

@@ -97,6 +97,10 @@ def test_prefill_intent_accepts_proxy_params() -> None:
     ({"remote_engine": {"engine_id": "x"}}, "remote_engine.*missing 'tp_size'"),
     ({"remote_engine": {**REF.to_dict(), "control_addrs": ["tcp://a:1"]}}, "1 control addresses for world_size=2"),
     ({"pushed": "yes"}, "pushed must be a bool"),
+    # JSON's 1e999 is inf: int(inf) raised OverflowError, which nothing caught, in the engine core.
+    ({"remote_engine": {**REF.to_dict(), "tp_size": float("inf")}}, "tp_size must be an int, got inf"),
+    ({"remote_engine": {**REF.to_dict(), "pp_size": 2.0}}, "pp_size must be an int, got 2.0"),
+    ({"remote_engine": {**REF.to_dict(), "layer_partition": ["a"]}}, "layer_partition must be a list of ints"),
     ({"do_remote_decode": True}, "both do_remote_decode and do_remote_prefill"),
     ({"do_remote_prefill": 1}, "'do_remote_prefill'.* must be a bool"),
 ])
@@ -108,6 +112,11 @@ def test_malformed_params_name_the_key(change: dict, message: str) -> None:
     del missing["transfer_id"]
     with pytest.raises(ValueError, match=r"lack \['transfer_id'\]"):
         parse_params(missing)
+
+
+def test_a_decode_ref_of_another_kind_is_refused_too() -> None:
+    with pytest.raises(ValueError, match="remote_decode.*pp_size must be an int, got -inf"):
+        parse_params({"do_remote_decode": True, "remote_decode": {**REF.to_dict(), "pp_size": float("-inf")}})
 
 
 def test_token_hash_names_exactly_these_tokens() -> None:

@@ -249,3 +249,10 @@ def test_bad_block_input_is_named() -> None:
         hash_block_tokens(b"\x00" * 32, [1])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"input_tokens\[2\]=-1"):
         as_token_ids([0, 1, -1], "input_tokens")
+
+
+def test_a_lone_surrogate_in_extra_keys_hashes_as_its_three_bytes() -> None:
+    """vLLM accepts a cache_salt with a lone surrogate (its own hashing pickles it); ours must not raise."""
+    salted = hash_block_tokens(None, [1, 2], ("\ud800",))
+    assert salted == hash_block_tokens(None, [1, 2], ("\ud800",)) != hash_block_tokens(None, [1, 2], ("\ud801",))
+    assert hash_block_tokens(None, [1, 2], ("\u00e9",)) != salted  # valid strings keep their UTF-8
