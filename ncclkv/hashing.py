@@ -113,10 +113,8 @@ def _native_token_array(token_ids: Sequence[int], what: str) -> array:
     except (TypeError, OverflowError, ValueError):
         _raise_bad_token(seq, what)
         raise  # not reached for lists; keeps the original error for anything odder
-    types = set(map(type, seq))  # type: ignore[call-overload]
     # array() takes anything with __index__: a bool, or a 0-d bool tensor or array, would hash as 0 or 1.
-    if bool in types or (types - {int} and any(str(getattr(x, "dtype", "")).endswith("bool")
-                                               for x in seq if type(x) is not int)):  # type: ignore[attr-defined]
+    if set(map(type, seq)) - {int} and any(map(_is_boolean, seq)):  # type: ignore[call-overload]
         _raise_bad_token(seq, what)
     return ids
 
@@ -129,12 +127,17 @@ def _wire_token_array(token_ids: Sequence[int]) -> array:
     return ids
 
 
+def _is_boolean(token: object) -> bool:
+    """A bool, or a numpy or torch scalar of a bool dtype: never a token id, though it has ``__index__``."""
+    return isinstance(token, bool) or str(getattr(token, "dtype", "")).endswith("bool")
+
+
 def _raise_bad_token(token_ids: object, what: str) -> None:
     """Raise the error naming the first bad token of a list (called only on failure)."""
     if not isinstance(token_ids, (list, tuple)):
         raise TypeError(f"{what} must be a sequence of ints, got {type(token_ids).__name__} {token_ids!r}")
     for index, token in enumerate(token_ids):
-        if isinstance(token, bool) or not hasattr(token, "__index__") or str(getattr(token, "dtype", "")).endswith("bool"):
+        if _is_boolean(token) or not hasattr(token, "__index__"):
             raise TypeError(f"{what}[{index}] must be an int, got {type(token).__name__} {token!r}")
         value = token.__index__()
         if not 0 <= value < 2**64:

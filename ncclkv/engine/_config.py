@@ -165,10 +165,9 @@ class EngineRef:
             sizes = {name: data[name] for name in ("tp_size", "pp_size")}
             # From other engines' kv_transfer_params, through clients: ints only (int(1e999) raises OverflowError).
             for name, value in sizes.items():
-                if not isinstance(value, int) or isinstance(value, bool):
+                if not _is_int(value):
                     raise ValueError(f"engine reference {name} must be an int, got {value!r}")
-            if partition and (not isinstance(partition, (list, tuple))
-                              or not all(isinstance(n, int) and not isinstance(n, bool) for n in partition)):
+            if partition and (not isinstance(partition, (list, tuple)) or not all(map(_is_int, partition))):
                 raise ValueError(f"engine reference layer_partition must be a list of ints, got {partition!r}")
             layout = ParallelLayout(sizes["tp_size"], sizes["pp_size"], tuple(partition) if partition else None)  # type: ignore[arg-type]
             return cls(str(data["engine_id"]), layout, tuple(str(a) for a in data["control_addrs"]))  # type: ignore[union-attr]

@@ -76,6 +76,10 @@ class _Expected:
     # not the forward's): waited for by the forward's stream (wait_layer) or the host (take_finished, abort).
     scattered: dict[int, list[torch.cuda.Event]] = field(default_factory=dict)
 
+    def all_scattered(self) -> list[torch.cuda.Event]:
+        """The events after every scatter into the request's blocks, every layer's (CUDA; else none)."""
+        return [event for events in self.scattered.values() for event in events]
+
 
 @dataclass(slots=True)
 class _Staged:
@@ -172,7 +176,6 @@ class ConsumerSide:
             raise ValueError(f"request {request_id!r}: tokens {token_set!r} do not fit {len(block_ids)} blocks "
                              f"of {slots.block_size}")
         routes = _cached_plan(producer.layout, self._layout, self._geometry, token_set).routes_to(self._rank)
-        largest = max((self._slice_bytes(r) for r in routes), default=0)
         by_src: dict[int, list[Route]] = {src: [] for src in range(producer.layout.world_size)}
         for route in routes:
             by_src[route.src].append(route)
@@ -190,7 +193,7 @@ class ConsumerSide:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected")
             self._requests[request_id] = req
-            self._largest_slice = max(self._largest_slice, largest)
+            self._plan_slices_locked(routes)
             refused = self._refused.pop(request_id, None) if push else None
             if refused is not None and refused[1] == producer.engine_id:
                 req.error = type(refused[2])(f"request {request_id!r}: its push failed before it was expected: "
@@ -250,7 +253,7 @@ class ConsumerSide:
 
     def wait_all(self, request_id: str, timeout_s: float | None = None) -> None:
         events = self._wait(request_id, lambda req: not req.pending, timeout_s, "all layers",
-                            lambda req: [e for layer_events in req.scattered.values() for e in layer_events])
+                            _Expected.all_scattered)
         self._caches.order_after(events)
 
     def wait_finished(self, timeout_s: float) -> bool:
@@ -278,7 +281,7 @@ class ConsumerSide:
                     self._fail_locked(req, self._stall_error(req))
                 if (req.error is not None or not req.pending) and req.applying == 0:
                     out[request_id] = req.error
-                    scattered += [event for events in req.scattered.values() for event in events]
+                    scattered += req.all_scattered()
                     del self._requests[request_id]
                     self._stats.record_request(req.error is not None)
                     if req.push and req.error is not None:  # a producer rank's late offer for it is refused
@@ -319,7 +322,7 @@ class ConsumerSide:
             if req is not None and req.applying:  # never silent: the caller is about to reuse these blocks
                 log.error("request %s aborted, but %d scatter(s) into its blocks still ran after %ss",
                           request_id, req.applying, self._deadline_s)
-            scattered = [] if req is None else [event for events in req.scattered.values() for event in events]
+            scattered = [] if req is None else req.all_scattered()
         self._caches.wait_done(scattered)  # CUDA: the blocks are the caller's once the device is past them too
 
     def close(self) -> None:
@@ -490,7 +493,7 @@ class ConsumerSide:
             staged.keys |= keys
             staged.reserved += nbytes
             self._reserved += nbytes
-            self._largest_slice = max(self._largest_slice, max((self._slice_bytes(r) for r in routes), default=0))
+            self._plan_slices_locked(routes)
         return Ack(offer.request_id, None)
 
     def on_done(self, sender: str, done: Done) -> None:
@@ -794,9 +797,12 @@ class ConsumerSide:
             return self._hold_s, "hold_s, a pull not yet acknowledged"
         return self._deadline_s, "deadline_s"
 
-    def _slice_bytes(self, route: Route) -> int:
-        """Bytes of one layer of ``route`` on the wire."""
-        return math.prod(self._caches.wire_shape(route.tokens, route.heads)) * self._caches.wire_dtype.itemsize
+    def _plan_slices_locked(self, routes: Sequence[Route]) -> None:
+        """Under ``self._cond``: ``routes`` are to be received here (expected, or a push staged); an unwanted
+        tensor up to the largest of their slices is plausible (see ``_drain``)."""
+        for route in routes:
+            nbytes = math.prod(self._caches.wire_shape(route.tokens, route.heads)) * self._caches.wire_dtype.itemsize
+            self._largest_slice = max(self._largest_slice, nbytes)
 
     def _stall_error(self, req: _Expected) -> TransferTimeout:
         missing = sorted({(src, layer) for src, layer, _ in req.pending})[:8]

@@ -75,6 +75,14 @@ _PATTERNS = {
 }
 
 
+def _read_shape(tensor: torch.Tensor, layout: CacheLayout) -> tuple[int, ...]:
+    """``tensor``'s shape as ``layout`` reads it: vLLM 0.32's MLA view ``[B, H=1, N, C]`` as ``[B, N, C]``."""
+    shape = tuple(tensor.shape)
+    if layout is CacheLayout.MLA and len(shape) == 4 and shape[1] == 1:
+        return (shape[0], *shape[2:])
+    return shape
+
+
 def _hnd_is_physical(tensor: torch.Tensor) -> bool:
     """True when dims 2, 3 of an HND tensor are (heads, tokens), False for the permuted (tokens, heads) view."""
     if tensor.stride(2) != tensor.stride(3):
@@ -137,10 +145,8 @@ class PagedCacheSpec:
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor, layout: CacheLayout) -> PagedCacheSpec:
         """Read the geometry of ``tensor`` taken as ``layout``; ValueError naming expected vs actual."""
-        shape = tuple(tensor.shape)
+        shape = _read_shape(tensor, layout)
         four_dims = layout in CPU_LAYOUTS or layout is CacheLayout.PACKED
-        if layout is CacheLayout.MLA and len(shape) == 4 and shape[1] == 1:
-            shape = (shape[0], *shape[2:])  # vLLM 0.32's [B, H=1, N, C] view
         ndim = 4 if four_dims else 3 if layout is CacheLayout.MLA else 5
         bad = len(shape) != ndim or any(size < 1 for size in shape)
         if not bad and layout in (CacheLayout.FLASH_NHD, CacheLayout.FLASH_HND):
@@ -185,10 +191,7 @@ def _check_cache(cache: torch.Tensor, spec: PagedCacheSpec) -> None:
     if cache.dtype != spec.dtype:
         raise ShapeMismatchError(f"cache dtype is {cache.dtype}, spec says {spec.dtype}")
     hnd_view = spec.layout is CacheLayout.FLASH_HND and cache.dim() == 5 and not _hnd_is_physical(cache)
-    shape = tuple(cache.shape)
-    if spec.layout is CacheLayout.MLA and len(shape) == 4 and shape[1] == 1:
-        shape = (shape[0], *shape[2:])
-    if not hnd_view and shape != spec.shape:
+    if not hnd_view and _read_shape(cache, spec.layout) != spec.shape:
         raise ShapeMismatchError(
             f"{spec.layout.name} cache has shape {list(cache.shape)}, spec expects {list(spec.shape)}"
         )
