@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = ["MLA_ENGINE_OPTIONS", "TinyLlamaSpec", "build_eagle_head", "build_tiny_deepseek", "build_tiny_llama",
            "eagle_speculative_config", "MARKER_FILE"]
@@ -136,8 +137,7 @@ def _read_marker(out: Path) -> str | None:
 
 
 def _write_checkpoint(spec: TinyLlamaSpec, out: Path) -> None:
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=spec.vocab_size,
@@ -154,15 +154,7 @@ def _write_checkpoint(spec: TinyLlamaSpec, out: Path) -> None:
         eos_token_id=1,
         pad_token_id=None,
     )
-    # Fork the RNG so building never disturbs the caller's random state.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config)
-    model = model.to(getattr(torch, spec.dtype))
-    model.config.dtype = spec.dtype
-    model.save_pretrained(out)
-    # No sampling defaults from a generation config; tests set their own.
-    GenerationConfig(bos_token_id=0, eos_token_id=1).save_pretrained(out)
+    _save_random(LlamaForCausalLM, config, spec.dtype, spec.seed, out)
     (out / MARKER_FILE).write_text(spec.to_json())
 
 
@@ -219,8 +211,7 @@ def build_tiny_deepseek(out_dir: Path, seed: int = 0) -> Path:
     """A tiny random DeepSeek-V2 (MLA attention: a 512-dim latent and a 64-dim rotary key per token and layer,
     the only shape vLLM's CPU MLA kernel takes; 2 dense layers, bfloat16), written to ``out_dir`` on every
     call (a few MiB). Serve it with :data:`MLA_ENGINE_OPTIONS` and blocks of 16."""
-    import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, GenerationConfig
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     config = DeepseekV2Config(
         vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -231,12 +222,22 @@ def build_tiny_deepseek(out_dir: Path, seed: int = 0) -> Path:
         moe_intermediate_size=128, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
+    out = Path(out_dir)
+    _save_random(DeepseekV2ForCausalLM, config, "bfloat16", seed, out)
+    return out
+
+
+def _save_random(model_class: Any, config: Any, dtype: str, seed: int, out: Path) -> None:
+    """``model_class(config)`` with weights drawn from ``seed``, in ``dtype``, saved to ``out`` as vLLM loads it."""
+    import torch
+    from transformers import GenerationConfig
+
+    # Fork the RNG so building never disturbs the caller's random state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = DeepseekV2ForCausalLM(config)
-    model = model.to(torch.bfloat16)
-    model.config.dtype = "bfloat16"
-    out = Path(out_dir)
+        model = model_class(config)
+    model = model.to(getattr(torch, dtype))
+    model.config.dtype = dtype
     model.save_pretrained(out)
+    # No sampling defaults from a generation config; tests set their own.
     GenerationConfig(bos_token_id=0, eos_token_id=1).save_pretrained(out)
-    return out
