@@ -243,6 +243,9 @@ def core_siblings(cpus: Iterable[int]) -> dict[int, frozenset[int]]:
     return found
 
 
+_PROBE_S = 5.0  # how long the kernel may take to answer one affinity change
+
+
 def _refused_by_kernel(cpus: frozenset[int]) -> OSError | None:
     """What the kernel says to moving a thread to ``cpus``, tried on a thread of its own (gone after)."""
     outcome: list[OSError | None] = [None]
@@ -255,7 +258,9 @@ def _refused_by_kernel(cpus: frozenset[int]) -> OSError | None:
 
     thread = threading.Thread(target=probe, name="ncclkv-cpus-probe", daemon=True)
     thread.start()
-    thread.join()
+    thread.join(_PROBE_S)
+    if thread.is_alive():  # a system call that does not return: taken as a refusal, never waited for longer
+        return TimeoutError(f"sched_setaffinity to {_cpu_text(cpus)} did not return within {_PROBE_S:g} s")
     return outcome[0]
 
 

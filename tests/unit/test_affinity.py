@@ -245,3 +245,15 @@ def test_auto_cpus_the_kernel_refuses_leave_the_masks(monkeypatch: pytest.Monkey
         first, last = min(before), max(before)
         monkeypatch.setattr(_affinity, "usable_cpus", lambda: frozenset({first, last}))
         assert cpus_from_setting("auto", {**bound, "OMP_PLACES": f"{{{first}}}"}) == {last}
+
+
+def test_a_probe_the_kernel_does_not_answer_is_a_refusal_after_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe waits for the kernel at most _PROBE_S: a call that does not return reads as a refusal."""
+    release = threading.Event()
+    monkeypatch.setattr(_affinity, "_PROBE_S", 0.05)
+    monkeypatch.setattr(_affinity.os, "sched_setaffinity", lambda pid, cpus: release.wait(10.0))
+    try:
+        err = _affinity._refused_by_kernel(frozenset({0}))  # noqa: SLF001
+    finally:
+        release.set()
+    assert isinstance(err, TimeoutError) and "did not return within 0.05 s" in str(err)
