@@ -240,9 +240,16 @@ receive straight into the cache, which gloo allows only for contiguous runs
 of blocks, and vLLM's CPU layouts put a block's heads apart), or a GPU,
 where gather and scatter are device kernels off the host CPU. With 16 cores
 (the lent machines' sections below) the CPU is there but one thread's work
-per tensor is not: ncclkv/raw 0.64-0.82 from 1 MiB up with one copy thread,
-0.80-0.89 with two (`--copy-threads 2`, `NCCLKV_COPY_THREADS`: each gather
-and scatter spread over two threads, 7.5-10.5 GB/s against 5.4-7.6 alone).
+per tensor is not: ncclkv/raw 0.63-0.86 from 1 MiB up with one copy thread,
+0.80-0.91 with two (`--copy-threads 2`, `NCCLKV_COPY_THREADS`: each gather
+and scatter spread over two threads, 7.1-10.5 GB/s against 4.2-7.6 alone),
+over runs in two sessions. In five runs of one hour (defaults, two copy
+threads, a 256-deep window, 4 MiB pieces, all of them twice) no setting met
+the goal at every size; the best median was 0.84 at 1 MiB and 0.88-0.91
+above, and two runs of the same command differed by up to 0.13, as much
+as the gap. At 1 MiB the link alone reached 0.81-0.96 of raw: there the
+per-tensor chain (frame header, posted receive, gloo's go-ahead), not the
+copies, is what is left.
 
 The engine path is the product: the same caches and bytes between two real
 TransferEngines, a round's slices as requests of L layers, all expected by
@@ -370,7 +377,9 @@ What was tried (same machine; flags of `python -m benchmarks.bench_transfer`):
   competes with gloo's. On 16 cores they are what lifts 1 MiB (above).
 - 4 MiB pieces (`--chunk-kib 4096`, the engine's `piece_bytes` too) here:
   64 MiB slices 0.75 of raw against 0.67 whole, 16 MiB 0.70 against 0.71
-  (a run each); on 16 cores 64 MiB went from 0.75 to 0.90 (lent section).
+  (a run each); on 16 cores 64 MiB went from 0.75 to 0.90 with one copy
+  thread, and with two and a 256-deep window 0.76 and 0.88 in two runs
+  against 0.87 whole (lent sections): within that machine's noise.
   Not a default: each piece is a message, and the vLLM rows' 2 MiB pieces
   cost time to first token on two cores (bench vllm).
 - Below 1 MiB the link's per-tensor cost dominates: roughly 50-90 us per
