@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -15,6 +16,11 @@ from ..errors import ShapeMismatchError
 from ..layout import KVGeometry, ParallelLayout, Roi, Span, shard_roi
 from ..paged import CacheLayout, CacheViews, PagedCacheSpec, SlotMap, cache_views, gather, scatter
 from ._buffers import WireBuffers
+
+# wait_done's polling of a scatter's event: first pause, then doubling up to the last (latency added to a
+# load that was not yet done on the device, at most).
+_DONE_POLL_FIRST_S = 20e-6
+_DONE_POLL_MAX_S = 1e-3
 
 __all__ = ["RankCaches", "torch_dtype"]
 
@@ -119,11 +125,23 @@ class RankCaches:
             torch.cuda.current_stream(self.device).wait_event(event)
 
     @staticmethod
-    def wait_done(events: Iterable[torch.cuda.Event]) -> None:
-        """CUDA: block until ``events`` (scatters) are done on the device: before a load is reported complete
-        or its blocks are handed back, whatever stream reads or rewrites them next."""
-        for event in events:
-            event.synchronize()
+    def wait_done(events: Iterable[torch.cuda.Event], timeout_s: float) -> int:
+        """CUDA: wait until ``events`` (scatters) are done on the device, at most ``timeout_s`` in all: before a
+        load is reported complete or its blocks are handed back, whatever stream reads or rewrites them next.
+
+        Returns how many were still pending at the deadline (0: all done), for the caller to report: a device
+        that stalls that long is broken, and ``Event.synchronize`` (no timeout) would hang the engine with it.
+        Polled: a scatter is nearly always done by the time a load is taken, and then nothing sleeps."""
+        pending = list(events)
+        deadline = time.monotonic() + timeout_s
+        pause = _DONE_POLL_FIRST_S
+        while pending:
+            pending = [event for event in pending if not event.query()]
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, _DONE_POLL_MAX_S)
+        return len(pending)
 
     def block_size(self) -> int:
         return self._any_layer().spec.block_size

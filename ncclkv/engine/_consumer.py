@@ -302,7 +302,8 @@ class ConsumerSide:
                     self._remember_refusal(request_id, staged.producer_engine_id, _as_ncclkv(
                         staged.error or TransferTimeout(f"push of {request_id!r} expired in staging after "
                                                         f"{self._hold_s:g}s, not expected here")))
-        self._caches.wait_done(scattered)  # CUDA: reported done (or failed: recomputed) once on the device too
+        # CUDA: reported done (or failed: recomputed) once on the device too
+        self._wait_device(scattered, "finished loads")
         return out
 
     def abort(self, request_id: str) -> None:
@@ -323,7 +324,15 @@ class ConsumerSide:
                 log.error("request %s aborted, but %d scatter(s) into its blocks still ran after %ss",
                           request_id, req.applying, self._deadline_s)
             scattered = [] if req is None else req.all_scattered()
-        self._caches.wait_done(scattered)  # CUDA: the blocks are the caller's once the device is past them too
+        # CUDA: the blocks are the caller's once the device is past them too
+        self._wait_device(scattered, f"aborted request {request_id}")
+
+    def _wait_device(self, scattered: list[torch.cuda.Event], what: str) -> None:
+        """Wait (deadline_s at most) for CUDA scatters to be done on the device; never silent when they are not."""
+        stuck = self._caches.wait_done(scattered, self._deadline_s)
+        if stuck:
+            log.error("%d of %d scatter(s) into the blocks of %s still not done on the device after %ss; the "
+                      "blocks are handed back anyway", stuck, len(scattered), what, self._deadline_s)
 
     def close(self) -> None:
         with self._cond:

@@ -9,6 +9,7 @@ wiring is checked where it runs in CI. tests/gpu checks the streams themselves.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +34,11 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[Any]]]:
 
     monkeypatch.setattr(RankCaches, "scattered", scattered)
     monkeypatch.setattr(RankCaches, "order_after", lambda self, events: seen["order_after"].append(list(events)))
-    monkeypatch.setattr(RankCaches, "wait_done", staticmethod(lambda events: seen["wait_done"].append(list(events))))
+    def wait_done(events: Any, timeout_s: float) -> int:
+        seen["wait_done"].append(list(events))
+        return 0
+
+    monkeypatch.setattr(RankCaches, "wait_done", staticmethod(wait_done))
     yield seen
 
 
@@ -66,5 +71,46 @@ def test_an_abort_hands_the_blocks_back_after_the_scatters_done(recorded: dict[s
         engine.wait_layer("r", 0, timeout_s=WAIT_S)
         engine.abort("r")
         assert recorded["wait_done"] and set(recorded["wait_done"][-1]) >= {recorded["scattered"][0]}
+    finally:
+        close_sides(prefill, decode)
+
+
+class _Event:
+    """A CUDA event as wait_done polls it: done after ``ready_after`` queries (never, with None)."""
+
+    def __init__(self, ready_after: int | None) -> None:
+        self.ready_after, self.queries = ready_after, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.ready_after is not None and self.queries > self.ready_after
+
+
+def test_wait_done_polls_until_the_device_is_past_every_event() -> None:
+    events = [_Event(0), _Event(3), _Event(1)]
+    assert RankCaches.wait_done(events, timeout_s=WAIT_S) == 0
+    assert [e.queries for e in events] == [1, 4, 2]  # each queried until done, and not after
+
+
+def test_wait_done_gives_up_at_its_deadline_and_counts_what_is_still_pending() -> None:
+    stuck, done = _Event(None), _Event(0)
+    start = time.monotonic()
+    assert RankCaches.wait_done([stuck, done], timeout_s=0.05) == 1
+    assert 0.05 <= time.monotonic() - start < 2.0  # the deadline held: Event.synchronize would have hung here
+    assert stuck.queries > 1 and done.queries == 1
+
+
+def test_scatters_stuck_on_the_device_are_reported_not_waited_for_forever(
+        recorded: dict[str, list[Any]], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    prefill = build_sides("prefill", ONE, GQA, CacheLayout.CPU, 16, "producer")
+    decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer")
+    try:
+        engine = decode[0].engine
+        monkeypatch.setattr(RankCaches, "wait_done", staticmethod(lambda events, timeout_s: len(list(events))))
+        start_pull("r", prefill, decode, 3, [1, 2, 3], [4, 5, 6], 40)
+        with caplog.at_level("ERROR", logger="ncclkv.engine"):
+            assert _until(lambda: engine.take_finished_receiving(), "r reported") == {"r": None}
+        stuck = [r.getMessage() for r in caplog.records if "still not done on the device" in r.getMessage()]
+        assert stuck and f"{GQA.num_layers} of {GQA.num_layers} scatter(s)" in stuck[0], caplog.text
     finally:
         close_sides(prefill, decode)
