@@ -8,13 +8,13 @@ listed here, parsed once into a typed value.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 from ._affinity import parse_cpu_list
 from ._timeout import check_timeout
 
-__all__ = ["MAX_COPY_THREADS", "PAGED_KERNELS", "EnvSettings", "env_settings"]
+__all__ = ["BIND_HOST_VAR", "MAX_COPY_THREADS", "PAGED_KERNELS", "EnvSettings", "env_settings", "take_bind_host_auto"]
 
 
 def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -61,6 +61,21 @@ def _cpus(environ: Mapping[str, str], name: str) -> str:
         except ValueError as err:
             raise ValueError(f"{name}={text!r} must be 'auto' or a CPU list like 0-3,8: {err}") from None
     return text
+
+
+BIND_HOST_VAR = "NCCLKV_BIND_HOST"
+
+
+def take_bind_host_auto(environ: MutableMapping[str, str]) -> bool:
+    """Take ``NCCLKV_BIND_HOST=auto`` out of ``environ`` (True if it was there), for the scenario entry point.
+
+    That entry point resolves ``auto`` for its rank (it knows MASTER_ADDR) and hands the address to the data
+    plane and engine explicitly; left in the environment, every :func:`env_settings` would refuse it.
+    """
+    if (environ.get(BIND_HOST_VAR) or "").strip().lower() != "auto":
+        return False
+    del environ[BIND_HOST_VAR]
+    return True
 
 
 def _bind_host(environ: Mapping[str, str], name: str, default: str) -> str:
@@ -142,7 +157,7 @@ def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
     return EnvSettings(
         deadline_s=_seconds(env, "NCCLKV_DEADLINE_S", default.deadline_s),
         heartbeat_s=_seconds(env, "NCCLKV_HEARTBEAT_S", default.heartbeat_s),
-        bind_host=_bind_host(env, "NCCLKV_BIND_HOST", default.bind_host),
+        bind_host=_bind_host(env, BIND_HOST_VAR, default.bind_host),
         staging_bytes=_int(env, "NCCLKV_STAGING_BYTES", default.staging_bytes),
         wire_cache_bytes=_int(env, "NCCLKV_WIRE_CACHE_BYTES", default.wire_cache_bytes, least=0),  # 0: keep none
         max_frame_bytes=_int(env, "NCCLKV_MAX_FRAME_BYTES", default.max_frame_bytes),

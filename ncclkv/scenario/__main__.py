@@ -8,9 +8,10 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .._env import take_bind_host_auto
 from ..errors import ClosedError, PeerLostError, TransferError
 from ..launch import LaunchInfo, discover
-from ._common import BIND_HOST_VAR, add_common_arguments, checked_topology
+from ._common import add_common_arguments, checked_topology
 from ._registry import EXIT_CHECK_FAILED, EXIT_OK, EXIT_PEER_FAILURE, SCENARIOS, ScenarioError, load_scenario, report
 
 __all__ = ["build_parser", "main"]
@@ -44,21 +45,9 @@ def _check_pd_set(parser: argparse.ArgumentParser, args: argparse.Namespace, inf
         parser.error(str(exc))  # prints usage and the message naming the values, exits 2
 
 
-def _take_bind_host_auto() -> bool:
-    """Take ``NCCLKV_BIND_HOST=auto`` out of this process's environment (True if it was there).
-
-    --bind-host's default then becomes ``auto``, resolved for this rank (:func:`resolve_bind_host`) and given to
-    the data plane and engine explicitly; left in the environment, every ``env_settings()`` (the engine's
-    channel, the data plane) would refuse it, since nothing else knows MASTER_ADDR.
-    """
-    if os.environ.get(BIND_HOST_VAR, "").strip().lower() != "auto":
-        return False
-    del os.environ[BIND_HOST_VAR]
-    return True
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    bind_host_auto = _take_bind_host_auto()
+    # --bind-host's default becomes auto, resolved for this rank (resolve_bind_host)
+    bind_host_auto = take_bind_host_auto(os.environ)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--kind")
     known, _ = pre.parse_known_args(argv)

@@ -14,12 +14,9 @@ from ..layout import ParallelLayout
 from ._topology import PDTopology
 
 __all__ = [
-    "BIND_HOST_VAR", "add_common_arguments", "checked_topology", "resolve_bind_host", "resolve_device",
+    "add_common_arguments", "checked_topology", "resolve_bind_host", "resolve_device",
     "topology_from_args",
 ]
-
-BIND_HOST_VAR = "NCCLKV_BIND_HOST"  # --bind-host's default; ``auto`` there is resolved by the entry point too
-
 
 def _seconds(text: str) -> float:
     try:

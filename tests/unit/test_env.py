@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ncclkv._env import EnvSettings, env_settings
+from ncclkv._env import EnvSettings, env_settings, take_bind_host_auto
 
 
 def test_defaults_are_values_not_descriptors() -> None:
@@ -41,3 +41,13 @@ def test_bad_values_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(ValueError) as err:
         env_settings({name: value})
     assert name in str(err.value) and repr(value) in str(err.value)
+
+
+def test_bind_host_auto_is_taken_out_of_the_environment_only_when_it_is_auto() -> None:
+    environ = {"NCCLKV_BIND_HOST": " Auto ", "OTHER": "1"}
+    assert take_bind_host_auto(environ) is True
+    assert environ == {"OTHER": "1"}  # env_settings() after it no longer sees a value it would refuse
+    env_settings(environ)
+    for kept in ({"NCCLKV_BIND_HOST": "10.0.0.5"}, {}):
+        before = dict(kept)
+        assert take_bind_host_auto(kept) is False and kept == before
