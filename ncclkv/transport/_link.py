@@ -315,7 +315,8 @@ class Link:
             for op in self._stop_pipes():
                 settle(op.future, error=ClosedError(f"{op.label}: the link was closed"))
         self._abort_backend()
-        joined = all([pipe.join(self._timeout_s + _JOIN_MARGIN_S) for pipe in self._pipes])
+        join_by = time.monotonic() + self._timeout_s + _JOIN_MARGIN_S  # one bound for both pipes
+        joined = all([pipe.join(max(0.0, join_by - time.monotonic())) for pipe in self._pipes])
         if joined:
             if self._recv_frames is not None:
                 self._recv_frames.clear()
@@ -468,13 +469,16 @@ class Link:
             self._closed = True
             if first:
                 self._broken = error
-        settle(op.future, error=error if first else ClosedError(f"{op.label}: the link was closed"))
         if not first:
+            settle(op.future, error=ClosedError(f"{op.label}: the link was closed"))
             return  # already closed or broken: the error is a consequence of that
         _log.warning("%s", error)
-        for other in self._stop_pipes():
-            settle(other.future, error=TransferError(f"{other.label}: the link broke: {error}"))
+        others = self._stop_pipes()  # before any callback runs: one may close the link and join its threads
         self._abort_backend()
+        settle(op.future, error=error)
+        for other in others:
+            if other is not op:
+                settle(other.future, error=TransferError(f"{other.label}: the link broke: {error}"))
 
     def _typed_error(self, op: Op, exc: BaseException) -> NcclKVError:
         where = f"{op.label} (link rank {self._link_rank}, peer {self._peer or 'unknown'})"

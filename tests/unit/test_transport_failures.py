@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import contextlib
 from contextlib import closing
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -81,6 +82,38 @@ def test_a_done_callback_may_call_into_the_link_when_a_close_lands_during_the_po
         sent.result(WAIT_S)
     closer.join(WAIT_S)
     assert not closer.is_alive() and seen == [0]
+
+
+@pytest.mark.parametrize("backend", ["loopback", "gloo"])
+def test_closing_the_link_from_the_callback_of_the_op_that_broke_it_ends_it_at_once(backend: str) -> None:
+    """The failing op's future was settled before the link stopped its pipes: a callback that closed the link
+    found it closed already, joined threads nobody had told to end (timeout_s + 2 s for each pipe), and never
+    released the backend (on gloo its process group and sockets stayed, a second close() returned at once)."""
+    op_timeout_s = 0.5
+    with contextlib.ExitStack() as stack:
+        if backend == "loopback":
+            peer, link = loopback_pair("cb-fail-close", timeout_s=op_timeout_s)
+        else:
+            p0, p1 = stack.enter_context(DataPlane()), stack.enter_context(DataPlane())
+            peer, link = open_both(p0, p1, "cb-fail-close", p0.address, op_timeout_s=op_timeout_s)
+        stack.callback(peer.close)
+        closed_in: list[float] = []
+        done = threading.Event()
+
+        def close_from_callback(_future: Any) -> None:
+            start = time.monotonic()
+            link.close()
+            closed_in.append(time.monotonic() - start)
+            done.set()
+
+        received = link.recv((4,), torch.float32)  # the peer never sends: it times out and breaks the link
+        received.add_done_callback(close_from_callback)
+        with pytest.raises(TransferError, match=r"within 0\.5 s"):  # gloo: no frame header within; loopback: not done
+            received.result(WAIT_S)
+        assert done.wait(WAIT_S)
+        assert closed_in[0] < op_timeout_s, f"close() in the callback took {closed_in[0]:.2f} s"
+        if backend == "gloo":
+            assert link._backend._pg is None  # released: the process group and its sockets are gone
 
 
 @pytest.mark.parametrize("framed", [False, True], ids=["plain", "framed"])
