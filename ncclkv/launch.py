@@ -24,6 +24,8 @@ __all__ = ["LaunchInfo", "derived_master_port", "discover", "first_slurm_host", 
 # registered-service ranges and below Linux's default ephemeral range.
 _DERIVED_PORT_BASE = 20000
 _DERIVED_PORT_SPAN = 12000
+# Prime to the span: the steps of one job (up to the span's count) all derive different ports.
+_DERIVED_PORT_STEP_STRIDE = 1009
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,8 @@ class LaunchInfo:
     # 0 under every other launcher. torchrun's agent store outlives its workers, so whatever an attempt
     # wrote there is still there in the next one: keys must carry the attempt (StoreRendezvous does).
     attempt: int = 0
+    # Slurm's SLURM_STEP_ID (0 elsewhere): steps of one job given the same MASTER_PORT keep their keys apart.
+    step_id: int = 0
 
     @property
     def is_master(self) -> bool:
@@ -201,9 +205,16 @@ def _slurm_node_count(env: Mapping[str, str]) -> tuple[str, int] | None:
     return None
 
 
-def derived_master_port(job_id: int) -> int:
-    """The MASTER_PORT every rank of Slurm job ``job_id`` derives when none is set (the same on every node)."""
-    return _DERIVED_PORT_BASE + job_id % _DERIVED_PORT_SPAN
+def derived_master_port(job_id: int, step_id: int = 0) -> int:
+    """The MASTER_PORT every rank of step ``step_id`` of Slurm job ``job_id`` derives when none is set (the same
+    on every node). Steps of one job get ports of their own: two P/D sets started in one allocation would
+    otherwise meet on one port, and the second one's ranks join the first one's store and links."""
+    return _DERIVED_PORT_BASE + (job_id + step_id * _DERIVED_PORT_STEP_STRIDE) % _DERIVED_PORT_SPAN
+
+
+def _slurm_step_id(env: Mapping[str, str]) -> int:
+    """SLURM_STEP_ID of an srun step; 0 where it is not set (a batch script, another launcher)."""
+    return _int_var(env, "SLURM_STEP_ID") if env.get("SLURM_STEP_ID") else 0
 
 
 def _master(env: Mapping[str, str], launcher: str, world_size: int, local_size: int | None,
@@ -236,7 +247,7 @@ def _master(env: Mapping[str, str], launcher: str, world_size: int, local_size: 
         return addr, free_port(addr if addr != "localhost" else "127.0.0.1")
     if env.get("SLURM_JOB_ID"):
         # Every rank of the job must agree without talking: derive from the job id.
-        return addr, derived_master_port(_int_var(env, "SLURM_JOB_ID"))
+        return addr, derived_master_port(_int_var(env, "SLURM_JOB_ID"), _slurm_step_id(env))
     raise ValueError(f"{launcher} job of world_size={world_size} needs MASTER_PORT (ranks cannot agree on a free port)")
 
 
@@ -299,5 +310,6 @@ def discover(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     # Only a Slurm task owns its GPUs: under torchrun or mpiexec inside a job, the
     # processes of one task would share them.
     gpus_per_task = _slurm_gpus_per_task(env) if launcher == "slurm" else None
+    step_id = _slurm_step_id(env) if launcher == "slurm" else 0
     return LaunchInfo(launcher, rank, world_size, local_rank, local_size, addr, port, store_hosted, gpus_per_task,
-                      attempt)
+                      attempt, step_id)

@@ -11,6 +11,7 @@ one rank reports reaches the others through :meth:`finish`.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,12 +20,14 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .._timeout import check_timeout
-from ..errors import PeerLostError, TransferTimeout
+from ..errors import HandshakeError, PeerLostError, TransferTimeout
 from ..launch import LaunchInfo
 
 __all__ = ["StoreRendezvous"]
 
 _OK = "ok"
+# How torch's TCPStore server says its port is taken (its error text names the errno).
+_ADDRESS_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
 _FAILURE_GRACE_S = 5.0  # how long the hosting rank keeps the store up for ranks reading a failure
 _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.05  # store polling: quick for the common case, at most 20 round trips/s
 
@@ -46,14 +49,17 @@ class StoreRendezvous:
             )
         # The attempt in every key: torchrun's agent store outlives its workers, so an elastic restart
         # would read the previous attempt's values (stale addresses, a finished outcome) under the same name.
-        self._prefix = f"{prefix}/attempt{info.attempt}"
+        # The Slurm step too: two steps of one job given one MASTER_PORT must not read each other's keys (the
+        # second step's ranks would join the first one's links).
+        self._prefix = f"{prefix}/step{info.step_id}/attempt{info.attempt}"
         self._store: dist.Store = dist.PrefixStore(self._prefix, store)
         self._raw_store = store  # the server lives as long as this object on rank 0
         self._left = False
 
     @property
     def prefix(self) -> str:
-        """Where this rendezvous keeps its keys in the store: the caller's prefix and the launch attempt."""
+        """Where this rendezvous keeps its keys in the store: the caller's prefix, the Slurm step and the launch
+        attempt."""
         return self._prefix
 
     @property
@@ -156,6 +162,11 @@ class StoreRendezvous:
             raise
         except dist.DistError as exc:
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if self._hosting and _ADDRESS_IN_USE.search(str(exc)):  # not a peer's failure: say which port
+                raise HandshakeError(
+                    f"{self._where}: this rank hosts the store, but port {self._info.master_port} is in use on "
+                    f"{self._info.master_addr} (another job or step?); export MASTER_PORT with a free port for "
+                    f"every rank: {text}") from exc
             if time.monotonic() >= deadline - 0.01:
                 raise TransferTimeout(f"{self._where}: {step} not done within {self._deadline_s:g} s: {text}") from exc
             raise PeerLostError(f"{self._where}: {step}: lost the store: {text}") from exc

@@ -72,17 +72,19 @@ def test_srun_pmix_runs_the_ring(slurm: SlurmCluster) -> None:
 
 
 def test_srun_without_master_port_derives_it_from_the_job_id(slurm: SlurmCluster) -> None:
-    """The set-up users get from launch/srun_pd.sh: no MASTER_PORT, so every rank derives the same one."""
+    """The set-up users get from launch/srun_pd.sh: no MASTER_PORT, so every rank derives the same one, from the
+    job id and the step id (steps of one job get ports of their own)."""
     env = {name: value for name, value in slurm.env.items() if name not in ("MASTER_ADDR", "MASTER_PORT")}
-    report_job = 'echo "rank $SLURM_PROCID job $SLURM_JOB_ID"; exec "$0" -m ncclkv.scenario "$@"'
+    report_job = 'echo "rank $SLURM_PROCID job $SLURM_JOB_ID step $SLURM_STEP_ID"; exec "$0" -m ncclkv.scenario "$@"'
     command = ["srun", "-n", "4", "--mpi=pmix", f"--time={SLURM_TIME_LIMIT}", "bash", "-c", report_job,
                sys.executable, "--kind", "ring", "--count", "4", "--nbytes", "65536"]
     done = run(command, env=env, timeout_s=TIMEOUT_S)
     print(f"srun -n 4 ring, port from the job id: {done.elapsed_s:.1f} s")
     assert done.returncode == 0, done.describe()
-    job_ids = set(re.findall(r"rank \d job (\d+)", done.output))
-    assert len(job_ids) == 1, done.describe()
-    port = derived_master_port(int(job_ids.pop()))
+    steps = set(re.findall(r"rank \d job (\d+) step (\d+)", done.output))
+    assert len(steps) == 1, done.describe()
+    job_id, step_id = steps.pop()
+    port = derived_master_port(int(job_id), int(step_id))
     lines = ring_lines(done.output)
     assert sorted(lines) == [0, 1, 2, 3], done.describe()
     # MASTER_ADDR is unset too: every rank takes the step's first node, and the job's port.

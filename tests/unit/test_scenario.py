@@ -284,7 +284,7 @@ def test_a_restarted_attempt_reads_none_of_the_previous_attempts_keys() -> None:
         assert on_ranks(2, attempt_body(0)) == [["addr-0-attempt0", "addr-1-attempt0"]] * 2
         # Attempt 1's rank 0 alone: its peer has published nothing in this attempt yet.
         alone = StoreRendezvous(attempt_info(0, 1), prefix="t", deadline_s=0.5)
-        assert alone.prefix == "t/attempt1"
+        assert alone.prefix == "t/step0/attempt1"
         with pytest.raises(TransferTimeout, match=r"missing \['value/1'\]"):
             alone.exchange("addr-0-attempt1")
         assert on_ranks(2, attempt_body(2)) == [["addr-0-attempt2", "addr-1-attempt2"]] * 2
