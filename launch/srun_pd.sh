@@ -6,7 +6,7 @@
 # Inside an allocation (sbatch, salloc) the step uses it; otherwise srun makes one.
 # GPUS_PER_TASK (default 1; 0 requests none), SRUN_MPI (default pmix; "none" for
 # sites without the PMIx plugin), PYTHON (default: python on PATH).
-# MASTER_ADDR / MASTER_PORT default to the first node and a port derived from the job id.
+# MASTER_ADDR / MASTER_PORT default to the first node and a port derived from the job and step ids.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_pd_args.sh"
 pd_parse_args "$@"
