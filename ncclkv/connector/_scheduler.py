@@ -21,6 +21,7 @@ yet holds nothing (vLLM freed its blocks at the preemption).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -31,13 +32,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
 from ..engine import BlockTokens, EngineRef
-from ..hashing import ExtraKeys
+from ..hashing import ExtraKey, ExtraKeys
 from ._config import NcclKVConfig
 from ._events import EventGatherer, NcclKVEvents
 from ._metadata import DeclineJob, HoldJob, LoadJob, NcclKVMetadata, PushJob, engine_ref_from_handshakes
@@ -63,13 +65,23 @@ def _prefilled_for(request: Request, remote: RemotePrefill) -> bool:
     """Whether the remote KV is for exactly this request's first ``num_tokens`` tokens (block hashes agree)."""
     tokens = list(request.prompt_token_ids or ())[:remote.num_tokens]
     return len(tokens) == remote.num_tokens and \
-        token_hash(tokens, remote.hash_block_size, extra_keys(request)) == remote.token_hash
+        token_hash(tokens, remote.hash_block_size, extra_keys(request, remote.num_tokens)) == remote.token_hash
 
 
-def extra_keys(request: Request) -> ExtraKeys:
-    """What besides the tokens makes KV differ: the LoRA adapter and the cache salt."""
+def extra_keys(request: Request, num_tokens: int) -> ExtraKeys:
+    """What besides its first ``num_tokens`` tokens makes their KV differ: the LoRA adapter (first: the KV
+    events read it there), the cache salt, each multimodal input placed among them (vLLM's content hash, offset
+    and length: two images behind the same placeholder tokens give other KV) and their prompt embeddings."""
     lora = request.lora_request.lora_name if request.lora_request is not None else None
-    return (lora, request.cache_salt)
+    keys: list[ExtraKey] = [lora, request.cache_salt]
+    for feature in request.mm_features:
+        position = feature.mm_position
+        if position.offset < num_tokens:  # one reaching past them too: their KV depends on all of it
+            keys += [feature.identifier, position.offset, position.length]
+    if request.prompt_embeds is not None:
+        embeds = request.prompt_embeds[:num_tokens].detach().contiguous().cpu().flatten().view(torch.uint8)
+        keys.append(hashlib.sha256(embeds.numpy().tobytes()).digest())
+    return tuple(keys)
 
 
 class SchedulerSide:
@@ -184,7 +196,7 @@ class SchedulerSide:
                 holds.append(HoldJob(req_id, produce.transfer_id, tuple(block_ids), request.num_prompt_tokens))
             else:
                 num = request.num_prompt_tokens
-                blocks = BlockTokens.of_prompt(request.all_token_ids[:num], self._block_size, extra_keys(request))
+                blocks = BlockTokens.of_prompt(request.all_token_ids[:num], self._block_size, extra_keys(request, num))
                 pushes.append(PushJob(req_id, produce.transfer_id, produce.push_to, tuple(block_ids), num, blocks))
         meta = NcclKVMetadata(tuple(self._loads), tuple(holds), tuple(pushes), tuple(self._releases), preempted,
                               idle=scheduler_output.total_num_scheduled_tokens == 0, declines=tuple(self._declines))
@@ -293,8 +305,8 @@ class SchedulerSide:
                       request.request_id)
             return None
         tokens = list(request.all_token_ids[:num_tokens])
-        return RemotePrefill(transfer_id, self._ref, tuple(block_ids), num_tokens,
-                             token_hash(tokens, self._block_size, extra_keys(request)), self._block_size, pushed)
+        digest = token_hash(tokens, self._block_size, extra_keys(request, num_tokens))
+        return RemotePrefill(transfer_id, self._ref, tuple(block_ids), num_tokens, digest, self._block_size, pushed)
 
 
 def _new_transfer_id() -> str:
