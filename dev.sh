@@ -30,6 +30,9 @@ except m.PackageNotFoundError: pass' "$1"; }
 
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
+# The venv's torch build: "cuda" or "cpu"; nothing when torch does not import.
+torch_build() { "$PY" -c 'import torch; print("cuda" if torch.version.cuda else "cpu")' 2>/dev/null || true; }
+
 TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
 
 reachable() {  # an index answers within 5 s (offline machines skip it at once)
@@ -72,16 +75,31 @@ setup() {
         "$PYTHON" -m venv --clear "$VENV" \
             || die "cannot create $VENV with $PYTHON (on Debian/Ubuntu: apt-get install python3-venv)"
     fi
+    local build
+    build=$(torch_build)
+    # A venv shared by machines with and without a GPU (a cluster's home directory) would hold the wrong build
+    # on one of them: said, not swapped under the other machines' feet.
+    local separate="give machines with and without a GPU venvs of their own (NCCLKV_VENV=...), or remove $VENV"
     if [ -n "${NCCLKV_TORCH_SPEC:-}${NCCLKV_TORCH_INDEX:-}" ]; then
         # A site's own torch build: installed once, then left as it is.
-        if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+        if [ -z "$build" ]; then
             local index_args=()
             [ -z "${NCCLKV_TORCH_INDEX:-}" ] || index_args=(--index-url "$NCCLKV_TORCH_INDEX")
             log "installing ${NCCLKV_TORCH_SPEC:-torch}"
             "$PY" -m pip install -q ${index_args[@]+"${index_args[@]}"} "${NCCLKV_TORCH_SPEC:-torch}"
+        else
+            log "torch $(version_of torch) is installed; NCCLKV_TORCH_SPEC / NCCLKV_TORCH_INDEX apply to a venv" \
+                "without torch (remove $VENV, or set NCCLKV_VENV to a new one)"
         fi
     elif has_gpu; then
-        "$PY" -c "import torch" >/dev/null 2>&1 || { log "installing torch"; "$PY" -m pip install -q torch; }
+        if [ -z "$build" ]; then
+            log "installing torch"
+            "$PY" -m pip install -q torch
+        elif [ "$build" != cuda ]; then
+            die "$VENV holds torch $(version_of torch), a CPU build, and this machine has a GPU: $separate"
+        fi
+    elif [ "$build" = cuda ]; then
+        die "$VENV holds torch $(version_of torch), a CUDA build, and this machine has no GPU (nvidia-smi -L): $separate"
     elif [ "$(version_of torch)" != "$TORCH_CPU_VERSION" ]; then
         log "installing torch==$TORCH_CPU_VERSION (the CPU build)"
         # shellcheck disable=SC2046 # the index arguments are words
