@@ -17,7 +17,11 @@ import json
 
 from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, SpanSet, TransferPlan, plan
 
-__all__ = ["add_parser", "parse_layout", "parse_tokens", "run"]
+__all__ = ["MAX_TOKENS", "add_parser", "parse_layout", "parse_tokens", "run"]
+
+# Far past any model's context. The plan's checks hold a list sized by the token count (len(SpanSet)): a
+# count past sys.maxsize raised OverflowError there, and one of 2**40 MemoryError.
+MAX_TOKENS = 1 << 30
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -57,20 +61,25 @@ def parse_layout(text: str) -> ParallelLayout:
 
 
 def parse_tokens(text: str) -> SpanSet:
-    """``N`` (tokens ``[0, N)``) or comma-separated half-open spans ``a:b,c:d``."""
+    """``N`` (tokens ``[0, N)``) or comma-separated half-open spans ``a:b,c:d``, every bound <= MAX_TOKENS."""
     try:
         if ":" not in text:
             count = int(text)
             if count < 0:
                 raise ValueError
-            return SpanSet.range(0, count)
-        spans = []
-        for item in text.split(","):
-            start, stop = item.split(":")
-            spans.append((int(start), int(stop)))
-        return SpanSet(spans)
+            tokens = SpanSet.range(0, count)
+        else:
+            spans = []
+            for item in text.split(","):
+                start, stop = item.split(":")
+                spans.append((int(start), int(stop)))
+            tokens = SpanSet(spans)
     except (ValueError, TypeError):
         raise ValueError(f"bad --tokens {text!r}: expected a count N >= 0 or spans a:b,c:d with 0 <= a <= b") from None
+    if tokens.bounds.stop > MAX_TOKENS:
+        raise ValueError(f"bad --tokens {text!r}: tokens must end at {MAX_TOKENS} (2**30) at most, "
+                         f"got {tokens.bounds.stop}")
+    return tokens
 
 
 def _geometry(args: argparse.Namespace) -> KVGeometry:

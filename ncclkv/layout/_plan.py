@@ -298,7 +298,7 @@ def _check_cover(dst: int, need: Roi, routes: list[Route]) -> None:
         return
     layer_cuts = _cuts([need.layers, *(r.layers for r in routes)])
     head_cuts = _cuts([need.heads, *(r.heads for r in routes)])
-    token_cuts = _cuts([*need.tokens, *(r.tokens for r in routes)])
+    token_cuts = _cuts([*need.tokens.spans, *(r.tokens for r in routes)])  # .spans: len() counts tokens
     senders: dict[tuple[int, int, int], list[int]] = defaultdict(list)
     for route in routes:
         for li in range(bisect_left(layer_cuts, route.layers.start), bisect_left(layer_cuts, route.layers.stop)):

@@ -7,12 +7,15 @@ import gc
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from .._env import take_bind_host_auto
+from .._env import env_settings, take_bind_host_auto
 from ..errors import ClosedError, PeerLostError, TransferError
 from ..launch import LaunchInfo, discover
 from ._common import add_common_arguments, checked_topology
-from ._registry import EXIT_CHECK_FAILED, EXIT_OK, EXIT_PEER_FAILURE, SCENARIOS, ScenarioError, load_scenario, report
+from ._registry import (
+    EXIT_CHECK_FAILED, EXIT_OK, EXIT_PEER_FAILURE, SCENARIOS, ScenarioError, ScenarioModule, load_scenario, report,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -37,10 +40,16 @@ def build_parser(kind: str | None) -> argparse.ArgumentParser:
     return parser
 
 
-def _check_pd_set(parser: argparse.ArgumentParser, args: argparse.Namespace, info: LaunchInfo) -> None:
-    """Exit 2 (a usage error, like argparse's own) unless the P/D options agree with each other and the launcher."""
+def _checked_run(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                 module: ScenarioModule) -> tuple[LaunchInfo, Any]:
+    """The launcher's view and the scenario's checked run; exit 2 (a usage error, like argparse's own) naming the
+    values when the launcher variables, an NCCLKV_* value, the P/D options or the kind's options are wrong."""
     try:
-        checked_topology(args, info)
+        info = discover()
+        if args.deadline is None:
+            args.deadline = env_settings().deadline_s  # checks every NCCLKV_* value, before anything connects
+        checked_topology(args, info)  # every kind's P/D options, whatever the kind makes of them
+        return info, module.check(args, info)
     except ValueError as exc:
         parser.error(str(exc))  # prints usage and the message naming the values, exits 2
 
@@ -56,10 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.bind_host is None and bind_host_auto:
         args.bind_host = "auto"
     module = load_scenario(args.kind)
-    info = discover()
-    _check_pd_set(parser, args, info)
+    info, checked = _checked_run(parser, args, module)
     try:
-        module.run(info, args)
+        module.run(info, checked)
     except PEER_FAILURES as exc:
         report(f"rank {info.rank}: peer failure detected: {type(exc).__name__}: {exc}", sys.stderr)
         return EXIT_PEER_FAILURE

@@ -7,14 +7,13 @@ import socket
 
 import torch
 
-from .._env import env_settings
 from .._timeout import check_timeout
 from ..launch import LaunchInfo
 from ..layout import ParallelLayout
 from ._topology import PDTopology
 
 __all__ = [
-    "add_common_arguments", "checked_topology", "resolve_bind_host", "resolve_device",
+    "add_common_arguments", "checked_topology", "resolve_bind_host", "resolve_device", "sized",
     "topology_from_args",
 ]
 
@@ -41,15 +40,15 @@ def _positive_int(text: str) -> int:
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--deadline", type=_seconds, default=env_settings().deadline_s,
+        "--deadline", type=_seconds, default=None,  # NCCLKV_DEADLINE_S is read after parsing: --help never reads it
         help="seconds any single wait may take (default: NCCLKV_DEADLINE_S, else 10)",
     )
     parser.add_argument(
         "--small", action="store_true",
-        help="a smoke-test size (CI, a laptop, a test cluster): each kind shrinks its own sizes",
+        help="a smoke-test size (CI, a laptop, a test cluster): each kind shrinks those of its sizes not given",
     )
     parser.add_argument(
-        "--device", default="auto",
+        "--device", default="auto", choices=("auto", "cpu", "cuda"),
         help="cpu, cuda, or auto: cuda when every local rank gets its own GPU (one visible per local rank, "
         "or Slurm's --gpus-per-task), else cpu",
     )
@@ -67,6 +66,15 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--decode-pp", type=_positive_int, default=1)
 
 
+def sized(args: argparse.Namespace, option: str, default: int, small: int) -> int:
+    """The size option ``option`` (an attribute of ``args``, None when not given): a value given wins; else
+    ``small`` with --small, else ``default``."""
+    value: int | None = getattr(args, option)
+    if value is not None:
+        return value
+    return small if args.small else default
+
+
 def topology_from_args(args: argparse.Namespace) -> PDTopology | None:
     """The P/D set the options describe, or None when neither --prefill nor --decode is given."""
     if args.prefill is None and args.decode is None:
@@ -82,8 +90,8 @@ def topology_from_args(args: argparse.Namespace) -> PDTopology | None:
 def checked_topology(args: argparse.Namespace, info: LaunchInfo) -> PDTopology | None:
     """:func:`topology_from_args`, checked against the ranks the launcher started (ValueError naming the values).
 
-    ``__main__`` runs it before any scenario (a ValueError: a usage error, exit 2); a scenario's ``run``
-    calls it again for the topology, so that it is checked however ``run`` is reached.
+    ``__main__`` runs it before any scenario (a ValueError: a usage error, exit 2); a scenario's ``check``
+    calls it again for the topology.
     """
     topology = topology_from_args(args)
     if topology is not None:

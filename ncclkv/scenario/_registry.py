@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 from ..launch import LaunchInfo
 
@@ -52,8 +52,12 @@ class ScenarioModule(Protocol):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Add this kind's own options (the common ones are already there)."""
 
-    def run(self, info: LaunchInfo, args: argparse.Namespace) -> None:
-        """Run this rank's part; return on success, raise on failure."""
+    def check(self, args: argparse.Namespace, info: LaunchInfo) -> Any:
+        """This rank's run as the options and the launcher describe it, checked before anything connects: what
+        ``run`` takes. ValueError naming the values (``__main__``: a usage error, exit 2)."""
+
+    def run(self, info: LaunchInfo, checked: Any) -> None:
+        """Run this rank's part of what ``check`` returned; return on success, raise on failure."""
 
 
 def load_scenario(kind: str) -> ScenarioModule:
@@ -63,7 +67,7 @@ def load_scenario(kind: str) -> ScenarioModule:
     except KeyError:
         raise ValueError(f"unknown scenario kind {kind!r}; known: {', '.join(sorted(SCENARIOS))}") from None
     module = importlib.import_module(module_name)
-    for name in ("HELP", "add_arguments", "run"):
+    for name in ("HELP", "add_arguments", "check", "run"):
         if not hasattr(module, name):
             raise TypeError(f"scenario module {module_name} lacks {name}")
     return module  # type: ignore[return-value]  # checked above: it has the protocol's names

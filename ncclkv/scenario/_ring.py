@@ -27,25 +27,28 @@ import torch
 from .._timeout import check_timeout
 from ..launch import LaunchInfo
 from ..transport import DataPlane, Link
-from ._common import checked_topology, resolve_bind_host, resolve_device
+from ._common import checked_topology, resolve_bind_host, resolve_device, sized
+from ._topology import PDTopology
 from ._registry import ScenarioError, report
 from ._rendezvous import StoreRendezvous
 
-__all__ = ["HELP", "RingConfig", "add_arguments", "check_payload", "ring_exchange", "ring_payload", "run"]
+__all__ = ["HELP", "RingConfig", "RingRun", "add_arguments", "check", "check_payload", "ring_exchange", "ring_payload",
+           "run"]
 
 HELP = "tensors around a ring of data-plane links, checked byte-exact"
 KILL_EXIT_CODE = 9
 _MAGIC = 0x6E63636C6B76  # "ncclkv"
 _HEADER_BYTES = 24  # three int64: magic, sender rank, seq
-_SMALL_COUNT, _SMALL_NBYTES = 4, 64 * 1024  # --small
+_COUNT, _NBYTES = 8, 1 << 20  # when not given
+_SMALL_COUNT, _SMALL_NBYTES = 4, 64 * 1024  # when not given, with --small
 
 
 @dataclass(frozen=True, slots=True)
 class RingConfig:
     """One ring run: ``count`` tensors of ``nbytes`` per rank, each wait bounded by ``deadline_s``."""
 
-    count: int = 8
-    nbytes: int = 1 << 20
+    count: int = _COUNT
+    nbytes: int = _NBYTES
     deadline_s: float = 10.0
     kill_rank: int | None = None
     kill_at: int = 0
@@ -142,24 +145,39 @@ def ring_exchange(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--count", type=int, default=8, help="tensors each rank sends (default 8)")
-    parser.add_argument("--nbytes", type=int, default=1 << 20, help="bytes per tensor, a multiple of 8 (default 1 MiB)")
+    parser.add_argument("--count", type=int, default=None,
+                        help=f"tensors each rank sends (default {_COUNT}; --small: {_SMALL_COUNT})")
+    parser.add_argument("--nbytes", type=int, default=None,
+                        help=f"bytes per tensor, a multiple of 8 (default {_NBYTES}; --small: {_SMALL_NBYTES})")
     parser.add_argument("--kill-rank", type=int, default=None, help="this rank os._exit(9)s after --kill-at tensors")
     parser.add_argument("--kill-at", type=int, default=0, help="tensors the killed rank completes first")
 
 
-def run(info: LaunchInfo, args: argparse.Namespace) -> None:
-    count, nbytes = args.count, args.nbytes
-    if args.small:
-        count, nbytes = min(count, _SMALL_COUNT), min(nbytes, _SMALL_NBYTES)
-    config = RingConfig(count, nbytes, args.deadline, args.kill_rank, args.kill_at)
+@dataclass(frozen=True, slots=True)
+class RingRun:
+    """This rank's checked run: what :func:`check` returns and :func:`run` takes."""
+
+    config: RingConfig
+    topology: PDTopology | None
+    device: torch.device
+    bind_host: str | None
+
+
+def check(args: argparse.Namespace, info: LaunchInfo) -> RingRun:
+    """The run the options describe on this rank, checked before anything connects (ValueError naming the values)."""
+    config = RingConfig(sized(args, "count", _COUNT, _SMALL_COUNT), sized(args, "nbytes", _NBYTES, _SMALL_NBYTES),
+                        args.deadline, args.kill_rank, args.kill_at)
     config.check_world(info.world_size)
-    topology = checked_topology(args, info)
+    return RingRun(config, checked_topology(args, info), resolve_device(args.device, info),
+                   resolve_bind_host(args.bind_host, info))
+
+
+def run(info: LaunchInfo, checked: RingRun) -> None:
+    config, topology, device = checked.config, checked.topology, checked.device
     place = f" as {topology.place(info.rank)}" if topology is not None else ""
-    device = resolve_device(args.device, info)
     started = time.monotonic()
     rendezvous = StoreRendezvous(info, prefix="ncclkv/scenario/ring", deadline_s=config.deadline_s)
-    with DataPlane(resolve_bind_host(args.bind_host, info)) as plane:
+    with DataPlane(checked.bind_host) as plane:
         try:
             addresses = rendezvous.exchange(plane.address)
             kill = _kill_hook(info.rank, config)

@@ -6,7 +6,8 @@ from prefill instance ``i % P`` to decode instance ``(i // P) % D``, so every
 pair of instances carries traffic. Producers write each request's
 deterministic KV into their paged caches (vLLM CPU layout, block 16) and
 either hold it for pulling or push it layer by layer; consumers receive into
-caches in vLLM 0.32's GPU view (K and V packed per token) with block 32 and check every byte. Control addresses travel
+caches in vLLM 0.32's GPU view (K and V packed per token) with block 32 and check every byte (--mla: the
+MLA layout on both sides). Control addresses travel
 through the launcher's TCPStore; so do the per-rank results that rank 0
 prints as one table.
 """
@@ -28,17 +29,21 @@ from ..errors import TransferTimeout
 from ..launch import LaunchInfo
 from ..layout import KVGeometry, ParallelLayout, Roi, shard_roi
 from ..paged import CacheLayout
-from ._common import checked_topology, resolve_bind_host, resolve_device
+from ._common import checked_topology, resolve_bind_host, resolve_device, sized
 from ._kv import check_landed, fill_shard, make_cache
 from ._registry import ScenarioError, report
 from ._rendezvous import StoreRendezvous
 from ._topology import PDTopology, RankPlace
 
-__all__ = ["HELP", "TransferConfig", "add_arguments", "run", "summary_json", "transfer_on_rank"]
+__all__ = ["HELP", "TransferConfig", "TransferRun", "add_arguments", "check", "run", "summary_json",
+           "transfer_on_rank"]
 
 HELP = "prefill engines send KV to decode engines (pull or push), checked byte-exact on every decode rank"
 PRODUCER_LAYOUT, PRODUCER_BLOCK = CacheLayout.CPU, 16
 CONSUMER_LAYOUT, CONSUMER_BLOCK = CacheLayout.PACKED, 32  # vLLM 0.32's GPU view
+# (--requests, --max-tokens) when not given, without and with --small
+_SIZES, _SMALL_SIZES = (16, 512), (4, 80)
+_KV_HEADS = 4  # without --mla, when not given (--mla: 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +125,8 @@ def run_rank(info: LaunchInfo, place: RankPlace, topology: PDTopology, cfg: Tran
     try:
         shard: Roi = shard_roi(layout, cfg.geometry, engine_rank, 0)
         cache_layout, block = (PRODUCER_LAYOUT, PRODUCER_BLOCK) if producer else (CONSUMER_LAYOUT, CONSUMER_BLOCK)
+        if cfg.geometry.use_mla:
+            cache_layout = CacheLayout.MLA  # one latent per token, on both sides
         dtype = getattr(torch, cfg.geometry.dtype)
         caches = {layer: make_cache(cache_layout, cfg.num_blocks(block), block, len(shard.heads),
                                     cfg.geometry.head_size, dtype, device) for layer in shard.layers}
@@ -186,13 +193,15 @@ def transfer_on_rank(info: LaunchInfo, topology: PDTopology, cfg: TransferConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=16, help="requests in all (default 16; --small: 4)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help=f"requests in all (default {_SIZES[0]}; --small: {_SMALL_SIZES[0]})")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=None, help=f"default {_KV_HEADS}; 1 with --mla")
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--mla", action="store_true", help="one latent per token (set --kv-heads 1)")
-    parser.add_argument("--max-tokens", type=int, default=512, help="request lengths vary up to this")
+    parser.add_argument("--mla", action="store_true", help="one latent per token (--kv-heads 1)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"request lengths vary up to this (default {_SIZES[1]}; --small: {_SMALL_SIZES[1]})")
     parser.add_argument("--mode", choices=("pull", "push"), default="pull")
     parser.add_argument("--kill-rank", type=int, default=None, help="this prefill rank dies after its first saved layer (push)")
     parser.add_argument("--json-out", default=None, metavar="PATH",
@@ -215,29 +224,52 @@ def check_kill(cfg: TransferConfig, topology: PDTopology, world_size: int) -> No
 
 
 def config_from_args(args: argparse.Namespace) -> TransferConfig:
-    requests, max_tokens = (4, 80) if args.small else (args.requests, args.max_tokens)
+    """The requests and the geometry the options describe (ValueError naming the values)."""
+    requests = sized(args, "requests", _SIZES[0], _SMALL_SIZES[0])
+    max_tokens = sized(args, "max_tokens", _SIZES[1], _SMALL_SIZES[1])
     if requests < 1 or max_tokens < 1:
         raise ValueError(f"--requests and --max-tokens must be >= 1, got {requests}, {max_tokens}")
     # Lengths spread over [max/4, max] with partial last blocks on both sides.
     tokens = tuple(max(1, max_tokens // 4 + (i * 37) % (max_tokens - max_tokens // 4 + 1)) for i in range(requests))
-    geometry = KVGeometry(args.layers, args.kv_heads, args.head_size, args.dtype, args.mla)
+    kv_heads = args.kv_heads if args.kv_heads is not None else 1 if args.mla else _KV_HEADS
+    geometry = KVGeometry(args.layers, kv_heads, args.head_size, args.dtype, args.mla)
     return TransferConfig(geometry, tokens, args.mode, args.deadline, args.kill_rank)
 
 
-def run(info: LaunchInfo, args: argparse.Namespace) -> None:
+@dataclass(frozen=True, slots=True)
+class TransferRun:
+    """This rank's checked run: what :func:`check` returns and :func:`run` takes."""
+
+    topology: PDTopology
+    cfg: TransferConfig
+    device: torch.device
+    bind_host: str | None
+    json_out: str | None
+
+
+def check(args: argparse.Namespace, info: LaunchInfo) -> TransferRun:
+    """The run the options describe on this rank, checked before anything connects (ValueError naming the values)."""
     topology = checked_topology(args, info)
     if topology is None:
         raise ValueError("--kind transfer needs a prefill/decode set: --prefill N --decode M [--prefill-tp ...]")
     cfg = config_from_args(args)
-    topology.prefill.check(cfg.geometry)
-    topology.decode.check(cfg.geometry)
+    for side, layout in (("prefill", topology.prefill), ("decode", topology.decode)):
+        try:
+            layout.check(cfg.geometry)
+        except ValueError as exc:
+            raise ValueError(f"--{side}-tp {layout.tp_size} --{side}-pp {layout.pp_size}: {exc}") from None
     check_kill(cfg, topology, info.world_size)
-    results = transfer_on_rank(info, topology, cfg, resolve_device(args.device, info),
-                               resolve_bind_host(args.bind_host, info))
+    return TransferRun(topology, cfg, resolve_device(args.device, info), resolve_bind_host(args.bind_host, info),
+                       args.json_out)
+
+
+def run(info: LaunchInfo, checked: TransferRun) -> None:
+    topology, cfg = checked.topology, checked.cfg
+    results = transfer_on_rank(info, topology, cfg, checked.device, checked.bind_host)
     if info.rank == 0:
         report(summary_table(topology, cfg, results))
-        if getattr(args, "json_out", None):
-            with open(args.json_out, "w", encoding="utf-8") as out:
+        if checked.json_out:
+            with open(checked.json_out, "w", encoding="utf-8") as out:
                 json.dump(summary_json(topology, cfg, results), out, indent=1)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ncclkv.cli import main
-from ncclkv.commands.plan import parse_layout, parse_tokens
+from ncclkv.commands.plan import MAX_TOKENS, parse_layout, parse_tokens
 from ncclkv.layout import KVGeometry, ParallelLayout, SpanSet, plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,3 +113,16 @@ def test_console_entry_in_a_subprocess() -> None:
     assert done.returncode == 0, done.stderr
     expected = plan(ParallelLayout(4, 1), ParallelLayout(2, 2), KVGeometry(32, 8, 128), 128)
     assert json.loads(done.stdout) == stringify(expected.to_json())
+
+
+@pytest.mark.parametrize(("tokens", "end"), [
+    ("100000000000000000000", "100000000000000000000"),  # an OverflowError traceback (past sys.maxsize)
+    ("0:10,20:1099511627776", "1099511627776"),  # 2**40: a MemoryError traceback
+    (str(MAX_TOKENS + 1), str(MAX_TOKENS + 1)),
+])
+def test_huge_token_counts_are_a_usage_error(tokens: str, end: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, argv(SRC, DST, "32", "8", "--tokens", tokens))
+    assert (code, out) == (2, "")
+    assert err == (f"ncclkv plan: error: bad --tokens {tokens!r}: tokens must end at {MAX_TOKENS} (2**30) at most, "
+                   f"got {end}\n")
+    assert parse_tokens(str(MAX_TOKENS)) == SpanSet([(0, MAX_TOKENS)])

@@ -297,11 +297,13 @@ def test_a_restarted_attempt_reads_none_of_the_previous_attempts_keys() -> None:
 
 def fake_scenario(monkeypatch: pytest.MonkeyPatch, kind: str, run: Callable[[LaunchInfo, argparse.Namespace], object],
                   add_arguments: Callable[[argparse.ArgumentParser], object] = lambda parser: None) -> None:
-    """Register ``kind`` as a scenario module with this ``run`` and ``add_arguments``, for this test only; and
-    unset the variables of the launchers that discover() would take before plain RANK/WORLD_SIZE."""
+    """Register ``kind`` as a scenario module with this ``run`` and ``add_arguments``, for this test only (its
+    ``check`` passes the options on to ``run``); and unset the variables of the launchers that discover() would
+    take before plain RANK/WORLD_SIZE."""
     module = types.ModuleType(f"ncclkv_test_{kind}")
     module.HELP = f"the test's {kind} scenario"  # type: ignore[attr-defined]
     module.add_arguments = add_arguments  # type: ignore[attr-defined]
+    module.check = lambda args, launch: args  # type: ignore[attr-defined]
     module.run = run  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setitem(SCENARIOS, kind, module.__name__)

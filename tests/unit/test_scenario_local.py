@@ -19,9 +19,9 @@ from ncclkv.scenario._transfer import TransferConfig, summary_json
 
 def test_a_rank_that_fails_gives_its_code_and_output() -> None:
     outcome = run_local(2, ["--prefill", "1", "--decode", "1", "--requests", "0"], timeout_s=120)
-    assert outcome.codes == (1, 1) and outcome.returncode == 1 and not outcome.ok
+    assert outcome.codes == (2, 2) and outcome.returncode == 2 and not outcome.ok  # a usage error on every rank
     assert "--requests and --max-tokens must be >= 1" in outcome.outputs[0]
-    assert "--- rank 1 (exit 1) ---" in outcome.failure_text()
+    assert "--- rank 1 (exit 2) ---" in outcome.failure_text()
 
 
 def test_ranks_past_the_deadline_are_killed() -> None:
@@ -73,3 +73,11 @@ def test_ncclkv_bind_host_auto_runs_without_the_option() -> None:
     outcome = run_local(2, ["--small"], timeout_s=120, kind="ring", env={**os.environ, "NCCLKV_BIND_HOST": "auto"})
     assert outcome.ok, outcome.failure_text()
     assert all("received byte-exact" in text for text in outcome.outputs), outcome.failure_text()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_the_transfer_scenario_runs_mla(mode: str) -> None:
+    """--mla never worked: the caches were the non-MLA ones, and --kv-heads stayed 4 (an MLA geometry needs 1)."""
+    outcome = run_local(2, ["--prefill", "1", "--decode", "1", "--small", "--mla", "--mode", mode], timeout_s=120)
+    assert outcome.ok, outcome.failure_text()
+    assert "x 1H x" in outcome.outputs[0] and "every landed byte checked" in outcome.outputs[0], outcome.outputs[0]
