@@ -7,6 +7,7 @@ import socket
 
 import torch
 
+from .._env import env_settings
 from .._timeout import check_timeout
 from ..launch import LaunchInfo
 from ..layout import ParallelLayout
@@ -118,9 +119,25 @@ def resolve_device(spec: str, info: LaunchInfo) -> torch.device:
     raise ValueError(f"--device must be cpu, cuda or auto, got {spec!r}")
 
 
+def _check_bindable(host: str, name: str) -> None:
+    """ValueError naming ``name`` unless a TCP socket can bind to ``host`` here."""
+    try:
+        family, kind, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as sock:
+            sock.bind(sockaddr)
+    except OSError as err:
+        raise ValueError(f"{name} {host!r} is not an address of this host to bind to: {err}") from None
+
+
 def resolve_bind_host(spec: str | None, info: LaunchInfo) -> str | None:
-    """None keeps the data plane's default; ``auto`` finds the local address that routes to the master."""
+    """None keeps the data plane's default; ``auto`` finds the local address that routes to the master. A host
+    given (here or by NCCLKV_BIND_HOST) must be one of this host's: else a ValueError now, not the data plane's
+    OSError once the ranks are running."""
     if spec != "auto":
+        if spec is not None:
+            _check_bindable(spec, "--bind-host")
+        else:
+            _check_bindable(env_settings().bind_host, "NCCLKV_BIND_HOST")
         return spec
     family, _, _, _, sockaddr = socket.getaddrinfo(info.master_addr, info.master_port, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, socket.SOCK_DGRAM) as sock:

@@ -173,7 +173,9 @@ def test_device_and_bind_host_resolution() -> None:
     with pytest.raises(ValueError, match=r"--device must be cpu, cuda or auto, got 'tpu'"):
         resolve_device("tpu", info(0, 2))
     assert resolve_bind_host(None, info(0, 2)) is None
-    assert resolve_bind_host("10.1.2.3", info(0, 2)) == "10.1.2.3"
+    assert resolve_bind_host("127.0.0.1", info(0, 2)) == "127.0.0.1"
+    with pytest.raises(ValueError, match=r"--bind-host '192\.0\.2\.3' is not an address of this host"):
+        resolve_bind_host("192.0.2.3", info(0, 2))  # TEST-NET-1: no host's own
     assert resolve_bind_host("auto", info(0, 2)) == "127.0.0.1"
     with pytest.raises(ValueError, match=r"found loopback 127.0.0.1 .* spans several nodes"):
         resolve_bind_host("auto", info(0, 8, local_world_size=4))

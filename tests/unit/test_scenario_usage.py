@@ -52,6 +52,10 @@ def use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
     (2, ["--kind", "ring", "--kill-rank", "5"], {}, "kill_rank=5 is outside world_size=2"),
     (2, ["--kind", "ring"], {"NCCLKV_COPY_THREADS": "99"}, "NCCLKV_COPY_THREADS='99' must be <= 16"),
     (2, ["--kind", "ring"], {"MASTER_PORT": None}, "env job of world_size=2 needs MASTER_PORT"),
+    # 192.0.2.0/24 is TEST-NET-1: no host's own address. It ended as OSError [Errno 99] in the data plane.
+    (2, ["--kind", "ring", "--bind-host", "192.0.2.7"], {}, "--bind-host '192.0.2.7' is not an address of this host"),
+    (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1"], {"NCCLKV_BIND_HOST": "192.0.2.7"},
+     "NCCLKV_BIND_HOST '192.0.2.7' is not an address of this host"),
 ])
 def test_bad_input_is_a_usage_error_before_anything_connects(
     world_size: int, argv: list[str], env: dict[str, str | None], message: str,
