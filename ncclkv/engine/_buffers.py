@@ -96,17 +96,19 @@ class WireBuffers:
             self._peaks = [0 if idle else self._peaks[1], self._lent_bytes]
             self._window_ends = now + PEAK_WINDOW_S
 
-    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    def take(self, shape: Sequence[int], dtype: torch.dtype, exact: bool = False) -> torch.Tensor:
         """A contiguous tensor of ``shape`` and ``dtype`` on this device, contents undefined.
 
-        A free buffer of the smallest class that holds it, up to twice its class, is reused."""
+        A free buffer of the smallest class that holds it, up to twice its class, is reused; ``exact``: only
+        one of its own class (a buffer held for long, as staged KV is, then holds at most 25% over its bytes,
+        not twice them: staging counts the tensor's bytes)."""
         if not self._reuse:
             return torch.empty(tuple(shape), dtype=dtype, device=self.device)
         shape = tuple(shape)
         capacity = capacity_class(math.prod(shape) * dtype.itemsize)
         storage = None
         with self._lock:
-            for fit in _classes_up_to_twice(capacity):
+            for fit in (capacity,) if exact else _classes_up_to_twice(capacity):
                 stack = self._free.get(fit)
                 if stack:
                     storage, last = stack.pop()
@@ -163,6 +165,17 @@ class WireBuffers:
                 stack = self._free[old_capacity]
                 stack.pop(next(i for i, (s, _) in enumerate(stack) if s.data_ptr() == old_id))
                 self._cached -= old_capacity
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Stop counting ``tensor``'s buffer as out, without reusing it: a failed send or receive may leave it
+        with the backend, which could still read or write it. Counted as out, it would hold the cache's bound
+        (twice the recent peak) up for good; its memory goes with the last reference to it."""
+        if not self._reuse or tensor.device != self.device:
+            return
+        with self._lock:
+            capacity = self._lent.pop(tensor.untyped_storage().data_ptr(), None)
+            if capacity is not None:
+                self._lent_bytes -= capacity
 
     def clear(self) -> None:
         with self._lock:

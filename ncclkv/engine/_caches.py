@@ -163,11 +163,12 @@ class RankCaches:
             return (1, len(tokens), g.head_size)
         return (2, len(tokens), len(heads), g.head_size)
 
-    def wire_buffer(self, tokens: Span, heads: Span) -> torch.Tensor:
-        """A buffer for one slice on the wire (reused on the CPU: see ``_buffers``); :meth:`recycle` it after."""
+    def wire_buffer(self, tokens: Span, heads: Span, exact: bool = False) -> torch.Tensor:
+        """A buffer for one slice on the wire (reused on the CPU: see ``_buffers``; ``exact``: of its own size
+        class only); :meth:`recycle` it after, or :meth:`forget` it if its send or receive failed."""
         self._registered()
         assert self._buffers is not None  # made by register()
-        return self._buffers.take(self.wire_shape(tokens, heads), self.wire_dtype)
+        return self._buffers.take(self.wire_shape(tokens, heads), self.wire_dtype, exact)
 
     @property
     def wire_cached_bytes(self) -> int:
@@ -179,13 +180,21 @@ class RankCaches:
         if self._buffers is not None:
             self._buffers.give(buf)
 
+    def forget(self, buf: torch.Tensor) -> None:
+        """``buf`` (from :meth:`wire_buffer`) went with a failed send or receive: never reused, no longer counted."""
+        if self._buffers is not None:
+            self._buffers.forget(buf)
+
     def recycle_after(self, bufs: list[torch.Tensor]) -> Callable[[Future[Any]], None]:
         """A done-callback for a send: recycle what ``bufs`` holds by then (the buffer its hook took, or
-        nothing if the hook never ran) if the send completed; a failed one may still hold it."""
+        nothing if the hook never ran) if the send completed; forget it if not (the backend may still hold it)."""
         def done(future: Future[Any]) -> None:
-            if not future.cancelled() and future.exception() is None:
-                for buf in bufs:
+            completed = not future.cancelled() and future.exception() is None
+            for buf in bufs:
+                if completed:
                     self.recycle(buf)
+                else:
+                    self.forget(buf)
         return done
 
     def placeholder(self, tokens: Span, heads: Span) -> torch.Tensor:

@@ -422,7 +422,7 @@ class ConsumerSide:
                 # Taken before anything is recorded: if it fails (out of memory), the request fails alone and
                 # its tensor is drained, as for any announcement it cannot take.
                 try:
-                    buf = self._caches.wire_buffer(piece, route.heads)
+                    buf = self._caches.wire_buffer(piece, route.heads, exact=req is None)  # staged: held long
                 except Exception as err:
                     problem, failure = f"no wire buffer for {what()}: {type(err).__name__}: {err}", TransferError
             if buf is not None:
@@ -611,6 +611,7 @@ class ConsumerSide:
                 if staged is not None:
                     if error is not None:
                         self._fail_staged_locked(request_id, staged, error)
+                        self._caches.forget(buf)  # the failed receive's buffer may still be written
                     elif staged.error is not None:  # failed meanwhile: nothing of it is kept
                         self._caches.recycle(buf)
                     else:
@@ -622,6 +623,8 @@ class ConsumerSide:
                         self._report_stored(request_id, staged)
                 elif error is None:  # its request ended meanwhile (aborted, expired): nothing takes it
                     self._caches.recycle(buf)
+                else:
+                    self._caches.forget(buf)
                 return
         self._apply(req, key, piece, buf, error)
 
@@ -631,6 +634,8 @@ class ConsumerSide:
             if req.error is not None:
                 if error is None:
                     self._caches.recycle(buf)  # nothing reads it any more
+                else:
+                    self._caches.forget(buf)
                 return
             req.applying += 1  # abort() and take_finished() wait for this scatter
         done = None
@@ -641,8 +646,9 @@ class ConsumerSide:
                 done = self._caches.scattered(buf)
             except Exception as err:  # reported on the request
                 error = err
-            else:
-                self._caches.recycle(buf)  # only its shape is read below
+            self._caches.recycle(buf)  # received, and read by the scatter if at all: only its shape is read below
+        else:
+            self._caches.forget(buf)  # the failed receive's buffer may still be written
         with self._cond:
             if done is not None:  # before the layer counts as landed: its waiters take every event
                 req.scattered.setdefault(key[1], []).append(done)

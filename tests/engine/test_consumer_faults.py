@@ -82,7 +82,7 @@ def test_a_wire_buffer_that_cannot_be_taken_fails_its_request_alone_and_keeps_th
     link_before = _link_id(decode[0], "prefill.r0")
     caches = decode[0].engine._caches  # noqa: SLF001 - one allocation fails (CUDA OOM under vLLM's budget)
     caches.wire_buffer = _fail_call(  # type: ignore[method-assign]
-        2, caches.wire_buffer, RuntimeError("out of memory (test)"), lambda tokens, heads: len(tokens) == 20)
+        2, caches.wire_buffer, RuntimeError("out of memory (test)"), lambda tokens, heads, **_: len(tokens) == 20)
     start_pull("a", prefill, decode, 1, [1, 2], [1, 2], 20)  # a's second slice of 20 tokens finds no buffer
     start_pull("b", prefill, decode, 2, [3, 4], [3, 4], 24)  # its tensors beside a's on the link
     out = _outcomes(decode[0], "a", "b")

@@ -123,6 +123,33 @@ def test_a_take_reuses_the_smallest_free_buffer_up_to_twice_its_class() -> None:
     assert pool.cached_bytes == capacity_class(72 << 10)
 
 
+def test_an_exact_take_reuses_only_a_buffer_of_its_own_class() -> None:
+    """Staged KV is held until its request comes: a buffer twice its class would pin twice what staging counts."""
+    pool = WireBuffers("cpu", CAP)
+    bigger = pool.take((40 << 10,), torch.uint8)
+    pool.give(bigger)
+    staged = pool.take((20 << 10,), torch.uint8, exact=True)
+    assert staged.data_ptr() != bigger.data_ptr() and pool.cached_bytes == capacity_class(40 << 10)
+    same_class = pool.take((40 << 10,), torch.uint8)
+    pool.give(same_class)
+    assert pool.take((40 << 10,), torch.uint8, exact=True).data_ptr() == same_class.data_ptr()
+
+
+def test_a_forgotten_buffer_stops_counting_as_out_and_is_never_reused() -> None:
+    """A failed send or receive may leave its buffer with the backend: it must not come back, nor stay counted
+    as out (that held the cache's bound, twice the recent peak, up for good)."""
+    pool = WireBuffers("cpu", CAP)
+    failed = pool.take((64 << 10,), torch.uint8)
+    kept = pool.take((64 << 10,), torch.uint8)
+    pool.forget(failed)
+    pool.forget(failed)  # twice: counted off once
+    assert pool._lent_bytes == capacity_class(64 << 10)  # kept alone is out
+    pool.give(failed)  # given after all: not one of ours any more, so not kept
+    pool.give(kept)
+    assert pool._lent_bytes == 0 and pool.cached_bytes == capacity_class(64 << 10)
+    assert pool.take((64 << 10,), torch.uint8).data_ptr() == kept.data_ptr()
+
+
 def test_the_free_buffers_kept_follow_the_recent_peak_down() -> None:
     clock = FakeTime()
     pool = WireBuffers("cpu", CAP, clock=clock)
