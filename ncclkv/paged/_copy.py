@@ -303,11 +303,11 @@ def _mover(cache: torch.Tensor, spec: PagedCacheSpec, plan: SlicePlan, slot_map:
     if spec.layout is CacheLayout.CPU_AMX:
         tiles = amx_views(cache, spec)
         if native:
-            return lambda to_wire: move_amx(to_wire, cache, spec, slot_map.ids_cpu, tokens, heads, wire)
+            return lambda to_wire: move_amx(to_wire, cache, spec, slot_map._kernel_ids, tokens, heads, wire)
         return lambda to_wire: _amx_move(to_wire, tiles, spec, plan, heads, wire)
     if native:
         geometry = part_geometry(cache, spec, heads)
-        return lambda to_wire: move_parts(to_wire, cache, geometry, spec, slot_map.ids_cpu, tokens, heads, wire)
+        return lambda to_wire: move_parts(to_wire, cache, geometry, spec, slot_map._kernel_ids, tokens, heads, wire)
     parts = _torch_parts(cache, spec, tokens, heads, wire, views)
     return lambda to_wire: _torch_move(to_wire, parts, spec, plan)
 

@@ -1,6 +1,7 @@
 """The native CPU kernel (``_kernel.c``): one call moves a token span of every part of one layer.
 
-Every argument is checked before a raw pointer reaches C: for
+Every argument is checked before a raw pointer reaches C (each tensor's storage holds what its shape and
+strides reach, at every call): for
 :func:`move_parts` and :func:`move_amx` by the caller (``_copy._check`` and
 :func:`part_geometry`: the cache matches its spec, the wire is contiguous, and
 every block id the span uses is in range); :func:`copy_part` checks its own,
@@ -47,6 +48,18 @@ _GEOMETRIES: dict[tuple[object, ...], _Geometry] = {}
 _MAX_GEOMETRIES = 1024  # a model has one or two cache geometries per layer kind; this only bounds misuse
 
 
+def _check_storage(tensor: torch.Tensor, what: str) -> None:
+    """The bytes ``tensor``'s shape and strides reach lie inside its storage: C gets raw pointers, and a
+    storage resized under a tensor (``untyped_storage().resize_``) would be read or written past its end
+    (torch's own ops check this at every view; the kernel's cached geometry does not)."""
+    if tensor.numel() == 0:
+        return
+    last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    reach, held = (last + 1) * tensor.element_size(), tensor.untyped_storage().nbytes()
+    if reach > held:
+        raise ValueError(f"{what} {list(tensor.shape)} reaches {reach} bytes into its storage, which holds {held}")
+
+
 def part_geometry(cache: torch.Tensor, spec: PagedCacheSpec, heads: Span) -> _Geometry:
     """Where each part (K, V; MLA: the latent) of ``cache``'s heads ``heads`` lies, in bytes (cached).
 
@@ -85,6 +98,8 @@ def move_parts(
     span's blocks exist; ``geometry`` is :func:`part_geometry` of ``cache`` and
     ``heads``; ``block_ids`` is the request's contiguous int64 CPU table.
     """
+    _check_storage(cache, "cache")
+    _check_storage(wire, "wire")
     _threads_from_env()
     elem = cache.element_size()
     base, wire_ptr = cache.data_ptr(), wire.data_ptr()
@@ -102,6 +117,8 @@ def move_amx(gather: bool, cache: torch.Tensor, spec: PagedCacheSpec, block_ids:
     The caller has checked the cache (``amx_views``: contiguous ``[bs, 2*D]`` rows per
     block and head, bs and D multiples of 16), the wire and the span's blocks.
     """
+    _check_storage(cache, "cache")
+    _check_storage(wire, "wire")
     _threads_from_env()
     elem = cache.element_size()
     keys = cache.data_ptr() + heads.start * cache.stride(1) * elem
@@ -143,6 +160,8 @@ def copy_part(
             or block_ids.dim() != 1):
         raise ValueError(f"block_ids must be a contiguous 1-D int64 CPU tensor, got {block_ids.dtype} "
                          f"{list(block_ids.shape)} on {block_ids.device}")
+    for tensor, what in ((part, "part"), (wire, "wire"), (block_ids, "block_ids")):
+        _check_storage(tensor, what)
     num_tokens = wire.size(0)
     if token_start + num_tokens > block_ids.numel() * block_size:
         raise ValueError(

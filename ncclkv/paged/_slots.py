@@ -82,8 +82,10 @@ class SlotMap:
         return self._block_size
 
     @property
-    def ids_cpu(self) -> torch.Tensor:
-        """The block ids as a contiguous int64 CPU tensor (made on first use, then kept): what the native kernel reads."""
+    def _kernel_ids(self) -> torch.Tensor:
+        """The block ids as a contiguous int64 CPU tensor (made on first use, then kept): what the native kernel
+        reads, unchecked (they were checked once, as the tuple). Private: written to, it would send C past the
+        cache."""
         if self._ids_cpu is None:
             self._ids_cpu = torch.tensor(self._block_ids, dtype=torch.int64)
         return self._ids_cpu
