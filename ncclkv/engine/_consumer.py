@@ -312,6 +312,8 @@ class ConsumerSide:
         When this returns no scatter into its blocks is running, so they may be reused."""
         with self._cond:
             req = self._requests.pop(request_id, None)
+            if req is not None:
+                self._stats.record_abort()  # not reported any more: counted here, once
             if req is not None and req.error is None:
                 req.error = TransferError(f"request {request_id!r} aborted")
             if req is not None and req.push:  # a producer's later offer for it is refused, not staged for no one

@@ -25,6 +25,9 @@ class StatsSnapshot:
     handshakes_refused: int = 0
     # a level, not a counter: free wire buffers this rank keeps for reuse now (CPU; see engine/_buffers.py)
     wire_buffers_cached_bytes: int = 0
+    # expected requests aborted before they were reported (their caller gave them up: neither received nor
+    # failed, so each expected request counts once in one of the three)
+    requests_aborted: int = 0
 
 
 @dataclass(slots=True)
@@ -40,6 +43,7 @@ class EngineStats:
     layer_wait_seconds: dict[int, float] = field(default_factory=dict)
     layer_wait_count: dict[int, int] = field(default_factory=dict)
     handshakes_refused: int = 0
+    requests_aborted: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record_send(self, nbytes: int, tensors: int, seconds: float) -> None:
@@ -70,6 +74,10 @@ class EngineStats:
             else:
                 self.requests_received += 1
 
+    def record_abort(self) -> None:
+        with self.lock:
+            self.requests_aborted += 1
+
     def snapshot(self, wire_buffers_cached_bytes: int = 0) -> StatsSnapshot:
         """The counters now, with the level the caller reads from the rank's wire buffers."""
         with self.lock:
@@ -77,5 +85,5 @@ class EngineStats:
                 self.bytes_sent, self.tensors_sent, self.requests_sent, self.send_seconds, self.bytes_received,
                 self.tensors_received, self.requests_received, self.requests_failed,
                 dict(self.layer_wait_seconds), dict(self.layer_wait_count), self.handshakes_refused,
-                wire_buffers_cached_bytes,
+                wire_buffers_cached_bytes, self.requests_aborted,
             )

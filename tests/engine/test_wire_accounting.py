@@ -87,3 +87,28 @@ def test_links_broken_mid_transfer_leave_no_buffer_counted_as_out() -> None:
                    f"the {engine.config.role}'s buffers back ({buffers._lent_bytes} B out)")
     finally:
         close_sides(prefill, decode)
+
+
+def test_each_expected_request_counts_once_received_failed_or_aborted() -> None:
+    """An aborted request was counted nowhere (its layers landed so far were counted in the layer waits)."""
+    prefill = build_sides("prefill", ONE, GEOMETRY, CacheLayout.CPU, 16, "producer", num_blocks=64)
+    decode = build_sides("decode", ONE, GEOMETRY, CacheLayout.CPU, 16, "consumer", num_blocks=64)
+    try:
+        consumer = decode[0].engine
+        start_pull("done", prefill, decode, 1, [0, 1], [10, 11], 20)
+        consumer.wait("done", timeout_s=WAIT_S)
+        start_pull("given-up", prefill, decode, 2, [2, 3], [12, 13], 20)
+        consumer.abort("given-up")
+        consumer.abort("given-up")  # again, or never expected: nothing more to count
+        consumer.abort("never-expected")
+        reported: dict[str, object] = {}
+
+        def done_reported() -> bool:
+            reported.update(consumer.take_finished_receiving())
+            return "done" in reported
+        _until(done_reported, "the finished pull reported")
+        stats = consumer.stats()
+        assert (stats.requests_received, stats.requests_failed, stats.requests_aborted) == (1, 0, 1)
+        assert "given-up" not in reported
+    finally:
+        close_sides(prefill, decode)
