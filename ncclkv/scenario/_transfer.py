@@ -195,14 +195,16 @@ def transfer_on_rank(info: LaunchInfo, topology: PDTopology, cfg: TransferConfig
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=None,
                         help=f"requests in all (default {_SIZES[0]}; --small: {_SMALL_SIZES[0]})")
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=8, help="model layers (default 8)")
     parser.add_argument("--kv-heads", type=int, default=None, help=f"default {_KV_HEADS}; 1 with --mla")
-    parser.add_argument("--head-size", type=int, default=64)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--head-size", type=int, default=64, help="default 64 (--mla: the latent size)")
+    parser.add_argument("--dtype", default="bfloat16", help="KV dtype, a torch name (default bfloat16)")
     parser.add_argument("--mla", action="store_true", help="one latent per token (--kv-heads 1)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help=f"request lengths vary up to this (default {_SIZES[1]}; --small: {_SMALL_SIZES[1]})")
-    parser.add_argument("--mode", choices=("pull", "push"), default="pull")
+    parser.add_argument("--mode", choices=("pull", "push"), default="pull",
+                        help="pull: decode ranks ask for held KV; push: prefill ranks send each layer as saved "
+                        "(default pull)")
     parser.add_argument("--kill-rank", type=int, default=None, help="this prefill rank dies after its first saved layer (push)")
     parser.add_argument("--json-out", default=None, metavar="PATH",
                         help="rank 0 also writes the summary as JSON to PATH (for benchmarks)")
