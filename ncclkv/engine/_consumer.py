@@ -20,7 +20,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 
@@ -29,7 +28,7 @@ from ..channel import Channel
 from ..buffer import KVStoreBuffer
 from ..errors import (CapacityError, ClosedError, NcclKVError, ProtocolError, ShapeMismatchError, TransferError,
                       TransferTimeout)
-from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, Route, Span, SpanSet, TransferPlan, plan
+from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, Route, Span, SpanSet, cached_plan
 from ..paged import SlotMap
 from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, PushOffer, RouteMsg
 from ..transport import LinkBase
@@ -47,11 +46,6 @@ _Key = tuple[int, int, Route]  # (src rank, layer, route)
 _StagedTensor = tuple[_Key, Span, torch.Tensor]  # (slice, token piece, its wire buffer) taken from staging
 _MAX_REFUSALS = 4096  # failed pushes remembered for a later expect(), each at most hold_s
 _MAX_DECLINES_QUEUED = 256  # pulls of nothing waiting to go out; past it a decline is dropped (hold_s frees it)
-
-
-@lru_cache(maxsize=256)
-def _cached_plan(src: ParallelLayout, dst: ParallelLayout, geometry: KVGeometry, tokens: SpanSet) -> TransferPlan:
-    return plan(src, dst, geometry, tokens)
 
 
 @dataclass(slots=True)
@@ -175,7 +169,7 @@ class ConsumerSide:
         if token_set.bounds.stop > slots.num_tokens:
             raise ValueError(f"request {request_id!r}: tokens {token_set!r} do not fit {len(block_ids)} blocks "
                              f"of {slots.block_size}")
-        routes = _cached_plan(producer.layout, self._layout, self._geometry, token_set).routes_to(self._rank)
+        routes = cached_plan(producer.layout, self._layout, self._geometry, token_set).routes_to(self._rank)
         by_src: dict[int, list[Route]] = {src: [] for src in range(producer.layout.world_size)}
         for route in routes:
             by_src[route.src].append(route)
@@ -460,8 +454,12 @@ class ConsumerSide:
         if not self._caches.registered:  # its tensors could not be received: refuse it now
             raise TransferError(f"push of {offer.request_id!r} from {sender!r}: this rank has no KV caches registered")
         src = peer.remote.rank
+        if offer.producer_engine_id != peer.remote.engine_id or offer.src_rank != src:
+            raise ProtocolError(f"push offer for {offer.request_id!r} from {sender!r} names engine "
+                                f"{offer.producer_engine_id!r} rank {offer.src_rank}, but it shook hands as engine "
+                                f"{peer.remote.engine_id!r} rank {src}")
         routes = sorted(Route(m.src, m.dst, *m.spans()) for m in offer.routes)
-        want = _cached_plan(peer.remote.layout.to_layout(), self._layout, self._geometry,
+        want = cached_plan(peer.remote.layout.to_layout(), self._layout, self._geometry,
                             SpanSet.range(0, offer.num_tokens)).routes_to(self._rank)
         mine = sorted(r for r in want if r.src == src)
         if routes != mine:
@@ -479,6 +477,9 @@ class ConsumerSide:
                                         f"expected from {req.producer.engine_id!r}")
                 return Ack(offer.request_id, None)
             staged = self._staged.get(offer.request_id)
+            if staged is not None and staged.producer_engine_id != offer.producer_engine_id:
+                raise ProtocolError(f"push of {offer.request_id!r} from engine {offer.producer_engine_id!r}: "
+                                    f"staged here from {staged.producer_engine_id!r}")  # never another's to fail
             refused = self._refused.get(offer.request_id)
             failed = staged.error if staged is not None else refused[2] if refused is not None \
                 and refused[1] == offer.producer_engine_id else None

@@ -24,8 +24,8 @@ import torch
 
 from .._affinity import pinned
 from ..channel import Channel
-from ..errors import ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
-from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, plan
+from ..errors import CapacityError, ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
+from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, cached_plan
 from ..paged import SlotMap
 from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, RouteMsg
 from ..transport import LinkBase
@@ -36,7 +36,13 @@ from ._push import Pusher, SliceHooks
 from ._staging import BlockTokens
 from ._stats import EngineStats
 
-__all__ = ["ProducerSide"]
+__all__ = ["MAX_PARKED_PULLS", "MAX_PARKED_PULLS_PER_PEER", "ProducerSide"]
+
+# Pulls for requests this rank does not hold yet (the decode request came before the prefill finished) wait
+# up to deadline_s each; at most this many at once, in all and per peer: any peer could otherwise park
+# pulls for made-up request ids as fast as it can send them (40,000 in 1.7 s, 128 MiB), or crowd out others.
+MAX_PARKED_PULLS = 4096
+MAX_PARKED_PULLS_PER_PEER = 1024
 
 log = logging.getLogger("ncclkv.engine")
 
@@ -68,6 +74,7 @@ class ProducerSide:
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
         self._early: dict[str, list[tuple[str, PullRequest, float]]] = {}  # pulls before finish()
+        self._parked_by: dict[str, int] = {}  # sender -> its pulls in _early (MAX_PARKED_PULLS)
         self._finished: dict[str, BaseException | None] = {}
         self._seq: dict[str, int] = {}  # per link id: the seq the next announce carries
         peers.on_link_gone(lambda link_id: self._seq.pop(link_id, None))
@@ -100,6 +107,7 @@ class ProducerSide:
             self._held[request_id] = _Held(request_id, slots, num_tokens, self._channel.clock.now() + self._hold_s,
                                            ready=self._caches.ready_event())
             early = self._early.pop(request_id, [])
+            self._unpark_locked(early)
         for sender, pull, _ in early:
             self._serve_or_refuse(sender, pull)
 
@@ -109,8 +117,10 @@ class ProducerSide:
         with self._lock:
             held = self._held.get(pull.request_id)
             if held is None:
+                self._check_room_to_park(sender, pull.request_id)
                 parked = (sender, pull, self._channel.clock.now() + self._deadline_s)
                 self._early.setdefault(pull.request_id, []).append(parked)
+                self._parked_by[sender] = self._parked_by.get(sender, 0) + 1
                 return Ack(pull.request_id, None)
         self._serve(sender, pull, held, routes)
         return Ack(pull.request_id, None)
@@ -135,7 +145,9 @@ class ProducerSide:
                 del self._held[request_id]
             for request_id, parked in list(self._early.items()):
                 keep = [p for p in parked if p[2] >= now]
-                refused += [(s, p) for s, p, deadline in parked if deadline < now]
+                expired = [p for p in parked if p[2] < now]
+                self._unpark_locked(expired)
+                refused += [(s, p) for s, p, _ in expired]
                 if keep:
                     self._early[request_id] = keep
                 else:
@@ -168,6 +180,23 @@ class ProducerSide:
             return len(self._held) + len(self._early)
 
     # -- internals --------------------------------------------------------------------
+    def _check_room_to_park(self, sender: str, request_id: str) -> None:
+        """CapacityError (the peer is answered ``capacity``) when parking one more pull passes
+        MAX_PARKED_PULLS_PER_PEER for ``sender`` or MAX_PARKED_PULLS in all. Lock held."""
+        mine, everyone = self._parked_by.get(sender, 0), sum(self._parked_by.values())
+        if mine >= MAX_PARKED_PULLS_PER_PEER or everyone >= MAX_PARKED_PULLS:
+            raise CapacityError(f"pull for {request_id!r} from {sender!r}: the request is not held here and "
+                                f"{everyone} pulls already wait for theirs, {mine} of them {sender!r}'s (at most "
+                                f"{MAX_PARKED_PULLS}, {MAX_PARKED_PULLS_PER_PEER} a peer)")
+
+    def _unpark_locked(self, entries: Sequence[tuple[str, PullRequest, float]]) -> None:
+        for sender, _, _ in entries:
+            left = self._parked_by[sender] - 1
+            if left:
+                self._parked_by[sender] = left
+            else:
+                del self._parked_by[sender]
+
     def _check_pull(self, sender: str, pull: PullRequest) -> list[Route]:
         peer = self._peers.known(sender)
         if peer is None:
@@ -177,7 +206,7 @@ class ProducerSide:
         routes = [Route(m.src, m.dst, *m.spans()) for m in pull.routes]
         if routes:
             tokens = SpanSet(r.tokens for r in routes)
-            want = plan(self._layout, peer.remote.layout.to_layout(), self._geometry, tokens)
+            want = cached_plan(self._layout, peer.remote.layout.to_layout(), self._geometry, tokens)
             mine = [r for r in want.routes_from(self._rank) if r.dst == pull.dst_rank]
             if sorted(routes) != sorted(mine):
                 raise ProtocolError(

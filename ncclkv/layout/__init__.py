@@ -4,14 +4,15 @@ Nothing here imports torch.distributed, ZMQ or vLLM, so every law can be
 unit-tested and property-tested in one process.
 """
 
-from ._geometry import DTYPE_SIZES, KVGeometry, ParallelLayout, pp_layer_spans
-from ._plan import PlanError, Route, TransferPlan, plan
+from ._geometry import DTYPE_SIZES, MAX_WORLD_SIZE, KVGeometry, ParallelLayout, pp_layer_spans
+from ._plan import PlanError, Route, TransferPlan, cached_plan, plan
 from ._roi import Roi
 from ._shard import shard_roi
 from ._span import Span, SpanSet
 
 __all__ = [
     "DTYPE_SIZES",
+    "MAX_WORLD_SIZE",
     "KVGeometry",
     "ParallelLayout",
     "PlanError",
@@ -20,6 +21,7 @@ __all__ = [
     "Span",
     "SpanSet",
     "TransferPlan",
+    "cached_plan",
     "plan",
     "pp_layer_spans",
     "shard_roi",

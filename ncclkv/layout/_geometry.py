@@ -6,7 +6,11 @@ from dataclasses import dataclass
 
 from ._span import Span
 
-__all__ = ["DTYPE_SIZES", "KVGeometry", "ParallelLayout", "pp_layer_spans"]
+__all__ = ["DTYPE_SIZES", "MAX_WORLD_SIZE", "KVGeometry", "ParallelLayout", "pp_layer_spans"]
+
+# Ranks one engine may have (tp_size x pp_size): far past any deployment, and a bound on the plans a peer's
+# layout costs (a handshake declaring 65536 x 8 ranks made each of its pulls plan over half a million ranks).
+MAX_WORLD_SIZE = 4096
 
 # Bytes per element of the cache dtypes engines use; names follow torch's.
 DTYPE_SIZES: dict[str, int] = {
@@ -107,6 +111,9 @@ class ParallelLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ParallelLayout.{name} must be a positive int, got {value!r}")
+        if self.tp_size * self.pp_size > MAX_WORLD_SIZE:
+            raise ValueError(f"ParallelLayout tp_size={self.tp_size} x pp_size={self.pp_size} is more than "
+                             f"{MAX_WORLD_SIZE} ranks")
         if self.layer_partition is not None:
             object.__setattr__(self, "layer_partition", tuple(self.layer_partition))
             if len(self.layer_partition) != self.pp_size:

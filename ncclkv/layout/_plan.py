@@ -12,6 +12,7 @@ from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import NamedTuple
 
 from ._geometry import KVGeometry, ParallelLayout, pp_layer_spans
@@ -19,7 +20,7 @@ from ._roi import Roi
 from ._shard import head_blocks, shard_roi, token_set
 from ._span import Span, SpanSet
 
-__all__ = ["PlanError", "Route", "TransferPlan", "plan"]
+__all__ = ["PlanError", "Route", "TransferPlan", "cached_plan", "plan"]
 
 
 class PlanError(ValueError):
@@ -323,3 +324,11 @@ def _check_cover(dst: int, need: Roi, routes: list[Route]) -> None:
                     times = "twice" if len(srcs) == 2 else f"{len(srcs)} times"
                     names = [f"src {s}" for s in sorted(srcs)]
                     raise PlanError(f"{where}: delivered {times} (by {', '.join(names[:-1])} and {names[-1]})")
+
+
+@lru_cache(maxsize=256)
+def cached_plan(src_layout: ParallelLayout, dst_layout: ParallelLayout, geometry: KVGeometry,
+                tokens: SpanSet) -> TransferPlan:
+    """:func:`plan`, remembered: an engine plans the same layouts and prompt lengths again and again, on its
+    message thread (a peer's pull or push offer is checked against it)."""
+    return plan(src_layout, dst_layout, geometry, tokens)

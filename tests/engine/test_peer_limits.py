@@ -1,0 +1,111 @@
+"""What a handshaken peer that lies can cost an engine (review of the control plane), over real ZMQ sockets.
+
+An engine admitted by the handshake (under any auth mode: it holds the key) could
+hang a producer with one small pull (a declared layout of 65536 x 8 ranks made
+every pull plan over half a million ranks on the message thread), park pulls for
+made-up request ids without bound, and refuse or fail another engine's push by
+naming it in its offers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ncclkv.auth import ChannelAuth
+from ncclkv.channel import Channel
+from ncclkv.engine import EngineConfig, EngineRef, TransferEngine
+from ncclkv.engine._producer import MAX_PARKED_PULLS_PER_PEER
+from ncclkv.errors import NcclKVError
+from ncclkv.layout import MAX_WORLD_SIZE, KVGeometry, ParallelLayout, SpanSet, plan
+from ncclkv.paged import CacheLayout
+from ncclkv.protocol import Handshake, LayoutMsg, PullRequest, PushOffer, RouteMsg
+
+GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32")
+ONE = ParallelLayout(1, 1)
+NONE = ChannelAuth()
+WAIT_S = 10.0
+
+
+def peer(name: str, role: str, engine: TransferEngine, layout: ParallelLayout = ONE) -> Channel:
+    channel = Channel(f"{name}.r0", auth=NONE, deadline_s=WAIT_S)
+    target = f"{engine.config.engine_id}.r0"
+    channel.connect(target, engine.address)
+    channel.request(target, Handshake.create(name, role, 0, layout, GEOMETRY, channel.address, "127.0.0.1:1",
+                                             session="s"), WAIT_S)
+    return channel
+
+
+def request(channel: Channel, target: str, body: object) -> object:
+    try:
+        return channel.request(target, body, WAIT_S)
+    except NcclKVError as err:
+        return err
+
+
+def test_a_layout_of_more_ranks_than_any_engine_has_is_refused_everywhere() -> None:
+    with pytest.raises(ValueError, match=rf"tp_size=65536 x pp_size=8 is more than {MAX_WORLD_SIZE} ranks"):
+        ParallelLayout(65536, 8)
+    ParallelLayout(64, 64)  # the bound itself
+    with pytest.raises(ValueError, match="more than"):  # a client's kv_transfer_params name engines this way
+        EngineRef("big", LayoutMsg(8192, 1, None).to_layout(), ("tcp://127.0.0.1:1",) * 8192)
+
+
+def test_a_handshake_declaring_half_a_million_ranks_is_refused() -> None:
+    producer = TransferEngine(EngineConfig("prefill", 0, ONE, GEOMETRY, role="producer", auth=NONE, deadline_s=WAIT_S))
+    channel = Channel("evil.r0", auth=NONE, deadline_s=WAIT_S)
+    try:
+        channel.connect("prefill.r0", producer.address)
+        body = Handshake.create("evil", "consumer", 0, ONE, GEOMETRY, channel.address, "127.0.0.1:1", session="s")
+        huge = Handshake(**{**{f: getattr(body, f) for f in body.__struct_fields__}, "layout": LayoutMsg(65536, 2, None)})
+        outcome = request(channel, "prefill.r0", huge)
+        assert isinstance(outcome, NcclKVError) and "more than 4096 ranks" in str(outcome), outcome
+    finally:
+        channel.close()
+        producer.close()
+
+
+def test_pulls_for_requests_not_held_are_parked_up_to_a_bound_per_peer() -> None:
+    producer = TransferEngine(EngineConfig("prefill", 0, ONE, GEOMETRY, role="producer", auth=NONE, deadline_s=WAIT_S))
+    evil, honest = peer("evil", "consumer", producer), peer("decode", "consumer", producer)
+    try:
+        for i in range(MAX_PARKED_PULLS_PER_PEER):
+            evil.send("prefill.r0", PullRequest(f"made-up-{i}", 0, "evil", (), 0))
+        refused = request(evil, "prefill.r0", PullRequest("one-more", 0, "evil", (), 0))
+        assert isinstance(refused, NcclKVError) and "at most 4096, 1024 a peer" in str(refused), refused
+        assert producer.num_in_flight == MAX_PARKED_PULLS_PER_PEER  # the one refused was not parked
+        # Another peer's pull still parks; then its request is held and served from the parked pull.
+        assert request(honest, "prefill.r0", PullRequest("real", 0, "decode", (), 0)) is not None
+        assert producer.num_in_flight == MAX_PARKED_PULLS_PER_PEER + 1
+    finally:
+        evil.close()
+        honest.close()
+        producer.close()
+
+
+def test_a_push_offer_speaks_only_for_its_sender_and_never_fails_anothers_staged_push() -> None:
+    consumer = TransferEngine(EngineConfig("decode", 0, ONE, GEOMETRY, role="consumer", auth=NONE,
+                                           staging_bytes=64 << 10, deadline_s=WAIT_S, hold_s=30.0))
+    consumer.register({layer: torch.zeros(16, 2, 4, 16) for layer in range(2)}, CacheLayout.CPU)
+    evil, prefill = peer("evil", "producer", consumer), peer("prefill", "producer", consumer)
+
+    def offer(channel: Channel, request_id: str, claimed: str, num_tokens: int) -> object:
+        routes = plan(ONE, ONE, GEOMETRY, SpanSet.range(0, num_tokens)).routes_to(0)
+        return request(channel, "decode.r0", PushOffer(request_id, 0, claimed, tuple(RouteMsg.from_route(r) for r in routes),
+                                                       num_tokens, sum(r.nbytes(GEOMETRY) for r in routes), None))
+    try:
+        # In another engine's name: refused, and nothing is remembered against that engine.
+        forged = offer(evil, "x", "prefill", 4096)
+        assert isinstance(forged, NcclKVError) and "but it shook hands as engine 'evil'" in str(forged), forged
+        assert not isinstance(offer(prefill, "x", "prefill", 8), NcclKVError)  # the real one is staged
+        # Under its own name, for a request another engine staged: refused, the staged push untouched.
+        assert not isinstance(offer(prefill, "y", "prefill", 8), NcclKVError)
+        other = offer(evil, "y", "evil", 4096)
+        assert isinstance(other, NcclKVError) and "staged here from 'prefill'" in str(other), other
+        staged = consumer._consumer._staged
+        assert staged["y"].error is None and staged["y"].producer_engine_id == "prefill"
+        assert staged["x"].error is None
+    finally:
+        evil.close()
+        prefill.close()
+        consumer.close()
