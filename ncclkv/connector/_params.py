@@ -12,6 +12,7 @@ ids differ between engines). No peer is ever parsed out of a request id.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from ..hashing import BlockHash, ExtraKeys, hash_block_tokens, hash_request_toke
 __all__ = ["PARAMS_VERSION", "PrefillIntent", "RemotePrefill", "parse_params", "token_hash"]
 
 PARAMS_VERSION = 1
+_HEX_64 = re.compile(r"[0-9a-f]{64}")  # token_hash: BlockHash.hex() of a sha256 digest
 
 
 def token_hash(token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys | None = None) -> str:
@@ -65,7 +67,7 @@ class RemotePrefill:
             raise ValueError(f"hash_block_size must be an int >= 1, got {self.hash_block_size!r}")
         if not all(_is_int(b) and b >= 0 for b in self.block_ids):
             raise ValueError(f"remote_block_ids must be ints >= 0, got {list(self.block_ids)!r}")
-        if not isinstance(self.token_hash, str) or len(self.token_hash) != 64:
+        if not isinstance(self.token_hash, str) or not _HEX_64.fullmatch(self.token_hash):
             raise ValueError(f"token_hash must be 64 hex chars, got {self.token_hash!r}")
         if not isinstance(self.pushed, bool):
             raise ValueError(f"pushed must be a bool, got {self.pushed!r}")

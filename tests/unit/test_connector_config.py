@@ -94,6 +94,8 @@ def test_prefill_intent_accepts_proxy_params() -> None:
     ({"remote_num_tokens": "45"}, "remote_num_tokens must be an int"),
     ({"remote_block_ids": [1, -2]}, "remote_block_ids must be ints >= 0"),
     ({"token_hash": "abc"}, "token_hash must be 64 hex chars"),
+    ({"token_hash": "g" * 64}, "token_hash must be 64 hex chars"),
+    ({"token_hash": "AB" * 32}, "token_hash must be 64 hex chars"),  # .hex() writes lower case
     ({"remote_engine": {"engine_id": "x"}}, "remote_engine.*missing 'tp_size'"),
     ({"remote_engine": {**REF.to_dict(), "control_addrs": ["tcp://a:1"]}}, "1 control addresses for world_size=2"),
     ({"pushed": "yes"}, "pushed must be a bool"),
