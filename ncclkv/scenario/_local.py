@@ -2,8 +2,10 @@
 
 Used by ``ncclkv demo`` and the scale benchmark. Each rank gets the plain
 launcher variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, a free
-MASTER_PORT) and one OpenMP thread; its output goes to a temporary file, read
-back when all ranks ended. At the deadline every rank still running is killed.
+MASTER_PORT) and one OpenMP thread; its output goes to an anonymous temporary
+file (no folder, so nothing is left behind however the run ends), read back
+when all ranks ended. At the deadline, or on any exception (such as
+:class:`ncclkv.demo.Stopped` on a signal), every rank still running is killed.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 
+from ..demo._signals import signals_deferred
 from ..launch import free_port
 from ._registry import EXIT_PEER_FAILURE
 
 __all__ = ["EXIT_TIMEOUT", "LocalRun", "run_local"]
 
 EXIT_TIMEOUT = 124  # as timeout(1): the run passed its deadline and was killed
+_REAP_S = 10.0  # after SIGKILL, how long to wait for the ranks to be gone (in all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,29 +76,32 @@ def run_local(world_size: int, args: Sequence[str], timeout_s: float, *, kind: s
                  "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"})
     command = [sys.executable, "-m", "ncclkv.scenario", "--kind", kind, *args]
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="ncclkv-local-") as logs:
-        files = [open(os.path.join(logs, f"rank{rank}.log"), "w+")  # noqa: SIM115 - closed below
-                 for rank in range(world_size)]
-        procs: list[subprocess.Popen[bytes]] = []
-        codes: list[int] = []
-        try:
-            for rank, out in enumerate(files):
+    files = [tempfile.TemporaryFile("w+") for _ in range(world_size)]  # noqa: SIM115 - closed below
+    procs: list[subprocess.Popen[bytes]] = []
+    codes: list[int] = []
+    try:
+        for rank, out in enumerate(files):
+            with signals_deferred():  # no rank without its handle kept
                 procs.append(subprocess.Popen(command, env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                               stdout=out, stderr=subprocess.STDOUT))
-            deadline = started + timeout_s
-            for proc in procs:
-                try:
-                    codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
-                except subprocess.TimeoutExpired:
-                    codes.append(EXIT_TIMEOUT)
-        finally:
+        deadline = started + timeout_s
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(EXIT_TIMEOUT)
+    finally:
+        with signals_deferred():
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
-                    proc.wait()
-            texts = []
-            for out in files:
-                out.seek(0)
-                texts.append(out.read())
-                out.close()
+            reap_by = time.monotonic() + _REAP_S
+            for proc in procs:
+                with suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(0.0, reap_by - time.monotonic()))
+        texts = []
+        for out in files:
+            out.seek(0)
+            texts.append(out.read())
+            out.close()
     return LocalRun(tuple(codes), tuple(texts), time.monotonic() - started)
