@@ -143,10 +143,16 @@ def test_ctrl_c_while_closing_still_kills_every_engine(tmp_path: Path, fake_env:
     from ncclkv.demo import close_all
 
     engines = _launch(tmp_path, fake_env, 2)
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-    started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        close_all(engines, timeout_s=30.0)
+    # Python's own Ctrl-C handler: an earlier test in this process (vLLM's, in tests/connector) may have
+    # installed another, under which SIGINT raised nothing (fresh-clone CI).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            close_all(engines, timeout_s=30.0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - started < 10.0
     assert _marked(fake_env["NCCLKV_TEST_MARK"]) == []
 
