@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +22,7 @@ from ._buffers import WireBuffers
 _DONE_POLL_FIRST_S = 20e-6
 _DONE_POLL_MAX_S = 1e-3
 
-__all__ = ["RankCaches", "torch_dtype"]
+__all__ = ["RankCaches", "WireLease", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -185,17 +185,9 @@ class RankCaches:
         if self._buffers is not None:
             self._buffers.forget(buf)
 
-    def recycle_after(self, bufs: list[torch.Tensor]) -> Callable[[Future[Any]], None]:
-        """A done-callback for a send: recycle what ``bufs`` holds by then (the buffer its hook took, or
-        nothing if the hook never ran) if the send completed; forget it if not (the backend may still hold it)."""
-        def done(future: Future[Any]) -> None:
-            completed = not future.cancelled() and future.exception() is None
-            for buf in bufs:
-                if completed:
-                    self.recycle(buf)
-                else:
-                    self.forget(buf)
-        return done
+    def lease(self) -> WireLease:
+        """The wire buffer of one lazily posted send (:class:`WireLease`)."""
+        return WireLease(self)
 
     def placeholder(self, tokens: Span, heads: Span) -> torch.Tensor:
         """A ``meta`` tensor of one slice's wire shape: what a lazy send is queued with (see ``Link.send``)."""
@@ -238,3 +230,36 @@ class RankCaches:
 def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # Shared: a placeholder is only read (its shape and dtype), and a torch call per send hands the GIL around.
     return torch.empty(shape, dtype=dtype, device="meta")
+
+
+class WireLease:
+    """The wire buffer a lazily posted send's hook takes (on the link's thread, as the link posts it), and its
+    hand-back when the send ends (:meth:`end`, the send's done-callback): recycled if it completed, forgotten
+    if not (the backend may still hold it). A hook that runs after its send already ended, racing the link's
+    failure that settles the queued sends, has its buffer forgotten at once: never left counted as out."""
+
+    def __init__(self, caches: RankCaches) -> None:
+        self._caches = caches
+        self._lock = threading.Lock()
+        self._bufs: list[torch.Tensor] = []
+        self._ended = False
+
+    def take(self, tokens: Span, heads: Span) -> torch.Tensor:
+        buf = self._caches.wire_buffer(tokens, heads)
+        with self._lock:
+            if not self._ended:
+                self._bufs.append(buf)
+                return buf
+        self._caches.forget(buf)  # its send ended (failed) before its hook ran: nothing will post it
+        return buf
+
+    def end(self, future: Future[Any]) -> None:
+        completed = not future.cancelled() and future.exception() is None
+        with self._lock:
+            self._ended = True
+            bufs, self._bufs = self._bufs, []
+        for buf in bufs:
+            if completed:
+                self._caches.recycle(buf)
+            else:
+                self._caches.forget(buf)

@@ -29,7 +29,7 @@ from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, cached_pl
 from ..paged import SlotMap
 from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, RouteMsg
 from ..transport import LinkBase
-from ._caches import RankCaches
+from ._caches import RankCaches, WireLease
 from ._config import EngineRef, peer_id
 from ._links import PeerLinks
 from ._push import Pusher, SliceHooks
@@ -254,12 +254,12 @@ class ProducerSide:
                         continue
                     slices += 1
                     for piece in route.pieces(self._geometry, self._piece_bytes):
-                        placeholder, taken = self._caches.placeholder(piece, route.heads), []  # see Pusher._send_layer
-                        nbytes += placeholder.nbytes
-                        hooks = self._announcer(link, sender, pull.request_id, layer, route, held.slots, piece, taken)
+                        placeholder, lease = self._caches.placeholder(piece, route.heads), self._caches.lease()
+                        nbytes += placeholder.nbytes  # a placeholder: see Pusher._queue_layer
+                        hooks = self._announcer(link, sender, pull.request_id, layer, route, held.slots, piece, lease)
                         futures.append(link.send(placeholder, before_send=hooks.announce, fill=hooks.gather,
                                                  ready_event=held.ready))
-                        futures[-1].add_done_callback(self._caches.recycle_after(taken))
+                        futures[-1].add_done_callback(lease.end)
         except Exception as err:  # the link closed or broke while queueing: the sends queued still end
             errors.append(err)
         remaining = [len(futures)]
@@ -289,7 +289,7 @@ class ProducerSide:
             future.add_done_callback(on_sent)
 
     def _announcer(self, link: LinkBase, sender: str, request_id: str, layer: int, route: Route, slots: SlotMap,
-                   piece: Span, taken: list[torch.Tensor]) -> SliceHooks:
+                   piece: Span, lease: WireLease) -> SliceHooks:
         """The hook and the fill of one piece's send: announce, then gather (see ``Link.send``).
 
         The Announce goes out before the gather, so the consumer's receive is
@@ -298,8 +298,7 @@ class ProducerSide:
         piece_msg = None if piece == route.tokens else (piece.start, piece.stop)
 
         def take_and_announce() -> torch.Tensor:  # on the link's send thread, in send order, as it posts
-            buf = self._caches.wire_buffer(piece, route.heads)
-            taken.append(buf)
+            buf = lease.take(piece, route.heads)
             seq = self._seq.get(link.link_id, 0)
             self._channel.send(sender, Announce(
                 request_id, layer, RouteMsg.from_route(route), tuple(buf.shape), self._geometry.dtype,

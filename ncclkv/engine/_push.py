@@ -24,7 +24,7 @@ from ..layout import KVGeometry, ParallelLayout, Route, Span, plan
 from ..paged import SlotMap
 from ..protocol import MAX_EXTRA_KEYS, MAX_PUSH_TOKENS, MAX_TEXT_CHARS, Done, ErrorMsg, PushBlocks, PushOffer, RouteMsg
 from ..transport import LinkBase
-from ._caches import RankCaches
+from ._caches import RankCaches, WireLease
 from ._config import EngineRef, split_peer_id
 from ._links import PeerLinks
 from ._staging import BlockTokens
@@ -37,15 +37,16 @@ log = logging.getLogger("ncclkv.engine")
 
 @dataclass(frozen=True, slots=True)
 class SliceHooks:
-    """What the link runs as it posts one piece: ``announce`` takes a wire buffer (appended to the caller's
-    ``taken``), announces it and returns it (``Link.send``'s ``before_send``); ``gather`` fills it (``fill``)."""
+    """What the link runs as it posts one piece: ``announce`` takes a wire buffer (from the caller's
+    :class:`WireLease`), announces it and returns it (``Link.send``'s ``before_send``); ``gather`` fills it
+    (``fill``)."""
 
     announce: Callable[[], torch.Tensor]
     gather: Callable[[torch.Tensor], None]
 
 
-# (link, consumer peer id, request id, layer, route, slots, token piece, taken) -> the piece's hooks
-Announcer = Callable[[LinkBase, str, str, int, Route, SlotMap, Span, list[torch.Tensor]], SliceHooks]
+# (link, consumer peer id, request id, layer, route, slots, token piece, lease) -> the piece's hooks
+Announcer = Callable[[LinkBase, str, str, int, Route, SlotMap, Span, WireLease], SliceHooks]
 
 
 @dataclass(slots=True)
@@ -197,8 +198,8 @@ class Pusher:
             for piece in route.pieces(self._geometry, self._piece_size(layer, route)):
                 # Queued as a placeholder: the hook takes the buffer when the link posts it, so a backlog of
                 # saved layers holds no memory beyond the link's window.
-                placeholder, taken = self._caches.placeholder(piece, route.heads), []
-                hooks = self._announcer(link, dst, state.request_id, layer, route, state.slots, piece, taken)
+                placeholder, lease = self._caches.placeholder(piece, route.heads), self._caches.lease()
+                hooks = self._announcer(link, dst, state.request_id, layer, route, state.slots, piece, lease)
                 try:
                     future = link.send(placeholder, before_send=hooks.announce, fill=hooks.gather, ready_event=ready)
                 except ClosedError as err:
@@ -211,7 +212,7 @@ class Pusher:
                 state.open_sends += 1
                 queued += 1
                 state.nbytes[dst] = state.nbytes.get(dst, 0) + placeholder.nbytes
-                future.add_done_callback(self._caches.recycle_after(taken))
+                future.add_done_callback(lease.end)
                 future.add_done_callback(lambda f, dst=dst: self._sent(state, dst, f))
         if queued:
             state.tail_sends[dst] = queued

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
+from ncclkv.errors import TransferError
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.paged import CacheLayout
 
@@ -112,3 +114,28 @@ def test_each_expected_request_counts_once_received_failed_or_aborted() -> None:
         assert "given-up" not in reported
     finally:
         close_sides(prefill, decode)
+
+
+def test_a_hook_that_runs_after_its_send_ended_leaves_no_buffer_counted_as_out() -> None:
+    """The link's failure settles the queued sends while the poster may be inside one's hook: the buffer the
+    hook takes after its send's done-callback ran was counted as out for good (fresh-clone CI, 1 run in 3)."""
+    prefill = build_sides("prefill", ONE, GEOMETRY, CacheLayout.CPU, 16, "producer", num_blocks=64)
+    try:
+        caches = prefill[0].engine._caches
+        failed: Future[None] = Future()
+        failed.set_exception(TransferError("the link broke"))
+        late = caches.lease()
+        late.end(failed)  # the send ended first ...
+        late.take(Span(0, 16), Span(0, 4))  # ... then its hook ran
+        early = caches.lease()
+        early.take(Span(0, 16), Span(0, 4))
+        early.end(failed)
+        done: Future[None] = Future()
+        done.set_result(None)
+        kept = caches.lease()
+        buf = kept.take(Span(0, 16), Span(0, 4))
+        kept.end(done)
+        assert caches._buffers._lent_bytes == 0
+        assert caches.wire_cached_bytes == buf.untyped_storage().nbytes()  # only the completed one is reused
+    finally:
+        close_sides(prefill)
