@@ -26,6 +26,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ._paths import writable_dir
+
 __all__ = ["add_parser", "run"]
 
 _LIST_MARK = "<the benchmark registry>"  # replaced in --help by the registry's names and titles
@@ -107,20 +109,13 @@ def _show(outcome: Any) -> None:
     print("wrote " + ", ".join(str(p) for p in saved))
 
 
-def _check_writable(flag: str, path: Path, *, file: bool = False) -> None:
-    """Make ``path``'s folder (``path`` itself unless ``file``) or fail as a usage error naming ``flag``.
-
-    Checked before any benchmark runs, so that a bad path costs nothing rather than the runs before it."""
-    folder = path.parent if file else path
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        why = "not a folder" if isinstance(err, FileExistsError) else err.strerror
-        raise ValueError(f"{flag} {path}: cannot create {err.filename or folder} ({why})") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: cannot write into {folder}")
-    if file and path.exists() and not (path.is_file() and os.access(path, os.W_OK)):
-        raise ValueError(f"{flag} {path}: not a writable file")
+def _check_outputs(out: Path, results: Path) -> None:
+    """``--out`` and ``--results`` can be written, checked before any benchmark runs: a bad path costs nothing
+    rather than the runs before it."""
+    writable_dir("--out", out)
+    writable_dir("--results", results, results.parent)
+    if results.exists() and not (results.is_file() and os.access(results, os.W_OK)):
+        raise ValueError(f"--results {results}: not a writable file")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,8 +136,7 @@ def run(args: argparse.Namespace) -> int:
         # In a fresh clone out/ is empty: rewriting RESULTS.md from nothing would drop every section.
         raise ValueError(f"--report-only: no results to present in {out} (no {', '.join(f'{n}.json' for n in names)}); "
                          f"run `ncclkv bench` first; {path} is left as it is")
-    _check_writable("--out", out)
-    _check_writable("--results", path, file=True)
+    _check_outputs(out, path)
     with common.BenchContext(common.BenchOptions(args.quick, args.repeats, out)) as ctx:
         for name in [] if args.report_only else names:  # each gets its own status line and prints its table when done
             with _progress(name) as progress:

