@@ -185,6 +185,14 @@ class RankCaches:
         if self._buffers is not None:
             self._buffers.forget(buf)
 
+    def hand_back(self, buf: torch.Tensor, completed: bool) -> None:
+        """``buf``'s send or receive ended and nothing reads it any more: :meth:`recycle` it if the operation
+        completed, :meth:`forget` it if it failed (the backend may still hold it)."""
+        if completed:
+            self.recycle(buf)
+        else:
+            self.forget(buf)
+
     def lease(self) -> WireLease:
         """The wire buffer of one lazily posted send (:class:`WireLease`)."""
         return WireLease(self)
@@ -259,7 +267,4 @@ class WireLease:
             self._ended = True
             bufs, self._bufs = self._bufs, []
         for buf in bufs:
-            if completed:
-                self._caches.recycle(buf)
-            else:
-                self._caches.forget(buf)
+            self._caches.hand_back(buf, completed)

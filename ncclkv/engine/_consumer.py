@@ -611,47 +611,37 @@ class ConsumerSide:
             req = self._requests.get(request_id)
             if req is None:
                 staged = self._staged.get(request_id)
-                if staged is not None:
-                    if error is not None:
-                        self._fail_staged_locked(request_id, staged, error)
-                        self._caches.forget(buf)  # the failed receive's buffer may still be written
-                    elif staged.error is not None:  # failed meanwhile: nothing of it is kept
-                        self._caches.recycle(buf)
-                    else:
-                        self._store.put(_store_key(request_id, key, piece), buf)
-                        staged.landed.append((key, piece))
-                        # Announced pieces of a slice lie inside its route and never overlap: a count suffices.
-                        count = staged.landed_tokens[key] = staged.landed_tokens.get(key, 0) + len(piece)
-                        staged.covered += int(count == len(key[2].tokens))
-                        self._report_stored(request_id, staged)
-                elif error is None:  # its request ended meanwhile (aborted, expired): nothing takes it
-                    self._caches.recycle(buf)
-                else:
-                    self._caches.forget(buf)
+                if staged is not None and error is not None:
+                    self._fail_staged_locked(request_id, staged, error)
+                if staged is not None and staged.error is None:
+                    self._store.put(_store_key(request_id, key, piece), buf)
+                    staged.landed.append((key, piece))
+                    # Announced pieces of a slice lie inside its route and never overlap: a count suffices.
+                    count = staged.landed_tokens[key] = staged.landed_tokens.get(key, 0) + len(piece)
+                    staged.covered += int(count == len(key[2].tokens))
+                    self._report_stored(request_id, staged)
+                else:  # its push failed (now or before), or its request ended (aborted, expired): nothing takes it
+                    self._caches.hand_back(buf, completed=error is None)
                 return
         self._apply(req, key, piece, buf, error)
 
     def _apply(self, req: _Expected, key: _Key, piece: Span, buf: torch.Tensor, error: BaseException | None) -> None:
         """Scatter one landed tensor (``piece`` of the slice ``key``) into the request's blocks and count it."""
+        received = error is None
         with self._cond:
             if req.error is not None:
-                if error is None:
-                    self._caches.recycle(buf)  # nothing reads it any more
-                else:
-                    self._caches.forget(buf)
+                self._caches.hand_back(buf, received)  # nothing reads it any more
                 return
             req.applying += 1  # abort() and take_finished() wait for this scatter
         done = None
-        if error is None:
+        if received:
             _, layer, route = key
             try:
                 self._scatter(req, layer, buf, piece, route.heads)
                 done = self._caches.scattered(buf)
             except Exception as err:  # reported on the request
                 error = err
-            self._caches.recycle(buf)  # received, and read by the scatter if at all: only its shape is read below
-        else:
-            self._caches.forget(buf)  # the failed receive's buffer may still be written
+        self._caches.hand_back(buf, received)  # read by the scatter if at all: only its shape is read below
         with self._cond:
             if done is not None:  # before the layer counts as landed: its waiters take every event
                 req.scattered.setdefault(key[1], []).append(done)
