@@ -20,7 +20,7 @@ import torch
 
 from ..channel import Channel
 from ..errors import ClosedError, NcclKVError, TransferError
-from ..layout import KVGeometry, ParallelLayout, Route, Span, plan
+from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, cached_plan
 from ..paged import SlotMap
 from ..protocol import MAX_EXTRA_KEYS, MAX_PUSH_TOKENS, MAX_TEXT_CHARS, Done, ErrorMsg, PushBlocks, PushOffer, RouteMsg
 from ..transport import LinkBase
@@ -99,7 +99,9 @@ class Pusher:
                              f"blocks of {blocks.block_size} in {num_tokens} tokens hold "
                              f"{num_tokens // blocks.block_size * blocks.block_size}")
         by_dst: dict[str, list[Route]] = {}
-        for route in plan(self._layout, consumer.layout, self._geometry, num_tokens).routes_from(self._rank):
+        # The plan the consumer checks this push's offer against (cached there too): prompt lengths repeat.
+        tokens = SpanSet.range(0, num_tokens)
+        for route in cached_plan(self._layout, consumer.layout, self._geometry, tokens).routes_from(self._rank):
             by_dst.setdefault(consumer.peer_id(route.dst), []).append(route)
         state = PushState(request_id, slots, by_dst, _blocks_msg(request_id, blocks, self._channel.max_frame_bytes))
         with self._lock:
