@@ -14,7 +14,7 @@ Importing this package imports neither vLLM nor rich; the engine children import
 from ._engine_proc import EngineError, EngineOptions, EngineProcess, RequestResult, close_all
 from ._pd import DEMO_SPEC, Placement, connector_config, run_demo
 from ._progress import Reporter, rich_available
-from ._signals import Stopped, signals_deferred, stop_on_signals
+from .._signals import Stopped, signals_deferred, stop_on_signals
 from ._summary import DemoReport, PhaseResult, Table, format_plain, summary_table
 from ._workload import MODES, DemoSettings, make_prompts, prompt_lengths
 

@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from ._signals import signals_deferred
+from .._signals import kill_and_reap, signals_deferred
 
 __all__ = ["EngineError", "EngineOptions", "EngineProcess", "RequestResult", "close_all", "vllm_child_env"]
 
@@ -36,7 +36,6 @@ __all__ = ["EngineError", "EngineOptions", "EngineProcess", "RequestResult", "cl
 _PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 _CHILD_MODULE = "ncclkv.demo._engine_child"
 _LOG_TAIL_LINES = 60
-_REAP_S = 10.0  # after SIGKILL, how long to wait for the children to be gone (in all)
 
 
 class EngineError(RuntimeError):
@@ -297,14 +296,8 @@ def close_all(engines: Iterable[EngineProcess], timeout_s: float = 30.0) -> None
                 time.sleep(0.05)
     finally:
         with signals_deferred():
-            for _, proc, _ in children:
-                if proc.poll() is None:
-                    with suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-            reap_by = time.monotonic() + _REAP_S
-            for engine, proc, conn in children:
-                with suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=max(0.0, reap_by - time.monotonic()))
+            kill_and_reap([proc for _, proc, _ in children], lambda proc: os.killpg(proc.pid, signal.SIGKILL))
+            for engine, _, conn in children:
                 if conn is not None:
                     conn.close()
                 engine._proc = engine._conn = None

@@ -16,17 +16,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import suppress
 from dataclasses import dataclass
 
-from ..demo._signals import signals_deferred
+from .._signals import kill_and_reap, signals_deferred
 from ..launch import free_port
 from ._registry import EXIT_PEER_FAILURE
 
 __all__ = ["EXIT_TIMEOUT", "LocalRun", "run_local"]
 
 EXIT_TIMEOUT = 124  # as timeout(1): the run passed its deadline and was killed
-_REAP_S = 10.0  # after SIGKILL, how long to wait for the ranks to be gone (in all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,14 +89,7 @@ def run_local(world_size: int, args: Sequence[str], timeout_s: float, *, kind: s
             except subprocess.TimeoutExpired:
                 codes.append(EXIT_TIMEOUT)
     finally:
-        with signals_deferred():
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-            reap_by = time.monotonic() + _REAP_S
-            for proc in procs:
-                with suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=max(0.0, reap_by - time.monotonic()))
+        kill_and_reap(procs, lambda proc: proc.kill())
         texts = []
         for out in files:
             out.seek(0)

@@ -1,5 +1,6 @@
 """Stopping on SIGINT and SIGTERM without leaving child processes behind: :class:`Stopped`, :func:`stop_on_signals`,
-:func:`signals_deferred`.
+:func:`signals_deferred`, :func:`kill_and_reap` (``ncclkv demo``'s engines, the local ranks of
+``ncclkv.scenario._local``).
 
 The engines and ranks a command starts may run in their own sessions, where
 neither the terminal's Ctrl-C nor a process-group SIGTERM (``timeout``, CI,
@@ -14,12 +15,17 @@ child and keeping its handle, or killing the children.
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from types import FrameType
+from typing import Any
 
-__all__ = ["STOP_SIGNALS", "Stopped", "signals_deferred", "stop_on_signals"]
+__all__ = ["STOP_SIGNALS", "Stopped", "kill_and_reap", "signals_deferred", "stop_on_signals"]
+
+REAP_S = 10.0  # after the kill, how long to wait for the children to be gone (in all)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -69,3 +75,17 @@ def signals_deferred() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def kill_and_reap(procs: Sequence[subprocess.Popen[Any]], kill: Callable[[subprocess.Popen[Any]], None]) -> None:
+    """``kill`` each child still running, then wait for all of them (``REAP_S`` in all), with SIGINT and SIGTERM
+    held back, so that a signal cannot leave one alive."""
+    with signals_deferred():
+        for proc in procs:
+            if proc.poll() is None:
+                with suppress(ProcessLookupError):
+                    kill(proc)
+        reap_by = time.monotonic() + REAP_S
+        for proc in procs:
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, reap_by - time.monotonic()))
