@@ -9,26 +9,58 @@ parent -> child: ``("start", llm_kwargs)`` first, then any of
 child -> parent: ``("ready", None)``, ``("result", rows)``, ``("drained", n)``,
 ``("metrics", {name: value})``, or ``("error", traceback_text)`` (then it exits).
 
-A child whose parent stays silent for ``_IDLE_EXIT_S`` exits by itself.
+A child whose parent stays silent for ``_IDLE_EXIT_S`` exits by itself. One
+whose parent dies (SIGKILL included, which the parent cannot catch to close
+its engines) kills its own process group, vLLM's workers with it, at once:
+:func:`watch_parent` sees the socket's other end close even while vLLM holds
+the main thread (building the engine, a long ``generate``), where the main
+loop would notice only at its next read.
 """
 
 from __future__ import annotations
 
 import os
+import select
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "watch_parent"]
 
 _IDLE_EXIT_S = 900.0
+_WATCH_POLL_MS = 60_000  # the watchdog's wait, renewed: it lives as long as the process
+
+
+def watch_parent(fd: int) -> threading.Thread:
+    """Start a daemon thread that ends this process (and its group, when it leads one) once the other end of
+    the socket ``fd`` is closed: the parent exited or was killed. Reads nothing, so it never takes a message
+    from the main loop; POLLRDHUP/POLLHUP say the peer is gone, whatever is still queued to read."""
+    poller = select.poll()
+    poller.register(fd, select.POLLRDHUP)  # POLLHUP and POLLERR are reported unasked
+
+    def watch() -> None:
+        while not any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+                      for _, events in poller.poll(_WATCH_POLL_MS)):
+            pass
+        print("engine child: the parent is gone; exiting", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        if os.getpgid(0) == os.getpid():  # we lead our group (start_new_session): take vLLM's workers too
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="ncclkv-parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def main(fd: int) -> int:
     conn = Connection(socket.socket(fileno=fd).detach())
+    watch_parent(fd)
     try:
         if not conn.poll(_IDLE_EXIT_S):
             return 1
