@@ -134,8 +134,10 @@ class ConsumerSide:
         self._hold_s = hold_s
         self._staged: dict[str, _Staged] = {}
         # Pushes that failed before this rank expected them (refused here for room, or the producer's error),
-        # by request id: (when, producer engine id, why). The producer gave up, so an expect() of one from
-        # that producer fails at once instead of waiting hold_s for tensors that never come. Oldest first,
+        # and expected requests that failed or were aborted, by request id: (when, producer engine id, why).
+        # The producer gave up, so an expect() of a push from that producer fails at once instead of waiting
+        # hold_s for tensors that never come; a pull again under the id is refused (ValueError), since the
+        # ended one's tensors may still be on the way. Oldest first,
         # "when" never decreasing (see _remember_refusal): expiry stops at the first entry still held.
         self._refused: OrderedDict[str, tuple[float, str, NcclKVError]] = OrderedDict()
         self._reserved = 0  # staging bytes promised to accepted push offers
@@ -186,6 +188,13 @@ class ConsumerSide:
         with self._cond:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected")
+            ended = None if push else self._refused.get(request_id)
+            if ended is not None and ended[1] == producer.engine_id:
+                # The producer may still be sending the ended pull's tensors: a new pull under the same id would
+                # take them (and its own again), and its Done would count for the other.
+                raise ValueError(f"request {request_id!r} from {producer.engine_id!r} ended here unloaded "
+                                 f"{max(0.0, self._clock.now() - ended[0]):.3g}s ago ({ended[2]}); its late tensors "
+                                 f"may still come for hold_s={self._hold_s:g}s: pull it under a new request id")
             self._requests[request_id] = req
             self._plan_slices_locked(routes)
             refused = self._refused.pop(request_id, None) if push else None
@@ -278,7 +287,7 @@ class ConsumerSide:
                     scattered += req.all_scattered()
                     del self._requests[request_id]
                     self._stats.record_request(req.error is not None)
-                    if req.push and req.error is not None:  # a producer rank's late offer for it is refused
+                    if req.error is not None:  # a late offer for it is refused, a pull of it again too
                         self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error))
             while self._refused:  # never expected here: forget it
                 since, _, _ = next(iter(self._refused.values()))
@@ -310,7 +319,7 @@ class ConsumerSide:
                 self._stats.record_abort()  # not reported any more: counted here, once
             if req is not None and req.error is None:
                 req.error = TransferError(f"request {request_id!r} aborted")
-            if req is not None and req.push:  # a producer's later offer for it is refused, not staged for no one
+            if req is not None:  # a later offer for it is refused, not staged for no one; a pull of it again too
                 self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error))
             self._cond.notify_all()
             limit = time.monotonic() + self._deadline_s
@@ -766,7 +775,8 @@ class ConsumerSide:
         newest = next(reversed(self._refused.values()))[0] if self._refused else -math.inf
         if self._refused.pop(request_id, None) is None and len(self._refused) >= _MAX_REFUSALS:
             self._refused.popitem(last=False)  # bounded: drop the oldest
-        self._refused[request_id] = (max(self._clock.now(), newest), producer_engine_id, error)
+        # Its type and text, not the error itself: a traceback would keep its frames' buffers alive for hold_s.
+        self._refused[request_id] = (max(self._clock.now(), newest), producer_engine_id, type(error)(str(error)))
 
     def _report_stored(self, request_id: str, staged: _Staged) -> None:
         """Under ``self._cond``: one "stored" event once every tensor of the push landed in staging."""

@@ -145,6 +145,9 @@ class TransferEngine:
         every token on its own; ``tokens`` is their count, and the first
         ``keep_tokens`` of them, already in this engine's blocks (a local
         prefix hit, blocks other requests share), land but are not written.
+        A pull under the id of one from the same producer that failed or was
+        aborted here within ``hold_s`` is refused (ValueError): that pull's
+        tensors may still arrive.
         """
         self._check_open()
         if producer.engine_id == self.config.engine_id:

@@ -374,3 +374,31 @@ def test_a_tensor_landing_after_its_request_ended_gives_its_wire_buffer_back(
     _sent(prefill[0], "a")
     buffers = decode[0].engine._caches._buffers  # noqa: SLF001
     _until(lambda: buffers._lent_bytes == 0, "every wire buffer given back")  # noqa: SLF001
+
+
+def test_a_pull_under_the_id_of_an_aborted_or_failed_one_is_refused() -> None:
+    with _pair(producer=dict(hold_s=30.0), consumer=dict(hold_s=600.0, deadline_s=2.0)) as (prefill, decode):
+        producer = engine_ref("prefill", ONE, prefill)
+        decode[0].engine.expect("a", producer, [1, 2], 20)
+        early = prefill[0].engine._producer._early  # noqa: SLF001 - the pull waits at the producer
+        _until(lambda: "a" in early, "the pull parked at the producer")
+        decode[0].engine.abort("a")
+        # Before: taken as a new pull, which took the first one's tensors when the producer served it.
+        with pytest.raises(ValueError, match=r"request 'a' from 'prefill' ended here unloaded .*aborted.*new request id"):
+            decode[0].engine.expect("a", producer, [3, 4], 20)
+        assert "a" not in decode[0].engine._consumer._requests  # noqa: SLF001 - nothing registered
+        # The aborted pull's tensors are drained, and a pull under a new id lands whole on the same link.
+        prefill[0].fill(seed=3, block_ids=[1, 2], num_tokens=20)
+        prefill[0].engine.finish("a", [1, 2], 20)
+        prefill[0].engine.finish("a2", [1, 2], 20)
+        decode[0].engine.expect("a2", producer, [3, 4], 20)
+        decode[0].engine.wait("a2", timeout_s=WAIT_S)
+        assert decode[0].mismatches(3, [3, 4], 20, Span(0, 20)) == []
+
+        dead = EngineRef("deadprefill", ONE, (f"tcp://127.0.0.1:{free_port()}",))
+        decode[0].engine.expect("d", dead, [5], 10)
+        assert isinstance(_outcomes(decode[0], "d")["d"], NcclKVError)  # failed: the producer never answered
+        with pytest.raises(ValueError, match=r"request 'd' from 'deadprefill' ended here unloaded"):
+            decode[0].engine.expect("d", dead, [5], 10)
+        decode[0].engine.expect("d", producer, [5], 10)  # another producer's request under that id: its own
+        decode[0].engine.abort("d")
