@@ -9,6 +9,7 @@ import torch
 
 from ..hashing import BlockHash, as_token_ids, hash_request_tokens
 from ..layout import KVGeometry, Roi, Span, SpanSet
+from ._lru import held_nbytes
 
 __all__ = ["LookupEntry", "PrefixIndex", "entry_matches", "to_roi"]
 
@@ -17,7 +18,8 @@ __all__ = ["LookupEntry", "PrefixIndex", "entry_matches", "to_roi"]
 class LookupEntry:
     """One staged KV slice: the request's token ids, the roi it holds, and its tensors.
 
-    ``as_list()`` gives the seed's ``[key, value, hidden]``.
+    ``as_list()`` gives what the seed's ``drop_select`` returns, as vLLM's lookup buffers do:
+    ``[input_tokens, roi, key, value, hidden]`` (see :meth:`as_list`).
     """
 
     token_ids: tuple[int, ...]
@@ -28,12 +30,22 @@ class LookupEntry:
 
     @property
     def nbytes(self) -> int:
-        """Bytes counted against the buffer's capacity: key + value + hidden (not the token ids)."""
-        hidden = 0 if self.hidden is None else self.hidden.nbytes
-        return self.key.nbytes + self.value.nbytes + hidden
+        """Bytes counted against the buffer's capacity: the storages key, value and hidden hold, each once
+        (a view of a larger tensor counts all of it: the entry keeps it alive), not the token ids."""
+        return held_nbytes(self.key, self.value, self.hidden)
 
-    def as_list(self) -> list[torch.Tensor | None]:
-        return [self.key, self.value, self.hidden]
+    def as_list(self, geometry: KVGeometry | None = None) -> list[torch.Tensor | Roi | None]:
+        """``[input_tokens, roi, key, value, hidden]``: the entry's token ids (int64), the roi it holds, its
+        tensors. The roi is the seed's boolean token mask when it spans every layer and kv-head of
+        ``geometry`` (what a mask given to ``insert`` means), else the :class:`Roi`: the caller reads
+        which tokens, layers and heads the tensors hold from it (an entry may cover more than was asked)."""
+        roi: torch.Tensor | Roi = self.roi
+        if geometry is not None and self.roi.layers == Span(0, geometry.num_layers) \
+                and self.roi.heads == Span(0, geometry.num_kv_heads):
+            roi = torch.zeros(len(self.token_ids), dtype=torch.bool)
+            for span in self.roi.tokens.spans:
+                roi[span.start : span.stop] = True
+        return [torch.tensor(self.token_ids, dtype=torch.int64), roi, self.key, self.value, self.hidden]
 
     def __repr__(self) -> str:
         return f"LookupEntry({len(self.token_ids)} tokens, {self.roi!r}, {self.nbytes} bytes)"

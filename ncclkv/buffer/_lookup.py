@@ -15,7 +15,7 @@ from ..hashing import BlockHash
 from ..layout import KVGeometry, Roi
 from ._base import LockedLRU
 from ._entry import LookupEntry, PrefixIndex, entry_matches, to_roi, to_token_ids
-from ._lru import report_evicted
+from ._lru import report_evicted, views_note
 
 __all__ = ["KVLookupBuffer"]
 
@@ -45,10 +45,11 @@ class KVLookupBuffer(LockedLRU[int, _Record]):
     """A thread-safe buffer honouring the seed's ``KVLookupBufferBase`` with an roi of tokens x layers x kv-heads.
 
     ``insert(input_tokens, roi, key, value, hidden)`` stages a slice;
-    ``drop_select(input_tokens, roi)`` removes and returns ``[key, value,
-    hidden]`` of a matching entry, or ``[None, None, None]`` when none matches;
-    ``drop_select(None, None)`` removes and returns the least recently used
-    entry (for offloading). ``drop_select_entry`` / ``select`` / ``wait_select``
+    ``drop_select(input_tokens, roi)`` removes and returns ``[input_tokens,
+    roi, key, value, hidden]`` of a matching entry (vLLM's order; the roi it
+    holds, which may be more than was asked), or five Nones when none
+    matches; ``drop_select(None, None)`` removes and returns the least
+    recently used entry (for offloading). ``drop_select_entry`` / ``select`` / ``wait_select``
     return a typed :class:`LookupEntry` instead.
 
     Match rule: a stored entry matches the asked ``(input_tokens, roi)`` when
@@ -64,8 +65,9 @@ class KVLookupBuffer(LockedLRU[int, _Record]):
     ``index_block_size`` tokens, so a query compares tokens only with entries
     sharing its whole-block prefix (a query shorter than one block scans all).
 
-    Capacity: the sum of ``key``, ``value`` and ``hidden`` nbytes never
-    exceeds ``capacity_bytes``. Beyond it the least recently used entries are
+    Capacity: the bytes the entries' ``key``, ``value`` and ``hidden`` hold
+    (each storage whole: a view keeps its base alive) never exceed
+    ``capacity_bytes``. Beyond it the least recently used entries are
     evicted and passed to ``on_evict`` after the lock is released
     (``evict=True``), or the insert raises CapacityError (``evict=False``); an
     entry larger than the capacity is always refused. Tensors are stored by
@@ -109,7 +111,7 @@ class KVLookupBuffer(LockedLRU[int, _Record]):
         nbytes = entry.nbytes
         with self._lock:  # refuse an oversized entry before hashing anything
             self._check_open()
-            self._lru.check_fits(nbytes)
+            self._lru.check_fits(nbytes, detail=views_note(nbytes, key, value, hidden))
         keys = self._index.entry_keys(token_ids, roi)  # hashing outside the lock
         with self._lock:
             self._check_open()
@@ -123,10 +125,12 @@ class KVLookupBuffer(LockedLRU[int, _Record]):
 
     def drop_select(
         self, input_tokens: torch.Tensor | Sequence[int] | None, roi: RoiArg | None
-    ) -> list[torch.Tensor | None]:
-        """The seed's contract: ``[key, value, hidden]`` of the removed match, else ``[None, None, None]``."""
+    ) -> list[torch.Tensor | Roi | None]:
+        """The seed's contract, in the order vLLM's lookup buffers return it: ``[input_tokens, roi, key, value,
+        hidden]`` of the removed match (see :meth:`LookupEntry.as_list`), else five Nones. The match may cover
+        more than was asked: the returned roi says what the tensors hold."""
         entry = self.drop_select_entry(input_tokens, roi)
-        return [None, None, None] if entry is None else entry.as_list()
+        return [None] * 5 if entry is None else entry.as_list(self._geometry)
 
     def drop_select_entry(
         self, input_tokens: torch.Tensor | Sequence[int] | None, roi: RoiArg | None

@@ -7,13 +7,36 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import torch
+
 from ..errors import CapacityError
 
-__all__ = ["BufferStats", "ByteLRU", "report_evicted"]
+__all__ = ["BufferStats", "ByteLRU", "held_nbytes", "report_evicted", "views_note"]
 
 K = TypeVar("K")
 V = TypeVar("V")
 T = TypeVar("T")
+
+
+def held_nbytes(*tensors: torch.Tensor | None) -> int:
+    """The memory ``tensors`` keep alive: the bytes of each distinct storage they view, whole.
+
+    A view of a large tensor pins all of it (its ``nbytes`` would count only the view), and an expanded
+    tensor (stride 0) holds less than its ``nbytes``: capacity counts what is held."""
+    storages: dict[tuple[str, int], int] = {}
+    for tensor in tensors:
+        if tensor is not None:
+            storage = tensor.untyped_storage()
+            storages[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def views_note(nbytes: int, *tensors: torch.Tensor | None) -> str:
+    """For a refusal: why an entry counts more than its tensors' own bytes (a view holds its base), or ""."""
+    own = sum(t.nbytes for t in tensors if t is not None)
+    if nbytes <= own:
+        return ""
+    return f" (its tensors hold {own} bytes but view storages of {nbytes}: clone them to store only their own)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,22 +80,23 @@ class ByteLRU(Generic[K, V]):
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
-    def check_fits(self, nbytes: int, freed: int = 0) -> None:
+    def check_fits(self, nbytes: int, freed: int = 0, detail: str = "") -> None:
         """Raise CapacityError (and count a refusal) if an entry of ``nbytes`` cannot go in.
 
-        ``freed`` is what a replaced entry gives back. With eviction on only an
+        ``freed`` is what a replaced entry gives back; ``detail`` ends the message. With eviction on only an
         entry larger than the capacity is refused.
         """
         if nbytes > self.capacity_bytes:
             self.refusals += 1
             raise CapacityError(
                 f"{self.name}: entry of {nbytes} bytes is larger than the capacity of {self.capacity_bytes} bytes"
+                f"{detail}"
             )
         if not self.evict and self.used_bytes - freed + nbytes > self.capacity_bytes:
             self.refusals += 1
             raise CapacityError(
                 f"{self.name}: full with eviction off: entry of {nbytes} bytes, "
-                f"{self.used_bytes - freed} of {self.capacity_bytes} bytes used"
+                f"{self.used_bytes - freed} of {self.capacity_bytes} bytes used{detail}"
             )
 
     def add(self, key: K, value: V, nbytes: int) -> list[tuple[K, V]]:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from ._base import LockedLRU
-from ._lru import report_evicted
+from ._lru import held_nbytes, report_evicted, views_note
 
 __all__ = ["KVStoreBuffer"]
 
@@ -18,8 +18,8 @@ class KVStoreBuffer(LockedLRU[str, torch.Tensor]):
 
     ``put(key, tensor)`` stores (replacing any previous tensor of that key),
     ``put(key, None)`` deletes, ``get(key)`` returns the tensor or None and
-    makes it the most recently used. The sum of stored ``tensor.nbytes`` never
-    exceeds ``capacity_bytes``: beyond it the least recently used entries are
+    makes it the most recently used. The bytes the stored tensors hold (each
+    storage whole: a view keeps its base alive) never exceed ``capacity_bytes``: beyond it the least recently used entries are
     evicted (``evict=True``) and reported to ``on_evict(key, tensor)`` after
     the lock is released, or the put is refused with CapacityError
     (``evict=False``). A tensor larger than the capacity is always refused, and
@@ -53,14 +53,14 @@ class KVStoreBuffer(LockedLRU[str, torch.Tensor]):
             raise TypeError(f"key must be a str, got {type(key).__name__} {key!r}")
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(f"value for key {key!r} must be a torch.Tensor or None, got {type(value).__name__}")
-        nbytes = 0 if value is None else value.nbytes
+        nbytes = held_nbytes(value)  # a view counts its whole storage: the entry keeps it alive
         with self._lock:
             self._check_open()
             if value is None:
                 self._lru.pop(key)
                 return
             # Check before removing the old value, so a refusal changes nothing.
-            self._lru.check_fits(nbytes, freed=self._lru.nbytes_of(key))
+            self._lru.check_fits(nbytes, freed=self._lru.nbytes_of(key), detail=views_note(nbytes, value))
             self._lru.pop(key)
             evicted = self._lru.add(key, value, nbytes)
         if self._on_evict is not None:

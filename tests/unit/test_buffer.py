@@ -152,8 +152,9 @@ def test_covering_roi_and_equal_prefix_match() -> None:
     asked = Roi(SpanSet([(4, 9), (12, 20)]), Span(1, 3), Span(1, 2))
     entry = buf.select(tokens[:25] + [0, 0, 0], asked)
     assert isinstance(entry, LookupEntry) and entry.token_ids == tuple(tokens) and entry.roi == box(0, 40)
-    key, value, hidden = buf.drop_select(torch.tensor(tokens), box(0, 40))
+    got_tokens, got_roi, key, value, hidden = buf.drop_select(torch.tensor(tokens), box(0, 40))
     assert int(key[0]) == 1 and int(value[0]) == 2 and int(hidden[0]) == 3  # type: ignore[index]
+    assert got_tokens.tolist() == tokens and got_roi == box(0, 40)  # type: ignore[union-attr]
     assert len(buf) == 0 and buf.used_bytes == 0
 
 
@@ -174,7 +175,7 @@ def test_non_covering_or_different_tokens_do_not_match(asked_tokens: list[int], 
     buf = KVLookupBuffer(10_000, index_block_size=4)
     tokens = list(range(100, 141))
     buf.insert(tokens, Roi(SpanSet.range(10, 40), Span(0, 4), Span(0, 2)), blob(8), blob(8))
-    assert buf.drop_select(asked_tokens, asked_roi) == [None, None, None], why
+    assert buf.drop_select(asked_tokens, asked_roi) == [None] * 5, why
     assert buf.drop_select_entry(asked_tokens, asked_roi) is None, why
     assert len(buf) == 1 and buf.stats.misses == 2
     assert buf.select(tokens[:40], box(10, 40)) is not None  # the control: this does match
@@ -195,9 +196,9 @@ def test_several_matches_return_least_recently_used_and_select_refreshes() -> No
     assert int(buf.select(tokens, box(0, 8)).key[0]) == 1  # type: ignore[union-attr]
     assert int(buf.select(tokens, box(0, 3)).key[0]) == 2  # type: ignore[union-attr]
     # Recency is now 3, 1, 2: asked through the index (8 tokens) and by a scan (3 tokens).
-    order = [int(buf.drop_select(tokens, box(0, n))[0][0]) for n in (8, 3, 8)]  # type: ignore[index]
+    order = [int(buf.drop_select(tokens, box(0, n))[2][0]) for n in (8, 3, 8)]  # type: ignore[index]
     assert order == [3, 1, 2]
-    assert buf.drop_select(tokens, box(0, 3)) == [None, None, None]
+    assert buf.drop_select(tokens, box(0, 3)) == [None] * 5
 
 
 def test_drop_select_any_returns_lru_for_offloading() -> None:
@@ -205,9 +206,9 @@ def test_drop_select_any_returns_lru_for_offloading() -> None:
     for tag in (1, 2, 3):
         buf.insert([tag] * 5, box(0, 5), blob(4, tag), blob(4))
     buf.select([1] * 5, box(0, 5))
-    tags = [int(buf.drop_select(None, None)[0][0]) for _ in range(3)]  # type: ignore[index]
+    tags = [int(buf.drop_select(None, None)[2][0]) for _ in range(3)]  # type: ignore[index]
     assert tags == [2, 3, 1]
-    assert buf.drop_select(None, None) == [None, None, None] and buf.used_bytes == 0
+    assert buf.drop_select(None, None) == [None] * 5 and buf.used_bytes == 0
     with pytest.raises(ValueError, match="both be None"):
         buf.drop_select([1], None)
 
@@ -269,6 +270,48 @@ def test_boolean_token_mask_roi_with_geometry() -> None:
     with pytest.raises(TypeError, match=r"^select: a token-mask roi must hold bools, got str 'x' at index 0$"):
         buf.select(tokens, ["x"] * 6)
     assert len(buf) == 1
+
+
+def test_drop_select_returns_tokens_and_the_roi_the_entry_holds_in_vllms_order() -> None:
+    """vLLM's lookup buffers return [input_tokens, roi, key, value, hidden]: a match may cover more than was
+    asked (one entry serves two consumers' heads), and without its roi the caller could not tell which rows
+    are its own."""
+    geometry = KVGeometry(num_layers=4, num_kv_heads=2, head_size=8, dtype="float16", use_mla=False)
+    buf = KVLookupBuffer(1000, geometry=geometry)
+    tokens = list(range(50, 58))
+    buf.insert(tokens, torch.tensor([False, False] + [True] * 6), blob(8, 1), blob(8, 2))  # the seed's mask
+    buf.insert(tokens, Roi(SpanSet.range(0, 8), Span(0, 4), Span(0, 2)), blob(8, 3), blob(8, 4))
+    # Asked for tokens 4..8 of head 1 only: the older entry (a mask: every layer and head) is taken whole.
+    got_tokens, got_roi, key, value, hidden = buf.drop_select(tokens, Roi(SpanSet.range(4, 8), Span(0, 4), Span(1, 2)))
+    assert isinstance(got_tokens, torch.Tensor) and got_tokens.dtype == torch.int64 and got_tokens.tolist() == tokens
+    assert isinstance(got_roi, torch.Tensor) and got_roi.tolist() == [False, False] + [True] * 6
+    assert int(key[0]) == 1 and int(value[0]) == 2 and hidden is None  # type: ignore[index]
+    # The next match is given as a Roi whenever its layers or heads are not all of the geometry's.
+    buf.insert(tokens, Roi(SpanSet.range(0, 8), Span(1, 3), Span(0, 2)), blob(8, 5), blob(8, 6))
+    full = buf.drop_select(tokens, box(0, 8))[1]  # every layer and head: the seed's mask
+    assert isinstance(full, torch.Tensor) and full.tolist() == [True] * 8
+    assert buf.drop_select(tokens, Roi(SpanSet.range(0, 4), Span(1, 2), Span(0, 1)))[1] == Roi(
+        SpanSet.range(0, 8), Span(1, 3), Span(0, 2))
+    assert len(buf) == 0
+
+
+def test_capacity_counts_the_storage_a_view_keeps_alive() -> None:
+    base = torch.zeros(4096, dtype=torch.uint8)
+    store = KVStoreBuffer(1024)
+    # Before: a 16-byte view was counted as 16 bytes while the store kept all 4096 alive.
+    with pytest.raises(CapacityError, match=r"entry of 4096 bytes is larger than the capacity of 1024 bytes \(its "
+                                            r"tensors hold 16 bytes but view storages of 4096: clone them"):
+        store.put("view", base[:16])
+    store.put("clone", base[:16].clone())
+    assert store.used_bytes == 16
+    store.put("expanded", torch.zeros(1, dtype=torch.uint8).expand(2000))  # 2000 elements, one byte held
+    assert store.used_bytes == 17
+    lookup = KVLookupBuffer(4096)
+    shared = torch.zeros(1000, dtype=torch.uint8)
+    lookup.insert([1, 2], box(0, 2), shared[:500], shared[500:])  # one storage, counted once
+    assert lookup.used_bytes == 1000
+    with pytest.raises(CapacityError, match=r"full with eviction off|larger than the capacity"):
+        KVLookupBuffer(600, evict=False).insert([1, 2], box(0, 2), shared[:100], shared[100:200])
 
 
 @settings(max_examples=60, deadline=None)
