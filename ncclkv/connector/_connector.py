@@ -43,7 +43,7 @@ from ._events import NcclKVEvents, to_vllm_events
 from ._metadata import NcclKVMetadata
 from ._scheduler import SchedulerSide
 from ._stats import NcclKVPromMetrics, NcclKVStats
-from ._vllm_env import check_kv_cache_groups, check_speculative, rank_info
+from ._vllm_env import check_context_parallel, check_kv_cache_groups, check_speculative, rank_info
 from ._worker import WorkerSide, layer_index
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class NcclKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         check_speculative(vllm_config)  # both roles: the engine core fails at start, before any worker
+        check_context_parallel(vllm_config)
         check_kv_cache_groups(kv_cache_config)
         kv = self._kv_transfer_config
         self.config = NcclKVConfig.from_extra(kv.kv_connector_extra_config)

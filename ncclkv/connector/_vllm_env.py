@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["MOVABLE_DRAFTERS", "check_kv_cache_groups", "check_speculative", "drafter_layers", "parallel_ranks",
-           "rank_info"]
+__all__ = ["MOVABLE_DRAFTERS", "check_context_parallel", "check_kv_cache_groups", "check_speculative", "drafter_layers",
+           "parallel_ranks", "rank_info"]
 
 
 def parallel_ranks(tp_size: int, pp_size: int) -> tuple[int, int]:
@@ -83,6 +83,26 @@ def drafter_layers(vllm_config: VllmConfig, num_model_layers: int, layer_indices
         raise ValueError(f"ncclkv: the drafter's KV cache layers {extra} do not follow the model's "
                          f"{num_model_layers} layers")
     return extra
+
+
+def check_context_parallel(vllm_config: VllmConfig) -> None:
+    """Refuse vLLM's context parallelism (decode DCP, prefill PCP), naming the sizes.
+
+    ncclkv's layout shards layers (PP) and kv heads (TP) and gives every rank
+    all of a request's tokens. Under DCP vLLM deals tokens round-robin (in
+    runs of ``cp_kv_cache_interleave_size``) over the ranks of a TP group and
+    its scheduler's blocks hold ``block_size * dcp`` tokens; under PCP there
+    are ``tp * pp * pcp`` workers where the layout counts ``tp * pp``. A load
+    would write every token into each rank's blocks: wrong KV, no error.
+    """
+    parallel = vllm_config.parallel_config
+    dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+    pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+    if dcp > 1 or pcp > 1:
+        raise ValueError(
+            f"ncclkv: context parallelism is not supported (decode_context_parallel_size={dcp}, "
+            f"prefill_context_parallel_size={pcp}): its ranks hold every {max(dcp, pcp)}-th run of a request's "
+            "tokens, and ncclkv's layout gives each rank all of them; run without DCP/PCP")
 
 
 # Drafters whose KV layers follow the model's and whose forward writes a step's positions in its first pass and
