@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ._rope import rope_cos_sin, rotate
+from ._rope import check_heads, rope_cos_sin, rotate
 from ._select import check_query_start_loc, select_tokens
 from ._types import BlendConfig, BlendOutput
 
@@ -67,9 +67,18 @@ class BlendExecutor:
         query_start_loc: torch.Tensor,
         token_dim: int = 0,
     ) -> BlendOutput:
-        """Blend one layer; tensors have tokens on ``token_dim`` and head channels last."""
+        """Blend one layer. Q/K/V are 3-D, tokens on ``token_dim`` (0 or 1) and head channels last:
+        ``[num_tokens, num_heads, head_size]`` for ``token_dim=0``. A flat ``[num_tokens, num_heads *
+        head_size]`` (vLLM's qkv split) is refused: the caller knows the head size, viewing it is exact."""
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id < 0:
             raise ValueError(f"layer_id must be an int >= 0, got {layer_id!r}")
+        if isinstance(token_dim, bool) or token_dim not in (0, 1):
+            raise ValueError(f"layer {layer_id}: token_dim must be 0 or 1 (3-D tensors, head channels last), "
+                             f"got {token_dim!r}")
+        for name, t in (("fresh_q", fresh_q), ("fresh_k", fresh_k), ("fresh_v", fresh_v),
+                        ("retrieved_k", retrieved_k), ("retrieved_v", retrieved_v)):
+            if t is not None:
+                check_heads(f"layer {layer_id}: {name}", t)
         q, k, v = (t.movedim(token_dim, 0) for t in (fresh_q, fresh_k, fresh_v))
         if retrieved_k is not None and retrieved_v is not None:
             retrieved_k, retrieved_v = retrieved_k.movedim(token_dim, 0), retrieved_v.movedim(token_dim, 0)
@@ -164,6 +173,8 @@ class BlendExecutor:
 
 
 def _check_fresh(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"layer {layer_id}: fresh q and k differ in head_size: {tuple(q.shape)} and {tuple(k.shape)}")
     if not (q.shape[0] == k.shape[0] == v.shape[0] == positions.numel()) or positions.dim() != 1:
         raise ValueError(f"layer {layer_id}: fresh q/k/v and positions disagree on the number of tokens: "
                          f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]}, positions {tuple(positions.shape)}")

@@ -22,9 +22,13 @@ class LayerPrefetcher(Generic[T]):
     consumer, plus any asked for and not yet taken). ``get(layer)`` blocks
     until that layer is ready, at most ``timeout_s``, and re-raises whatever
     ``prepare`` or ``produce`` raised. The thread stops after the last layer, on
-    the first error, on ``close()``, or when no new layer was asked for within
-    ``deadline_s`` (the consumer is gone; ``get`` then raises TransferTimeout).
-    It is joined by ``close()`` and after the last layer is taken.
+    the first error, and on ``close()``. A consumer that is slow to ask (a
+    forward that starts late, a long layer) is no error: when nothing new was
+    asked for within ``deadline_s`` the thread ends quietly, and the next
+    ``get`` starts a new one where it left off. So a prefetcher dropped without
+    ``close()`` holds a thread (and through it its producer) at most
+    ``deadline_s`` longer. It is joined by ``close()`` and after the last layer
+    is taken.
     """
 
     def __init__(self, name: str, num_layers: int, produce: Callable[[int], T], *,
@@ -39,16 +43,20 @@ class LayerPrefetcher(Generic[T]):
         self._prepare = prepare
         self._cond = threading.Condition()
         self._asked = -1
+        self._next = 0  # the next layer to produce (a restarted thread goes on from here)
+        self._prepared = prepare is None
         self._ready: dict[int, T] = {}
         self._taken: set[int] = set()
         self._error: BaseException | None = None
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._running = False
+        self._thread: threading.Thread
+        with self._cond:
+            self._start()
 
     @property
     def alive(self) -> bool:
-        """Whether the thread is still running."""
+        """Whether the thread is running now (one that ended idle is started again by ``get``)."""
         return self._thread.is_alive()
 
     def get(self, layer: int, timeout_s: float | None = None) -> T:
@@ -61,6 +69,8 @@ class LayerPrefetcher(Generic[T]):
             if self._asked < layer:
                 self._asked = layer
                 self._cond.notify_all()
+            if not self._running and not self._stop and self._error is None and self._next < self.num_layers:
+                self._start()  # the last one ended idle: go on producing
             self._cond.wait_for(lambda: layer in self._ready or self._error is not None or self._stop, timeout)
             if layer in self._ready:
                 value = self._ready.pop(layer)
@@ -84,34 +94,49 @@ class LayerPrefetcher(Generic[T]):
             self._cond.notify_all()
         self._join()
 
+    def _start(self) -> None:
+        """Start a producing thread (call holding ``_cond``, with none running)."""
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
     def _join(self) -> None:
-        if threading.current_thread() is self._thread:
+        thread = self._thread
+        if threading.current_thread() is thread:
             return
         # Bounded: the thread checks _stop between layers; one produce() is all it may still finish.
-        self._thread.join(self.deadline_s)
-        if self._thread.is_alive():
+        thread.join(self.deadline_s)
+        if thread.is_alive():
             raise TransferTimeout(f"{self.name}: thread did not stop within {self.deadline_s:g} s")
 
     def _run(self) -> None:
         try:
-            if self._prepare is not None:
+            if not self._prepared:
+                assert self._prepare is not None
                 self._prepare()
-            for layer in range(self.num_layers):
+                self._prepared = True
+            while True:
                 with self._cond:
+                    layer = self._next
+                    if layer >= self.num_layers:
+                        self._running = False
+                        return
                     asked = self._cond.wait_for(lambda: self._stop or layer <= self._asked + self.lookahead,
                                                 self.deadline_s)
-                    if self._stop:
+                    if self._stop or not asked:
+                        # Not asked within deadline_s: end quietly (no error), get() starts a new thread.
+                        self._running = False
                         return
-                    if not asked:
-                        raise TransferTimeout(f"{self.name}: no layer >= {layer - self.lookahead} asked for "
-                                              f"within {self.deadline_s:g} s; stopping")
                 value = self._produce(layer)
                 with self._cond:
                     if self._stop:
+                        self._running = False
                         return
                     self._ready[layer] = value
+                    self._next = layer + 1
                     self._cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised by get()
             with self._cond:
                 self._error = exc
+                self._running = False
                 self._cond.notify_all()

@@ -41,8 +41,9 @@ class BlendRetriever:
     """Makes :class:`BlendRetrieverTask` s over one :class:`ChunkStore`.
 
     ``device``: where results are put. ``lookahead``: layers assembled ahead of
-    the one asked for. ``deadline_s``: the default wait of ``result()`` and of
-    the thread for the model to move on (default: ``NCCLKV_DEADLINE_S``).
+    the one asked for. ``deadline_s``: the default wait of ``result()``, and how
+    long the thread waits for the model to ask for more before it ends quietly
+    (the next ``result()`` starts it again; default: ``NCCLKV_DEADLINE_S``).
     """
 
     def __init__(self, store: ChunkStore, *, device: torch.device | str = "cpu", lookahead: int = 2,

@@ -31,6 +31,7 @@ import torch
 from ..buffer import KVStoreBuffer
 from ..errors import CapacityError
 from ..hashing import ExtraKeys, as_token_ids, hash_block_tokens
+from ._rope import check_heads
 
 __all__ = ["ChunkStore", "StoredChunk"]
 
@@ -163,6 +164,8 @@ class ChunkStore:
         first = k_per_layer[0]
         if not isinstance(first, torch.Tensor):
             raise TypeError(f"layer 0 K must be a torch.Tensor, got {type(first).__name__}")
+        # RoPE re-rotation works per head: a flat [num_tokens, num_heads * head_size] could not be re-rotated.
+        check_heads("layer 0 K", first)
         expected = (num_tokens,) + tuple(first.shape[1:])
         out = []
         for layer, (k, v) in enumerate(zip(k_per_layer, v_per_layer)):

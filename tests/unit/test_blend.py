@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable
+from pathlib import Path
 import re
+import subprocess
+import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -78,6 +83,112 @@ def test_rerotate_equals_rope_at_new_positions(spec: RopeSpec) -> None:
     moved = rerotate(apply_rope(x, old, spec), old, new, spec)
     torch.testing.assert_close(moved, apply_rope(x, new, spec), atol=2e-5, rtol=1e-5)
     assert _rel(apply_rope(x, old, spec), apply_rope(x, new, spec)) > 0.1  # the move is not a no-op
+
+
+# vLLM's own rotary embeddings, in a fresh interpreter (importing vLLM into pytest would set process-wide state):
+# K rotated at old and at new positions per rope_type, saved for the test to re-rotate with ncclkv.
+_VLLM_ROPE = """
+import sys
+try:
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+except ImportError as error:
+    print(f"vLLM's rotary embedding does not import: {error!r}")
+    sys.exit(3)
+heads, head_size, tokens = 2, 64, 48
+llama3 = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+cases = {
+    "default": ({"rope_theta": 10000.0}, True),
+    "linear": ({"rope_theta": 10000.0, "rope_type": "linear", "factor": 4.0}, True),
+    "llama3": (llama3, True),
+    "llama3_gptj_half": (dict(llama3, partial_rotary_factor=0.5), False),
+    "yarn": ({"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0,
+              "original_max_position_embeddings": 1024}, True),
+}
+gen = torch.Generator().manual_seed(0)
+x = torch.randn(tokens, heads * head_size, generator=gen)
+old = torch.randint(0, 4000, (tokens,), generator=gen)
+new = torch.randint(0, 4000, (tokens,), generator=gen)
+out = {"x": x.view(tokens, heads, head_size), "old": old, "new": new}
+with set_current_vllm_config(VllmConfig()):
+    for name, (params, neox) in cases.items():
+        rope = get_rope(head_size, 4096, neox, params, torch.float32)
+        def k_at(positions):
+            return rope.forward_native(positions, torch.zeros(tokens, head_size), x.clone())[1]
+        out[name] = {"params": params, "neox": neox, "rotary_dim": rope.rotary_dim, "k_old": k_at(old),
+                     "k_new": k_at(new), "mscale": float(getattr(rope, "mscale", 1.0)),
+                     "inv_freq": rope._compute_inv_freq(rope.scaling_factor) if name == "yarn" else None}
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def vllm_rope(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    path = tmp_path_factory.mktemp("vllm_rope") / "rope.pt"
+    proc = subprocess.run([sys.executable, "-c", _VLLM_ROPE, str(path)], capture_output=True, text=True, timeout=300)
+    if proc.returncode == 3:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(path)
+
+
+@pytest.mark.parametrize("name", ["default", "linear", "llama3", "llama3_gptj_half", "yarn"])
+def test_rerotation_matches_vllms_scaled_rope(vllm_rope: dict[str, object], name: str) -> None:
+    """K that vLLM rotated at old positions, re-rotated by ncclkv, is vLLM's K at the new positions."""
+    case = vllm_rope[name]
+    x, old, new = vllm_rope["x"], vllm_rope["old"], vllm_rope["new"]
+    params, neox, dim = case["params"], case["neox"], case["rotary_dim"]
+    if case["inv_freq"] is None:
+        spec = RopeSpec.from_rope_parameters(params, rotary_dim=dim, neox_style=neox)
+    else:  # YaRN: the model's frequencies given; its mscale scales old and new K alike
+        spec = RopeSpec(rotary_dim=dim, neox_style=neox, inv_freq=case["inv_freq"])
+    k_old, k_new = case["k_old"].view(x.shape), case["k_new"].view(x.shape)
+    # vLLM's angles are float32 products of positions < 4096: off by up to ~2.4e-4 rad.
+    torch.testing.assert_close(rerotate(k_old, old, new, spec), k_new, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(apply_rope(x, new, spec) * case["mscale"], k_new, atol=2e-3, rtol=1e-3)
+    plain = RopeSpec(theta=params["rope_theta"], rotary_dim=dim, neox_style=neox)
+    if name != "default":  # plain RoPE's frequencies would be wrong here
+        assert _rel(rerotate(k_old, old, new, plain), k_new) > 0.3
+
+
+@pytest.mark.parametrize(("make", "error", "message"), [
+    (lambda: RopeSpec.from_rope_parameters({"rope_type": "dynamic", "factor": 2.0}, rotary_dim=64, theta=1e4),
+     ValueError, "rope_type 'dynamic' is not supported: its frequencies depend on the sequence length"),
+    (lambda: RopeSpec.from_rope_parameters({"rope_type": "yarn", "factor": 4.0}, rotary_dim=64, theta=1e4),
+     ValueError, "rope_type 'yarn' is not supported: ncclkv does not compute its frequencies"),
+    (lambda: RopeSpec.from_rope_parameters({"type": "longrope"}, rotary_dim=64, theta=1e4),
+     ValueError, "rope_type 'longrope' is not supported (supported: 'default', 'linear', 'llama3')"),
+    (lambda: RopeSpec.from_rope_parameters({"rope_type": "llama3", "factor": 8.0}, rotary_dim=64, theta=5e5),
+     ValueError, "rope_type 'llama3' needs 'low_freq_factor' in rope_parameters, got keys ['factor', 'rope_type']"),
+    (lambda: RopeSpec.from_rope_parameters({"rope_type": "linear", "factor": 2.0}, rotary_dim=64),
+     ValueError, "theta is needed"),
+    (lambda: RopeSpec.from_rope_parameters({"rope_theta": 1e4}, rotary_dim=64, theta=5e5),
+     ValueError, "theta=500000.0 disagrees with rope_parameters['rope_theta']=10000.0"),
+    (lambda: RopeSpec(rotary_dim=8, inv_freq=[1.0, 0.1, 0.01]), ValueError,
+     "inv_freq has 3 frequencies, rotary_dim 8 needs 4"),
+    (lambda: RopeSpec(inv_freq=torch.tensor([1.0, -0.5])), ValueError, "bad ones: [-0.5]"),
+    (lambda: RopeSpec(inv_freq="1.0"), TypeError, "inv_freq must be a sequence of numbers or a 1-D tensor, got str"),
+    (lambda: apply_rope(torch.zeros(3, 1, 16), torch.arange(3), RopeSpec(inv_freq=[1.0] * 4)), ValueError,
+     "inv_freq has 4 frequencies, 16 rotated channels of head_size 16 need 8"),
+])
+def test_rope_spec_refuses_what_it_cannot_rerotate_exactly(make: Callable[[], object], error: type[Exception],
+                                                           message: str) -> None:
+    with pytest.raises(error) as refused:
+        make()
+    assert message in str(refused.value)
+
+
+def test_rope_spec_frequencies_are_kept_and_compared() -> None:
+    spec = RopeSpec(rotary_dim=4, inv_freq=torch.tensor([1.0, 0.25], dtype=torch.float64))
+    assert spec.inv_freq == (1.0, 0.25) and spec == RopeSpec(rotary_dim=4, inv_freq=[1.0, 0.25])
+    x = torch.randn(5, 2, 6, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(5)
+    # Frequencies equal to plain RoPE's rotate like plain RoPE (channels past rotary_dim untouched).
+    plain = RopeSpec(theta=16.0, rotary_dim=4)
+    torch.testing.assert_close(apply_rope(x, positions, spec), apply_rope(x, positions, plain))
+    assert RopeSpec.from_rope_parameters(None, rotary_dim=4, theta=16.0) == plain
 
 
 def test_rerotated_chunk_k_equals_k_computed_at_new_offset(model: TinyLlama, chunks: list[torch.Tensor],
@@ -261,6 +372,36 @@ def test_result_has_a_deadline() -> None:
     assert not task.prefetching
 
 
+def test_a_late_consumer_gets_every_layer_and_a_dropped_task_ends_its_thread() -> None:
+    """The deadline bounds each result() call, not the gap between them: a forward that starts, or a layer that
+    ends, more than deadline_s later is no error. The thread ends when idle, so a dropped task frees it."""
+    layers = 3
+    store = ChunkStore(KVStoreBuffer(1 << 20), layers)
+    kv = [torch.full((4, 1, 8), float(layer)) for layer in range(layers)]
+    store.store_chunk([1, 2, 3, 4], kv, [t + 100 for t in kv], [0, 1, 2, 3])
+    prompt = torch.tensor([1, 2, 3, 4, 9])
+    retriever = BlendRetriever(store, lookahead=1, deadline_s=0.2)
+    with retriever.new_request([prompt], [[4]]) as task:
+        for layer in range(layers):
+            # The thread ending idle is the proof that more than deadline_s passed without a result() call.
+            idle = task._prefetcher._thread
+            idle.join(5.0)
+            assert not idle.is_alive()
+            got = task.result(layer, timeout_s=5.0)
+            assert got.valid_mask.tolist() == [True] * 4 + [False]
+            assert torch.equal(got.k[:4], kv[layer]) and torch.equal(got.v[:4], kv[layer] + 100)
+        assert not task.prefetching
+
+    dropped = retriever.new_request([prompt], [[4]])
+    assert dropped.result(0, timeout_s=5.0).valid_mask.any()
+    thread, ref = dropped._prefetcher._thread, weakref.ref(dropped)
+    del dropped
+    thread.join(5.0)  # never closed: it ends once idle for deadline_s
+    assert not thread.is_alive()
+    gc.collect()
+    assert ref() is None  # nothing holds the task any more
+
+
 # --- chunk store ----------------------------------------------------------------------------
 
 def test_chunk_store_keys_eviction_and_input_checks() -> None:
@@ -403,6 +544,41 @@ def test_executor_rejects_out_of_order_and_bad_config() -> None:
         BlendConfig(recompute_ratio=1.5)
     with pytest.raises(ValueError, match="rotary_dim"):
         RopeSpec(rotary_dim=7)
+
+
+def test_flat_heads_are_refused_everywhere_tensors_enter() -> None:
+    """vLLM's qkv split gives [num_tokens, num_heads * head_size]: RoPE over that as one wide head is wrong, so
+    only [num_tokens, num_heads, head_size] is taken; the same data viewed per head re-rotates exactly."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _layer(20, gen)
+    new = torch.arange(20)
+    old = new + 50
+    fresh_k, stored_k = apply_rope(k, new, RopeSpec()), apply_rope(k, old, RopeSpec())
+    valid, qsl = torch.ones(20, dtype=torch.bool), torch.tensor([0, 20])
+    flat = (lambda x: x.flatten(1))
+    calls = {
+        "fresh_q": lambda ex: ex.blend(0, stored_k, v, valid, old, flat(q), fresh_k, v, new, qsl),
+        "fresh_k": lambda ex: ex.blend(0, stored_k, v, valid, old, q, flat(fresh_k), v, new, qsl),
+        "retrieved_k": lambda ex: ex.blend(0, flat(stored_k), flat(v), valid, old, q, fresh_k, v, new, qsl),
+        "retrieved_v": lambda ex: ex.blend(0, stored_k, flat(v), valid, old, q, fresh_k, v, new, qsl),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=re.escape(f"layer 0: {name} must be 3-D [num_tokens, num_heads, "
+                                                       "head_size], got shape (20, ")):
+            call(BlendExecutor(BlendConfig(check_layer=0, recompute_ratio=0.0)))
+    with pytest.raises(ValueError, match="token_dim must be 0 or 1"):
+        BlendExecutor().blend(0, stored_k, v, valid, old, q, fresh_k, v, new, qsl, token_dim=2)
+    with pytest.raises(ValueError, match=re.escape("k must be 3-D [num_tokens, num_heads, head_size], got shape "
+                                                   "(20, 16)")):
+        rerotate(flat(stored_k), old, new, RopeSpec())
+    store = ChunkStore(KVStoreBuffer(1 << 20), 1)
+    with pytest.raises(ValueError, match=re.escape("layer 0 K must be 3-D [num_tokens, num_heads, head_size], "
+                                                   "got shape (20, 16)")):
+        store.store_chunk(range(20), [flat(stored_k)], [flat(v)], old)
+
+    out = BlendExecutor(BlendConfig(check_layer=0, recompute_ratio=0.0)).blend(
+        0, stored_k.flatten(1).view(20, 2, 8), v, valid, old, q, fresh_k, v, new, qsl)
+    torch.testing.assert_close(out.k, fresh_k, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
