@@ -8,13 +8,22 @@ Example::
 
 With ``--mla`` the cache holds one latent per token, so ``--kv-heads`` defaults
 to 1 and any other value is an error.
+
+A layout with pp > 1 and no ``partition=`` splits its layers as vLLM would in
+this environment: by ``VLLM_PP_LAYER_PARTITION`` (comma-separated layers per
+stage, e.g. ``10,22``) when that variable is set, else by vLLM's default split
+(``layers // pp`` each, the remainder one each to the stages before the last).
+``partition=`` overrides the variable; a pp=1 layout ignores it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+from collections.abc import Mapping
 
+from .._env import PP_PARTITION_VAR
 from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, SpanSet, TransferPlan, plan
 
 __all__ = ["MAX_TOKENS", "add_parser", "parse_layout", "parse_tokens", "run"]
@@ -31,7 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--src", required=True, metavar="SPEC", help="prefill layout, e.g. tp=4,pp=1[,partition=16:16]")
+    parser.add_argument("--src", required=True, metavar="SPEC",
+                        help="prefill layout, e.g. tp=4,pp=2[,partition=16:16]; tp and pp default to 1; with pp > 1 "
+                             f"and no partition, {PP_PARTITION_VAR} if set, else vLLM's default split")
     parser.add_argument("--dst", required=True, metavar="SPEC", help="decode layout, same form as --src")
     parser.add_argument("--layers", required=True, type=int, help="number of attention layers")
     parser.add_argument("--kv-heads", type=int, default=None, help="number of kv heads (default 1 with --mla, else required)")
@@ -43,8 +54,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def parse_layout(text: str) -> ParallelLayout:
-    """``tp=4,pp=2[,partition=16:16]`` (missing keys default to 1 / vLLM's split)."""
+def parse_layout(text: str, env: Mapping[str, str] | None = None) -> ParallelLayout:
+    """``tp=4,pp=2[,partition=16:16]``; missing tp or pp: 1. Without ``partition`` and with pp > 1, the layers
+    per stage are ``env``'s ``VLLM_PP_LAYER_PARTITION`` (``"16,16"``, read as vLLM reads it) when ``env``
+    has it, else None (vLLM's default split)."""
     values: dict[str, str] = {}
     for item in text.split(","):
         key, sep, value = item.strip().partition("=")
@@ -57,6 +70,16 @@ def parse_layout(text: str) -> ParallelLayout:
         partition = tuple(int(n) for n in values["partition"].split(":")) if "partition" in values else None
     except ValueError:
         raise ValueError(f"bad layout {text!r}: tp, pp and partition must be integers") from None
+    from_env = (env or {}).get(PP_PARTITION_VAR)
+    if partition is None and pp_size > 1 and from_env is not None:
+        try:  # as vLLM: int() of each comma-separated item, so " 16" is 16 and an empty value is an error
+            partition = tuple(int(n) for n in from_env.split(","))
+        except ValueError:
+            raise ValueError(f"{PP_PARTITION_VAR}={from_env!r} is not comma-separated integers "
+                             f"(vLLM would refuse it too)") from None
+        if len(partition) != pp_size:
+            raise ValueError(f"{PP_PARTITION_VAR}={from_env!r} has {len(partition)} stages but layout {text!r} has "
+                             f"pp={pp_size}: give it partition=a:b:... or change the variable")
     return ParallelLayout(tp_size, pp_size, partition)
 
 
@@ -112,7 +135,15 @@ def _report(result: TransferPlan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = plan(parse_layout(args.src), parse_layout(args.dst), _geometry(args), parse_tokens(args.tokens))
+    src, dst = parse_layout(args.src, os.environ), parse_layout(args.dst, os.environ)
+    geometry = _geometry(args)
+    for text, layout in ((args.src, src), (args.dst, dst)):
+        if layout.layer_partition is not None and parse_layout(text).layer_partition is None:
+            try:  # its partition came from the environment: name the variable if it does not fit the model
+                layout.check(geometry)
+            except ValueError as err:
+                raise ValueError(f"{PP_PARTITION_VAR}={os.environ[PP_PARTITION_VAR]!r} (for layout {text!r}): {err}") from None
+    result = plan(src, dst, geometry, parse_tokens(args.tokens))
     result.validate()
     print(json.dumps(result.to_json()) if args.json else _report(result))
     return 0

@@ -82,10 +82,15 @@ def pp_layer_spans(num_layers: int, pp_size: int, partition: tuple[int, ...] | N
         sizes = list(partition)
         if len(sizes) != pp_size:
             raise ValueError(f"layer partition {partition} has {len(sizes)} stages, pp_size is {pp_size}")
+        negative = [(stage, size) for stage, size in enumerate(sizes) if size < 0]
+        if negative:
+            stage, size = negative[0]
+            raise ValueError(f"layer partition {partition} has a negative entry, {size} (stage {stage}): "
+                             f"each stage needs a layer count >= 1")
         if sum(sizes) != num_layers:
             raise ValueError(f"layer partition {partition} sums to {sum(sizes)}, num_layers is {num_layers}")
         if min(sizes) < 1:
-            raise ValueError(f"layer partition {partition} gives a stage no layer")
+            raise ValueError(f"layer partition {partition} gives a stage no layer (stage {sizes.index(0)} has 0)")
     spans, start = [], 0
     for size in sizes:
         spans.append(Span(start, start + size))

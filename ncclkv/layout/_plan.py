@@ -8,11 +8,12 @@ is sent.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import accumulate
 from typing import NamedTuple
 
 from ._geometry import KVGeometry, ParallelLayout, pp_layer_spans
@@ -212,37 +213,103 @@ def plan(src_layout: ParallelLayout, dst_layout: ParallelLayout, geometry: KVGeo
     Assignment unit: the cells one destination rank needs from one source
     pipeline stage and one source *head block* (a set of heads that the same
     source TP ranks hold: one TP rank's ``h/tp`` heads when heads are split, one
-    head when heads are replicated, the MLA latent), over all ``tokens``. Each
-    unit goes, whole, to one holder of its block. When a block has several
-    holders (replicated GQA heads, MLA) units are dealt largest first to the
-    least-loaded holder (ties: lowest rank), so within each holder set the
-    cells (and bytes) sent differ by at most the largest unit of that set. A
-    source rank belongs to exactly one holder set (its stage and its heads).
-    Same inputs give the same plan. Routes are split per token span.
+    head when heads are replicated, the MLA latent), over all ``tokens``. The
+    holders of one block in one stage (a *holder set*; a source rank belongs to
+    exactly one) share its units: the units, in destination order, are laid end
+    to end, one layer-row (a layer of the unit's heads) after another, and cut
+    at layer boundaries into ``min(holders, rows)`` runs as even as rows allow
+    (the longer runs placed so that runs end on a unit's end where they can),
+    dealt to the holders in rank order (McNaughton's wrap-around rule). So each
+    holder of a set sends within one layer-row (one layer x the unit's heads x
+    ``tokens``) of each other, every holder sends when the set's units have at
+    least as many layers as it has holders, a unit is split along layers only
+    where it must be, and each holder sends each destination one box at most.
+
+    The source of each (dst, layer, head) cell depends on the layouts and the
+    geometry only, never on ``tokens`` (beyond its being empty): a producer and
+    a consumer that re-plan a pull or push with only some of the tokens get the
+    same routes for those tokens. Same inputs give the same plan. Routes are
+    split per token span.
     """
     src_layout.check(geometry)
     dst_layout.check(geometry)
     tokens = token_set(tokens)
+    routes: list[Route] = []
+    if not tokens.empty:
+        routes = sorted(Route(p.src, p.dst, p.layers, p.heads, span) for p in _pieces(src_layout, dst_layout, geometry)
+                        for span in tokens)
+    return TransferPlan(src_layout, dst_layout, geometry, tokens, tuple(routes))
+
+
+@lru_cache(maxsize=256)
+def _pieces(src_layout: ParallelLayout, dst_layout: ParallelLayout, geometry: KVGeometry) -> tuple[_Piece, ...]:
+    """The boxes (no tokens) of :func:`plan`: a function of the layouts and the geometry alone."""
     stages = pp_layer_spans(geometry.num_layers, src_layout.pp_size, src_layout.layer_partition)
     blocks = head_blocks(geometry, src_layout.tp_size)
-    units: list[tuple[int, int, int, int, Span, Span]] = []  # (-cells, dst, pp_rank, block, layers, heads)
-    for d in range(dst_layout.world_size):
-        need = shard_roi(dst_layout, geometry, d, tokens)
-        for pp_rank, stage in enumerate(stages):
-            layers = stage.intersect(need.layers)
-            for index, (block, _) in enumerate(blocks):
-                heads = block.intersect(need.heads)
-                if not (layers.empty or heads.empty or tokens.empty):
-                    units.append((-len(layers) * len(heads) * len(tokens), d, pp_rank, index, layers, heads))
-    loads: dict[int, int] = defaultdict(int)
+    needs = [shard_roi(dst_layout, geometry, d, 1) for d in range(dst_layout.world_size)]
     pieces: list[_Piece] = []
-    for neg_cells, d, pp_rank, index, layers, heads in sorted(units, key=lambda u: u[:4]):
-        holders = [src_layout.rank(tp_rank, pp_rank) for tp_rank in blocks[index][1]]
-        s = min(holders, key=lambda r: (loads[r], r))
-        loads[s] -= neg_cells
-        pieces.append(_Piece(s, d, layers, heads))
-    routes = sorted(Route(p.src, p.dst, p.layers, p.heads, span) for p in _merge(pieces) for span in tokens)
-    return TransferPlan(src_layout, dst_layout, geometry, tokens, tuple(routes))
+    for pp_rank, stage in enumerate(stages):
+        for block, tp_ranks in blocks:
+            units = [(d, stage.intersect(need.layers), block.intersect(need.heads)) for d, need in enumerate(needs)]
+            units = [(d, layers, heads) for d, layers, heads in units if not (layers.empty or heads.empty)]
+            holders = [src_layout.rank(tp_rank, pp_rank) for tp_rank in tp_ranks]
+            pieces += _deal(units, holders)
+    return tuple(_merge(pieces))
+
+
+def _deal(units: list[tuple[int, Span, Span]], holders: list[int]) -> list[_Piece]:
+    """Lay ``units`` (dst, layers, heads) end to end in this order and cut them into runs of layer-rows, one run
+    per holder in order (a row, one layer of a unit, weighs its heads and goes to the run its start lies in)."""
+    if len(holders) == 1:
+        return [_Piece(holders[0], d, layers, heads) for d, layers, heads in units]
+    ends = list(accumulate(len(layers) * len(heads) for _, layers, heads in units))
+    if not ends:
+        return []
+    bounds = [0, *accumulate(_run_lengths(ends[-1], min(len(holders), ends[-1]), set(ends)))]
+    pieces: list[_Piece] = []
+    offset = 0  # cells per token laid down before this unit
+    for (d, layers, heads), end in zip(units, ends):
+        weight = len(heads)
+        run = bisect_right(bounds, offset) - 1
+        start = layers.start
+        while start < layers.stop:
+            # the first layer whose row starts at or past this run's end
+            stop = min(layers.stop, layers.start + max(0, -(-(bounds[run + 1] - offset) // weight)))
+            if stop > start:
+                pieces.append(_Piece(holders[run], d, Span(start, stop), heads))
+                start = stop
+            run += 1
+        offset = end
+    return pieces
+
+
+# Holders x (longer runs + 1) past which _run_lengths no longer searches for cuts on unit ends (a bound on
+# its work for absurd layouts; every real one is far below).
+_ALIGN_LIMIT = 1 << 14
+
+
+def _run_lengths(total: int, count: int, ends: set[int]) -> list[int]:
+    """``count`` run lengths summing to ``total``, each ``total // count`` or one more, the longer ones placed
+    so that as many runs as possible end on one of ``ends`` (a unit's end: no split there); ties: longer first."""
+    short, longer = divmod(total, count)
+    if not longer or count * (longer + 1) > _ALIGN_LIMIT:
+        return [short + (i < longer) for i in range(count)]
+    # best[i][c]: the most runs ending on ``ends`` after i runs, c of them longer (None: cannot finish).
+    best: list[list[int | None]] = [[None] * (longer + 1) for _ in range(count + 1)]
+    best[count][longer] = 0
+    for i in range(count - 1, -1, -1):
+        for c in range(max(0, longer - (count - i)), min(i, longer) + 1):
+            nexts = [v for v in (best[i + 1][c], best[i + 1][c + 1] if c < longer else None) if v is not None]
+            best[i][c] = int(0 < i and i * short + c in ends) + max(nexts)
+    lengths, c = [], 0
+    for i in range(count):
+        more = best[i + 1][c + 1] if c < longer else None
+        if more is not None and (best[i + 1][c] is None or more >= best[i + 1][c]):
+            lengths.append(short + 1)
+            c += 1
+        else:
+            lengths.append(short)
+    return lengths
 
 
 def _merge(pieces: Iterable[_Piece]) -> list[_Piece]:

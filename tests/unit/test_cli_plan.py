@@ -9,12 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from ncclkv._env import PP_PARTITION_VAR
 from ncclkv.cli import main
 from ncclkv.commands.plan import MAX_TOKENS, parse_layout, parse_tokens
 from ncclkv.layout import KVGeometry, ParallelLayout, SpanSet, plan
 
 REPO = Path(__file__).resolve().parents[2]
 SRC, DST = "tp=4,pp=1", "tp=2,pp=2"
+
+
+@pytest.fixture(autouse=True)
+def no_vllm_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller's VLLM_PP_LAYER_PARTITION, if any, would change every pp > 1 layout below."""
+    monkeypatch.delenv(PP_PARTITION_VAR, raising=False)
 
 
 def argv(src: str = SRC, dst: str = DST, layers: str = "32", kv_heads: str = "8", *extra: str) -> list[str]:
@@ -74,6 +81,9 @@ def test_partition_spec(capsys: pytest.CaptureFixture[str]) -> None:
         (argv("tp=2,dp=2"), "dp=2"),
         (argv("tp=2", "tp=2,pp=2,partition=1:x"), "partition=1:x"),
         (argv("tp=2", "tp=2,pp=2,partition=10:10"), "sums to 20, num_layers is 32"),
+        (argv("tp=2", "tp=2,pp=2,partition=3:-1"), "layer partition (3, -1) has a negative entry, -1 (stage 1)"),
+        (argv("tp=2", "tp=2,pp=2,partition=33:-1"), "has a negative entry, -1 (stage 1)"),  # sums right: still named
+        (argv("tp=2", "tp=2,pp=2,partition=32:0"), "gives a stage no layer (stage 1 has 0)"),
         (argv("tp=0"), "tp_size must be a positive int, got 0"),
         (argv(SRC, DST, "32", "8", "--tokens", "0:x"), "'0:x'"),
         (argv(SRC, DST, "32", "8", "--tokens", "5:3"), "'5:3'"),
@@ -88,6 +98,45 @@ def test_bad_input_exits_2_naming_the_text(capsys: pytest.CaptureFixture[str], a
     assert main(args) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("ncclkv plan: error:") and needle in err
+
+
+def test_vllm_pp_layer_partition_is_read_like_vllm(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PP_PARTITION_VAR, "10, 22")  # vLLM: int() of each comma-separated item
+    assert main(argv("tp=1,pp=2", "tp=1", "32", "2", "--json")) == 0
+    assert [r["layers"] for r in json.loads(capsys.readouterr().out)["routes"]] == [[0, 10], [10, 32]]
+    # an explicit partition= wins; a pp=1 layout has one split and ignores the variable
+    assert main(argv("tp=1,pp=2,partition=16:16", "tp=1", "32", "2", "--json")) == 0
+    assert [r["layers"] for r in json.loads(capsys.readouterr().out)["routes"]] == [[0, 16], [16, 32]]
+    code, out, _ = run_cli(capsys, argv("tp=1,pp=2", "tp=2,pp=2", "32", "2"))
+    assert code == 0 and out.startswith("plan tp=1,pp=2,partition=10:22 -> tp=2,pp=2,partition=10:22:")
+    assert parse_layout("tp=2,pp=2", {PP_PARTITION_VAR: "10,22"}) == ParallelLayout(2, 2, (10, 22))
+    assert parse_layout("tp=2,pp=2", {}) == parse_layout("tp=2,pp=2") == ParallelLayout(2, 2)
+
+
+@pytest.mark.parametrize(
+    ("value", "layout", "needle"),
+    [
+        ("10,22", "tp=1,pp=4", "VLLM_PP_LAYER_PARTITION='10,22' has 2 stages but layout 'tp=1,pp=4' has pp=4"),
+        ("10:22", "tp=1,pp=2", "VLLM_PP_LAYER_PARTITION='10:22' is not comma-separated integers"),
+        ("", "tp=1,pp=2", "VLLM_PP_LAYER_PARTITION='' is not comma-separated integers"),  # vLLM refuses it too
+        ("10,20", "tp=1,pp=2", "VLLM_PP_LAYER_PARTITION='10,20' (for layout 'tp=1,pp=2'): layer partition (10, 20) "
+                               "sums to 30, num_layers is 32"),
+        ("33,-1", "tp=1,pp=2", "has a negative entry, -1 (stage 1)"),
+    ],
+)
+def test_bad_vllm_pp_layer_partition_names_the_variable(value: str, layout: str, needle: str, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PP_PARTITION_VAR, value)
+    assert main(argv(layout, "tp=1", "32", "2")) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("ncclkv plan: error:") and needle in err
+
+
+def test_help_names_the_partition_sources(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "VLLM_PP_LAYER_PARTITION if set, else vLLM's default split" in text
 
 
 def test_kv_heads_required_without_mla(capsys: pytest.CaptureFixture[str]) -> None:

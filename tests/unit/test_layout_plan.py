@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ncclkv.layout import KVGeometry, ParallelLayout, PlanError, Route, Span, SpanSet, TransferPlan, plan, shard_roi
-from ncclkv.layout._plan import _merge, _Piece
+from ncclkv.layout._plan import _merge, _Piece, _pieces, _run_lengths
+from ncclkv.layout._shard import head_blocks
 
 # ---------------------------------------------------------------- strategies
 
@@ -64,9 +65,10 @@ def assert_exact_cover(result: TransferPlan) -> None:
 
 
 def assert_balanced(result: TransferPlan) -> None:
-    """Holders of the same heads in the same stage send within one assignment unit of each other.
+    """Holders of the same heads in the same stage send within one layer-row of each other.
 
-    Unit: the cells one dst rank needs from one src stage and one src head block.
+    Layer-row: one layer of the heads one dst rank needs from that block, over all tokens (the
+    planner cuts a holder set's units only at layer boundaries, into runs as even as layers allow).
     """
     src, dst, geometry, tokens = result.src_layout, result.dst_layout, result.geometry, result.tokens
     sent: dict[int, int] = defaultdict(int)
@@ -77,12 +79,31 @@ def assert_balanced(result: TransferPlan) -> None:
         roi = shard_roi(src, geometry, rank, tokens)
         holder_sets[roi.layers, roi.heads].append(rank)
     for (layers, heads), ranks in holder_sets.items():
-        unit = max(
-            len(layers.intersect(need.layers)) * len(heads.intersect(need.heads)) * len(tokens)
+        row = max(
+            len(heads.intersect(need.heads)) * len(tokens) * (not layers.intersect(need.layers).empty)
             for need in (shard_roi(dst, geometry, d, tokens) for d in range(dst.world_size))
         )
         loads = [sent[r] for r in ranks]
-        assert max(loads) - min(loads) <= unit, (layers, heads, dict(zip(ranks, loads)), unit)
+        assert max(loads) - min(loads) <= row, (layers, heads, dict(zip(ranks, loads)), row)
+
+
+def assert_one_box_per_link(result: TransferPlan) -> None:
+    """A src rank sends a dst rank one (layers x heads) box at most: its holder set's share of that dst's
+    unit is one run of layers (routes differ only by token span)."""
+    links: dict[tuple[int, int], set[tuple[Span, Span]]] = defaultdict(set)
+    for route in result.routes:
+        links[route.src, route.dst].add((route.layers, route.heads))
+    assert all(len(box) == 1 for box in links.values()), {k: v for k, v in links.items() if len(v) > 1}
+
+
+def cell_sources(result: TransferPlan) -> dict[tuple[int, int, int], int]:
+    """(dst, layer, head) -> the src rank that sends it (for any token: one per cell, checked)."""
+    out: dict[tuple[int, int, int], int] = {}
+    for route in result.routes:
+        for layer in route.layers:
+            for head in route.heads:
+                assert out.setdefault((route.dst, layer, head), route.src) == route.src, route
+    return out
 
 
 def assert_merged(result: TransferPlan) -> None:
@@ -107,6 +128,7 @@ def test_plan_properties(case: tuple[ParallelLayout, ParallelLayout, KVGeometry,
     assert_exact_cover(result)
     assert_balanced(result)
     assert_merged(result)
+    assert_one_box_per_link(result)
     assert list(result.routes) == sorted(result.routes)
     assert {r.tokens for r in result.routes} <= set(tokens.spans)
     assert plan(src, dst, geometry, tokens) == result  # deterministic
@@ -188,8 +210,8 @@ def test_gqa_8_heads_on_tp16() -> None:
     assert sorted(r.src for r in same.routes) == list(range(16))
     assert all(r.heads == Span(r.dst // 2, r.dst // 2 + 1) and r.src // 2 == r.dst // 2 for r in same.routes)
     to_tp2 = plan(ParallelLayout(16, 1), ParallelLayout(2, 1), G32x8, 10)
-    assert len(to_tp2.routes) == 8 and sorted(r.heads.start for r in to_tp2.routes) == list(range(8))
-    assert [r.src % 2 for r in to_tp2.routes] == [0] * 8  # one unit per head: first holder, ties to the lowest rank
+    # One unit per head (its one needer): split along layers over the head's two holders, half each.
+    assert boxes(to_tp2) == {(2 * h + i, h // 4, (16 * i, 16 * i + 16), (h, h + 1)) for h in range(8) for i in range(2)}
     from_tp2 = plan(ParallelLayout(2, 1), ParallelLayout(16, 1), G32x8, 10)
     assert boxes(from_tp2) == {(d // 8, d, (0, 32), (d // 2, d // 2 + 1)) for d in range(16)}
 
@@ -198,17 +220,132 @@ def test_mla_tp8_to_tp4_spreads_over_holders() -> None:
     geometry = KVGeometry(61, 1, 576, use_mla=True)
     result = plan(ParallelLayout(8, 1), ParallelLayout(4, 1), geometry, 1000)
     result.validate()
-    assert sorted((r.src, r.dst) for r in result.routes) == [(0, 0), (1, 1), (2, 2), (3, 3)]
-    assert all(r.heads == Span(0, 1) and r.layers == Span(0, 61) for r in result.routes)
-    assert result.to_json()["routes"][0] == {"src": 0, "dst": 0, "layers": [0, 61], "heads": [0, 1], "tokens": [0, 1000]}
+    # 4 units of 61 layers over 8 holders: each unit in two runs (31 + 30 layers), cut where no run straddles.
+    assert boxes(result) == {(s, s // 2, (0, 31) if s % 2 == 0 else (31, 61), (0, 1)) for s in range(8)}
+    assert result.to_json()["routes"][0] == {"src": 0, "dst": 0, "layers": [0, 31], "heads": [0, 1], "tokens": [0, 1000]}
     one_to_many = plan(ParallelLayout(2, 1), ParallelLayout(8, 1), geometry, 1000)
     assert [len(one_to_many.routes_from(s)) for s in range(2)] == [4, 4]
 
 
-def test_uneven_units_balance_largest_first() -> None:
-    # MLA tp2 -> pp3 over 32 layers: units of 11, 11, 10 layers; holders end at 21 and 11 layers' worth.
+def test_uneven_units_are_cut_along_layers_into_even_runs() -> None:
+    # MLA tp2 -> pp3 over 32 layers: units of 11, 11, 10 layers laid end to end, cut at 16: each holder 16 layers
+    # (dealt whole, largest first, they were 21 and 11); the middle unit is the one split.
     result = plan(ParallelLayout(2, 1), ParallelLayout(1, 3), KVGeometry(32, 1, 64, use_mla=True), 10)
-    assert [sum(len(r.layers) for r in result.routes_from(s)) for s in range(2)] == [21, 11]
+    assert [sum(len(r.layers) for r in result.routes_from(s)) for s in range(2)] == [16, 16]
+    assert boxes(result) == {(0, 0, (0, 11), (0, 1)), (0, 1, (11, 16), (0, 1)), (1, 1, (16, 22), (0, 1)), (1, 2, (22, 32), (0, 1))}
+
+
+def senders_and_loads(result: TransferPlan) -> dict[int, int]:
+    """Layer-rows (cells per token) each src rank sends; 0 for a rank that sends nothing."""
+    tokens = max(len(result.tokens), 1)
+    return {rank: sent // (result.geometry.cell_bytes * tokens) for rank, sent in result.send_bytes().items()}
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "geometry", "loads"),
+    [
+        # the reviewer's cases: before, ranks [0, 2, ..., 14] sent 32 rows each (one whole head), odd ranks nothing
+        (ParallelLayout(16, 1), ParallelLayout(2, 1), G32x8, [16] * 16),
+        # before, ranks 0 and 1 sent the whole latent (61 rows) each, ranks 2..7 nothing
+        (ParallelLayout(8, 1), ParallelLayout(2, 1), KVGeometry(61, 1, 576, use_mla=True), [16, 15, 15, 15] * 2),
+        (ParallelLayout(8, 1), ParallelLayout(2, 1), KVGeometry(32, 1, 576, use_mla=True), [8] * 8),
+        # GQA 2 heads on tp4 x pp2 -> tp1: before, ranks 0, 2, 4, 6 only
+        (ParallelLayout(4, 2), ParallelLayout(1, 1), KVGeometry(32, 2, 128), [8] * 8),
+        (ParallelLayout(4, 2, (5, 27)), ParallelLayout(1, 1), KVGeometry(32, 2, 128), [3, 2, 3, 2, 14, 13, 14, 13]),
+        # fewer layers than holders: one layer each to the first holders
+        (ParallelLayout(8, 1), ParallelLayout(1, 1), KVGeometry(3, 1, 64, use_mla=True), [1, 1, 1, 0, 0, 0, 0, 0]),
+        # two needers of one replicated head: each holder serves its own dst rank whole
+        (ParallelLayout(16, 1), ParallelLayout(16, 1), G32x8, [32] * 16),
+    ],
+)
+def test_replicated_blocks_spread_over_every_holder(src: ParallelLayout, dst: ParallelLayout, geometry: KVGeometry,
+                                                    loads: list[int]) -> None:
+    result = plan(src, dst, geometry, 100)
+    result.validate()
+    assert list(senders_and_loads(result).values()) == loads
+    assert_balanced(result)
+    assert_one_box_per_link(result)
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=cases())
+def test_every_holder_sends_when_the_units_have_enough_layers(case: tuple[ParallelLayout, ParallelLayout, KVGeometry, SpanSet]) -> None:
+    src, dst, geometry, tokens = case
+    if tokens.empty:
+        tokens = SpanSet.range(0, 1)
+    result = plan(src, dst, geometry, tokens)
+    sending = {r.src for r in result.routes}
+    stages = [src.layer_span(geometry, p) for p in range(src.pp_size)]
+    needs = [shard_roi(dst, geometry, d, 1) for d in range(dst.world_size)]
+    for pp_rank, stage in enumerate(stages):
+        for block, tp_ranks in head_blocks(geometry, src.tp_size):
+            rows = sum(len(stage.intersect(n.layers)) for n in needs if not block.intersect(n.heads).empty)
+            holders = [src.rank(t, pp_rank) for t in tp_ranks]
+            # rows: the layers this holder set owes, one head (or the latent) each when it has several holders
+            assert len([h for h in holders if h in sending]) == min(len(holders), rows), (pp_rank, block, holders, rows)
+
+
+def test_run_lengths_end_on_unit_ends_where_they_can() -> None:
+    assert _run_lengths(122, 8, {61, 122}) == [16, 15, 15, 15, 16, 15, 15, 15]  # no run straddles 61
+    assert _run_lengths(244, 8, {61, 122, 183, 244}) == [31, 30] * 4
+    assert _run_lengths(32, 2, {11, 22, 32}) == [16, 16]
+    assert _run_lengths(10, 4, {10}) == [3, 3, 2, 2]  # nothing to align: the longer runs first
+    assert _run_lengths(10, 4, {2, 10}) == [2, 3, 3, 2]
+    assert _run_lengths(3, 3, {1, 2, 3}) == [1, 1, 1]
+
+
+TOKENS = SpanSet([(0, 64)])
+SUBSETS = [SpanSet([(3, 5), (40, 41)]), SpanSet([(63, 64)])]
+GRID_TP, GRID_PP, GRID_LAYERS = (1, 2, 3, 4, 8, 16), (1, 2, 4), (1, 2, 5, 12, 32)
+
+
+@pytest.mark.parametrize("kind", [1, 2, 4, 8, 16, "mla"])
+def test_sources_do_not_depend_on_the_tokens(kind: int | str) -> None:
+    """A producer re-plans a pull with only the tokens it asks for, a consumer a push offer: for every layout
+    pair the plan of a token subset is the plan of the whole, restricted to those tokens (the same boxes, the
+    same source for each (dst, layer, head)); and every plan is an exact cover."""
+    for num_layers in GRID_LAYERS:
+        geometry = KVGeometry(num_layers, 1, 8, use_mla=True) if kind == "mla" else KVGeometry(num_layers, int(kind), 8)
+        heads = geometry.num_kv_heads
+        tps = [t for t in GRID_TP if geometry.use_mla or heads % t == 0 or t % heads == 0]
+        sides = [ParallelLayout(tp, pp) for tp in tps for pp in GRID_PP if pp <= num_layers]
+        for src in sides:
+            for dst in sides:
+                _pieces.cache_clear()  # each plan computed afresh, not the same cached boxes
+                whole = plan(src, dst, geometry, TOKENS)
+                whole.validate()
+                for subset in SUBSETS:
+                    _pieces.cache_clear()
+                    part = plan(src, dst, geometry, subset)
+                    assert boxes(part) == boxes(whole), (src, dst, geometry, subset)
+                    assert part.routes == tuple(sorted(dataclasses.replace(r, tokens=span) for r in whole.routes
+                                                       for span in subset.spans))
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_cell_sources_do_not_depend_on_the_tokens_hypothesis(data: st.DataObject) -> None:
+    """Prefill and decode TP 1..16, PP 1..4, kv heads {1, 2, 4, 8, 16} or MLA, layers {1, 2, 5, 12, 32}; a token
+    set with holes and a subset of it (a pull or push that carries some of the tokens)."""
+    num_layers = data.draw(st.sampled_from([1, 2, 5, 12, 32]))
+    mla = data.draw(st.booleans())
+    heads = 1 if mla else data.draw(st.sampled_from([1, 2, 4, 8, 16]))
+    fits = [t for t in range(1, 17) if mla or heads % t == 0 or t % heads == 0]
+    src, dst = (ParallelLayout(data.draw(st.sampled_from(fits)), data.draw(st.integers(1, min(4, num_layers))))
+                for _ in range(2))
+    geometry = KVGeometry(num_layers, heads, 8, use_mla=mla)
+    tokens = data.draw(token_sets.filter(lambda t: not t.empty))
+    subset = SpanSet(s for s in tokens.spans if data.draw(st.booleans()))
+    first = tokens.spans[0]
+    subset = subset.union(SpanSet([(first.start + 1, first.stop)]))  # a span's tail: its own boundaries
+    subset = subset if not subset.empty else tokens
+    _pieces.cache_clear()
+    whole = plan(src, dst, geometry, tokens)
+    _pieces.cache_clear()
+    part = plan(src, dst, geometry, subset)
+    whole.validate()
+    part.validate()
+    assert cell_sources(part) == cell_sources(whole)
 
 
 def test_token_holes_give_one_route_per_span_and_empty_tokens_no_routes() -> None:

@@ -49,6 +49,20 @@ def test_explicit_layer_partition() -> None:
     assert [shard_roi(layout, geometry, r, 1).layers for r in range(3)] == [Span(0, 4), Span(4, 24), Span(24, 32)]
 
 
+@pytest.mark.parametrize(
+    ("partition", "message"),
+    [
+        ((3, -1), r"layer partition \(3, -1\) has a negative entry, -1 \(stage 1\)"),
+        ((-1, 3), r"has a negative entry, -1 \(stage 0\)"),  # sums to 2: the negative entry is named first
+        ((2, 0), r"gives a stage no layer \(stage 1 has 0\)"),
+        ((1, 2), r"sums to 3, num_layers is 2"),
+    ],
+)
+def test_bad_layer_partition_is_named(partition: tuple[int, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        shard_roi(ParallelLayout(1, 2, partition), KVGeometry(2, 1, 8), 0, 1)
+
+
 def test_tokens_argument_forms() -> None:
     layout, geometry = ParallelLayout(1, 1), KVGeometry(2, 1, 8)
     holes = SpanSet([(0, 10), (20, 30)])
