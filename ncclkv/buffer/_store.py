@@ -48,12 +48,18 @@ class KVStoreBuffer(LockedLRU[str, torch.Tensor]):
         with self._lock:
             return key in self._lru
 
-    def put(self, key: str, value: torch.Tensor | None) -> None:
+    def put(self, key: str, value: torch.Tensor | None, *, nbytes: int | None = None) -> None:
+        """Store ``value`` under ``key`` (None: delete). ``nbytes``: what to count it as, for a caller that
+        accounts for its storage elsewhere (the engine's staging: a wire buffer's class slack belongs to the
+        wire pool, and a push reserved its tensors' bytes); default, the storage it holds."""
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, got {type(key).__name__} {key!r}")
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(f"value for key {key!r} must be a torch.Tensor or None, got {type(value).__name__}")
-        nbytes = held_nbytes(value)  # a view counts its whole storage: the entry keeps it alive
+        if nbytes is None:
+            nbytes = held_nbytes(value)  # a view counts its whole storage: the entry keeps it alive
+        elif isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes for key {key!r} must be an int >= 0, got {nbytes!r}")
         with self._lock:
             self._check_open()
             if value is None:

@@ -623,7 +623,8 @@ class ConsumerSide:
                 if staged is not None and error is not None:
                     self._fail_staged_locked(request_id, staged, error)
                 if staged is not None and staged.error is None:
-                    self._store.put(_store_key(request_id, key, piece), buf)
+                    # Counted as the push reserved it, its bytes: the buffer's class slack is the wire pool's.
+                    self._store.put(_store_key(request_id, key, piece), buf, nbytes=buf.nbytes)
                     staged.landed.append((key, piece))
                     # Announced pieces of a slice lie inside its route and never overlap: a count suffices.
                     count = staged.landed_tokens[key] = staged.landed_tokens.get(key, 0) + len(piece)

@@ -139,3 +139,31 @@ def test_a_hook_that_runs_after_its_send_ended_leaves_no_buffer_counted_as_out()
         assert caches.wire_cached_bytes == buf.untyped_storage().nbytes()  # only the completed one is reused
     finally:
         close_sides(prefill)
+
+
+def test_a_push_that_fills_staging_exactly_is_staged_whole() -> None:
+    """Staging counts a staged tensor's bytes, as the push offer reserved them: the wire buffer it lands in is
+    up to 25% larger (its size class), slack the wire pool accounts for. Counting the buffer's whole storage
+    (the lookup buffers' default) refused this push's last layer: 3 x 81920 + 81920 > 4 x 67584 reserved."""
+    slice_bytes = 33 * 2 * GEOMETRY.num_kv_heads * GEOMETRY.head_size * 4  # 33 tokens, K and V, float32
+    prefill = build_sides("prefill", ONE, GEOMETRY, CacheLayout.CPU, 16, "producer", num_blocks=16)
+    decode = build_sides("decode", ONE, GEOMETRY, CacheLayout.CPU, 16, "consumer", num_blocks=16,
+                         staging_bytes=GEOMETRY.num_layers * slice_bytes)
+    try:
+        producer, consumer = prefill[0].engine, decode[0].engine
+        prefill[0].fill(seed=7, block_ids=[0, 1, 2], num_tokens=33)
+        producer.start_push("p", engine_ref("decode", ONE, decode), [0, 1, 2], 33)
+        for layer in range(GEOMETRY.num_layers):
+            producer.save_layer("p", layer)
+        producer.finish("p")
+        store = consumer._consumer._store  # noqa: SLF001
+        _until(lambda: len(store) == GEOMETRY.num_layers, "every layer staged")
+        assert store.used_bytes == store.capacity_bytes == GEOMETRY.num_layers * slice_bytes
+        held = sum(value.untyped_storage().nbytes() for value, _ in store._lru._entries.values())  # noqa: SLF001
+        assert held > store.used_bytes  # the class slack is there, and not counted
+        consumer.expect("p", engine_ref("prefill", ONE, prefill), [4, 5, 6], 33, push=True)
+        consumer.wait("p", timeout_s=WAIT_S)
+        assert decode[0].mismatches(7, [4, 5, 6], 33, Span(0, 33)) == []
+        assert store.used_bytes == 0
+    finally:
+        close_sides(prefill, decode)

@@ -473,3 +473,17 @@ def test_close_wakes_waiters_and_refuses_later_calls() -> None:
     ):
         with pytest.raises(ClosedError, match="KVLookupBuffer is closed"):
             call()
+
+
+def test_store_put_counts_what_the_caller_says_when_told() -> None:
+    """The engine's staging counts a wire buffer as its tensor's bytes (the pool owns the class slack)."""
+    base = torch.zeros(4096, dtype=torch.uint8)
+    store = KVStoreBuffer(1024, evict=False)
+    store.put("a", base[:1000], nbytes=1000)
+    assert store.used_bytes == 1000
+    with pytest.raises(CapacityError, match=r"full with eviction off: entry of 100 bytes, 1000 of 1024 bytes used$"):
+        store.put("b", base[1000:1100], nbytes=100)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"^nbytes for key 'c' must be an int >= 0, got {bad!r}$"):
+            store.put("c", base[:1], nbytes=bad)  # type: ignore[arg-type]
+    assert len(store) == 1
