@@ -80,15 +80,33 @@ def test_rows_compare_each_method_with_recompute_alone_and_keep_what_did_not_run
     assert recompute["ttft_median_ms"] == pytest.approx(2500.0) and recompute["repeats"] == 4
     ncclkv = by_method["ncclkv pull"]
     assert (ncclkv["ttft_min_ms"], ncclkv["ttft_median_ms"]) == pytest.approx((100.0, 200.0))
-    assert ncclkv["speedup"] == pytest.approx(2500.0 / 200.0) and ncclkv["recompute_ms"] == pytest.approx(2000.0)
+    # Against recompute just before its own turn (2000 ms), not over the whole run (2500 ms).
+    assert ncclkv["speedup"] == pytest.approx(2000.0 / 200.0) and ncclkv["recompute_ms"] == pytest.approx(2000.0)
+    # End to end: each request's prefill TTFT (500 ms) plus its decode TTFT, against the same recompute.
+    assert ncclkv["e2e_median_ms"] == pytest.approx(700.0) and ncclkv["e2e_ratio"] == pytest.approx(700.0 / 2000.0)
+    assert recompute["e2e_median_ms"] == pytest.approx(2500.0) and recompute["e2e_ratio"] == pytest.approx(1.0)
     assert ncclkv["beside"] == pytest.approx(4.0 / 2.0)
     assert ncclkv["equal"] == "2/3" and ncclkv["kv_mib"] == pytest.approx(512 * 32 / 1024)  # 32 KiB per token
     nixl = by_method["NixlConnector (UCX, cpu)"]
     assert nixl["recompute_ms"] == pytest.approx(6000.0) and nixl["beside"] == pytest.approx(10.0)
-    assert nixl["speedup"] == pytest.approx(2500.0 / 4000.0) and nixl["equal"] == "1/1"
+    assert nixl["speedup"] == pytest.approx(6000.0 / 4000.0) and nixl["equal"] == "1/1"
     assert by_method["MooncakeConnector (TCP)"]["note"].startswith("not runnable")
     headline = bench_vllm._headline(rows, outcome)
-    assert headline[0].startswith("decode-engine TTFT at 512 tokens") and "ncclkv pull 12.50x" in headline[0]
-    assert "ncclkv pull 2.0x, NixlConnector (UCX, cpu) 10.0x" in headline[1]
+    assert headline[0].startswith("decode-engine TTFT at 512 tokens") and "ncclkv pull 10.00x" in headline[0]
+    assert headline[1].startswith("end to end at 512 tokens, the prefill engine's TTFT plus the decode engine's")
+    assert "ncclkv pull 0.35x (700 ms), NixlConnector (UCX, cpu) 0.75x (4500 ms)" in headline[1]
+    assert "ncclkv pull 2.0x, NixlConnector (UCX, cpu) 10.0x" in headline[2]
     assert "MooncakeConnector: not runnable here: x" in headline
     assert headline[-1] == "outputs differing from recompute: ncclkv pull at 512 (2/3)"
+
+
+def test_gil_lines_say_which_way_the_diagnostic_went() -> None:
+    """A diagnostic run that was slower must not be called faster (RESULTS once read '0.9x faster')."""
+    rows = [{"method": "ncclkv pull", "tokens": 4096, "ttft_median_ms": 120.0},
+            {"method": "ncclkv pull" + bench_vllm.GIL_SUFFIX, "tokens": 4096, "ttft_median_ms": 135.0},
+            {"method": "ncclkv push", "tokens": 4096, "ttft_median_ms": 90.0},
+            {"method": "ncclkv push" + bench_vllm.GIL_SUFFIX, "tokens": 4096, "ttft_median_ms": 60.0}]
+    pull, push = bench_vllm._gil_lines(rows)
+    assert pull.endswith("135 ms (1.12x the time: no GIL wait to win back in this run)")
+    assert push.endswith("60 ms (1.50x faster: time ncclkv's receive threads waited for the GIL that vLLM's step "
+                         "loop holds)")
