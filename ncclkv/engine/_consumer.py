@@ -603,6 +603,7 @@ class ConsumerSide:
             with self._cond:
                 req.unsent -= 1
                 req.progress = self._clock.now()  # its no-progress deadline counts from here (see _stall_at)
+                self._cond.notify_all()  # a waiter's stall limit may have dropped from hold_s to deadline_s
 
     def _send_pull(self, request_id: str, producer: EngineRef, src: int, routes: list[Route],
                    tokens: SpanSet) -> None:

@@ -358,7 +358,7 @@ def test_pushed_request_may_wait_hold_s_for_its_first_tensor_then_deadline_s_app
         prefill_ref, decode_ref = engine_ref("prefill", layout, prefill), engine_ref("decode", layout, decode)
         # A producer never heard from gets deadline_s: it may be dead.
         decode[0].engine.expect("orphan", prefill_ref, [6], 8, push=True)
-        with pytest.raises(TransferError):
+        with pytest.raises(TransferError, match=r"request 'orphan': no progress for 0\.4s \(deadline_s\)"):
             decode[0].engine.wait("orphan", timeout_s=20)
         # Once the producer is known and alive (an earlier push made contact) ...
         prefill[0].fill(seed=22, block_ids=[0], num_tokens=8)
@@ -382,10 +382,29 @@ def test_pushed_request_may_wait_hold_s_for_its_first_tensor_then_deadline_s_app
         prefill[0].engine.finish("late")
         decode[0].engine.wait("late", timeout_s=20)
         assert decode[0].mismatches(21, [2, 3], 20, Span(0, 20)) == []
-        # A pull, on the other hand, stalls after deadline_s when its producer holds nothing.
+        # A pull, on the other hand, stalls after deadline_s when its producer holds nothing; it may wait
+        # hold_s only until its producer acknowledged it. Here the pull goes out once wait() waits (under
+        # hold_s then): the acknowledgement must wake it to apply deadline_s.
+        consumer, waiting = decode[0].engine._consumer, threading.Event()  # noqa: SLF001
+        cond_wait, send_pull = consumer._cond.wait, consumer._send_pull  # noqa: SLF001
+
+        def noting_wait(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is threading.main_thread():
+                waiting.set()
+            return cond_wait(*args, **kwargs)
+
+        def pull_once_waiting(*args: Any, **kwargs: Any) -> Any:
+            assert waiting.wait(20), "wait() never waited"
+            return send_pull(*args, **kwargs)
+        consumer._cond.wait = noting_wait  # type: ignore[method-assign]
+        consumer._send_pull = pull_once_waiting  # type: ignore[method-assign]
         decode[0].engine.expect("never", engine_ref("prefill", layout, prefill), [4], 8)
-        with pytest.raises(TransferError):
+        asked = time.monotonic()
+        # Its own stall, named as such: not wait()'s timeout (20 s), nor hold_s (30 s).
+        with pytest.raises(TransferError, match=r"request 'never': no progress for 0\.4s \(deadline_s\)"):
             decode[0].engine.wait("never", timeout_s=20)
+        elapsed = time.monotonic() - asked  # deadline_s (0.4 s) after the pull's answer, far from wait()'s 20 s
+        assert elapsed < 10, f"stalled {elapsed:.1f} s after the pull: not woken by its acknowledgement"
     finally:
         close_sides(prefill, decode)
 
@@ -400,23 +419,41 @@ def test_a_failed_engine_start_leaves_no_thread_behind() -> None:
     assert not [name for name in left if name.startswith("ncclkv")], left
 
 
-@pytest.mark.parametrize("attempt", range(5))
-def test_crossed_handshakes_pull_and_push_on_a_new_pair(attempt: int) -> None:
+def _cross_handshakes(*sides: RankSide, timeout_s: float = 20) -> list[tuple[str, str, bool]]:
+    """Hold each side's handling of a handshake until every side received one: the handshakes cross, for sure.
+
+    No side answers before both hellos are out, so neither ``ensure`` can finish first and make the other
+    side's unnecessary. Returns the record, filled as handshakes arrive: (receiver, sender, whether the
+    receiver already knew the sender)."""
+    crossing = threading.Barrier(len(sides), timeout=timeout_s)
+    seen: list[tuple[str, str, bool]] = []
+    for side in sides:
+        peers, me = side.engine._peers, side.engine.config.peer_id  # noqa: SLF001 - as slow_link does
+
+        def hold(sender: str, remote: Any, peers: Any = peers, me: str = me,
+                 on_handshake: Any = peers.on_handshake) -> Any:
+            seen.append((me, sender, peers.get(sender) is not None))
+            crossing.wait()  # BrokenBarrierError on timeout: answered as an error, the initiator fails
+            return on_handshake(sender, remote)
+        peers.on_handshake = hold  # type: ignore[method-assign]
+    return seen
+
+
+def test_crossed_handshakes_pull_and_push_on_a_new_pair() -> None:
     # The consumer starts a pull and the producer a push to the same, so far
     # unknown, peer at once: both handshakes cross and each side may send on
     # a different link; every tensor must still land, announced on its own link.
     layout = ParallelLayout(1, 1)
-    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "both", deadline_s=5)
-    decode = build_sides("decode", layout, GQA, CacheLayout.FLASH_NHD, 16, "both", deadline_s=5)
+    prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "both", deadline_s=20)
+    decode = build_sides("decode", layout, GQA, CacheLayout.FLASH_NHD, 16, "both", deadline_s=20)
     try:
         prefill_ref, decode_ref = engine_ref("prefill", layout, prefill), engine_ref("decode", layout, decode)
+        crossed = _cross_handshakes(prefill[0], decode[0])
         prefill[0].fill(seed=31, block_ids=[0, 1], num_tokens=24)
         prefill[0].fill(seed=32, block_ids=[2, 3], num_tokens=30)
         prefill[0].engine.finish("pulled", [0, 1], 24)
-        start = threading.Barrier(2, timeout=10)
 
         def push() -> None:
-            start.wait()
             prefill[0].engine.start_push("pushed", decode_ref, [2, 3], 30)
             for layer in range(GQA.num_layers):
                 prefill[0].engine.save_layer("pushed", layer)
@@ -424,12 +461,14 @@ def test_crossed_handshakes_pull_and_push_on_a_new_pair(attempt: int) -> None:
 
         pusher = threading.Thread(target=push)
         pusher.start()
-        start.wait()
         decode[0].engine.expect("pulled", prefill_ref, [4, 5], 24)
         decode[0].engine.expect("pushed", prefill_ref, [6, 7], 30, push=True)
-        pusher.join(10)
+        pusher.join(20)
+        assert not pusher.is_alive()
         decode[0].engine.wait("pulled", timeout_s=20)
         decode[0].engine.wait("pushed", timeout_s=20)
+        # Each side got the other's hello before knowing it: the handshakes crossed.
+        assert sorted(crossed) == [("decode.r0", "prefill.r0", False), ("prefill.r0", "decode.r0", False)]
         assert decode[0].mismatches(31, [4, 5], 24, Span(0, 24)) == []
         assert decode[0].mismatches(32, [6, 7], 30, Span(0, 30)) == []
         assert set(_wait_sent(prefill, "pulled").values()) == {None}

@@ -114,7 +114,9 @@ def test_unexpected_push_expires_after_hold_s() -> None:
         assert (removed.kind, removed.reason, removed.block_hashes) == ("removed", "expired", stored.block_hashes)
         # Gone from staging for real: a late decode request finds nothing to take.
         decode[0].engine.expect("x2", engine_ref("prefill", layout, prefill), [0, 1, 2, 3], 64, push=True)
-        with pytest.raises(TransferError):  # no tensor comes: it fails after hold_s
+        # Refused at once, naming the expiry: not left to wait hold_s for tensors that never come.
+        with pytest.raises(TransferError, match=r"request 'x2': its push failed before it was expected: "
+                                                r"push of 'x2' expired in staging after 0\.5s, not expected here"):
             decode[0].engine.wait("x2", timeout_s=5)
     finally:
         close_sides(prefill, decode)

@@ -100,18 +100,29 @@ def stream(conn: Connection, plane: DataPlane, links: dict[str, Link], link_id: 
     conn.send(("streaming", None))
 
 
+def phase_value(rep: int, raw: bool) -> int:
+    """The byte every tensor of one phase is full of: a different one per rep and phase (never 0)."""
+    return (2 * rep + int(raw)) % 255 + 1
+
+
+def ends(bufs: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """The first and last byte of each buffer."""
+    return [(int(buf[0]), int(buf[-1])) for buf in bufs]
+
+
 def sink(conn: Connection, plane: DataPlane, links: dict[str, Link], link_id: str, store: str, nbytes: int, count: int, reps: int) -> None:
-    """Receive ``count`` tensors of ``nbytes`` per phase, through the link then through a raw group, ``reps`` times."""
+    """Receive ``count`` tensors of ``nbytes`` per phase, through the link then through a raw group, ``reps`` times;
+    report each phase's buffers' ``ends`` (the sender fills each phase with its own ``phase_value``)."""
     link = links[link_id] = plane.open_link(link_id, 1, store, "cpu", WAIT_S)
     pg = raw_group(store, 1, f"raw/{link_id}")
-    bufs = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
+    bufs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(count)]
     for _ in range(reps):
         for fut in [link.recv(buf.shape, buf.dtype, out=buf) for buf in bufs]:
             fut.result(WAIT_S)
-        conn.send(("got", int(bufs[-1][-1])))
+        conn.send(("got", ends(bufs)))
         for work in [pg.recv([buf], 0, 0) for buf in bufs]:
             work.wait(timedelta(seconds=WAIT_S))
-        conn.send(("got", int(bufs[-1][-1])))
+        conn.send(("got", ends(bufs)))
 
 
 def close_link(conn: Connection, plane: DataPlane, links: dict[str, Link], link_id: str) -> None:
@@ -269,19 +280,25 @@ def test_throughput_16mib_against_raw_gloo(plane: DataPlane, peers: tuple[Peer, 
     peer.start("sink", link_id="speed", store=plane.address, nbytes=nbytes, count=count, reps=reps)
     link = plane.open_link("speed", 0, plane.address, "cpu", WAIT_S)
     pg = raw_group(plane.address, 0, "raw/speed")
-    tensor = torch.full((nbytes,), 7, dtype=torch.uint8)
+    tensor = torch.empty(nbytes, dtype=torch.uint8)
     link_s, raw_s = [], []
-    for _ in range(reps):
+    for rep in range(reps):  # each phase sends its own value: a buffer a phase left unfilled shows the last one's
+        value = phase_value(rep, raw=False)
+        tensor.fill_(value)
         start = time.perf_counter()
         for fut in [link.send(tensor) for _ in range(count)]:
             fut.result(WAIT_S)
-        assert expect(peer.conn, "got") == 7
+        got = expect(peer.conn, "got")
         link_s.append(time.perf_counter() - start)
+        assert got == [(value, value)] * count, f"rep {rep}, link: {got}"
+        value = phase_value(rep, raw=True)
+        tensor.fill_(value)
         start = time.perf_counter()
         for work in [pg.send([tensor], 1, 0) for _ in range(count)]:
             work.wait(timedelta(seconds=WAIT_S))
-        assert expect(peer.conn, "got") == 7
+        got = expect(peer.conn, "got")
         raw_s.append(time.perf_counter() - start)
+        assert got == [(value, value)] * count, f"rep {rep}, raw: {got}"
     link_s, raw_s = link_s[1:], raw_s[1:]
     gbps = [count * nbytes / s / 1e9 for s in (min(link_s), statistics.median(link_s), min(raw_s), statistics.median(raw_s))]
     with capsys.disabled():

