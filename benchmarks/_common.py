@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -34,6 +35,7 @@ __all__ = [
     "BenchResult",
     "Column",
     "base_meta",
+    "code_version",
     "default_out",
     "format_size",
     "format_table",
@@ -251,8 +253,21 @@ def _cpu_model(cpuinfo: str) -> str:
     return platform.processor() or platform.machine()
 
 
+def code_version() -> str:
+    """``git describe --always --dirty`` of the checkout the benchmarks run from, or ``unknown`` outside one.
+
+    Read without optional locks (``--no-optional-locks``): describing the tree must not touch its index."""
+    try:
+        done = subprocess.run(["git", "--no-optional-locks", "describe", "--always", "--dirty"], cwd=BENCH_DIR,
+                              capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+
+
 def machine_info() -> dict[str, Any]:
-    """CPU model, core counts, load, memory, torch and Python versions, and the time: where a number came from."""
+    """CPU model, core counts, load, memory, torch and Python versions, the time, and the code: where a number
+    came from."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -270,6 +285,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "os": f"{platform.system()} {platform.release()}",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "code": code_version(),
     }
     if hasattr(os, "getloadavg"):
         info["loadavg_1m"] = round(os.getloadavg()[0], 2)

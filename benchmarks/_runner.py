@@ -25,7 +25,8 @@ __all__ = [
     "write_results_md",
 ]
 
-# name -> module; each has NAME, TITLE, run(ctx) -> BenchResult and plot(result, path) -> bool
+# name -> module; each has NAME, TITLE, run(ctx) -> BenchResult and plot(result, path) -> bool, and may have
+# headline(result) -> list[str]: its findings recomputed from a result's rows and meta when RESULTS.md is written
 BENCHMARKS: dict[str, str] = {
     "paged": "benchmarks.bench_paged",
     "transfer": "benchmarks.bench_transfer",
@@ -109,6 +110,8 @@ def _machine_line(meta: dict[str, object], shared: bool = True) -> str:
     if "loadavg_1m" in m:
         parts.append(f"load average {m['loadavg_1m']} at the end" + (" (shared machine)" if shared else ""))
     parts.append(str(m.get("date", "")))
+    if "code" in m:
+        parts.append(f"code {m['code']}")
     return "; ".join(p for p in parts if p)
 
 
@@ -202,10 +205,13 @@ def _present(figures: Path, out: Path, names: Sequence[str], redraw: bool, prefi
             if png.resolve() != copy.resolve():
                 shutil.copyfile(png, copy)
             figure = f"figures/{copy.name}"
+        module = load(name) if name in BENCHMARKS else None
+        if module is not None and hasattr(module, "headline"):  # findings recomputed from the rows, as the
+            result.headline = module.headline(result)  # module now computes them (kept JSON included)
         if lent:
             result.analysis = ""
-        elif name in BENCHMARKS:  # the module's current text, so RESULTS.md follows edits without a rerun
-            result.analysis = getattr(load(name), "ANALYSIS", result.analysis)
+        elif module is not None:  # the module's current text, so RESULTS.md follows edits without a rerun
+            result.analysis = getattr(module, "ANALYSIS", result.analysis)
         sections.append(_section(result, figure, shared=not lent))
         summary.append(f"- **{name}**: {result.headline[0]}" if result.headline else f"- **{name}**: see below")
     return sections, summary

@@ -6,9 +6,12 @@ set. Requests run in waves over a fixed pool of blocks, the way an engine
 reuses its KV cache; each request is pulled, pushed to a consumer that already
 expects it ("push"), or pushed before the consumer expects it ("staged": it
 waits in the consumer's staging store). Every landed byte is checked. Two
-samples per wave: "staged" once every staged push sits in staging (staging's
-high point) and "end" once the wave is over (staging must be empty again).
-Shared by tests/soak and ``ncclkv bench memory``.
+samples per wave: "staged" once every staged push sits in staging (a moment
+the driver waits for, so what it reads there is fixed by the wave's staged
+bytes) and "end" once the wave is over (staging must be empty again). What
+staging really held at its fullest comes from its store's high-water mark
+(``peak_used_bytes``), started anew at the beginning of every wave and read
+with the "end" sample. Shared by tests/soak and ``ncclkv bench memory``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ncclkv.paged import CacheLayout
 from ncclkv.scenario import PDTopology, ScenarioError
 from ncclkv.scenario._kv import check_landed, fill_shard, make_cache
 
-from ._resources import peak_rss_bytes, rss_bytes, staging_usage
+from ._resources import peak_rss_bytes, rss_bytes, staging_peak, staging_usage, wire_pool
 
 __all__ = ["MODES", "SoakConfig", "SoakReport", "SoakRequest", "SoakSample", "plan_requests", "run_soak"]
 
@@ -89,6 +92,9 @@ class SoakSample:
     staging_reserved: int
     in_flight: int  # requests held or pending in any engine
     wire_cached: int  # free wire buffers kept for reuse, summed over every rank
+    wire_bound: int = 0  # what the pools trim themselves to now (KEEP_PEAKS x recent peak out, capped), summed
+    staging_peak: int = 0  # the decode ranks' staging high-water marks since the wave began, summed
+    staging_peak_rank: int = 0  # the highest of them: what one rank's capacity must hold
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,15 +180,25 @@ class _SoakSet:
         for rank in self.ranks():
             rank.engine.close()
 
-    def usage(self) -> tuple[int, int, int, int]:
-        """(staging used, staging reserved, requests in flight, wire buffers cached), summed over every rank."""
-        used = reserved = in_flight = wire_cached = 0
+    def usage(self) -> tuple[int, int, int, int, int, int, int]:
+        """(staging used, staging reserved, requests in flight, wire buffers cached, their bound), summed over
+        every rank, then (staging high-water marks summed, the highest one) over the decode ranks since the
+        last :meth:`reset_staging_peaks`."""
+        used = reserved = in_flight = wire_cached = wire_bound = 0
         for rank in self.ranks():
             rank_used, rank_reserved = staging_usage(rank.engine)
             used, reserved = used + rank_used, reserved + rank_reserved
             in_flight += rank.engine.num_in_flight
             wire_cached += rank.engine.stats().wire_buffers_cached_bytes
-        return used, reserved, in_flight, wire_cached
+            wire_bound += wire_pool(rank.engine)[1]
+        peaks = [staging_peak(rank.engine) for group in self.decode for rank in group]
+        return used, reserved, in_flight, wire_cached, wire_bound, sum(peaks), max(peaks, default=0)
+
+    def reset_staging_peaks(self) -> None:
+        """Start every decode rank's staging high-water mark anew from what it holds now."""
+        for group in self.decode:
+            for rank in group:
+                staging_peak(rank.engine, reset=True)
 
     def received_bytes(self) -> int:
         return sum(rank.engine.stats().bytes_received for group in self.decode for rank in group)
@@ -281,6 +297,7 @@ def run_soak(cfg: SoakConfig, progress: Callable[[str], None] | None = None) -> 
 
         for first in range(0, len(requests), cfg.wave_size):
             wave = requests[first:first + cfg.wave_size]
+            soak.reset_staging_peaks()
             soak.run_wave(wave, lambda: sample("staged"))
             done += len(wave)
             sample("end")

@@ -42,11 +42,16 @@ from ncclkv.transport import DataPlane, Link
 from ._engine_path import CONSUMER_ID, EngineReceiver, round_request_ids
 from ._peer import Endpoint
 
-__all__ = ["COPIES", "PATHS", "PagedSide", "Receiver", "Sender", "SliceCase", "raw_group", "receiver_loop", "round_trips"]
+__all__ = ["COPIES", "PATHS", "BytesDiffer", "PagedSide", "Receiver", "Sender", "SliceCase", "raw_group",
+           "receiver_loop", "round_trips"]
 
 PATHS = ("memcpy", "raw", "link", "ncclkv", "engine")
 COPIES = ("gather", "scatter")
 WAIT_S = 60.0
+
+
+class BytesDiffer(AssertionError):
+    """A benchmarked path left other bytes than the sender's where they should have landed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +146,7 @@ class _Side(PagedSide):
         messages = case.num_layers * case.num_requests
         numel = messages * torch.Size(self.spec.wire_shape(case.num_tokens, heads)).numel()
         flat = torch.empty(numel, dtype=dtype)
+        self.flat = flat  # every wire and piece below is a view of it
         self.wires = _carve(flat, [self.spec.wire_shape(case.num_tokens, heads)] * messages)
         # (layer, token span, buffer) per ncclkv message, over the same memory as the wires
         self.pieces: list[tuple[int, Span, torch.Tensor]] = []
@@ -150,6 +156,18 @@ class _Side(PagedSide):
         for _ in range(case.num_requests):
             for layer in range(case.num_layers):
                 self.pieces.extend((layer, span, next(bufs)) for span in spans)
+
+    def wire_digests(self) -> list[str]:
+        """A hash of each wire buffer as it is now (what the raw and link paths sent or received)."""
+        return [hashlib.blake2b(w.view(torch.int16).numpy().tobytes(), digest_size=16).hexdigest()
+                for w in self.wires]
+
+    def scramble(self, what: str) -> None:
+        """Random bytes in the paged ``cache`` or in the ``wires``, so a later check sees only what the next
+        round wrote there."""
+        if what not in ("cache", "wires"):
+            raise ValueError(f"scramble 'cache' or 'wires', got {what!r}")
+        (self.cache if what == "cache" else self.flat).view(torch.int16).random_()
 
 
 class Sender(_Side):
@@ -296,8 +314,10 @@ def receiver_loop(endpoint: Endpoint, store: str, link_id: str, threads: int, co
 
     ``case``: new caches; ``engine`` (producer id, address): a consumer engine
     over them; ``go`` PATH: post, answer ``ready``, finish, answer ``done``
-    (time, CPU seconds, seconds); ``digests`` / ``scramble``: the cache's
-    slices hashed / overwritten with random bytes; ``round_trips``.
+    (time, CPU seconds, seconds); ``digests`` / ``scramble`` (payload None or
+    "cache": the cache's slices; "wires": the wire buffers, what the raw and
+    link paths receive into) hashed / overwritten with random bytes;
+    ``round_trips``.
     """
     torch.set_num_threads(threads)
     before = set_copy_threads(copy_threads)  # this peer process serves later benchmarks too: restored below
@@ -340,9 +360,9 @@ def _receive(endpoint: Endpoint, store: str, link_id: str, in_flight: int | None
                     engine_rounds = 0  # the sender counts the case's rounds from 0 too
                     endpoint.send("engine", engine.address)
                 elif tag == "digests":
-                    endpoint.send("digests", receiver.digests())
+                    endpoint.send("digests", receiver.wire_digests() if payload == "wires" else receiver.digests())
                 elif tag == "scramble":
-                    receiver.cache.view(torch.int16).random_()
+                    receiver.scramble(payload or "cache")
                     endpoint.send("scrambled")
                 elif tag == "go" and payload == "engine":
                     if engine is None:

@@ -16,6 +16,8 @@ producer TransferEngine pushing the request to a consumer engine in the peer
 row set per ``--engine-pieces P:L`` (KiB): the producer's ``piece_bytes`` P
 (every layer) and ``last_piece_bytes`` L (a route's last layer; the engine's
 default: both 0, whole layers); x is then the engine's own per-layer time.
+Every mode of each row's last timed round is checked: the receiver's cache
+scrambled before it, every layer's hash compared with the sender's after it.
 
     python -m benchmarks.bench_overlap [--quick] [--layers L] [--compute-ms C ...] [--transfer-ms X]
 """
@@ -42,7 +44,7 @@ from ._common import (
 )
 from ._engine_path import CONSUMER_ID, EngineSender
 from ._overlap_runs import ENGINE_MODES, MODES, Busy, calibrate_slice, chunked, engine_scenario, scenario
-from ._transfer_paths import WAIT_S, PagedSide, Sender, SliceCase, raw_group
+from ._transfer_paths import WAIT_S, BytesDiffer, PagedSide, Sender, SliceCase, raw_group
 
 __all__ = ["NAME", "TITLE", "OverlapParams", "main", "plot", "run"]
 
@@ -64,22 +66,56 @@ class OverlapParams:
 
     @classmethod
     def quick(cls) -> OverlapParams:
-        return cls(num_layers=6, compute_ms=(4.0,), transfer_ms=4.0, chunk_bytes=(0,),
-                   engine_pieces=((0, DEFAULT_LAST_PIECE_BYTES),))  # the engine's default
+        # Each path once whole and once in pieces: quick slices are about 4 MiB, so 1 MiB pieces make about 4.
+        return cls(num_layers=6, compute_ms=(4.0,), transfer_ms=4.0, chunk_bytes=(0, 1 << 20),
+                   engine_pieces=((0, DEFAULT_LAST_PIECE_BYTES), (1 << 20, 1 << 20)))  # first: the engine's default
 
 
 RunMode = Callable[[str, Callable[[], None]], tuple[float, float, float]]
 
 
+class _ByteCheck:
+    """What a mode's round left in the receiver's cache: random bytes there before the round (outside its timed
+    interval), the layers' hashes compared with the sender's after it. ``single`` sends the last layer alone."""
+
+    def __init__(self, peer: Any, expected: list[str], what: str) -> None:
+        self.peer, self.expected, self.what = peer, expected, what
+
+    def before(self) -> None:
+        self.peer.endpoint.send("scramble")
+        self.peer.endpoint.expect("scrambled")
+
+    def after(self, mode: str, c_ms: float) -> None:
+        self.peer.endpoint.send("digests")
+        got = self.peer.endpoint.expect("digests")
+        layers = slice(-1, None) if mode == "single" else slice(None)
+        if got[layers] != self.expected[layers]:
+            bad = [i for i, (a, b) in enumerate(zip(got, self.expected)) if a != b and (mode != "single" or
+                                                                                    i == len(got) - 1)]
+            raise BytesDiffer(f"{self.what}, c={c_ms:g} ms, {mode} round: layers {bad} of the receiver's cache "
+                              "differ from the sender's after the round")
+
+
+_BYTE_MODES = ("transfer", "single", "layerwise", "after")  # the modes that move bytes ("compute" moves none)
+
+
 def _config(c_ms: float, case: SliceCase, path: str, run_mode: RunMode, modes: Sequence[str], busy: Busy,
-            repeats: int, ctx: BenchContext) -> dict[str, Any]:
-    """One row: every mode of one path, ``repeats`` rounds (after a warm-up), modes interleaved per round."""
+            repeats: int, ctx: BenchContext, check: _ByteCheck | None = None) -> dict[str, Any]:
+    """One row: every mode of one path, ``repeats`` rounds (after a warm-up), modes interleaved per round.
+
+    ``check``: the bytes of every mode of the last timed round are checked (a fast but wrong path must not look
+    good); the check's scramble and hashes run between rounds, outside what is timed."""
     compute = busy.for_ms(c_ms)
     samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
     for rep in range(repeats + 1):
         ctx.progress(f"{NAME}: {path}, c={c_ms:g} ms, {len(case.chunks())} piece(s) per layer, round {rep}/{repeats}")
         for mode in modes:
+            checked = check is not None and rep == repeats and mode in _BYTE_MODES
+            if checked:
+                check.before()
             result = run_mode(mode, compute)
+            if checked:
+                check.after(mode, c_ms)
             if rep:
                 samples[mode].append(result)
     layers = case.num_layers
@@ -124,14 +160,20 @@ COLUMNS = (
 )
 
 ANALYSIS = """\
+This run's numbers are in the findings above (computed from its table: per
+path and grouping, the layers exposed and `1 layer alone` where c >= x);
+what follows explains them, with numbers from dated earlier runs.
+
 Two effects set the exposed time.
 
 The last layer's latency. After the last compute, that layer's slice is still
 gathered, sent and scattered. `1 layer alone` is that latency in units of x
 (x: the per-layer time of a pipelined stream of layers). A whole layer goes
-through the three steps one after the other: 1.05-1.35 x alone and 1.35-1.5
-layers exposed when c >= x in four runs, the goal never met. Token chunks
-pipeline the steps within the layer: 1.03-1.27 x alone. What a chunk costs
+through the three steps one after the other: in four runs on the EPYC up to
+2026-11-24, 1.05-1.35 x alone and 1.35-1.5 layers exposed when c >= x, the
+goal never met (more on the Xeon of 2026-11-26: 1.41-1.55 x alone over every
+row, 1.57-1.63 layers exposed at c >= x). Token chunks pipeline the steps within the layer: 1.03-1.27 x alone
+in those EPYC runs. What a chunk costs
 besides its bytes is the link's per-message latency: a round trip of one tensor and an 8-byte reply
 takes about 5x raw gloo's at 64 KiB and 2x at 1-4 MiB (bench transfer's
 findings): a gloo receiver posts a payload only once its frame header arrived
@@ -151,15 +193,15 @@ whole layers 1.46 and 1.68. On 2026-11-25, with a fourth compute row (30
 ms, so that at least two rows have c >= x whatever the calibration gives),
 two runs gave 4 MiB chunks 1.18-1.53, 2 MiB 1.22-1.54 and whole layers
 1.47-1.79 at c >= x. Exposure moves by 0.3 layer and more between runs on
-this shared machine, and between rows of one run; the findings above count
+a shared machine, and between rows of one run; the findings above count
 this run's rows.
 
 The engine rows. A real producer engine pushing to a real consumer engine
-(the product's path, the connector's `save_kv_layer`). Until this run the
-engine exposed 1.48-1.57 layers with whole layers and 1.47-1.51 with 4 MiB
+(the product's path, the connector's `save_kv_layer`). Until the run of
+2026-11-24 22:51 the engine exposed 1.48-1.57 layers with whole layers and 1.47-1.51 with 4 MiB
 pieces (`piece_bytes`) at c >= x, in three runs: the link rows' behaviour
 plus the engine's own hops after the last layer's compute. Traced per
-event on this machine (a 14 MiB layer, nothing else running): the link's
+event on the EPYC (a 14 MiB layer, nothing else running): the link's
 poster thread took the last layer 0.3-0.8 ms after it was saved, gathered
 it (1.9 ms), then announced it; the consumer's dispatcher posted the
 receive 0.9 ms after the gather had ended, and gloo's sender waited for
@@ -185,28 +227,28 @@ MiB pieces, eight rows each: 1.04-1.34 layers exposed, median 1.15, with
 it; 1.13-1.46, median 1.23, without. Full runs that day: 1.14 and 1.14
 (before that change, the 20 and 30 ms rows) and, in the last EPYC run,
 1.13-1.32 in pieces and 1.42-1.68 whole at c >= x: met in one row of
-three in pieces. So the engine in 4 MiB pieces sits at the goal, within this
-machine's noise, and whole layers do not. A/B of the last layer's latency after its
+three in pieces. So the engine in 4 MiB pieces sits at the goal, within a
+2-core machine's noise, and whole layers do not. A/B of the last layer's latency after its
 compute (a tracing script, the code before these changes and after them run
 in turn, 16 layers of 14 MiB, 20 ms compute, medians of 5-7 requests per
 run): whole layers 12.3-15.6 ms before over five runs, 10.5-11.7 ms after
 over five; 4 MiB pieces 12.1-14.8 before, 11.5-12.7 after (two runs of the
 final code); the machine's noise is as large as the gain in pieces. A whole layer cannot
-meet the goal here: its gather, its 14 MiB on the wire (5.3-6.2 ms for one
+meet the goal on two cores: its gather, its 14 MiB on the wire (5.3-6.2 ms for one
 message over loopback gloo, 0.8 x) and its scatter run one after the other,
 about 1.3 x before any hop. The engine's x is higher than the link rows'
 (the Announce, the receive posted from the dispatcher, the done-callbacks:
 see bench transfer, engine/ncclkv), which flatters its ratio a little; in
 pieces its x grows more (one Announce and receive per piece).
 
-This run is the 2-core Xeon's (2026-11-26), with the engine's run-ahead of
-announcements (bench transfer): the engine in 4 MiB pieces exposed 1.16 and
+On the 2-core Xeon (2026-11-26), with the engine's run-ahead of
+announcements (bench transfer), the engine in 4 MiB pieces exposed 1.16 and
 1.24 layers at c >= x (met in one row of two), 1.08-1.12 in a run an hour
 before (three of three), 1.12 and 1.20 in a third with 15 repeats; whole
 layers 1.29-1.44 over the three runs. The engine rows now also send whole
 layers with only the last one in pieces (`last_piece_bytes`): after the
 forward only that layer is left, and the layers before it hide behind
-compute, where pieces cost messages and buy nothing. Here it did worse than
+compute, where pieces cost messages and buy nothing. On that Xeon it did worse than
 whole layers: 1.47-1.63 with 4 MiB pieces over two runs, 1.56-1.68 with 2
 MiB. Traced (the last layer's gathers and posts, old and new settings in
 turn, 17 MiB layers, 20 ms compute, medians of 7 requests): done 12.2-12.9
@@ -224,14 +266,16 @@ measure it where the copies have cores of their own.
 Two cores. Compute (one torch thread), the sender's gather and gloo thread, and
 the receiver's gloo thread and scatter share two cores, with other engineers'
 jobs. While sending, compute slows down (`compute slowdown`: the forward's
-time per layer while sending over compute alone, 1.1-3.2x; in link rows that
+time per layer while sending over compute alone, 1.1-3.2x in the runs up to
+2026-11-26; in link rows that
 time includes each layer's gather, which runs on the compute thread after the
 layer, about 3 ms for a 16.5 MiB layer at 5.5 GB/s and most of the slowdown
 at large c; engine rows gather on the link's poster thread) and the transfer
-meant to hide behind it stretches too, so layer-wise sending finishes only about 0.8-1.35x
-sooner than sending after compute (chunked layers least: they compete hardest), although exposure drops from about L to
+meant to hide behind it stretches too, so layer-wise sending finished only
+about 0.8-1.35x sooner than sending after compute in those runs (chunked
+layers least: they compete hardest), although exposure drops from about L to
 about 1 layer. With c < x the backlog would grow by (x - c) per layer, towards
-L(1 - c/x) + 1 layers exposed; here compute's slowdown shrinks the backlog.
+L(1 - c/x) + 1 layers exposed; on two cores compute's slowdown shrinks the backlog.
 Where the transfer has its own cores (or a GPU: kernels on the SMs, NCCL
 copies alongside) the slowdown goes and layer-wise sending saves about (L - 1) x.
 """
@@ -240,6 +284,24 @@ copies alongside) the slowdown goes and layer-wise sending saves about (L - 1) x
 def _group(row: dict[str, Any]) -> str:
     # Rows of JSON written before the engine's last-layer pieces have no group: whole iff one piece a layer.
     return row.get("group") or ("whole layers" if row["chunks"].split(" x ")[0] == "1" else "in pieces")
+
+
+def _ranges(rows: list[dict[str, Any]]) -> list[str]:
+    """Per path and grouping, over the rows with c >= x: layers exposed and one layer alone, low-high."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["c_over_x"] >= 1:
+            groups.setdefault((r.get("path", "link"), _group(r)), []).append(r)
+
+    def span(values: list[float]) -> str:
+        return f"{min(values):.2f}" if min(values) == max(values) else f"{min(values):.2f}-{max(values):.2f}"
+
+    parts = []
+    for (path, group), mine in groups.items():
+        text = f"{path}, {group}: {span([r['layerwise_exposed_median'] for r in mine])} layers exposed"
+        alone = [r["single_layer_x"] for r in mine if r.get("single_layer_x") is not None]
+        parts.append(text + (f", 1 layer alone {span(alone)} x" if alone else ""))
+    return parts
 
 
 def _headline(rows: list[dict[str, Any]]) -> list[str]:
@@ -254,6 +316,7 @@ def _headline(rows: list[dict[str, Any]]) -> list[str]:
         parts = [f"{path}, {group}: met in {sum(v)} of {len(v)} rows"
                  for (path, group), v in sorted(judged.items(), key=lambda kv: (kv[0][0] != "link", order.index(kv[0][1])))]
         lines.append(f"goal <= {GOAL_LAYERS} layers exposed when c >= x (median): " + "; ".join(parts))
+        lines.append("this run, c >= x (median): " + "; ".join(_ranges(rows)))
     for r in rows:
         verdict = ""
         if r["c_over_x"] >= 1:
@@ -325,7 +388,8 @@ def run(ctx: BenchContext, params: OverlapParams | None = None) -> BenchResult:
                     def link_mode(mode: str, compute: Callable[[], None], sender: Sender = sender) -> tuple[float, float, float]:
                         return scenario(mode, sender, compute, peer)
 
-                    rows += [_config(c, layer_case, "link", link_mode, MODES, busy, repeats, ctx)
+                    check = _ByteCheck(peer, sender.digests(), f"link, sent as {_pieces(layer_case)}")
+                    rows += [_config(c, layer_case, "link", link_mode, MODES, busy, repeats, ctx, check)
                              for c in params.compute_ms]
                     del sender, link_mode  # free its buffers before the next case's
             finally:
@@ -345,7 +409,9 @@ def run(ctx: BenchContext, params: OverlapParams | None = None) -> BenchResult:
                                    for p, last in params.engine_pieces) + " (piece_bytes/last_piece_bytes)",
         "path": "link: gather (CPU layout, block 16) -> Link (gloo) -> scatter (block 32), as bench_transfer's ncclkv "
                 "path; engine push: TransferEngine start_push / save_layer per layer -> TransferEngine in the peer "
-                "(the same caches), every landed layer checked by hash",
+                "(the same caches)",
+        "checked": "every mode of each row's last timed round: the receiver's cache scrambled before it, every "
+                   "layer's hash compared with the sender's after it (the last layer alone for 1 layer alone)",
         "exposed": "receiver done - end of last compute, in units of x measured alone in the same round; median and min",
     }
     return BenchResult(NAME, TITLE, COLUMNS, rows, meta, _headline(rows), ANALYSIS)
@@ -366,8 +432,6 @@ def _engine_rows(case: SliceCase, params: OverlapParams, busy: Busy, repeats: in
                                   last_piece_bytes)
             try:
                 sender.connect(CONSUMER_ID, address)
-                peer.endpoint.send("scramble")  # so the check below sees what this row's pushes wrote
-                peer.endpoint.expect("scrambled")
                 ids = itertools.count()
 
                 def engine_mode(mode: str, compute: Callable[[], None], sender: EngineSender = sender) -> tuple[float, float, float]:
@@ -376,12 +440,10 @@ def _engine_rows(case: SliceCase, params: OverlapParams, busy: Busy, repeats: in
 
                 label = chunked(case, piece_bytes)
                 sent = _sent_as(label, chunked(case, last_piece_bytes or piece_bytes))
-                rows += [{**_config(c, label, "engine push", engine_mode, ENGINE_MODES, busy, repeats, ctx), **sent}
-                         for c in params.compute_ms]
-                peer.endpoint.send("digests")
-                if peer.endpoint.expect("digests") != sender.side.digests():
-                    raise RuntimeError(f"engine path, piece_bytes {piece_bytes}, last_piece_bytes {last_piece_bytes}: "
-                                       "the consumer's cache does not hold the producer's KV after the pushes")
+                check = _ByteCheck(peer, side.digests(), f"engine push, piece_bytes {piece_bytes}, "
+                                   f"last_piece_bytes {last_piece_bytes}")
+                rows += [{**_config(c, label, "engine push", engine_mode, ENGINE_MODES, busy, repeats, ctx, check),
+                          **sent} for c in params.compute_ms]
             finally:
                 sender.close()
     finally:

@@ -47,10 +47,13 @@ COLUMNS = (
 )
 
 ANALYSIS = """\
-Every engine rank here is a process with its own channel I/O and dispatcher
+The findings above give this run's ratios; what follows explains them, with
+numbers from dated earlier runs.
+
+Every engine rank is a process with its own channel I/O and dispatcher
 threads, gloo threads per link, and the gather (producer) or scatter and byte
-check (consumer) on its main thread. The machine has two cores, shared with
-other engineers' jobs, so a larger set adds processes, not cores. Two effects
+check (consumer) on its main thread. On a machine of two cores shared with
+other engineers' jobs, a larger set adds processes, not cores. Two effects
 still let a larger set move more than 1P1D: one pair's work is a chain of
 hand-offs (gather, announce, wire, scatter, each on its own thread) that leaves
 the cores partly idle, and a second producer or consumer fills those gaps; and
@@ -58,15 +61,26 @@ on a shared machine the scheduler gives more runnable threads a larger share of
 the cores against the other jobs. Beyond that the sets only divide the same two
 cores, which is why the ratios stay near 1-2 and move a lot between rounds
 (compare best and median); four processes on two cores can also fall below
-1P1D in a run (2P2D pull: 1.27 in this run, on the 2-core Xeon of
-2026-11-26, where 1P2D pull fell to 0.98; on the EPYC 0.70, 0.55 and 0.73
-in three runs, 0.49, 0.63 and 1.55 in three more, one of them on the code
-before the link's caller-thread posting). Where each rank has its own cores, or a GPU (gather
-and scatter as device kernels, NCCL moving the bytes), each prefill/decode pair
-streams independently and the aggregate grows with the number of pairs until
-the interconnect saturates. `run s` includes starting the processes (importing
-torch: seconds each here).
+1P1D in a run (2P2D pull: 1.27 on the 2-core Xeon of 2026-11-26, where 1P2D
+pull fell to 0.98 in the same run; on the EPYC 0.70, 0.55 and 0.73 in three
+runs, 0.49, 0.63 and 1.55 in three more, one of them on the code before the
+link's caller-thread posting). Those runs had no warm-up: each pair's links
+opened on its first request, inside the timed window (P x D link creations: 4
+in 2P2D against 1 in 1P1D, each a handshake and a gloo rendezvous, in a window
+of well under a second at 96 requests), which held the larger sets back.
+Since then every pair sends one untimed request before the window. Where each
+rank has its own cores, or a GPU (gather and scatter as device kernels, NCCL
+moving the bytes), each prefill/decode pair streams independently and the
+aggregate grows with the number of pairs until the interconnect saturates.
+`run s` includes starting the processes (importing torch: seconds each on a
+2-core machine) and the warm-up.
 """
+
+
+# Quick: each set and each mode at least once, every mode with its 1P1D baseline, in few launches (each starts
+# processes that import torch: seconds apiece).
+_QUICK_CASES = ((1, 1, "pull"), (2, 2, "pull"), (1, 1, "push"), (2, 1, "push"), (1, 2, "push"))
+_QUICK_TEXT = "1P1D and 2P2D pull, 1P1D, 2P1D and 1P2D push"
 
 
 def _sets(text: Sequence[str]) -> list[tuple[int, int]]:
@@ -87,12 +101,16 @@ def _label(num_prefill: int, num_decode: int) -> str:
 
 
 def _one_run(num_prefill: int, num_decode: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Launch one set once; its transfer summary (``--json-out``) plus the launch's wall time."""
+    """Launch one set once; its transfer summary (``--json-out``) plus the launch's wall time.
+
+    ``--warmup``: one untimed request per (prefill, decode) pair before the timed window, so that window does not
+    include opening the pairs' links (lazily, on a pair's first request): P x D of them, 4 in 2P2D against 1 in
+    1P1D, each a handshake and gloo rendezvous that would weigh on a window of a fraction of a second."""
     with tempfile.TemporaryDirectory(prefix="ncclkv-scale-") as tmp:
         path = Path(tmp) / "summary.json"
         argv = ["--prefill", str(num_prefill), "--decode", str(num_decode), "--mode", mode,
                 "--requests", str(args.requests), "--max-tokens", str(args.max_tokens), "--layers", str(args.layers),
-                "--device", "cpu", "--json-out", str(path)]
+                "--device", "cpu", "--warmup", "--json-out", str(path)]
         outcome = run_local(num_prefill + num_decode, argv, args.timeout)
         if not outcome.ok:
             raise RuntimeError(f"{_label(num_prefill, num_decode)} {mode} failed (exit {outcome.returncode}):\n"
@@ -105,11 +123,10 @@ def _one_run(num_prefill: int, num_decode: int, mode: str, args: argparse.Namesp
 def _measure(args: argparse.Namespace, progress: Callable[[str], None]) -> list[dict[str, Any]]:
     runs: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
     for repeat in range(args.repeats):
-        for mode in args.modes:
-            for num_prefill, num_decode in args.sets:
-                progress(f"{NAME}: round {repeat + 1}/{args.repeats}, {_label(num_prefill, num_decode)} {mode}")
-                runs.setdefault((num_prefill, num_decode, mode), []).append(
-                    _one_run(num_prefill, num_decode, mode, args))
+        for num_prefill, num_decode, mode in args.cases:
+            progress(f"{NAME}: round {repeat + 1}/{args.repeats}, {_label(num_prefill, num_decode)} {mode}")
+            runs.setdefault((num_prefill, num_decode, mode), []).append(
+                _one_run(num_prefill, num_decode, mode, args))
     rows = []
     for (num_prefill, num_decode, mode), summaries in runs.items():
         gbps = [s["gbps"] for s in summaries]
@@ -159,9 +176,10 @@ def plot(result: BenchResult, path: Path) -> bool:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench_scale", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1x1 and 2x2, pull, few small requests, one round")
-    parser.add_argument("--sets", nargs="+", help="PxD sets (default 1x1 2x1 1x2 2x2; quick 1x1 2x2)")
-    parser.add_argument("--modes", nargs="+", choices=("pull", "push"), help="default pull push; quick pull")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"few small requests, one round, the sets and modes {_QUICK_TEXT}")
+    parser.add_argument("--sets", nargs="+", help="PxD sets (default 1x1 2x1 1x2 2x2)")
+    parser.add_argument("--modes", nargs="+", choices=("pull", "push"), help="default pull push")
     parser.add_argument("--requests", type=int, help="requests per run, the same for every set (default 96; quick 8)")
     parser.add_argument("--max-tokens", type=int, help="lengths spread up to this (default 512; quick 64)")
     parser.add_argument("--layers", type=int, default=8)
@@ -170,8 +188,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="folder for scale.json / scale.png")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
-    args.sets = _sets(args.sets or (["1x1", "2x2"] if args.quick else ["1x1", "2x1", "1x2", "2x2"]))
-    args.modes = args.modes or (["pull"] if args.quick else ["pull", "push"])
+    if args.quick and args.sets is None and args.modes is None:  # every set and mode once, each with its 1P1D
+        args.cases = list(_QUICK_CASES)
+    else:
+        sets, modes = _sets(args.sets or ["1x1", "2x1", "1x2", "2x2"]), args.modes or ["pull", "push"]
+        args.cases = [(p, d, mode) for mode in modes for p, d in sets]
+    args.sets = list(dict.fromkeys((p, d) for p, d, _ in args.cases))
+    args.modes = list(dict.fromkeys(mode for _, _, mode in args.cases))
     args.requests = args.requests or (8 if args.quick else 96)
     args.max_tokens = args.max_tokens or (64 if args.quick else 512)
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -184,9 +207,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def _result(args: argparse.Namespace, rows: list[dict[str, Any]], command: str) -> BenchResult:
     meta = {
         "machine": machine_info(), "command": command, "quick": args.quick,
-        "sets": [_label(p, d) for p, d in args.sets], "modes": args.modes, "requests": args.requests,
+        "runs": ", ".join(f"{_label(p, d)} {mode}" for p, d, mode in args.cases), "requests": args.requests,
         "max_tokens": args.max_tokens, "geometry": f"{args.layers}L x 4H x 64 bfloat16", "repeats": args.repeats,
-        "path": "gather (CPU layout, block 16) -> gloo link -> scatter (flash NHD, block 32), 1 OpenMP thread per rank",
+        "path": "gather (CPU layout, block 16) -> gloo link -> scatter (PACKED: vLLM 0.32's GPU view, block 32), "
+                "1 OpenMP thread per rank",
+        "warmup": "one untimed request per (prefill, decode) pair before the timed window, so every pair's links "
+                  "are open when it starts",
+        "timed": "from every producer having its KV (a barrier) to the last request landed, per decode rank",
     }
     return BenchResult(NAME, TITLE, COLUMNS, rows, meta, _headline(rows), ANALYSIS)
 

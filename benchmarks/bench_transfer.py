@@ -10,7 +10,10 @@ alone, so all see the same machine load. A round is timed from
 the moment the receiver has posted its receives to the moment it has the last
 byte (scattered): both processes read the same monotonic clock. CPU time of
 both processes is recorded too, to tell a CPU-bound round from a wire-bound
-one. The headline is ncclkv / raw.
+one. The headline is ncclkv / raw. Every path's bytes are checked after the
+warm-up round and after the last timed round (where it writes, random bytes
+before the round; a comparison with the sender's after it, outside the timed
+interval), so a fast but wrong path cannot look good.
 
     python -m benchmarks.bench_transfer [--quick] [--out DIR] [--repeats N] [--sizes-kib ...]
 """
@@ -36,7 +39,7 @@ from ._common import (
     pyplot, run_standalone, standalone_command, write_figure,
 )
 from ._engine_path import CONSUMER_ID, EngineSender, round_request_ids
-from ._transfer_paths import COPIES, PATHS, WAIT_S, Sender, SliceCase, raw_group, round_trips
+from ._transfer_paths import COPIES, PATHS, WAIT_S, BytesDiffer, Sender, SliceCase, raw_group, round_trips
 
 __all__ = ["NAME", "TITLE", "TransferParams", "main", "plot", "run"]
 
@@ -100,6 +103,43 @@ def _one_round(path: str, sender: Sender, engine: EngineSender, engine_round: in
     return (peer_seconds, peer_cpu) if path == "scatter" else (end - start, cpu + peer_cpu)
 
 
+class _ByteCheck:
+    """Checks what one round of a path wrote: random bytes (zeros for memcpy) where it writes first, then, after
+    the timed round, a comparison with what the sender has; the timed interval is not touched."""
+
+    def __init__(self, sender: Sender, peer: Any) -> None:
+        self.sender, self.peer = sender, peer
+        self.cache = sender.digests()  # what the receiver's cache must hold after an ncclkv, engine or scatter round
+        self._gathered: list[str] = []
+
+    def before(self, path: str) -> None:
+        if path == "memcpy":
+            for copy in self.sender.copies:
+                copy.zero_()
+        elif path == "gather":  # the gather alone rewrites what the checked ncclkv round gathered
+            self._gathered = self.sender.wire_digests()
+            self.sender.scramble("wires")
+        else:
+            self.peer.endpoint.send("scramble", "wires" if path in ("raw", "link") else "cache")
+            self.peer.endpoint.expect("scrambled")
+
+    def after(self, path: str, rep: int) -> None:
+        if path == "memcpy":
+            ok = all(torch.equal(copy.view(torch.int16), wire.view(torch.int16))  # bits: random bits hold NaNs
+                     for copy, wire in zip(self.sender.copies, self.sender.wires))
+        elif path == "gather":
+            ok = self.sender.wire_digests() == self._gathered
+        else:
+            wires = path in ("raw", "link")
+            self.peer.endpoint.send("digests", "wires" if wires else "cache")
+            ok = self.peer.endpoint.expect("digests") == (self.sender.wire_digests() if wires else self.cache)
+        if not ok:
+            where = {"memcpy": "the copies", "gather": "the sender's wire buffers"}.get(
+                path, "the receiver's wire buffers" if path in ("raw", "link") else "the receiver's cache")
+            raise BytesDiffer(f"{format_size(self.sender.case.slice_bytes)}, {path} path, round {rep}: {where} "
+                              "differ from the sender's bytes")
+
+
 def _measure(case: SliceCase, repeats: int, link: Any, pg: Any, peer: Any, ctx: BenchContext) -> dict[str, Any]:
     sender = Sender(case, link, pg)
     peer.endpoint.send("case", {f: getattr(case, f) for f in SliceCase.__slots__})
@@ -107,34 +147,41 @@ def _measure(case: SliceCase, repeats: int, link: Any, pg: Any, peer: Any, ctx: 
     # The engine sends in the same token pieces as the ncclkv path (its piece_bytes), or whole slices.
     engine = EngineSender(sender, f"bench-transfer-producer-{uuid.uuid4().hex[:6]}",
                           piece_bytes=case.chunk_tokens * case.token_bytes)
+    engine_messages = 0
     try:
         peer.endpoint.send("engine", (engine.engine_id, engine.address))
         engine.connect(CONSUMER_ID, peer.endpoint.expect("engine"))
+        check = _ByteCheck(sender, peer)
         times: dict[str, list[float]] = {p: [] for p in PATHS + COPIES}
         cores: dict[str, list[float]] = {p: [] for p in PATHS + COPIES}
-        for rep in range(repeats + 1):  # round 0 warms up (page faults, gloo buffers) and is checked
+        for rep in range(repeats + 1):  # round 0 warms up (page faults, gloo buffers)
             ctx.progress(f"{NAME}: {format_size(case.slice_bytes)} round {rep}/{repeats}")
+            # Every path's bytes are checked after the warm-up round and after the last timed round: a fast
+            # but wrong path cannot look good.
+            checked = rep in (0, repeats)
             for path in PATHS + COPIES:
-                checked = rep == 0 and path in ("ncclkv", "engine")
-                if checked:  # random bytes first: the check after sees only what this path wrote
-                    peer.endpoint.send("scramble")
-                    peer.endpoint.expect("scrambled")
-                seconds, cpu = _one_round(path, sender, engine, rep, peer)
                 if checked:
-                    peer.endpoint.send("digests")
-                    if peer.endpoint.expect("digests") != sender.digests():
-                        raise AssertionError(f"{format_size(case.slice_bytes)}, {path} path: the receiver's cache "
-                                             "differs from the sender's")
+                    check.before(path)
+                sent_before = engine.engine.stats().tensors_sent if path == "engine" else 0
+                seconds, cpu = _one_round(path, sender, engine, rep, peer)
+                if path == "engine":  # what the engine sent this round: pieces, the last layer's included
+                    engine_messages = engine.engine.stats().tensors_sent - sent_before
+                if checked:
+                    check.after(path, rep)
                 if rep:
                     times[path].append(seconds)
                     cores[path].append(cpu / seconds)
     finally:
         engine.close()
     nbytes = case.round_bytes
+    messages = case.num_layers * case.num_requests
     row: dict[str, Any] = {
         "size": format_size(case.slice_bytes), "slice_bytes": case.num_tokens * case.token_bytes,
         "tokens": case.num_tokens, "layers": case.num_layers, "requests": case.num_requests,
-        "messages": case.num_layers * case.num_requests, "chunks_per_layer": len(case.chunks()), "round_bytes": nbytes,
+        # Tensors one round sends: raw and link one per slice, ncclkv one per chunk, the engine what it counted.
+        "messages": messages, "ncclkv_messages": len(sender.pieces), "engine_messages": engine_messages,
+        "msgs": f"{messages} / {len(sender.pieces)} / {engine_messages}",
+        "chunks_per_layer": len(case.chunks()), "round_bytes": nbytes,
     }
     for path in PATHS + COPIES:
         row[f"{path}_gbps_best"], row[f"{path}_gbps_median"] = _gbps(nbytes, times[path])
@@ -164,7 +211,7 @@ def _cpu_terms(row: dict[str, Any], nbytes: int) -> None:
 
 COLUMNS = (
     Column("size", "slice"),
-    Column("messages", "msgs", "{:d}"),
+    Column("msgs", "tensors sent raw / ncclkv / engine", align="<"),
     Column("memcpy_gbps_median", "memcpy GB/s"),
     Column("raw_gbps_median", "raw GB/s"),
     Column("link_gbps_median", "link GB/s"),
@@ -182,6 +229,12 @@ COLUMNS = (
     Column("raw_cores_median", "raw cores"),
     Column("ncclkv_cores_median", "ncclkv cores"),
 )
+
+
+def _span(rows: list[dict[str, Any]], key: str) -> str:
+    """``low-high`` of ``key`` over ``rows`` (two decimals)."""
+    values = [r[key] for r in rows]
+    return f"{min(values):.2f}-{max(values):.2f}"
 
 
 def _headline(rows: list[dict[str, Any]]) -> list[str]:
@@ -203,6 +256,10 @@ def _headline(rows: list[dict[str, Any]]) -> list[str]:
         + "; at raw's speed it would keep " + ", ".join(f"{r['cores_needed']:.1f}" for r in big) + " cores busy",
         "cores busy during the rounds (median): raw " + ", ".join(f"{r['raw_cores_median']:.2f}" for r in big)
         + "; ncclkv " + ", ".join(f"{r['ncclkv_cores_median']:.2f}" for r in big),
+        "this run's copies and wire from 1 MiB up (median GB/s): memcpy " + _span(big, "memcpy_gbps_median")
+        + ", gather " + _span(big, "gather_gbps_median") + ", scatter " + _span(big, "scatter_gbps_median")
+        + ", raw gloo " + _span(big, "raw_gbps_median") + ", ncclkv " + _span(big, "ncclkv_gbps_median")
+        + ", engine " + _span(big, "engine_gbps_median"),
         "engine (two real TransferEngines, every request of a round pushed at once) / raw from 1 MiB up (median): "
         + ", ".join(f"{r['size']} {r['engine_raw_median']:.2f}" for r in big)
         + "; engine / ncclkv path: " + ", ".join(f"{r['engine_ncclkv_median']:.2f}" for r in big),
@@ -211,29 +268,32 @@ def _headline(rows: list[dict[str, Any]]) -> list[str]:
 
 
 ANALYSIS = """\
+This run's own numbers are in the findings above (computed from its table);
+what follows explains them, with numbers from dated earlier runs.
+
 Where the time goes. gloo over loopback TCP is copy-bound: the sender's
 `write` copies into the kernel and the receiver's `read` copies out of it. The
 ncclkv path adds two more passes over the same bytes: the gather on the sender
 (cache blocks -> wire tensor) and the scatter on the receiver (wire tensor ->
 blocks of another size). Both run in ncclkv's native kernel (see paged): in
-this run (2-core Xeon, 2026-11-26) at 3.7-5.7 and 5.0-7.5 GB/s against a
+the run of 2026-11-26 (the 2-core Xeon) at 3.7-5.7 and 5.0-7.5 GB/s against a
 memcpy of 5.7-7.0; on the 2-core EPYC of the runs before, 4.7-8.4 against
 9.4-13.3 (2026-11-25), 13-15 against 14-20 two days before; before the
 kernel (torch ops) they ran at 6-11 GB/s on that faster day. The gather runs
 on the caller's thread while earlier layers are on the wire, the scatter on
 the link's receive thread as each tensor lands (as the engine does), so they
 overlap with the transfer, but they need CPU: `CPU ncclkv/raw` (CPU seconds
-of both processes, ncclkv over raw, same bytes) is 1.7-3.1 from 1 MiB up in
-this run (1.8-2.6, 2.0-2.4, 1.7-2.5 and 1.4-2.0 in four EPYC runs), about
+of both processes, ncclkv over raw, same bytes) was 1.7-3.1 from 1 MiB up
+on 2026-11-26 (1.8-2.6, 2.0-2.4, 1.7-2.5 and 1.4-2.0 in four EPYC runs), about
 what raw plus the `gather` and `scatter` columns predict, more at 1 MiB,
-where raw gloo ran at 5.0 GB/s here (its 256 MiB of buffers fit this host's
+where raw gloo ran at 5.0 GB/s that day (its 256 MiB of buffers fit that host's
 cache; 2.5-3.7 GB/s from 4 MiB up). So ncclkv/raw is about (ncclkv cores /
 raw cores) / (CPU ncclkv/raw): with both cores to itself ncclkv would reach
-the `core-bound ceiling` (0.36-0.97 here; 0.48-0.82, 0.50-0.71, 0.46-0.83
+the `core-bound ceiling` (0.36-0.97 on 2026-11-26; 0.48-0.82, 0.50-0.71, 0.46-0.83
 and 0.7-1.0 on the EPYC); it measured 0.33-0.71 (0.42-0.61, 0.44-0.56,
-0.41-0.62, 0.6-0.74), because the pipeline keeps only 1.5-1.85 cores busy
+0.41-0.62, 0.6-0.74), because the pipeline kept only 1.5-1.85 cores busy
 (`cores` columns) and, at 1-4 MiB, the link's per-tensor latency (`link/raw`
-0.64-0.81 here; the round trips in the findings: a frame header ahead of
+0.64-0.81 that day; the round trips in the findings: a frame header ahead of
 each receive, a reaper thread woken per tensor) is not all hidden. The 0.85
 goal needs a third core at this wire speed, fewer passes over the bytes (a
 receive straight into the cache, which gloo allows only for contiguous runs
@@ -254,7 +314,7 @@ copies, is what is left.
 The engine path is the product: the same caches and bytes between two real
 TransferEngines, a round's slices as requests of L layers, all expected by
 the consumer and then pushed at once (`start_push`, `save_layer` per layer,
-`finish`). It reached 0.89-1.06 of the ncclkv path from 1 MiB up in this run
+`finish`). It reached 0.89-1.06 of the ncclkv path from 1 MiB up on 2026-11-26
 (0.53-0.65 below; on the EPYC 0.60-0.94, 0.59-0.92, 0.67-0.89 and
 0.71-0.95 in four runs, 0.3-0.4 below 1 MiB), and 0.30-0.75 of raw gloo,
 least at small slices, because it adds per tensor: an Announce over the ZMQ
@@ -268,8 +328,8 @@ after 170-230 us, the whole write), so one thread gathered and wrote each
 tensor in turn, about 2 GB/s at 1 MiB whatever the cores. A gloo link now
 posts its data sends from a send thread of its own: on the lent 16-core
 machine engine/raw went from 0.38 / 0.67 / 0.64 / 0.62 to 0.68 / 0.94 / 0.90
-/ 0.71 at 1 / 4 / 16 / 64 MiB (two copy threads, same hour); here, with both
-cores busy anyway, it moved within the noise (engine 1.27 and 1.33 GB/s at 1
+/ 0.71 at 1 / 4 / 16 / 64 MiB (two copy threads, same hour); on the 2-core
+machine, with both cores busy anyway, it moved within the noise (engine 1.27 and 1.33 GB/s at 1
 MiB against 1.20 and 1.27, new and old code in turn). Since 2026-11-24 the
 producer announces each tensor and sends its frame header before gathering
 it, with the next queued tensor's header, and since 2026-11-25 the next
@@ -329,7 +389,7 @@ thread; `gc.freeze()` after start-up (what vLLM's engine core does before
 serving, so inside vLLM ncclkv has it) took them to 5-12 ms. Processes that
 run engines outside vLLM should do the same (docs/LAUNCH.md).
 Two runs before, every tensor also had a freshly allocated wire buffer on each
-side; on this machine a fresh multi-MiB CPU tensor is faulted in and zeroed
+side; on the CPU a fresh multi-MiB tensor is faulted in and zeroed
 by the kernel on first touch, which held an engine pushing 8-16 MiB layers to
 0.34 GB/s (1.3-1.6 GB/s with reused buffers, A/B the same hour); the engine now
 keeps its wire buffers for reuse, and takes each only when the link posts its
@@ -338,11 +398,12 @@ scatter). The second change moved throughput within the noise: 16 pushed
 layers of 1 MiB at 1.03 GB/s and of 8-16 MiB at 1.9 GB/s after it, 0.79 and
 1.3-1.6 before, the same hour.
 
-This run's machine (2026-11-25) was slower than the one behind the earlier
-numbers quoted below: memcpy 9.4-13.3 GB/s and the gather/scatter kernel
-4.7-8.4 GB/s (the evening before 7.4-11 and 4.3-7.0, that afternoon
-8.7-12.6 and 4.7-7.4), against 14-20 and 13-15 two days before, raw gloo
-1.7-4.3 GB/s. On 2026-11-24 a run an hour
+Machines differ from run to run (the findings give this run's copy speeds):
+the EPYC of 2026-11-25 ran memcpy at 9.4-13.3 GB/s and the gather/scatter
+kernel at 4.7-8.4 GB/s (the evening before 7.4-11 and 4.3-7.0, that afternoon
+8.7-12.6 and 4.7-7.4), against 14-20 and 13-15 two days before, raw gloo at
+1.7-4.3 GB/s; the Xeon of 2026-11-26 memcpy at 5.7-7.0, raw gloo at 2.6-5.0.
+The numbers in the list below come from those days. On 2026-11-24 a run an hour
 before, the engine's buffers still taken as each layer was saved, gave
 ncclkv/raw 0.45-0.77 from 1 MiB up (its 1 MiB raw rounds ran at 1.8 GB/s) and
 engine/ncclkv 0.73-0.96. Ratios measured in the same rounds still compare; the
@@ -350,7 +411,7 @@ absolute numbers do not, between runs.
 
 What was tried (same machine; flags of `python -m benchmarks.bench_transfer`):
 
-- The native gather/scatter kernel (this run against the torch-op one of the
+- The native gather/scatter kernel (2026-11-22, against the torch-op one of the
   day before): ncclkv/raw 0.30-0.40 -> 0.40-0.66 from 1 MiB up.
 - In-flight depth (`--in-flight N`). gloo writes a send's payload only after the
   peer's receive is posted (it sends a recv-ready notice), so a link that posts
@@ -375,7 +436,7 @@ What was tried (same machine; flags of `python -m benchmarks.bench_transfer`):
 - Two copy threads (`--copy-threads 2`) on these two cores: 0.28 at 1 MiB in
   quick rounds against 0.37 without (a run each): the copy's second thread
   competes with gloo's. On 16 cores they are what lifts 1 MiB (above).
-- 4 MiB pieces (`--chunk-kib 4096`, the engine's `piece_bytes` too) here:
+- 4 MiB pieces (`--chunk-kib 4096`, the engine's `piece_bytes` too) on two cores:
   64 MiB slices 0.75 of raw against 0.67 whole, 16 MiB 0.70 against 0.71
   (a run each); on 16 cores 64 MiB went from 0.75 to 0.90 with one copy
   thread, and with two and a 256-deep window 0.76 and 0.88 in two runs
@@ -383,13 +444,13 @@ What was tried (same machine; flags of `python -m benchmarks.bench_transfer`):
   Not a default: each piece is a message, and the vLLM rows' 2 MiB pieces
   cost time to first token on two cores (bench vllm).
 - Below 1 MiB the link's per-tensor cost dominates: roughly 50-90 us per
-  tensor here.
+  tensor on the 2-core machines.
 - Posting sends on the caller's thread instead of waking the link's poster
-  thread per tensor (this run): the 64 KiB round trip went from about 700 us
+  thread per tensor (2026-11-24): the 64 KiB round trip went from about 700 us
   (one ad-hoc ping-pong before) to 450-730 us (nine runs after; raw gloo
   70-160 us).
   Throughput did not move beyond the noise (ncclkv/raw 0.54-0.68 and 0.59-0.63
-  in two development runs, 0.60-0.74 here); it matters for latency (see
+  in two development runs, 0.60-0.74 in the run that day); it matters for latency (see
   overlap). Sending each frame header before its tensor instead of after, and
   posting the data receive before re-posting the header receive, made no
   difference beyond the noise and were left out.
@@ -456,6 +517,10 @@ def run(ctx: BenchContext, params: TransferParams | None = None) -> BenchResult:
         "engine": "producer TransferEngine (sender's cache) -> consumer TransferEngine (receiver's cache), push: "
                   "every request of a round expected, then start_push, save_layer per layer, finish each",
         "timing": "receives posted -> last byte received and scattered; min and median over rounds",
+        "checked": "every path's bytes after the warm-up round and after the last timed round: where it writes "
+                   "scrambled before, compared with the sender's after (outside the timed interval)",
+        "tensors_sent": "per round: raw and link one per slice (layers x requests), ncclkv one per chunk, the "
+                        "engine what its stats counted (its pieces)",
         "round_trips": f"{params.trips} per size and path after {_TRIP_WARMUP} warm-up, one tensor there and 8 bytes back",
     }
     return BenchResult(NAME, TITLE, COLUMNS, rows, meta, _headline(rows) + trips, ANALYSIS)

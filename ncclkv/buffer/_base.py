@@ -37,6 +37,18 @@ class LockedLRU(Generic[K, V]):
             return self._lru.used_bytes
 
     @property
+    def peak_used_bytes(self) -> int:
+        """The most bytes held at once since construction or the last :meth:`reset_peak_used` (a snapshot)."""
+        with self._lock:
+            return self._lru.peak_used_bytes
+
+    def reset_peak_used(self) -> int:
+        """Start a new high-water mark from the bytes held now; return the mark it replaces (read and reset
+        under one lock, so no insert between the two is lost)."""
+        with self._lock:
+            return self._lru.reset_peak()
+
+    @property
     def stats(self) -> BufferStats:
         with self._lock:
             return self._lru.stats()

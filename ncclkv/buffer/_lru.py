@@ -56,9 +56,13 @@ class ByteLRU(Generic[K, V]):
 
     Not thread-safe: the owning buffer holds its lock around every call. Every
     operation is O(1) except ``add``, which is O(number evicted).
+
+    ``peak_used_bytes`` is the high-water mark of ``used_bytes``: the most held at
+    any moment since construction or the last :meth:`reset_peak` (only ``add``
+    raises ``used_bytes``, so it is kept there, after any eviction).
     """
 
-    __slots__ = ("name", "capacity_bytes", "evict", "used_bytes", "_entries",
+    __slots__ = ("name", "capacity_bytes", "evict", "used_bytes", "peak_used_bytes", "_entries",
                  "hits", "misses", "inserts", "evictions", "evicted_bytes", "refusals")
 
     def __init__(self, name: str, capacity_bytes: int, evict: bool) -> None:
@@ -70,6 +74,7 @@ class ByteLRU(Generic[K, V]):
         self.capacity_bytes = capacity_bytes
         self.evict = bool(evict)
         self.used_bytes = 0
+        self.peak_used_bytes = 0
         self._entries: OrderedDict[K, tuple[V, int]] = OrderedDict()
         self.hits = self.misses = self.inserts = 0
         self.evictions = self.evicted_bytes = self.refusals = 0
@@ -112,6 +117,7 @@ class ByteLRU(Generic[K, V]):
             evicted.append((old_key, old_value))
         self._entries[key] = (value, nbytes)
         self.used_bytes += nbytes
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         self.inserts += 1
         return evicted
 
@@ -147,6 +153,11 @@ class ByteLRU(Generic[K, V]):
     def clear(self) -> None:
         self._entries.clear()
         self.used_bytes = 0
+
+    def reset_peak(self) -> int:
+        """Start a new high-water mark from what is held now; return the mark it replaces."""
+        peak, self.peak_used_bytes = self.peak_used_bytes, self.used_bytes
+        return peak
 
     def stats(self) -> BufferStats:
         return BufferStats(self.hits, self.misses, self.inserts, self.evictions, self.evicted_bytes, self.refusals)

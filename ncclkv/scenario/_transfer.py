@@ -55,6 +55,9 @@ class TransferConfig:
     mode: str = "pull"
     deadline_s: float = 10.0
     kill_rank: int | None = None
+    # One untimed request per (prefill, decode) pair before the timed window, so that links opened lazily by
+    # the first request are open when it starts: without it a P x D set pays P x D link creations inside it.
+    warmup: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("pull", "push"):
@@ -73,8 +76,20 @@ class TransferConfig:
         per = math.ceil(max(self.tokens) / block_size)
         return list(range(request * per, (request + 1) * per))
 
-    def num_blocks(self, block_size: int) -> int:
-        return len(self.tokens) * math.ceil(max(self.tokens) / block_size)
+    def num_blocks(self, block_size: int, num_prefill: int = 0) -> int:
+        """Blocks a cache needs: every request's run, and with ``warmup`` one more run per prefill instance
+        (``num_prefill``) for its warm-up requests."""
+        runs = len(self.tokens) + (num_prefill if self.warmup else 0)
+        return runs * math.ceil(max(self.tokens) / block_size)
+
+    @property
+    def warmup_tokens(self) -> int:
+        """Tokens of each warm-up request: the shortest request's (it opens the links; its bytes do not matter)."""
+        return min(self.tokens)
+
+    def warmup_blocks(self, prefill: int, block_size: int) -> list[int]:
+        """The blocks of prefill ``prefill``'s warm-up requests, on either side: past every real request's."""
+        return self.blocks(len(self.tokens) + prefill, block_size)[:math.ceil(self.warmup_tokens / block_size)]
 
 
 def pair_of(request: int, topology: PDTopology) -> tuple[int, int]:
@@ -112,6 +127,41 @@ def _wait_sent(engine: TransferEngine, requests: list[str], deadline_s: float) -
             time.sleep(0.002)  # polling the engine's own bookkeeping; no data waits on this
 
 
+def _warmup_id(prefill: int, decode: int) -> str:
+    return f"warmup-p{prefill}-d{decode}"
+
+
+def _warm_up(engine: TransferEngine, place: RankPlace, topology: PDTopology, cfg: TransferConfig,
+             refs: dict[tuple[str, int], EngineRef], caches: dict[int, torch.Tensor], cache_layout: CacheLayout,
+             shard: Roi, block: int) -> None:
+    """One request per (prefill, decode) pair, as the run sends them (pull or push), before the timed window:
+    each pair's links open here, not in the window. The landed bytes are checked as the run's are."""
+    n, seed = cfg.warmup_tokens, 1_000_000  # a seed no real request has (request i has seed i + 1)
+    if place.role == "prefill":
+        blocks = cfg.warmup_blocks(place.instance, block)
+        fill_shard(caches, cache_layout, cfg.geometry, shard, seed + place.instance, blocks, n)
+        ids = [_warmup_id(place.instance, decode) for decode in range(topology.num_decode)]
+        for decode, request_id in enumerate(ids):
+            if cfg.mode == "pull":
+                engine.finish(request_id, blocks, n)
+            else:
+                engine.start_push(request_id, refs[("decode", decode)], blocks, n)
+                for layer in shard.layers:
+                    engine.save_layer(request_id, layer)
+                engine.finish(request_id)
+        _wait_sent(engine, ids, cfg.run_deadline_s)
+        return
+    for prefill in range(topology.num_prefill):
+        engine.expect(_warmup_id(prefill, place.instance), refs[("prefill", prefill)],
+                      cfg.warmup_blocks(prefill, block), n, push=cfg.mode == "push")
+    for prefill in range(topology.num_prefill):
+        engine.wait(_warmup_id(prefill, place.instance))
+        bad = check_landed(caches, cache_layout, cfg.geometry, shard, seed + prefill,
+                           cfg.warmup_blocks(prefill, block), n)
+        if bad:
+            raise ScenarioError(f"{place}: warm-up request from prefill[{prefill}] differs in layers {bad}")
+
+
 def run_rank(info: LaunchInfo, place: RankPlace, topology: PDTopology, cfg: TransferConfig, device: torch.device,
              bind_host: str | None, rendezvous: StoreRendezvous) -> list[dict[str, object]]:
     """One rank's part; returns every rank's numbers (place, bytes, seconds, requests, tensors)."""
@@ -128,8 +178,8 @@ def run_rank(info: LaunchInfo, place: RankPlace, topology: PDTopology, cfg: Tran
         if cfg.geometry.use_mla:
             cache_layout = CacheLayout.MLA  # one latent per token, on both sides
         dtype = getattr(torch, cfg.geometry.dtype)
-        caches = {layer: make_cache(cache_layout, cfg.num_blocks(block), block, len(shard.heads),
-                                    cfg.geometry.head_size, dtype, device) for layer in shard.layers}
+        caches = {layer: make_cache(cache_layout, cfg.num_blocks(block, topology.num_prefill), block,
+                                    len(shard.heads), cfg.geometry.head_size, dtype, device) for layer in shard.layers}
         engine.register(caches, cache_layout)
         refs = _refs(topology, rendezvous.exchange(engine.address))
         mine = [i for i in range(len(cfg.tokens))
@@ -137,6 +187,10 @@ def run_rank(info: LaunchInfo, place: RankPlace, topology: PDTopology, cfg: Tran
         if producer:  # the KV "prefill" computed, before anyone measures the transfer
             for i in mine:
                 fill_shard(caches, cache_layout, cfg.geometry, shard, i + 1, cfg.blocks(i, block), cfg.tokens[i])
+        before = engine.stats()
+        if cfg.warmup:
+            _warm_up(engine, place, topology, cfg, refs, caches, cache_layout, shard, block)
+            before = engine.stats()  # the run's numbers leave the warm-up's bytes and tensors out
         # The timed window starts here on every rank: a consumer that woke 50 ms late (the store's usual
         # polling backoff) would leave a push's first 50 ms out of its window.
         rendezvous.exchange("filled", name="filled", start_line=True)
@@ -169,8 +223,11 @@ def run_rank(info: LaunchInfo, place: RankPlace, topology: PDTopology, cfg: Tran
         if producer:
             seconds = time.monotonic() - started
         stats = engine.stats()
-        mine_result = {"place": str(place), "bytes": stats.bytes_received or stats.bytes_sent, "seconds": seconds,
-                       "requests": len(mine), "tensors": stats.tensors_received or stats.tensors_sent}
+        received = stats.bytes_received - before.bytes_received
+        mine_result = {"place": str(place), "bytes": received or stats.bytes_sent - before.bytes_sent,
+                       "seconds": seconds, "requests": len(mine),
+                       "tensors": (stats.tensors_received - before.tensors_received)
+                       or stats.tensors_sent - before.tensors_sent}
         results = [json.loads(text) for text in rendezvous.exchange(json.dumps(mine_result), name="result")]
         rendezvous.finish()  # nobody closes a link while a peer still reads from it
         return results
@@ -206,6 +263,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pull: decode ranks ask for held KV; push: prefill ranks send each layer as saved "
                         "(default pull)")
     parser.add_argument("--kill-rank", type=int, default=None, help="this prefill rank dies after its first saved layer (push)")
+    parser.add_argument("--warmup", action="store_true",
+                        help="send one untimed request per prefill/decode pair first, so the timed window does not "
+                        "include opening the links (for benchmarks)")
     parser.add_argument("--json-out", default=None, metavar="PATH",
                         help="rank 0 also writes the summary as JSON to PATH (for benchmarks)")
 
@@ -235,7 +295,8 @@ def config_from_args(args: argparse.Namespace) -> TransferConfig:
     tokens = tuple(max(1, max_tokens // 4 + (i * 37) % (max_tokens - max_tokens // 4 + 1)) for i in range(requests))
     kv_heads = args.kv_heads if args.kv_heads is not None else 1 if args.mla else _KV_HEADS
     geometry = KVGeometry(args.layers, kv_heads, args.head_size, args.dtype, args.mla)
-    return TransferConfig(geometry, tokens, args.mode, args.deadline, args.kill_rank)
+    return TransferConfig(geometry, tokens, args.mode, args.deadline, args.kill_rank,
+                          warmup=bool(getattr(args, "warmup", False)))
 
 
 @dataclass(frozen=True, slots=True)

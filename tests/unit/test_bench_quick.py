@@ -2,9 +2,10 @@
 
 Nothing here asserts a timing: the machine is shared, and the numbers are the
 benchmarks' business. The quick run is still a real check: the transfer
-benchmark compares what the receiver's cache holds with what was sent (after
-its ncclkv path and after its engine path, each from random bytes), bench
-overlap does the same after each engine row, and the control benchmark checks
+benchmark compares what every path wrote with what was sent (after the warm-up
+round and after the last timed round, each time over random bytes), bench
+overlap does the same for every mode of each row's last timed round, the scale
+and memory runs check every landed byte, and the control benchmark checks
 every request's Announce count and each link's data.
 """
 
@@ -51,13 +52,14 @@ def test_every_benchmark_writes_json_and_png(quick_run: tuple[Path, str]) -> Non
 def test_tables_have_the_expected_columns(quick_run: tuple[Path, str]) -> None:
     out, printed = quick_run
     expected = {
-        "transfer": ["slice", "raw GB/s", "link GB/s", "ncclkv GB/s", "engine GB/s", "memcpy GB/s", "ncclkv/raw",
-                     "engine/raw", "ncclkv/memcpy"],
+        "transfer": ["slice", "tensors sent raw / ncclkv / engine", "raw GB/s", "link GB/s", "ncclkv GB/s",
+                     "engine GB/s", "memcpy GB/s", "ncclkv/raw", "engine/raw", "ncclkv/memcpy"],
         "overlap": ["c ms", "x ms", "layer-wise exposed (x)", "after-compute exposed (x)", "compute slowdown"],
         "control": ["what", "p50 us", "p99 us"],
         "paged": ["layout", "op", "GB/s best", "ratio best"],
         "scale": ["set", "mode", "GB/s best", "requests/s median", "vs 1P1D (median)"],
-        "memory": ["what", "first MiB", "at 20% MiB", "last MiB", "peak MiB", "growth last 80% (%)"],
+        "memory": ["what", "first MiB", "at 20% MiB", "last MiB", "peak MiB", "growth last 80% (%)",
+                   "slope last 80% (B/request)"],
         "blend": ["recompute ratio", "fraction", "speed-up median", "query error"],
     }
     for name, headers in expected.items():
@@ -75,42 +77,55 @@ def test_transfer_rows_cover_the_sizes_with_finite_ratios(quick_run: tuple[Path,
     for row in rows:
         for key in ("ncclkv_raw_median", "ncclkv_memcpy_median", "link_raw_median", "engine_raw_median", "cpu_ceiling"):
             assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
+        # Whole slices: every path sends one tensor per slice (the engine's count is its own stats')
+        assert row["messages"] == row["ncclkv_messages"] == row["engine_messages"] == row["layers"] * row["requests"]
 
 
 def test_overlap_times_the_link_and_the_real_engine(quick_run: tuple[Path, str]) -> None:
     out, _ = quick_run
     result = _common.BenchResult.from_json(json.loads((out / "overlap.json").read_text()))
-    assert [r["path"] for r in result.rows] == ["link", "engine push"]
-    link, engine = result.rows
+    # Each path whole and in pieces (quick slices are about 4 MiB, pieces 1 MiB), every mode's bytes checked.
+    assert [r["path"] for r in result.rows] == ["link", "link", "engine push", "engine push"]
+    link, link_pieces, engine, engine_pieces = result.rows
     assert link["slice_bytes"] == engine["slice_bytes"] > 0  # the same slices through both paths
+    assert link["chunks"].startswith("1 x ") and engine["chunks"].startswith("1 x ")
+    assert int(link_pieces["chunks"].split(" x ")[0]) > 1 and int(engine_pieces["chunks"].split(" x ")[0]) > 1
     assert link["single_layer_x"] > 0 and engine["single_layer_x"] is None  # the engine path has no single-layer mode
     for row in result.rows:
         for key in ("x_ms", "c_ms", "layerwise_exposed_median", "after_exposed_median", "speedup"):
             assert math.isfinite(row[key]) and row[key] > 0, (row["path"], key, row[key])
     assert any(line.startswith("engine push, sent as 1 x ") for line in result.headline)
+    assert "last timed round" in result.meta["checked"]
 
 
-def test_scale_runs_every_set_on_the_same_bytes(quick_run: tuple[Path, str]) -> None:
+def test_scale_runs_every_set_and_mode_on_the_same_bytes(quick_run: tuple[Path, str]) -> None:
     out, _ = quick_run
-    rows = json.loads((out / "scale.json").read_text())["results"]
-    assert [(r["set"], r["mode"], r["ranks"]) for r in rows] == [("1P1D", "pull", 2), ("2P2D", "pull", 4)]
-    assert rows[0]["mib"] == rows[1]["mib"] > 0  # the same requests, whatever the set: nothing lost or doubled
-    assert rows[0]["vs_1p1d"] == 1.0
+    result = _common.BenchResult.from_json(json.loads((out / "scale.json").read_text()))
+    rows = result.rows
+    assert [(r["set"], r["mode"], r["ranks"]) for r in rows] == [
+        ("1P1D", "pull", 2), ("2P2D", "pull", 4), ("1P1D", "push", 2), ("2P1D", "push", 3), ("1P2D", "push", 3)]
+    # The same requests, whatever the set: nothing lost or doubled, the warm-up requests left out.
+    assert len({r["mib"] for r in rows}) == 1 and rows[0]["mib"] > 0
+    assert rows[0]["vs_1p1d"] == rows[2]["vs_1p1d"] == 1.0
     for row in rows:
         assert math.isfinite(row["gbps_median"]) and row["gbps_median"] > 0 and row["rps_median"] > 0
+    assert "untimed request per (prefill, decode) pair" in result.meta["warmup"]
 
 
 def test_memory_samples_rss_staging_and_wire_buffers_every_wave(quick_run: tuple[Path, str]) -> None:
     out, _ = quick_run
     result = _common.BenchResult.from_json(json.loads((out / "memory.json").read_text()))
-    rss, waiting, after, wire = result.rows
+    rss, peak, after, wire, bound = result.rows
     assert rss["samples"] == len(rss["series"]) == math.ceil(result.meta["requests"] / result.meta["wave_size"])
     assert rss["series"][-1][0] == result.meta["requests"]  # [requests done, seconds, MiB], in order
-    assert rss["first_mib"] > 0 and math.isfinite(rss["growth_pct"])
-    assert waiting["peak_mib"] > 0 and after["peak_mib"] == 0  # pushes waited in staging; none was left over
-    assert [p[2] for p in after["series"]] == [0.0] * rss["samples"]  # measured at each wave's end, and plotted
-    assert len(wire["series"]) == rss["samples"] and wire["last_mib"] > 0  # buffers came back for reuse
-    assert result.meta["moved_bytes"] > 0 and "RSS growth over the last 80%" in result.headline[0]
+    assert rss["first_mib"] > 0 and math.isfinite(rss["growth_pct"]) and math.isfinite(rss["slope_b"])
+    # Staging's high-water mark, not a sample: pushes waited there; none was left over at a wave's end.
+    assert peak["peak_mib"] > 0 and 0 < result.meta["staging_peak_rank_bytes"] <= result.meta["staging_capacity_bytes"]
+    assert after["peak_mib"] == 0 and [p[2] for p in after["series"]] == [0.0] * rss["samples"]
+    assert len(wire["series"]) == len(bound["series"]) == rss["samples"] and wire["last_mib"] > 0
+    assert result.meta["wire_within_bound"] is True and result.meta["moved_bytes"] > 0
+    assert result.headline[0].startswith("RSS left behind per request over the last 80%")
+    assert " B/request +- " in result.headline[0] and "(goal < 1024 B/request: " in result.headline[0]
 
 
 def test_blend_recomputes_all_at_ratio_one_and_few_at_zero(quick_run: tuple[Path, str]) -> None:
@@ -144,6 +159,7 @@ def test_results_md_presents_every_benchmark(quick_run: tuple[Path, str]) -> Non
         assert (out / "figures" / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
         assert f"`ncclkv bench {name} --quick`" in text
     assert text.count("- Machine: ") == len(NAMES) and "torch " in text
+    assert text.count("; code ") >= len(NAMES)  # the code version the numbers came from, in every machine line
     assert str(out) not in text  # no machine-specific paths in the document
 
 
@@ -250,3 +266,55 @@ def test_report_only_without_results_leaves_results_md_alone(tmp_path: Path, cap
     err = capsys.readouterr().err
     assert "no results to present" in err and "paged.json" in err and "left as it is" in err
     assert results.read_text() == "kept\n"
+
+
+def test_transfer_checks_every_path_s_bytes_so_a_fast_but_wrong_path_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A link path that sends zeros instead of the slices is caught by the check after its round."""
+    import torch
+
+    from benchmarks import _transfer_paths, bench_transfer
+
+    def wrong(self: _transfer_paths.Sender) -> None:
+        zeros = torch.zeros_like(self.wires[0])
+        for fut in [self.link.send(zeros) for _ in self.wires]:
+            fut.result(_transfer_paths.WAIT_S)
+
+    monkeypatch.setattr(_transfer_paths.Sender, "link_only", wrong)
+    params = bench_transfer.TransferParams(sizes=(64 << 10,), round_bytes=256 << 10, trip_sizes=(64 << 10,), trips=1)
+    with _common.BenchContext(_common.BenchOptions(quick=True, repeats=1, out=tmp_path)) as ctx:
+        with pytest.raises(_transfer_paths.BytesDiffer,
+                           match=r"^64 KiB, link path, round 0: the receiver's wire buffers differ"):
+            bench_transfer.run(ctx, params)
+
+
+def test_a_failed_memory_soak_raises_with_the_end_of_its_output() -> None:
+    from benchmarks import bench_memory
+
+    shown: list[str] = []
+    with pytest.raises(RuntimeError, match=r"exited with 2; the last \d+ lines of its output:\n(.|\n)*wave-size"):
+        bench_memory._soak_in_child(["--wave-size", "0"], shown.append)
+    assert any("wave-size" in line for line in shown)  # and as progress, as it came
+
+
+def test_memory_repeats_soak_anew_and_judge_the_median_slope(quick_run: tuple[Path, str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import bench_memory
+
+    template = json.loads((quick_run[0] / "memory.json").read_text())
+    slopes = iter([3000.0, 500.0, 900.0])
+    argvs: list[list[str]] = []
+
+    def soak(argv: list[str], progress: object) -> _common.BenchResult:
+        argvs.append(argv)
+        result = _common.BenchResult.from_json(json.loads(json.dumps(template)))
+        result.rows[0]["slope_b"] = next(slopes)
+        return result
+
+    monkeypatch.setattr(bench_memory, "_soak_in_child", soak)
+    result = bench_memory._repeated(["--quick"], 3, lambda _: None)
+    assert argvs == [["--quick"]] * 3  # each soak a process of its own
+    assert result.rows[0]["slope_b"] == 900.0 and result.meta["repeats"] == 3
+    assert result.meta["rss_slope_b_all"] == [3000.0, 500.0, 900.0]
+    assert "+900 B/request (median of 3 soaks, each in a new process; min +500) (goal < 1024 B/request: met)" in \
+        result.headline[0]

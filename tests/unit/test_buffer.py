@@ -487,3 +487,20 @@ def test_store_put_counts_what_the_caller_says_when_told() -> None:
         with pytest.raises(ValueError, match=rf"^nbytes for key 'c' must be an int >= 0, got {bad!r}$"):
             store.put("c", base[:1], nbytes=bad)  # type: ignore[arg-type]
     assert len(store) == 1
+
+
+def test_peak_used_bytes_is_the_high_water_mark_and_resets_to_what_is_held() -> None:
+    """The most held at once, even when it was never held at a moment anyone looked (eviction included)."""
+    store = KVStoreBuffer(1000, evict=True)
+    assert store.peak_used_bytes == 0
+    store.put("a", torch.zeros(400, dtype=torch.uint8))
+    store.put("b", torch.zeros(500, dtype=torch.uint8))
+    store.put("a", None)
+    assert store.used_bytes == 500 and store.peak_used_bytes == 900
+    store.put("c", torch.zeros(700, dtype=torch.uint8))  # evicts b first: never more than the capacity
+    assert store.used_bytes == 700 and store.peak_used_bytes == 900
+    assert store.reset_peak_used() == 900 and store.peak_used_bytes == 700  # a new mark from what is held now
+    store.put("c", None)
+    assert store.peak_used_bytes == 700 and store.reset_peak_used() == 700 and store.peak_used_bytes == 0
+    lookup = KVLookupBuffer(1 << 20)
+    assert lookup.peak_used_bytes == 0 and lookup.reset_peak_used() == 0
