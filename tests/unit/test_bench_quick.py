@@ -124,8 +124,8 @@ def test_memory_samples_rss_staging_and_wire_buffers_every_wave(quick_run: tuple
     assert after["peak_mib"] == 0 and [p[2] for p in after["series"]] == [0.0] * rss["samples"]
     assert len(wire["series"]) == len(bound["series"]) == rss["samples"] and wire["last_mib"] > 0
     assert result.meta["wire_within_bound"] is True and result.meta["moved_bytes"] > 0
-    assert result.headline[0].startswith("RSS left behind per request over the last 80%")
-    assert " B/request +- " in result.headline[0] and "(goal < 1024 B/request: " in result.headline[0]
+    assert result.headline[0].startswith("RSS left behind per request over the last 40%")
+    assert "over the last 80% " in result.headline[0] and "(goal < 1024 B/request: " in result.headline[0]
 
 
 def test_blend_recomputes_all_at_ratio_one_and_few_at_zero(quick_run: tuple[Path, str]) -> None:
@@ -308,13 +308,14 @@ def test_memory_repeats_soak_anew_and_judge_the_median_slope(quick_run: tuple[Pa
     def soak(argv: list[str], progress: object) -> _common.BenchResult:
         argvs.append(argv)
         result = _common.BenchResult.from_json(json.loads(json.dumps(template)))
-        result.rows[0]["slope_b"] = next(slopes)
+        result.rows[0]["slope_late_b"] = next(slopes)
         return result
 
     monkeypatch.setattr(bench_memory, "_soak_in_child", soak)
     result = bench_memory._repeated(["--quick"], 3, lambda _: None)
     assert argvs == [["--quick"]] * 3  # each soak a process of its own
-    assert result.rows[0]["slope_b"] == 900.0 and result.meta["repeats"] == 3
-    assert result.meta["rss_slope_b_all"] == [3000.0, 500.0, 900.0]
+    assert result.rows[0]["slope_late_b"] == 900.0 and result.meta["repeats"] == 3
+    assert result.meta["rss_slope_late_b_all"] == [3000.0, 500.0, 900.0]
+    assert result.headline[0].startswith("RSS left behind per request over the last 40% of 80 requests")
     assert "+900 B/request (median of 3 soaks, each in a new process; min +500) (goal < 1024 B/request: met)" in \
         result.headline[0]
