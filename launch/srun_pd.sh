@@ -6,7 +6,9 @@
 # Inside an allocation (sbatch, salloc) the step uses it; otherwise srun makes one.
 # GPUS_PER_TASK (default 1; 0 requests none), SRUN_MPI (default pmix; "none" for
 # sites without the PMIx plugin), PYTHON (default: python on PATH).
-# MASTER_ADDR / MASTER_PORT default to the first node and a port derived from the job and step ids.
+# MASTER_ADDR / MASTER_PORT default to the first node (of het group 0 in a heterogeneous step) and a port
+# derived from the job and step ids; a rank meeting another job's store there is refused (export MASTER_PORT).
+# GLOO_SOCKET_IFNAME, when set, is the interface whose address each rank binds (--bind-host auto).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_pd_args.sh"
 pd_parse_args "$@"

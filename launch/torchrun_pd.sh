@@ -3,9 +3,14 @@
 #
 #   launch/torchrun_pd.sh --prefill 1 --prefill-tp 2 --decode 1 --decode-tp 1 --decode-pp 2
 #
-# One node (default): torchrun --standalone picks a free rendezvous port.
+# One node (default): torchrun --standalone picks a free rendezvous port and a fresh run id.
 # Several nodes: run the same command on every node with
-#   NNODES=2 RDZV_ENDPOINT=host0:29400 [RDZV_ID=job42]
+#   NNODES=2 RDZV_ENDPOINT=host0:29400 RDZV_ID=job42 LOCAL_ADDR=<this node's address>
+# RDZV_ID names this run in the rendezvous (torchrun wants one per job): default $SLURM_JOB_ID inside a
+# Slurm job, else it must be given; two runs meeting at one endpoint under one id would join each other.
+# LOCAL_ADDR (optional, passed as --local-addr): the address torchrun publishes for this node. The workers'
+# MASTER_ADDR is the rank-0 node's, by default its host name (getfqdn()), which resolves to loopback on many
+# hosts (Debian: 127.0.1.1): then --bind-host auto refuses to bind there. Give it on every node.
 # PYTHON selects the interpreter (default: python on PATH).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_pd_args.sh"
@@ -17,9 +22,13 @@ nnodes=${NNODES:-1}
 if ((nnodes == 1)); then
     rendezvous=(--standalone)
 else
-    rendezvous=(--nnodes "$nnodes" --rdzv-backend c10d
-        --rdzv-endpoint "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port for a multi-node run}"
-        --rdzv-id "${RDZV_ID:-ncclkv-pd}")
+    [[ -n ${RDZV_ENDPOINT:-} ]] || pd_die "NNODES=$nnodes: set RDZV_ENDPOINT=host:port (the same on every node)"
+    rdzv_id=${RDZV_ID:-${SLURM_JOB_ID:-}}
+    [[ -n $rdzv_id ]] || pd_die "NNODES=$nnodes: set RDZV_ID to an id of this run, the same on every node and" \
+        "unique per job (torchrun's --rdzv-id; inside a Slurm job it defaults to SLURM_JOB_ID)"
+    rendezvous=(--nnodes "$nnodes" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$rdzv_id")
 fi
-exec "${PYTHON:-python}" -m torch.distributed.run "${rendezvous[@]}" --max-restarts 0 \
-    --nproc-per-node "$((WORLD_SIZE / nnodes))" -m ncclkv.scenario "${SCENARIO_ARGS[@]}"
+local_addr=()  # expanded as ${local_addr[@]+...}: bash < 4.4 under set -u rejects an empty "${local_addr[@]}"
+[[ -z ${LOCAL_ADDR:-} ]] || local_addr=(--local-addr "$LOCAL_ADDR")
+exec "${PYTHON:-python}" -m torch.distributed.run "${rendezvous[@]}" ${local_addr[@]+"${local_addr[@]}"} \
+    --max-restarts 0 --nproc-per-node "$((WORLD_SIZE / nnodes))" -m ncclkv.scenario "${SCENARIO_ARGS[@]}"

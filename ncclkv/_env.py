@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from ._affinity import parse_cpu_list
 from ._timeout import check_timeout
 
-__all__ = ["BIND_HOST_VAR", "MAX_COPY_THREADS", "PAGED_KERNELS", "PP_PARTITION_VAR", "EnvSettings", "env_settings",
-           "take_bind_host_auto"]
+__all__ = ["BIND_HOST_VAR", "GLOO_IFNAME_VAR", "MAX_COPY_THREADS", "PAGED_KERNELS", "PP_PARTITION_VAR", "EnvSettings",
+           "env_settings", "take_bind_host_auto"]
 
 
 def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -68,6 +68,9 @@ BIND_HOST_VAR = "NCCLKV_BIND_HOST"
 # vLLM's own layers-per-stage override ("a,b,..."; vllm.distributed.utils.get_pp_indices reads it). The connector
 # takes vLLM's split from vLLM itself; ``ncclkv plan`` reads it from the mapping it is given to split as vLLM would.
 PP_PARTITION_VAR = "VLLM_PP_LAYER_PARTITION"
+# Gloo's interface between nodes (torch reads it for its own gloo groups). ncclkv's data plane binds to one
+# address it is given; with ``--bind-host auto`` the scenario takes this interface's (ncclkv.scenario._common).
+GLOO_IFNAME_VAR = "GLOO_SOCKET_IFNAME"
 
 
 def take_bind_host_auto(environ: MutableMapping[str, str]) -> bool:

@@ -7,18 +7,27 @@ innermost one wins: torchrun, then Open MPI, then MPICH, then plain
 RANK/WORLD_SIZE (Slurm never sets them: a process given both inside a Slurm
 step or batch script was placed by them), then Slurm. ``srun --mpi=pmi2``
 sets MPICH's PMI_RANK/PMI_SIZE too; it counts as Slurm (whose variables also
-say where the task sits on its node).
+say where the task sits on its node). So do RANK/WORLD_SIZE that equal the srun
+step's own SLURM_PROCID/SLURM_STEP_NUM_TASKS (pyxis/enroot's PyTorch hook sets
+them in every task): Slurm's variables also give the node's task count, the
+GPUs bound to the task and the step. A Slurm world is the srun step's
+(SLURM_STEP_NUM_TASKS), never the job's SLURM_NTASKS: a process of the batch
+script itself (no SLURM_STEP_NUM_TASKS) is refused ("launch with srun").
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchInfo", "derived_master_port", "discover", "first_slurm_host", "free_port", "slurm_tasks_per_node"]
+__all__ = [
+    "LOCAL_SIZE_VARS", "LaunchInfo", "derived_master_port", "discover", "first_slurm_host", "free_port",
+    "slurm_hostlist", "slurm_node_count", "slurm_tasks_per_node",
+]
 
 # Ports derived from a Slurm job id land here: above the well-known and
 # registered-service ranges and below Linux's default ephemeral range.
@@ -52,6 +61,9 @@ class LaunchInfo:
     attempt: int = 0
     # Slurm's SLURM_STEP_ID (0 elsewhere): steps of one job given the same MASTER_PORT keep their keys apart.
     step_id: int = 0
+    # Slurm's SLURM_JOB_ID (None elsewhere): in the rendezvous keys and the identity the hosting rank publishes,
+    # so that a rank of another job that meets this job's store (derived ports collide) is refused at once.
+    job_id: str | None = None
 
     @property
     def is_master(self) -> bool:
@@ -65,16 +77,73 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def first_slurm_host(nodelist: str) -> str:
-    """The first host of a Slurm hostlist such as ``gpu[03-05,9],cpu1``."""
-    match = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match or not match.group(1):
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _hostlist_items(nodelist: str) -> list[list[str | list[str]]]:
+    """A Slurm hostlist cut into its comma-separated items, each a sequence of literal text and bracket groups (a
+    bracket group as its numbers, zero padding kept): ``gpu[1-2]-ib,cpu1`` -> [["gpu", ["1", "2"], "-ib"], ["cpu1"]]."""
+    text = nodelist.strip()
+    items: list[list[str | list[str]]] = []
+    parts: list[str | list[str]] = []
+    literal, pos = "", 0
+    while pos < len(text):
+        char = text[pos]
+        if char == "[":
+            end = text.find("]", pos)
+            if end < 0:
+                raise ValueError(f"cannot read Slurm node list {nodelist!r}: '[' at {pos} is never closed")
+            numbers: list[str] = []
+            for item in text[pos + 1:end].split(","):
+                match = _RANGE.match(item.strip())
+                if not match:
+                    raise ValueError(f"cannot read Slurm node list {nodelist!r}: {item!r} is not N or N-M")
+                low, high = match.group(1), match.group(2) or match.group(1)
+                if int(high) < int(low):
+                    raise ValueError(f"cannot read Slurm node list {nodelist!r}: range {item!r} runs backwards")
+                width = len(low)
+                numbers.extend(str(number).zfill(width) for number in range(int(low), int(high) + 1))
+            if literal:
+                parts.append(literal)
+                literal = ""
+            parts.append(numbers)
+            pos = end + 1
+        elif char == "]":
+            raise ValueError(f"cannot read Slurm node list {nodelist!r}: ']' at {pos} closes nothing")
+        elif char == ",":
+            if literal:
+                parts.append(literal)
+                literal = ""
+            if not parts:
+                raise ValueError(f"cannot read Slurm node list {nodelist!r}: an empty host at {pos}")
+            items.append(parts)
+            parts = []
+            pos += 1
+        else:
+            literal += char
+            pos += 1
+    if literal:
+        parts.append(literal)
+    if not parts:
         raise ValueError(f"cannot read a host from Slurm node list {nodelist!r}")
-    prefix, ranges = match.group(1), match.group(2)
-    if ranges is None:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    items.append(parts)
+    return items
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist such as ``gpu[03-05,9],cpu1`` (gpu03) or ``rack[1-2]-n[01-02]-ib``
+    (rack1-n01-ib)."""
+    first = _hostlist_items(nodelist)[0]
+    return "".join(part if isinstance(part, str) else part[0] for part in first)
+
+
+def slurm_hostlist(nodelist: str) -> list[str]:
+    """Every host of a Slurm hostlist, in its order: ``gpu[03-04],cpu1`` -> ["gpu03", "gpu04", "cpu1"]."""
+    hosts: list[str] = []
+    for parts in _hostlist_items(nodelist):
+        choices = [[part] if isinstance(part, str) else part for part in parts]
+        hosts.extend("".join(combo) for combo in itertools.product(*choices))
+    return hosts
 
 
 def _int_var(env: Mapping[str, str], name: str) -> int:
@@ -105,6 +174,58 @@ def _is_slurm_pmi(env: Mapping[str, str]) -> bool:
     return procid is not None and procid == env.get("PMI_RANK") and tasks is not None and tasks == env.get("PMI_SIZE")
 
 
+def _is_slurm_task_env(env: Mapping[str, str]) -> bool:
+    """RANK and WORLD_SIZE (both set) are this srun task's own SLURM_PROCID and SLURM_STEP_NUM_TASKS.
+
+    pyxis/enroot's PyTorch hook sets RANK=$SLURM_PROCID, WORLD_SIZE=$SLURM_NTASKS, LOCAL_RANK=$SLURM_LOCALID
+    (and MASTER_ADDR/MASTER_PORT) in every task: read as plain RANK/WORLD_SIZE, the node's task count, the GPUs
+    Slurm bound to the task and the step id were lost. Values that disagree with a step of several tasks are
+    refused naming both (WORLD_SIZE=$SLURM_NTASKS is the job's count under ``srun --preserve-env``); in a
+    one-task step (``srun --pty bash``) they place processes started by hand, as outside Slurm.
+    """
+    if not (env.get("SLURM_STEP_ID") and env.get("SLURM_PROCID") and env.get("SLURM_STEP_NUM_TASKS")):
+        return False  # not inside an srun step
+    given = (_int_var(env, "RANK"), _int_var(env, "WORLD_SIZE"))
+    step = (_int_var(env, "SLURM_PROCID"), _int_var(env, "SLURM_STEP_NUM_TASKS"))
+    if given == step:
+        if env.get("LOCAL_RANK") and env.get("SLURM_LOCALID") and (
+                _int_var(env, "LOCAL_RANK") != _int_var(env, "SLURM_LOCALID")):
+            raise ValueError(
+                f"LOCAL_RANK={env['LOCAL_RANK']!r} disagrees with this srun task's SLURM_LOCALID="
+                f"{env['SLURM_LOCALID']!r} (RANK and WORLD_SIZE are the step's SLURM_PROCID and "
+                f"SLURM_STEP_NUM_TASKS): unset LOCAL_RANK or make it the task's")
+        return True
+    if step[1] == 1:
+        return False
+    raise ValueError(
+        f"RANK={given[0]} WORLD_SIZE={given[1]} disagree with this srun step's SLURM_PROCID={step[0]} "
+        f"SLURM_STEP_NUM_TASKS={step[1]} (SLURM_STEP_ID={env['SLURM_STEP_ID']}); a container hook (pyxis/enroot "
+        f"sets WORLD_SIZE=$SLURM_NTASKS, the job's task count under srun --preserve-env) or a wrapper set them "
+        f"for another world: unset RANK and WORLD_SIZE to run as the step's tasks, or start the processes of a "
+        f"task with torchrun (its variables win)")
+
+
+def _stale_openmpi(env: Mapping[str, str]) -> None:
+    """ValueError when Open MPI's variables were inherited by an srun step started from an mpiexec rank
+    (``mpiexec -n 1 srun -n 2 ...``): every task then reads the one mpiexec rank's OMPI_COMM_WORLD_RANK/SIZE."""
+    rank, size = env.get("OMPI_COMM_WORLD_RANK"), env.get("OMPI_COMM_WORLD_SIZE")
+    reasons = []
+    pmix = env.get("PMIX_RANK")
+    if pmix is not None and rank is not None and pmix.strip() != rank.strip():
+        reasons.append(f"PMIX_RANK={pmix} (this process's PMIx rank) is not OMPI_COMM_WORLD_RANK={rank}")
+    if env.get("SLURM_STEP_ID") and env.get("SLURM_STEP_NUM_TASKS") and size:
+        tasks, world = _int_var(env, "SLURM_STEP_NUM_TASKS"), _int_var(env, "OMPI_COMM_WORLD_SIZE")
+        if tasks > world:
+            reasons.append(f"this srun step (SLURM_STEP_ID={env['SLURM_STEP_ID']}) has SLURM_STEP_NUM_TASKS={tasks} "
+                           f"tasks, more than OMPI_COMM_WORLD_SIZE={world}")
+    if reasons:
+        raise ValueError(
+            f"openmpi: OMPI_COMM_WORLD_RANK={rank} OMPI_COMM_WORLD_SIZE={size} are stale: {'; '.join(reasons)} "
+            f"(an srun step started from an mpiexec rank inherits that rank's Open MPI variables, "
+            f"SLURM_PROCID={env.get('SLURM_PROCID')}): start the ranks with srun alone (with the OMPI_COMM_WORLD_* "
+            f"and PMIX_* variables unset) or with mpiexec alone")
+
+
 def _detect(env: Mapping[str, str]) -> str:
     if "TORCHELASTIC_RUN_ID" in env:
         return "torchrun"
@@ -114,10 +235,12 @@ def _detect(env: Mapping[str, str]) -> str:
         return "slurm" if _is_slurm_pmi(env) else "mpich"
     # Slurm never sets RANK/WORLD_SIZE: a process given both inside a Slurm step or batch script (started
     # by hand, or by a tool that sets them, in an sbatch script or `srun --pty bash`) was placed by them,
-    # and the step's SLURM_PROCID (0 for the batch step and an interactive shell) is not its rank.
+    # and the step's SLURM_PROCID (0 for the batch step and an interactive shell) is not its rank. Unless they
+    # are the srun step's own (a container hook copies them in, pyxis/enroot's does): then it is Slurm's task.
     if "RANK" in env and "WORLD_SIZE" in env:
-        return "env"
-    if "SLURM_PROCID" in env and ("SLURM_NTASKS" in env or "SLURM_NPROCS" in env or "SLURM_STEP_NUM_TASKS" in env):
+        return "slurm" if _is_slurm_task_env(env) else "env"
+    # The batch script's own step has SLURM_PROCID=0 too: discover() refuses it by name.
+    if "SLURM_PROCID" in env:
         return "slurm"
     if "RANK" in env or "WORLD_SIZE" in env:
         return "env"  # one of the two: discover() names the missing one
@@ -130,7 +253,14 @@ _VARS: dict[str, tuple[str, str, str | None, str | None]] = {
     "env": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
     "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
+    # The srun step's task count: SLURM_NTASKS is the job's under srun --preserve-env (and in the batch script).
+    "slurm": ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", None),
+}
+
+# The variable that says how many of the job's ranks run on this node, per launcher (Slurm's is a per-node list).
+LOCAL_SIZE_VARS: dict[str, str] = {
+    "torchrun": "LOCAL_WORLD_SIZE", "env": "LOCAL_WORLD_SIZE", "openmpi": "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "mpich": "MPI_LOCALNRANKS", "slurm": "SLURM_STEP_TASKS_PER_NODE",
 }
 
 
@@ -197,7 +327,7 @@ def _slurm_gpus_per_task(env: Mapping[str, str]) -> int | None:
     return total or None
 
 
-def _slurm_node_count(env: Mapping[str, str]) -> tuple[str, int] | None:
+def slurm_node_count(env: Mapping[str, str]) -> tuple[str, int] | None:
     """(variable, nodes) of the Slurm step this process runs in, else of its job; None outside Slurm."""
     for name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES"):
         if env.get(name):
@@ -217,12 +347,46 @@ def _slurm_step_id(env: Mapping[str, str]) -> int:
     return _int_var(env, "SLURM_STEP_ID") if env.get("SLURM_STEP_ID") else 0
 
 
-def _master(env: Mapping[str, str], launcher: str, world_size: int, local_size: int | None,
+def _slurm_host_var(env: Mapping[str, str], name: str) -> str:
+    try:
+        return first_slurm_host(env[name])
+    except ValueError as exc:
+        raise ValueError(f"slurm: {name}: {exc}") from None
+
+
+def _slurm_master_host(env: Mapping[str, str], rank: int) -> str:
+    """The node of the step's task 0: the first node of the step (of the job, in a batch script's own step).
+
+    A heterogeneous step's SLURM_STEP_NODELIST is sorted by name, while its task 0 is het group 0's first task:
+    the first node of SLURM_JOB_NODELIST_HET_GROUP_0 when the step runs there. Rank 0 checks that it runs on
+    the node derived (SLURMD_NODENAME): otherwise every other rank would wait for a store nobody serves.
+    """
+    step_var = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
+    host, source = _slurm_host_var(env, step_var), f"{step_var}={env[step_var]!r}"
+    het_var = "SLURM_JOB_NODELIST_HET_GROUP_0"
+    if env.get(het_var):
+        group0 = _slurm_host_var(env, het_var)
+        try:
+            step_hosts = slurm_hostlist(env[step_var])
+        except ValueError as exc:
+            raise ValueError(f"slurm: {step_var}: {exc}") from None
+        if group0 in step_hosts:
+            host, source = group0, f"{het_var}={env[het_var]!r} (het group 0, where task 0 runs)"
+    node = env.get("SLURMD_NODENAME")
+    if rank == 0 and node and node != host:
+        raise ValueError(
+            f"slurm: rank 0 runs on SLURMD_NODENAME={node!r}, but MASTER_ADDR would be {host!r}, the first node of "
+            f"{source}: the other ranks would look for the store there; export MASTER_ADDR (the address of rank "
+            f"0's node) for every task")
+    return host
+
+
+def _master(env: Mapping[str, str], launcher: str, rank: int, world_size: int, local_size: int | None,
             local_size_name: str) -> tuple[str, int]:
     addr = env.get("MASTER_ADDR")
     if not addr:
-        if launcher == "slurm" and env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST")):
-            addr = first_slurm_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
+        if launcher == "slurm" and (env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")):
+            addr = _slurm_master_host(env, rank)
         elif local_size == world_size:
             addr = "127.0.0.1"
         elif local_size is None:
@@ -266,8 +430,18 @@ def discover(environ: Mapping[str, str] | None = None) -> LaunchInfo:
 
     rank_var, size_var, local_var, local_size_var = _VARS[launcher]
     world_var = size_var
-    if launcher == "slurm" and not env.get(size_var):
-        world_var = "SLURM_NPROCS" if env.get("SLURM_NPROCS") else "SLURM_STEP_NUM_TASKS"
+    if launcher == "slurm" and not env.get("SLURM_STEP_NUM_TASKS"):
+        # The batch script's own step (sbatch, or a salloc shell): SLURM_PROCID=0 and the job's SLURM_NTASKS, but
+        # no process started here is one of those tasks (the others would wait out the deadline for them). srun
+        # sets SLURM_STEP_NUM_TASKS (and SLURM_STEP_ID) in every task it starts.
+        job_tasks = (f" (SLURM_NTASKS={env['SLURM_NTASKS']!r} counts the job's tasks, not the processes started here)"
+                     if env.get("SLURM_NTASKS") else "")
+        raise ValueError(
+            f"slurm: SLURM_PROCID={env['SLURM_PROCID']!r} is set but SLURM_STEP_NUM_TASKS is not: this is the batch "
+            f"script (or salloc shell) itself, not a task of an srun step{job_tasks}; launch with srun "
+            f"(launch/srun_pd.sh) or another launcher")
+    if launcher == "openmpi":
+        _stale_openmpi(env)
     _require(env, launcher, (rank_var, world_var))
     rank, world_size = _int_var(env, rank_var), _int_var(env, world_var)
     if world_size < 1 or rank >= world_size:
@@ -284,7 +458,7 @@ def discover(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     if local_rank is None:
         if local_size is not None and local_size != world_size:
             raise ValueError(f"{launcher}: {size_name}={local_size} is set but {local_var} is missing")
-        nodes = _slurm_node_count(env)
+        nodes = slurm_node_count(env)
         if world_size > 1 and nodes is not None and nodes[1] > 1:
             # Taking every rank as local would pick the wrong GPU and 127.0.0.1 as MASTER_ADDR.
             raise ValueError(
@@ -302,7 +476,7 @@ def discover(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     # No check of local_rank against rank: Open MPI 5 numbers a node's ranks in
     # mapping order (by package), so local rank 2 may be global rank 1.
 
-    addr, port = _master(env, launcher, world_size, local_size, size_name)
+    addr, port = _master(env, launcher, rank, world_size, local_size, size_name)
     store_hosted = launcher == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     # torchrun numbers its attempts (elastic restarts); its agent store keeps the earlier attempts' keys.
     attempt = _int_var(env, "TORCHELASTIC_RESTART_COUNT") if launcher == "torchrun" and env.get(
@@ -311,5 +485,6 @@ def discover(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     # processes of one task would share them.
     gpus_per_task = _slurm_gpus_per_task(env) if launcher == "slurm" else None
     step_id = _slurm_step_id(env) if launcher == "slurm" else 0
+    job_id = str(_int_var(env, "SLURM_JOB_ID")) if launcher == "slurm" and env.get("SLURM_JOB_ID") else None
     return LaunchInfo(launcher, rank, world_size, local_rank, local_size, addr, port, store_hosted, gpus_per_task,
-                      attempt, step_id)
+                      attempt, step_id, job_id)

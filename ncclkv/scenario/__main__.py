@@ -14,8 +14,10 @@ from ..errors import ClosedError, PeerLostError, TransferError
 from ..launch import LaunchInfo, discover
 from ._common import add_common_arguments, checked_topology
 from ._registry import (
-    EXIT_CHECK_FAILED, EXIT_OK, EXIT_PEER_FAILURE, SCENARIOS, ScenarioError, ScenarioModule, load_scenario, report,
+    EXIT_CHECK_FAILED, EXIT_OK, EXIT_PEER_FAILURE, EXIT_USAGE, SCENARIOS, ScenarioError, ScenarioModule, load_scenario,
+    report,
 )
+from ._rendezvous import ForeignStoreError
 
 __all__ = ["build_parser", "main"]
 
@@ -68,6 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     info, checked = _checked_run(parser, args, module)
     try:
         module.run(info, checked)
+    except ForeignStoreError as exc:  # MASTER_ADDR:MASTER_PORT is another job's: the set-up is wrong, not a peer
+        report(f"rank {info.rank}: rendezvous refused: {exc}", sys.stderr)
+        return EXIT_USAGE
     except PEER_FAILURES as exc:
         report(f"rank {info.rank}: peer failure detected: {type(exc).__name__}: {exc}", sys.stderr)
         return EXIT_PEER_FAILURE

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
+import os
 import socket
+import struct
+from collections.abc import Mapping
 
 import torch
 
-from .._env import env_settings
+from .._env import GLOO_IFNAME_VAR, env_settings
 from .._timeout import check_timeout
-from ..launch import LaunchInfo
+from ..launch import LOCAL_SIZE_VARS, LaunchInfo, slurm_node_count
 from ..layout import ParallelLayout
 from ._topology import PDTopology
 
 __all__ = [
-    "add_common_arguments", "checked_topology", "resolve_bind_host", "resolve_device", "sized",
+    "add_common_arguments", "checked_topology", "interface_ipv4", "resolve_bind_host", "resolve_device", "sized",
     "topology_from_args",
 ]
+
+_SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's IPv4 address
 
 def _seconds(text: str) -> float:
     try:
@@ -129,24 +135,97 @@ def _check_bindable(host: str, name: str) -> None:
         raise ValueError(f"{name} {host!r} is not an address of this host to bind to: {err}") from None
 
 
-def resolve_bind_host(spec: str | None, info: LaunchInfo) -> str | None:
-    """None keeps the data plane's default; ``auto`` finds the local address that routes to the master. A host
-    given (here or by NCCLKV_BIND_HOST) must be one of this host's: else a ValueError now, not the data plane's
-    OSError once the ranks are running."""
+def interface_ipv4(name: str) -> str:
+    """The IPv4 address of network interface ``name`` on this host (Linux); ValueError naming the interface when
+    there is none of that name, or it has no IPv4 address."""
+    names = sorted(ifname for _, ifname in socket.if_nameindex())
+    if name not in names:
+        raise ValueError(f"{GLOO_IFNAME_VAR}={name!r}: this host has no network interface {name!r} "
+                         f"(it has {', '.join(names) or 'none'})")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:  # SIOCGIFADDR: the interface's (primary) IPv4 address
+            packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError as err:
+            raise ValueError(f"{GLOO_IFNAME_VAR}={name!r}: interface {name!r} has no IPv4 address "
+                             f"({err.strerror})") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _route_host(info: LaunchInfo) -> str:
+    """This host's address on the route to MASTER_ADDR."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(info.master_addr, info.master_port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect(sockaddr)  # UDP connect picks a route and sends nothing
+        return str(sock.getsockname()[0])
+
+
+def _auto_host(info: LaunchInfo, env: Mapping[str, str]) -> tuple[str, str]:
+    """(address, where it came from) for ``--bind-host auto``: GLOO_SOCKET_IFNAME's interface when it names one,
+    else the route to MASTER_ADDR (which must then leave by one of the interfaces it names)."""
+    text = (env.get(GLOO_IFNAME_VAR) or "").strip()
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if len(names) == 1:
+        return interface_ipv4(names[0]), f"{GLOO_IFNAME_VAR}={names[0]}"
+    host = _route_host(info)
+    where = f"the route to MASTER_ADDR={info.master_addr}"
+    if names:
+        addresses = {}
+        for name in names:
+            try:
+                addresses[name] = interface_ipv4(name)
+            except ValueError:
+                addresses[name] = None
+        if host not in addresses.values():
+            found = ", ".join(f"{name}: {addr or 'no IPv4 address'}" for name, addr in addresses.items())
+            raise ValueError(
+                f"rank {info.rank}: --bind-host auto: {GLOO_IFNAME_VAR}={text!r} names several interfaces ({found}) "
+                f"and {where} leaves by {host}, none of theirs: name one interface in {GLOO_IFNAME_VAR}, or give "
+                f"--bind-host (NCCLKV_BIND_HOST) an address")
+    return host, where
+
+
+def _loopback_refusal(info: LaunchInfo, host: str, where: str, env: Mapping[str, str]) -> str | None:
+    """Why binding loopback ``host`` would cut this rank off from ranks on other nodes; None when every rank is
+    known to run on this node."""
+    if info.world_size == 1 or info.local_world_size == info.world_size:
+        return None
+    local_var = LOCAL_SIZE_VARS.get(info.launcher, "LOCAL_WORLD_SIZE")
+    nodes = slurm_node_count(env)
+    if info.local_world_size is None and nodes is not None and nodes[1] == 1:
+        return None  # a one-node Slurm step or job: every rank is here
+    if info.local_world_size is not None:
+        spread = f"the job spans several nodes ({local_var}: {info.local_world_size} of {info.world_size} ranks here)"
+    elif nodes is not None:
+        spread = f"the job spans several nodes ({nodes[0]}={nodes[1]})"
+    else:
+        spread = (f"nothing says that all {info.world_size} ranks run on this node ({local_var} is not set; on one "
+                  f"node set {local_var}={info.world_size})")
+    if info.launcher == "torchrun":
+        fix = ("torchrun sets MASTER_ADDR itself, to the rank-0 agent's --local-addr or else its host name "
+               "(getfqdn(), which resolves to loopback on many hosts): start torchrun with --local-addr <the node's "
+               "routable address> on every node (launch/torchrun_pd.sh: LOCAL_ADDR)")
+    else:
+        fix = "set MASTER_ADDR to a routable address"
+    return (f"rank {info.rank}: --bind-host auto found loopback {host} ({where}), but {spread}: {fix}, or "
+            f"{GLOO_IFNAME_VAR} to the interface between nodes, or give --bind-host (NCCLKV_BIND_HOST) an address")
+
+
+def resolve_bind_host(spec: str | None, info: LaunchInfo, environ: Mapping[str, str] | None = None) -> str | None:
+    """None keeps the data plane's default; ``auto`` takes the address of the interface GLOO_SOCKET_IFNAME names,
+    else the local address that routes to the master. A host given (here or by NCCLKV_BIND_HOST) must be one of
+    this host's: else a ValueError now, not the data plane's OSError once the ranks are running. ``auto`` never
+    gives a loopback address unless every rank is known to run on this node (``environ``: os.environ by default,
+    for GLOO_SOCKET_IFNAME and Slurm's node counts)."""
     if spec != "auto":
         if spec is not None:
             _check_bindable(spec, "--bind-host")
         else:
             _check_bindable(env_settings().bind_host, "NCCLKV_BIND_HOST")
         return spec
-    family, _, _, _, sockaddr = socket.getaddrinfo(info.master_addr, info.master_port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as sock:
-        sock.connect(sockaddr)  # UDP connect picks a route and sends nothing
-        host = str(sock.getsockname()[0])
-    spans_nodes = info.local_world_size is not None and info.local_world_size < info.world_size
-    if spans_nodes and (host.startswith("127.") or host == "::1"):
-        raise ValueError(
-            f"rank {info.rank}: --bind-host auto found loopback {host} on the way to MASTER_ADDR="
-            f"{info.master_addr}, but the job spans several nodes: set MASTER_ADDR to a routable address"
-        )
+    env = os.environ if environ is None else environ
+    host, where = _auto_host(info, env)
+    if host.startswith("127.") or host == "::1":
+        refusal = _loopback_refusal(info, host, where, env)
+        if refusal is not None:
+            raise ValueError(refusal)
     return host

@@ -13,6 +13,7 @@ __all__ = [
     "EXIT_CHECK_FAILED",
     "EXIT_OK",
     "EXIT_PEER_FAILURE",
+    "EXIT_USAGE",
     "SCENARIOS",
     "ScenarioError",
     "ScenarioModule",
@@ -23,6 +24,9 @@ __all__ = [
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 4  # a scenario's own check failed (wrong bytes, wrong order); 2 is argparse's
 EXIT_PEER_FAILURE = 3  # a typed peer/transfer error (PeerLostError, TransferError, TransferTimeout)
+# argparse's own code, also for launcher variables refused before anything connects and a rendezvous store that
+# belongs to another job or step (ForeignStoreError: the set-up, not a peer, is wrong)
+EXIT_USAGE = 2
 
 # kind -> module. A module is imported only when its kind runs, so a kind that
 # needs more than torch (vLLM, ...) costs the others nothing.

@@ -2,8 +2,13 @@
 
 Rank 0 hosts the store (unless the launcher already serves one there, as
 torchrun does); every other rank connects as a client. Keys live under the
-caller's prefix and the launch attempt (``LaunchInfo.attempt``): torchrun's
-store outlives an attempt's workers, and a restart must not read its values.
+caller's prefix, the Slurm job and step and the launch attempt
+(``LaunchInfo.attempt``): torchrun's store outlives an attempt's workers, and a
+restart must not read its values. The hosting rank publishes the job's identity
+(launcher, Slurm job and step, world size) before anything else; every other
+rank reads it first and refuses a store of another job or step at once
+(:class:`ForeignStoreError`): ports derived from Slurm job ids collide now and then,
+and pyxis/enroot give every step of a job one MASTER_PORT.
 Each wait has the deadline given at construction. Failures are typed: the store vanishing is a
 :class:`PeerLostError`, a deadline a :class:`TransferTimeout`, and a failure
 one rank reports reaches the others through :meth:`finish`.
@@ -23,13 +28,26 @@ from .._timeout import check_timeout
 from ..errors import HandshakeError, PeerLostError, TransferTimeout
 from ..launch import LaunchInfo
 
-__all__ = ["StoreRendezvous"]
+__all__ = ["ForeignStoreError", "StoreRendezvous", "job_identity"]
 
 _OK = "ok"
 # How torch's TCPStore server says its port is taken (its error text names the errno).
 _ADDRESS_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
 _FAILURE_GRACE_S = 5.0  # how long the hosting rank keeps the store up for ranks reading a failure
 _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.05  # store polling: quick for the common case, at most 20 round trips/s
+# Outside every prefix: whoever meets the store reads whose it is before anything else.
+_IDENTITY_KEY = "ncclkv/job_identity"
+
+
+class ForeignStoreError(HandshakeError):
+    """The store at MASTER_ADDR:MASTER_PORT is not this job's: another job or step hosts it (or holds its port).
+    A set-up error, not a peer's failure: ``python -m ncclkv.scenario`` exits 2."""
+
+
+def job_identity(info: LaunchInfo) -> str:
+    """What every rank of one job (one Slurm step, one attempt's world) agrees on without talking."""
+    job = f"job {info.job_id} step {info.step_id}" if info.job_id is not None else "no job id"
+    return f"{info.launcher} {job} world_size {info.world_size}"
 
 
 class StoreRendezvous:
@@ -50,11 +68,31 @@ class StoreRendezvous:
         # The attempt in every key: torchrun's agent store outlives its workers, so an elastic restart
         # would read the previous attempt's values (stale addresses, a finished outcome) under the same name.
         # The Slurm step too: two steps of one job given one MASTER_PORT must not read each other's keys (the
-        # second step's ranks would join the first one's links).
-        self._prefix = f"{prefix}/step{info.step_id}/attempt{info.attempt}"
+        # second step's ranks would join the first one's links). And the job: ports derived from job ids collide.
+        job = f"/job{info.job_id}" if info.job_id is not None else ""
+        self._prefix = f"{prefix}{job}/step{info.step_id}/attempt{info.attempt}"
+        if not info.store_hosted:  # torchrun's agent store is its own run's alone
+            with self._typed("check the store's job", deadline):
+                self._check_identity(store, deadline)
         self._store: dist.Store = dist.PrefixStore(self._prefix, store)
         self._raw_store = store  # the server lives as long as this object on rank 0
         self._left = False
+
+    def _check_identity(self, store: dist.Store, deadline: float) -> None:
+        """The hosting rank publishes this job's identity; every other rank reads it first and refuses another's."""
+        mine = job_identity(self._info)
+        if self._hosting:
+            store.set(_IDENTITY_KEY, mine)
+            return
+        if not self._poll_store(store, [_IDENTITY_KEY], deadline):
+            raise TransferTimeout(
+                f"{self._where}: the hosting rank did not publish its job identity within {self._deadline_s:g} s")
+        theirs = store.get(_IDENTITY_KEY).decode()
+        if theirs != mine:
+            raise ForeignStoreError(
+                f"{self._where}: this store belongs to another job or step ({theirs}), not to this one ({mine}): "
+                f"two jobs or steps were given one MASTER_PORT (derived ports collide, pyxis/enroot give every step "
+                f"of a job the same one); export a MASTER_PORT of its own for every rank of this job")
 
     @property
     def prefix(self) -> str:
@@ -144,8 +182,12 @@ class StoreRendezvous:
         Polls, one round trip per ``check``: ``TCPStore.wait`` waits for all of its keys, so it
         could not also watch ``outcome``, and a rank's failure would go unseen until the deadline.
         """
+        return self._poll_store(self._store, keys, deadline, watch_failure=watch_failure, poll_max_s=poll_max_s)
+
+    def _poll_store(self, store: dist.Store, keys: list[str], deadline: float, *, watch_failure: bool = False,
+                    poll_max_s: float = _POLL_MAX_S) -> bool:
         pause = _POLL_MIN_S
-        while not self._store.check(keys):
+        while not store.check(keys):
             left = deadline - time.monotonic()
             if left <= 0 or (watch_failure and self._failure()):
                 return False
@@ -158,12 +200,12 @@ class StoreRendezvous:
         """Turn torch's store errors into PeerLostError / TransferTimeout naming this rank and step."""
         try:
             yield
-        except (PeerLostError, TransferTimeout):
+        except (PeerLostError, TransferTimeout, HandshakeError):
             raise
         except dist.DistError as exc:
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if self._hosting and _ADDRESS_IN_USE.search(str(exc)):  # not a peer's failure: say which port
-                raise HandshakeError(
+                raise ForeignStoreError(
                     f"{self._where}: this rank hosts the store, but port {self._info.master_port} is in use on "
                     f"{self._info.master_addr} (another job or step?); export MASTER_PORT with a free port for "
                     f"every rank: {text}") from exc

@@ -24,6 +24,8 @@ SLURM = {
     "SLURM_TASKS_PER_NODE": "4(x2)",
     "SLURM_JOB_NODELIST": "gpu[07-08]",
     "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_NUM_TASKS": "8",  # an srun step's (the job's SLURM_NTASKS may be more)
+    "SLURM_STEP_ID": "0",
 }
 OPENMPI = {
     "OMPI_COMM_WORLD_RANK": "3",
@@ -70,7 +72,7 @@ def test_mpich() -> None:
 
 def test_srun_pmi2_is_slurm_with_its_local_rank_and_first_node() -> None:
     """PMI_RANK alone made this "mpich" with no local information: one node, MASTER_ADDR 127.0.0.1."""
-    assert discover(SRUN_PMI2) == LaunchInfo("slurm", 5, 8, 1, 4, "gpu07", derived_master_port(4242))
+    assert discover(SRUN_PMI2) == LaunchInfo("slurm", 5, 8, 1, 4, "gpu07", derived_master_port(4242), job_id="4242")
 
 
 def test_hydra_inside_sbatch_stays_mpich() -> None:
@@ -118,16 +120,29 @@ def test_no_local_info_in_a_one_node_slurm_job_is_one_node() -> None:
     assert discover(env) == LaunchInfo("env", 1, 2, 1, 2, "127.0.0.1", 5555)
 
 
-@pytest.mark.parametrize("slurm", [SLURM, SBATCH_2_NODES, SRUN_PMI2 | {"PMI_RANK": "0", "PMI_SIZE": "1"}],
-                         ids=["srun-step", "sbatch-script", "srun-pmi2"])
-def test_plain_rank_and_world_size_win_over_the_slurm_step_around_them(slurm: dict[str, str]) -> None:
-    """Slurm never sets RANK/WORLD_SIZE: a process given both inside a step or batch script was placed by them."""
+@pytest.mark.parametrize("slurm", [SBATCH_2_NODES, SRUN_PMI2 | {"PMI_RANK": "0", "PMI_SIZE": "1"}],
+                         ids=["sbatch-script", "srun-pmi2"])
+def test_plain_rank_and_world_size_win_over_the_slurm_job_around_them(slurm: dict[str, str]) -> None:
+    """Slurm never sets RANK/WORLD_SIZE: a process given both inside a batch script, or a task without a step id,
+    was placed by them. In a step with its id, only values that agree with the task's own are taken (those are
+    a container hook's copies: tests/unit/test_launch_clusters.py), others refused (the test below)."""
     slurm = {k: v for k, v in slurm.items() if not k.startswith("PMI_")}
     env = {**slurm, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4",
            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "5555"}
     assert discover(env) == LaunchInfo("env", 3, 4, 3, 4, "10.0.0.1", 5555)
-    # Only one of them: Slurm's variables place the task, as before (RANK alone is no launch).
-    assert discover({**slurm, "RANK": "3"}).launcher == "slurm"
+    if "SLURM_STEP_NUM_TASKS" in slurm:  # an srun task: RANK alone is no launch, Slurm's variables place it
+        assert discover({**slurm, "RANK": "3"}).launcher == "slurm"
+    else:  # the batch script itself: nothing places it
+        with pytest.raises(ValueError, match=r"this is the batch script .* launch with srun"):
+            discover({**slurm, "RANK": "3"})
+
+
+def test_rank_and_world_size_that_disagree_with_the_srun_step_are_refused() -> None:
+    env = {**SLURM, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "5555"}
+    with pytest.raises(ValueError, match=r"RANK=3 WORLD_SIZE=4 disagree with this srun step's SLURM_PROCID=6 "
+                                         r"SLURM_STEP_NUM_TASKS=8"):
+        discover(env)
 
 
 def test_torchrun_attempt_comes_from_the_restart_count() -> None:
@@ -227,7 +242,7 @@ def test_innermost_launcher_wins() -> None:
     # torchrun inside an srun step: torchrun's per-process rank is the one that counts.
     assert discover({**SLURM, **TORCHRUN}).launcher == "torchrun"
     # mpiexec inside an sbatch script: the batch step's SLURM_PROCID=0 is not this rank.
-    nested = {**SLURM, "SLURM_PROCID": "0", **OPENMPI, "MASTER_PORT": "1"}
+    nested = {**SBATCH_2_NODES, **OPENMPI, "MASTER_PORT": "1"}
     assert discover(nested).launcher == "openmpi"
     assert discover(nested).rank == 3
 
