@@ -27,17 +27,19 @@ import queue
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import zmq
 
 from ._auth import FrameGate, ZapGuard, configure_curve_client
 from ._clock import ActiveClock
-from ._peers import Counters, PeerTable
+from ._peers import MAX_LOST_PEERS, Counters, PeerTable
 from .auth import ChannelAuth
 from .errors import TransferTimeout
-from .protocol import Bye, Envelope, Heartbeat, encode
+from .protocol import MAX_TEXT_CHARS, Bye, Envelope, Handshake, Heartbeat, Reset, encode
 
 __all__ = ["IoLoop"]
 
@@ -49,6 +51,9 @@ _BYE_LINGER_MS = 200  # on close: how long the Byes (and frames queued before th
 
 # kind, peer id, address / frame / flush event, server key
 _Command = tuple[str, str, str | bytes | threading.Event, bytes | None]
+# How a peer was lost: it went silent or unreachable ("lost"), said Bye ("closed"), or what it held about us, or
+# we about it, is gone while it is there ("reset": it declared us lost, restarted, or moved to another address).
+LossKind = Literal["lost", "closed", "reset"]
 
 
 @dataclass(slots=True)
@@ -72,11 +77,13 @@ class IoLoop:
         peers: PeerTable,
         counters: Counters,
         deliver: Callable[[Envelope], None],
-        lost: Callable[[str, str, bool], None],  # peer id, reason, whether it said Bye
+        lost: Callable[[str, str, LossKind], None],  # peer id, reason, how
         auth: ChannelAuth,
         clock: ActiveClock,
+        incarnation: int,
     ) -> None:
         self._peer_id = peer_id
+        self._incarnation = incarnation  # in our heartbeats (the first frame on every new path) and echoes
         self._bind_endpoint = bind_endpoint
         self._max_frame_bytes = max_frame_bytes
         self._heartbeat_s = heartbeat_s
@@ -105,6 +112,10 @@ class IoLoop:
         self._start_error: BaseException | None = None
         self._links: dict[str, _Link] = {}
         self._reading_before_loss = False  # _send is reading after a lost route: no nested read
+        # Peers we declared lost (silent, unreachable) that may still hold state about us, with the incarnation
+        # they had and why: the first frame we send one again, or the first we hear from that same incarnation,
+        # is answered by a Reset first (it then drops that state and shakes hands anew). Oldest first, bounded.
+        self._reset_due: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self._hb_seq = 0
         self.address = ""
         self._thread = threading.Thread(target=self._run, name=f"ncclkv-channel-io[{peer_id}]", daemon=True)
@@ -135,8 +146,10 @@ class IoLoop:
     def submit_send(self, peer_id: str, frame: bytes) -> None:
         self._submit(("send", peer_id, frame, None))
 
-    def submit_connect(self, peer_id: str, address: str, server_key: bytes | None = None) -> None:
-        self._submit(("connect", peer_id, address, server_key))
+    def submit_connect(self, peer_id: str, address: str, server_key: bytes | None = None,
+                       replace: bool = False) -> None:
+        """Open a DEALER to ``peer_id`` unless it has a path; ``replace``: drop its path first (it moved)."""
+        self._submit(("reconnect" if replace else "connect", peer_id, address, server_key))
 
     def submit_flush(self) -> threading.Event:
         """An event set once every frame submitted before this call was handed to ZMQ."""
@@ -273,7 +286,14 @@ class IoLoop:
                 return
             if isinstance(arg, threading.Event):  # "flush": everything before it is with ZMQ now
                 arg.set()
-            elif kind == "connect":
+            elif kind in ("connect", "reconnect"):
+                if kind == "reconnect":  # it moved: its old path leads to no one, and it holds nothing of ours
+                    self._counters.peers_lost += int(peer_id in self._links)  # else counted when it was lost
+                    self._reset_due.pop(peer_id, None)
+                    self._drop_link(peer_id)
+                    # Whoever answers there is taken as it is (not as a restart), its deadline from now; after
+                    # the old path is gone, so nothing more of the old one is read.
+                    self._peers.renew(peer_id, self._clock.now())
                 self._connect(peer_id, str(arg), server_key)
             else:
                 self._send(peer_id, bytes(arg), counted=True)
@@ -289,6 +309,7 @@ class IoLoop:
                             self._peer_id, peer_id, link.client_key, key)
                 self._counters.auth_failures += 1
                 del self._links[peer_id]
+                self._peers.forget_incarnation(peer_id)  # the impostor's, not the peer's: no restart to report
         if peer_id in self._links:  # already reachable: keep its path, so its frames stay in order
             return
         dealer: zmq.Socket | None = None
@@ -306,8 +327,15 @@ class IoLoop:
             return
         self._poller.register(dealer, zmq.POLLIN)
         self._links[peer_id] = _Link(dealer=dealer)
+        self._greet(peer_id)
 
     def _send(self, peer_id: str, frame: bytes, counted: bool = False) -> None:
+        if self._reset_due and peer_id in self._reset_due and peer_id in self._links:  # before anything else of ours
+            self._send_reset(peer_id)
+        self._post(peer_id, frame, counted)
+
+    def _post(self, peer_id: str, frame: bytes, counted: bool = False) -> None:
+        """Hand ``frame`` to ZMQ on ``peer_id``'s path; a peer that cannot be reached is lost."""
         link = self._links.get(peer_id)
         if link is None:  # lost between the caller's check and now; its requests were failed
             log.debug("channel %r: dropped a frame to lost peer %r", self._peer_id, peer_id)
@@ -395,20 +423,39 @@ class IoLoop:
         envelope = self._gate.admit(sock, routing_id, origin, payload, client_key)
         if envelope is None:  # rejected: counted, logged, answered if authentic
             return
-        sender = envelope.sender
-        self._peers.heard(sender, self._clock.now())
+        sender, body = envelope.sender, envelope.body
+        # Each life of a peer id starts every path to us with a heartbeat naming it (see _greet).
+        incarnation = body.incarnation if isinstance(body, Heartbeat | Handshake) else 0
+        _, replaced = self._peers.heard(sender, self._clock.now(), incarnation)
+        if replaced:  # before anything of the new one is handled: the earlier one is lost
+            self._restarted(sender, replaced, incarnation, via_router=routing_id is not None)
         link = self._links.get(sender)
         if routing_id is not None and (link is None or link.dealer is None):
             # Answer on the connection it came in on.
             self._links[sender] = _Link(routing_id=routing_id, client_key=client_key)
-        body = envelope.body
+            if link is None:  # a new path: it learns who we are before anything else from us
+                self._greet(sender)
+        due = self._reset_due.get(sender) if self._reset_due else None
+        if due is not None:
+            # The life we dropped is back (a frame naming no life comes on a path it had: another life would
+            # have greeted first): it must drop what it holds about us too, before anything else from us.
+            if incarnation in (0, due[0]):
+                self._send_reset(sender)
+            else:  # another life: it holds nothing of ours
+                del self._reset_due[sender]
         if isinstance(body, Bye):
             if self._peers.mark_lost(sender):
-                self._lose(sender, "it closed its channel", closed=True)
+                self._lose(sender, "it closed its channel", "closed")
+            return
+        if isinstance(body, Reset):
+            self._counters.peers_lost += 1
+            reason = f"it had declared us lost ({body.reason}) and dropped what it held about us"
+            log.warning("channel %r: peer %r reset: %s", self._peer_id, sender, reason)
+            self._lost(sender, reason, "reset")
             return
         if isinstance(body, Heartbeat):
-            if envelope.reply_to is None:  # echo, so the sender can measure the round trip
-                self._send(sender, self._frame(body, envelope.msg_id))
+            if envelope.reply_to is None:  # echo (naming us), so the sender can measure the round trip
+                self._send(sender, self._frame(Heartbeat(body.seq, body.sent_ns, self._incarnation), envelope.msg_id))
             else:
                 self._peers.echoed(sender, self._clock.now())
                 rtt_s = (time.monotonic_ns() - body.sent_ns) / 1e9
@@ -418,13 +465,41 @@ class IoLoop:
         self._counters.received += 1
         self._deliver(envelope)
 
-    def _frame(self, body: Heartbeat | Bye, reply_to: int | None) -> bytes:
+    def _frame(self, body: Heartbeat | Bye | Reset, reply_to: int | None) -> bytes:
         envelope = Envelope(self._peer_id, self._peers.next_msg_id(), reply_to, body)
         return encode(envelope, self._max_frame_bytes)
 
-    def _beat(self) -> None:
+    def _greet(self, peer_id: str) -> None:
+        """A heartbeat naming our incarnation, first on a new path to ``peer_id``: whatever we send it next
+        (a reply, a Reset) comes from a life it knows, so it tells a restart of ours before it handles them."""
+        self._post(peer_id, self._frame(self._heartbeat(), None))
+
+    def _heartbeat(self) -> Heartbeat:
         self._hb_seq += 1
-        beat = Heartbeat(self._hb_seq, time.monotonic_ns())
+        return Heartbeat(self._hb_seq, time.monotonic_ns(), self._incarnation)
+
+    def _send_reset(self, peer_id: str) -> None:
+        """Tell ``peer_id``, which we declared lost, to drop what it holds about us (see ``_reset_due``)."""
+        _, reason = self._reset_due.pop(peer_id)
+        log.info("channel %r: %r is back; it is told to drop what it holds about us (we had lost it: %s)",
+                 self._peer_id, peer_id, reason)
+        self._post(peer_id, self._frame(Reset(reason[:MAX_TEXT_CHARS]), None))
+
+    def _restarted(self, peer_id: str, old: int, new: int, via_router: bool) -> None:
+        """``peer_id`` speaks with another incarnation: the earlier one is lost (its requests fail, its
+        handshake goes), reported before the new one's first frame is handled. A frame of the new one that came
+        to our ROUTER while we reach the peer id by a DEALER (to the dead one's address): answer it there."""
+        self._counters.peers_lost += 1
+        self._reset_due.pop(peer_id, None)
+        reason = f"it restarted: incarnation {old:#x} is gone, {new:#x} speaks under its id now"
+        log.warning("channel %r: peer %r lost: %s", self._peer_id, peer_id, reason)
+        link = self._links.get(peer_id)
+        if via_router and link is not None and link.dealer is not None:
+            self._drop_link(peer_id)
+        self._lost(peer_id, reason, "reset")
+
+    def _beat(self) -> None:
+        beat = self._heartbeat()
         for peer_id in list(self._links):
             if peer_id in self._links:  # a failed send may have dropped it meanwhile
                 self._send(peer_id, self._frame(beat, None))
@@ -436,13 +511,21 @@ class IoLoop:
         else:
             self._drop_link(peer_id)
 
-    def _lose(self, peer_id: str, reason: str, closed: bool = False) -> None:
+    def _lose(self, peer_id: str, reason: str, kind: LossKind = "lost") -> None:
         """Tear down a peer already marked lost in the table and report it once (``closed``: it said Bye)."""
         self._drop_link(peer_id)
         self._counters.peers_lost += 1
-        log.log(logging.INFO if closed else logging.WARNING, "channel %r: peer %r lost: %s", self._peer_id,
+        log.log(logging.INFO if kind == "closed" else logging.WARNING, "channel %r: peer %r lost: %s", self._peer_id,
                 peer_id, reason)
-        self._lost(peer_id, reason, closed)
+        incarnation = self._peers.incarnation(peer_id)
+        if kind == "closed":  # it is gone on purpose: nothing of it is left to reset
+            self._reset_due.pop(peer_id, None)
+        elif incarnation:  # it may only be stopped or cut off, and come back holding what we drop now
+            self._reset_due.pop(peer_id, None)
+            self._reset_due[peer_id] = (incarnation, reason)
+            while len(self._reset_due) > MAX_LOST_PEERS:
+                self._reset_due.popitem(last=False)
+        self._lost(peer_id, reason, kind)
 
     def _drop_link(self, peer_id: str, linger_ms: int = 0) -> None:
         link = self._links.pop(peer_id, None)

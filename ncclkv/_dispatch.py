@@ -31,7 +31,9 @@ class ReplyThen(NamedTuple):
 
 
 MessageHandler = Callable[[str, Message], Message | ReplyThen | None]
-PeerLostHandler = Callable[[str, PeerLostError], None]  # peer id, why (PeerClosedError: it said Bye)
+# peer id, why (PeerClosedError: it said Bye; PeerResetError: it is there, but what it held about us or we about it
+# is gone), the error's loss_seq set
+PeerLostHandler = Callable[[str, PeerLostError], None]
 SendReply = Callable[[str, Message, int], object]
 
 

@@ -39,11 +39,13 @@ __all__ = [
     "PushBlocks",
     "PushOffer",
     "Ready",
+    "Reset",
     "RouteMsg",
 ]
 
-# 2: PushOffer.blocks; gloo links carry frame headers (ncclkv.transport._framing); 3: Announce.piece; 4: Bye
-PROTOCOL_VERSION = 4
+# 2: PushOffer.blocks; gloo links carry frame headers (ncclkv.transport._framing); 3: Announce.piece; 4: Bye;
+# 5: Heartbeat.incarnation, Handshake.incarnation, Reset, ErrorCode.PEER_RESET
+PROTOCOL_VERSION = 5
 MAX_SHAPE_DIMS = 8
 MAX_ID_CHARS = 512
 MAX_TEXT_CHARS = 4096
@@ -60,6 +62,9 @@ Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
 DType = Annotated[str, Meta(min_length=1, max_length=64)]
 Pair = tuple[NonNeg, NonNeg]
+# A channel's incarnation: random per Channel object (a process, or a channel, restarted under the same peer id has
+# another), never 0 from a channel; 0: not given (a hand-made message), never compared.
+Incarnation = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Role = Literal["producer", "consumer", "both"]
 
 
@@ -159,6 +164,8 @@ class Handshake(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hs"):
     session: Annotated[str, Meta(max_length=64)]
     # Whether the two ranks open a data link now (some rank pairs only exchange control).
     open_link: bool
+    # The sender's channel incarnation (see Heartbeat): which life of the peer id this handshake is with.
+    incarnation: Incarnation
 
     @classmethod
     def create(
@@ -173,6 +180,7 @@ class Handshake(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hs"):
         wire_dtype: str | None = None,
         session: str = "",
         open_link: bool = False,
+        incarnation: int = 0,
     ) -> Handshake:
         """Build from layout values, at this build's :data:`PROTOCOL_VERSION`; wire dtype defaults to the cache dtype."""
         return cls(
@@ -187,6 +195,7 @@ class Handshake(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hs"):
             data_addr,
             session,
             open_link,
+            incarnation,
         )
 
 
@@ -290,11 +299,14 @@ class ErrorCode(str, enum.Enum):
     CLOSED = "closed"
     UNSUPPORTED = "unsupported"
     INTERNAL = "internal"
+    # The receiver holds no handshake with the sender (it declared it lost, or it restarted): shake hands again.
+    PEER_RESET = "peer_reset"
 
 
 # Exception class <-> code, most specific first (TransferTimeout is a TransferError).
 _CODE_OF: tuple[tuple[type[BaseException], ErrorCode], ...] = (
     (errors.TransferTimeout, ErrorCode.TIMEOUT),
+    (errors.PeerResetError, ErrorCode.PEER_RESET),
     (errors.PeerLostError, ErrorCode.PEER_LOST),
     (errors.ShapeMismatchError, ErrorCode.BAD_ANNOUNCE),
     (errors.CapacityError, ErrorCode.CAPACITY),
@@ -327,10 +339,15 @@ class ErrorMsg(_Tagged, frozen=True, forbid_unknown_fields=True, tag="err"):
 
 
 class Heartbeat(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hb"):
-    """``sent_ns`` is the sender's monotonic clock: echoed back for RTT, never compared across hosts."""
+    """``sent_ns`` is the sender's monotonic clock: echoed back for RTT, never compared across hosts.
+
+    ``incarnation`` is the sending channel's (its echo carries the echoing channel's): random per channel, so a
+    peer id whose process restarted, even at the same address, is told apart from its earlier life. A channel
+    sends one first on every new path to a peer, so it is the first thing a peer hears of each life."""
 
     seq: NonNeg
     sent_ns: NonNeg
+    incarnation: Incarnation
 
 
 class Bye(_Tagged, frozen=True, forbid_unknown_fields=True, tag="bye"):
@@ -338,8 +355,18 @@ class Bye(_Tagged, frozen=True, forbid_unknown_fields=True, tag="bye"):
     learning it from a failed send or a missed deadline."""
 
 
+class Reset(_Tagged, frozen=True, forbid_unknown_fields=True, tag="reset"):
+    """The sender had declared the receiver lost (``reason``: nothing heard for its deadline, or a send failed)
+    and dropped what it held about it; it hears it again now. The receiver drops what it holds about the sender
+    (handshake, links, requests waiting for it) and shakes hands again: e.g. a process stopped longer than the
+    sender's deadline, whose own clock left the stop out and which lost no one itself."""
+
+    reason: Text
+
+
 Message: TypeAlias = (
     Handshake | HandshakeAck | PullRequest | PushOffer | Announce | Ack | Ready | Done | ErrorMsg | Heartbeat | Bye
+    | Reset
 )
 
 

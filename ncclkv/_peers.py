@@ -64,6 +64,7 @@ class _PeerState:
     last_echo: float  # the same clock at the last echo of our heartbeats from it, or when it became known
     lost: bool = False
     rtt_s: float | None = None
+    incarnation: int = 0  # the peer's channel incarnation, from its frames (0: none heard yet, or a raw client)
 
 
 class PeerTable:
@@ -73,7 +74,10 @@ class PeerTable:
     (it sent us a valid frame). It is lost when :meth:`overdue` finds nothing
     heard from it for the deadline, or :meth:`mark_lost` is called; a lost peer
     stays listed (so sends to it raise :class:`PeerLostError`, not "unknown")
-    until it is added or heard again.
+    until it is added or heard again. Each peer's incarnation is the one its
+    frames carry: :meth:`heard` says when it changes (the peer id restarted).
+    ``loss_seq`` counts the losses the channel reported (see
+    :attr:`ncclkv.errors.PeerLostError.loss_seq`).
     """
 
     def __init__(self) -> None:
@@ -83,10 +87,23 @@ class PeerTable:
         # From a random start: a peer may answer a late request of this channel's previous life (a process
         # restarted under the same id), and replies are matched by (msg id, sender) only.
         self._ids = itertools.count(secrets.randbits(48) + 1)
+        self._loss_seq = 0
 
     def next_msg_id(self) -> int:
         with self._lock:
             return next(self._ids)
+
+    @property
+    def loss_seq(self) -> int:
+        """How many losses were reported so far."""
+        with self._lock:
+            return self._loss_seq
+
+    def next_loss_seq(self) -> int:
+        """Count one more reported loss; return the new count (what its error carries)."""
+        with self._lock:
+            self._loss_seq += 1
+            return self._loss_seq
 
     def add(self, peer_id: str, now: float) -> bool:
         """Start tracking ``peer_id`` from ``now``; False if it is already alive (nothing changes)."""
@@ -98,16 +115,47 @@ class PeerTable:
             self._lost.pop(peer_id, None)
             return True
 
-    def heard(self, peer_id: str, now: float) -> bool:
-        """Record a valid frame from ``peer_id``; True if it was unknown or lost until now."""
+    def heard(self, peer_id: str, now: float, incarnation: int = 0) -> tuple[bool, int]:
+        """Record a valid frame from ``peer_id`` carrying ``incarnation`` (0: not given).
+
+        Returns ``(revived, replaced)``: ``revived`` if the peer was unknown or lost until now; ``replaced`` the
+        incarnation it had until this frame when this frame names another one (the peer id restarted: the
+        caller reports the earlier one lost), else 0. The new incarnation is alive from now, echoes included."""
         with self._lock:
             state = self._states.get(peer_id)
             if state is None or state.lost:
-                self._states[peer_id] = _PeerState(last_heard=now, last_echo=now)
+                self._states[peer_id] = _PeerState(last_heard=now, last_echo=now, incarnation=incarnation)
                 self._lost.pop(peer_id, None)
-                return True
+                return True, 0
             state.last_heard = max(state.last_heard, now)
-            return False
+            if not incarnation or incarnation == state.incarnation:
+                return False, 0
+            replaced, state.incarnation = state.incarnation, incarnation
+            if replaced:
+                state.last_echo = max(state.last_echo, now)
+                state.rtt_s = None
+            return False, replaced
+
+    def renew(self, peer_id: str, now: float) -> None:
+        """Start ``peer_id`` over, alive from ``now`` with no incarnation known (connected at a new address:
+        whoever answers there is taken as it is, not as a restart)."""
+        with self._lock:
+            self._states[peer_id] = _PeerState(last_heard=now, last_echo=now)
+            self._lost.pop(peer_id, None)
+
+    def forget_incarnation(self, peer_id: str) -> None:
+        """The incarnation heard under ``peer_id`` was not its own (a client with another CURVE key): the next
+        one heard is taken as it is."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            if state is not None:
+                state.incarnation = 0
+
+    def incarnation(self, peer_id: str) -> int:
+        """The incarnation last heard from ``peer_id``, lost or alive (0: none, or unknown peer)."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            return 0 if state is None else state.incarnation
 
     def echoed(self, peer_id: str, now: float) -> None:
         """Record the echo of one of our heartbeats from ``peer_id``: our path to it reaches it."""

@@ -26,6 +26,16 @@ Threads (all named ``ncclkv-channel-*``, all joined by :meth:`Channel.close`):
   is logged and answered with an :class:`ErrorMsg` (never for an incoming
   ``ErrorMsg``, so two peers cannot ping-pong errors).
 
+Each channel has a random :attr:`Channel.incarnation`, in its heartbeats
+(the first frame it sends on every new path) and handshakes: a peer id heard
+with another one restarted, and its earlier life is reported lost at once
+(:class:`PeerResetError`), before a frame of the new one is handled. A peer
+this channel declared lost (silent for ``deadline_s``, unreachable) that is
+heard again, or sent to again, gets a ``Reset`` first: it was only stopped,
+and drops what it holds about us (its ``on_peer_lost`` is told, with a
+:class:`PeerResetError`). Every loss reported carries ``loss_seq``
+(:attr:`Channel.loss_seq`), so a handler can tell what came before it.
+
 Malformed frames are counted in :attr:`Channel.stats` ``.rejected``, logged,
 and answered with an ``ErrorMsg(code="protocol")`` on the connection they came
 in on; the channel keeps serving. Logs and answers about bad frames are rate
@@ -46,20 +56,21 @@ valid one unanswered, before decoding. See docs/SECURITY.md.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ._auth import WARNING_BURST, WARNINGS_PER_S
-from ._channel_io import IoLoop
+from ._channel_io import IoLoop, LossKind
 from ._clock import ActiveClock
 from ._dispatch import Dispatcher, MessageHandler, PeerLostHandler, ReplyThen
 from ._env import env_settings
 from ._peers import Budget, Counters, PeerTable
 from ._timeout import check_timeout
 from .auth import ChannelAuth, curve_key, load_channel_auth
-from .errors import ClosedError, PeerClosedError, PeerLostError, TransferTimeout
+from .errors import ClosedError, PeerClosedError, PeerLostError, PeerResetError, TransferTimeout
 from .protocol import Envelope, ErrorMsg, Message, encode
 
 __all__ = ["THREAD_PREFIX", "Channel", "ChannelStats", "MessageHandler", "PeerLostHandler", "ReplyThen"]
@@ -136,8 +147,13 @@ class Channel:
         host = settings.bind_host if bind_host is None else bind_host
         _check_args(peer_id, port, self.heartbeat_s, self.deadline_s, self.max_frame_bytes)
         self.peer_id = peer_id
+        # This channel's life under its peer id, in its heartbeats (the first frame on each path) and handshakes:
+        # a peer that hears another one under our id takes this one as lost (a process restarted at once, even
+        # at the same address, is told apart).
+        self.incarnation = secrets.randbits(63) or 1
         self._lock = threading.Lock()
         self._closed = False
+        self._addresses: dict[str, str] = {}  # peer id -> the address connect() last opened its DEALER to
         self._pending: dict[int, _Pending] = {}
         self._expired: OrderedDict[int, None] = OrderedDict()
         # Warnings about unexpected replies: a peer controls how many come. I/O thread only.
@@ -167,6 +183,7 @@ class Channel:
             lost=self._on_lost,
             auth=self.auth,
             clock=self.clock,
+            incarnation=self.incarnation,
         )
         try:
             self._address = self._io.start(timeout_s=_JOIN_S)
@@ -192,11 +209,16 @@ class Channel:
         return ChannelStats(c.sent, c.received, c.rejected, c.late_replies, c.peers_lost, c.handler_errors, auth_failures)
 
     def connect(self, peer_id: str, address: str, *, server_key: bytes | str | None = None) -> None:
-        """Open a DEALER to ``peer_id`` at ``address`` (``tcp://host:port``); a no-op if the peer is alive.
+        """Open a DEALER to ``peer_id`` at ``address`` (``tcp://host:port``); a no-op if the peer is alive,
+        unless this channel connected to it at another address before.
 
         The peer counts as alive from now: if nothing is heard from it within
         ``deadline_s`` it is declared lost. Non-blocking; frames sent before
-        the TCP connection is up are queued. With CURVE, ``server_key`` is the
+        the TCP connection is up are queued. A peer alive here that this
+        channel connected to at another address moved (a process restarted
+        under its id): the old one is lost now (its waiting requests fail
+        with :class:`PeerResetError`, ``on_peer_lost`` is told), and its path
+        is replaced by a DEALER to ``address``. With CURVE, ``server_key`` is the
         peer's public key (Z85), default ``auth.curve.server_key``; a peer
         that cannot prove it holds the matching secret is never talked to,
         and from then on frames under ``peer_id`` are accepted on this
@@ -210,6 +232,17 @@ class Channel:
         key = curve_key(server_key, "server_key") if server_key is not None else None
         if key is not None and self.auth.curve is None:
             raise ValueError(f"server_key given for peer {peer_id!r} but this channel has no CURVE auth")
+        with self._lock:
+            self._check_open()
+            previous = self._addresses.get(peer_id)
+            self._addresses[peer_id] = address
+        if previous is not None and previous != address:
+            if self._peers.alive(peer_id):  # before the caller's next request: that one goes to the new address
+                self._on_lost(peer_id, f"connect() to it at {address!r}: it moved (restarted?) from {previous!r}",
+                              "reset")
+            self._peers.add(peer_id, self.clock.now())  # alive for the caller's next request (renewed at the switch)
+            self._io.submit_connect(peer_id, address, key, replace=True)
+            return
         # With CURVE the I/O thread binds the key even to a live peer (one that reached us first).
         if self._peers.add(peer_id, self.clock.now()) or self.auth.curve is not None:
             self._io.submit_connect(peer_id, address, key)
@@ -266,6 +299,17 @@ class Channel:
     def peer_alive(self, peer_id: str) -> bool:
         """True if ``peer_id`` is known and was heard from within ``deadline_s``."""
         return self._peers.alive(peer_id)
+
+    def peer_incarnation(self, peer_id: str) -> int:
+        """The incarnation (another peer's :attr:`incarnation`) its frames carried last; 0 if none was heard."""
+        return self._peers.incarnation(peer_id)
+
+    @property
+    def loss_seq(self) -> int:
+        """How many peer losses this channel reported so far; each one's error carries its count as
+        :attr:`~ncclkv.errors.PeerLostError.loss_seq`. Read it before starting something with a peer (a
+        handshake): a loss reported later with a higher count happened after the start, and ends it."""
+        return self._peers.loss_seq
 
     def last_rtt(self, peer_id: str) -> float | None:
         """The latest heartbeat round trip to ``peer_id`` in seconds (None before the first echo)."""
@@ -371,17 +415,25 @@ class Channel:
             log.warning("channel %r: dropped a reply from %r to msg_id %s, which no request waits for: %s",
                         self.peer_id, envelope.sender, envelope.reply_to, envelope.body)
 
-    def _on_lost(self, peer_id: str, reason: str, closed: bool) -> None:
-        """On the I/O thread: fail the requests waiting on ``peer_id`` and schedule ``on_peer_lost``
-        (``closed``: the peer said Bye)."""
-        kind = PeerClosedError if closed else PeerLostError
+    def _on_lost(self, peer_id: str, reason: str, how: LossKind) -> None:
+        """On the I/O thread (or in ``connect``, for a peer that moved): fail the requests waiting on ``peer_id``
+        and schedule ``on_peer_lost``, with a :class:`PeerClosedError` (``how="closed"``: it said Bye), a
+        :class:`PeerResetError` (``"reset"``: what it held about us, or we about it, is gone while it is there)
+        or a :class:`PeerLostError`, each carrying the loss's ``loss_seq``."""
+        kind = {"closed": PeerClosedError, "reset": PeerResetError}.get(how, PeerLostError)
+        seq = self._peers.next_loss_seq()
         with self._lock:
             mine = [k for k, v in self._pending.items() if v.peer_id == peer_id]
             entries = [self._pending.pop(k) for k in mine]
             self._expire_locked(mine)  # a peer that was only stalled may still answer
         for entry in entries:
-            self._finish(entry, None, kind(f"peer {peer_id!r} lost while waiting for a reply: {reason}"))
-        self._dispatcher.put_lost(peer_id, kind(f"peer {peer_id!r} lost: {reason}"))
+            self._finish(entry, None, _stamped(kind(f"peer {peer_id!r} lost while waiting for a reply: {reason}"), seq))
+        self._dispatcher.put_lost(peer_id, _stamped(kind(f"peer {peer_id!r} lost: {reason}"), seq))
+
+
+def _stamped(error: PeerLostError, seq: int) -> PeerLostError:
+    error.loss_seq = seq
+    return error
 
 
 def _check_address(address: object) -> None:

@@ -14,6 +14,7 @@ __all__ = [
     "NcclKVError",
     "PeerClosedError",
     "PeerLostError",
+    "PeerResetError",
     "ProtocolError",
     "ShapeMismatchError",
     "TransferError",
@@ -34,11 +35,22 @@ class HandshakeError(NcclKVError):
 
 
 class PeerLostError(NcclKVError):
-    """A peer stopped answering heartbeats or its connection broke."""
+    """A peer stopped answering heartbeats or its connection broke.
+
+    ``loss_seq``: set by the channel that reported the loss, from its ``Channel.loss_seq`` counter; what was
+    agreed with the peer before (a handshake started at a lower count) is stale, what came after is not."""
+
+    loss_seq: int | None = None
 
 
 class PeerClosedError(PeerLostError):
     """A peer closed its channel (it said Bye): lost, but on purpose."""
+
+
+class PeerResetError(PeerLostError):
+    """What a peer held about us is gone while the peer itself is there: it had declared us lost (we were
+    stopped or unreachable for longer than its deadline), it restarted under the same peer id, or it moved to
+    another address. Shake hands with it again; a request refused this way may be sent once more."""
 
 
 class TransferError(NcclKVError):

@@ -1,16 +1,21 @@
 """Typed, versioned control messages and their strict msgpack encoding.
 
-Wire format, version 1. One ZMQ frame holds one msgpack map, an
-:class:`Envelope`::
+Wire format, version :data:`PROTOCOL_VERSION` (checked at the handshake). One ZMQ frame holds one msgpack map,
+an :class:`Envelope`::
 
     {"sender": str, "msg_id": int, "reply_to": int | nil, "body": {"type": TAG, ...}}
 
 ``msg_id`` is unique per sender; a reply carries the request's ``msg_id`` in
-``reply_to``. ``body`` is one of the tagged messages of :data:`Message`
-(tags: ``hs hs_ack pull push ann ack ready done err hb bye``). Every field is required
-on the wire except ``Announce.piece`` (absent: nil, the whole route; :func:`encode`
-always writes it), unknown fields are refused, and :func:`decode` checks the frame
-size before it parses a byte. What the decoder enforces, beyond types:
+``reply_to``. ``body`` is one of the tagged messages of :data:`Message` (tags:
+``hs hs_ack pull push ann ack ready done err hb bye reset``). ``Heartbeat`` and
+``Handshake`` carry the sending channel's ``incarnation`` (random per channel, so
+a peer id restarted is told from its earlier life; 0: not given, never
+compared). Every field is required on the wire except ``Announce.piece``
+(absent: nil, the whole route; :func:`encode` always writes it), unknown fields
+and tags are refused (so a build of an older version refuses a newer one's frames
+as malformed, before the handshake could name the versions), and :func:`decode`
+checks the frame size before it parses a byte. What the decoder enforces, beyond
+types:
 
 * every count, rank, index, size, sequence number and id is an int ``>= 0``
   (``tp_size``, ``pp_size``, layer counts, ``num_layers``, ``num_kv_heads``,

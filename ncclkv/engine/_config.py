@@ -13,7 +13,7 @@ from .._timeout import check_timeout
 from ..auth import ChannelAuth, load_channel_auth
 from ..layout import KVGeometry, ParallelLayout
 
-__all__ = ["DEFAULT_LAST_PIECE_BYTES", "EngineConfig", "EngineRef", "Role", "peer_id", "split_peer_id"]
+__all__ = ["DEFAULT_LAST_PIECE_BYTES", "EngineConfig", "EngineRef", "Role", "parse_peer_id", "peer_id", "split_peer_id"]
 
 # A push may send a route's last layer in token pieces (last_piece_bytes): only that layer's latency is left after
 # the forward, and pieces could overlap its gather, wire and scatter while earlier layers, hidden behind compute,
@@ -40,11 +40,23 @@ def peer_id(engine_id: str, rank: int) -> str:
     return f"{engine_id}.r{rank}"
 
 
+_PEER_ID = re.compile(r"(.+)\.r([0-9]+)")
+
+
 def split_peer_id(name: str) -> tuple[str, int]:
     """``(engine_id, rank)`` of a name made by :func:`peer_id` (engine ids may hold dots, never ``.r<digits>``
-    at their end: the last one is the rank's)."""
-    engine_id, rank = name.rsplit(".r", 1)
-    return engine_id, int(rank)
+    at their end: the last one is the rank's); ``ValueError`` naming it for any other name."""
+    parsed = parse_peer_id(name)
+    if parsed is None:
+        raise ValueError(f"peer id {name!r} is not an engine rank's (<engine id>.r<rank>)")
+    return parsed
+
+
+def parse_peer_id(name: str) -> tuple[str, int] | None:
+    """``(engine_id, rank)`` of an engine rank's peer id, None for any other name (a raw channel client may
+    reach a channel under any id)."""
+    match = _PEER_ID.fullmatch(name)
+    return None if match is None else (match.group(1), int(match.group(2)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,15 +26,15 @@ import torch
 from .._affinity import pin_this_thread, pinned
 from ..channel import Channel
 from ..buffer import KVStoreBuffer
-from ..errors import (CapacityError, ClosedError, NcclKVError, ProtocolError, ShapeMismatchError, TransferError,
-                      TransferTimeout)
+from ..errors import (CapacityError, ClosedError, HandshakeError, NcclKVError, PeerLostError, PeerResetError,
+                      ProtocolError, ShapeMismatchError, TransferError, TransferTimeout)
 from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, Route, Span, SpanSet, cached_plan
 from ..paged import SlotMap
 from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, PushOffer, RouteMsg
 from ..transport import LinkBase
 from ._caches import RankCaches, torch_dtype
 from ._config import EngineRef, split_peer_id
-from ._links import PeerLinks
+from ._links import Peer, PeerLinks
 from ._staging import BlockTokens, RemovalReason, StagingEvent, StagingLog, StagingName
 from ._stats import EngineStats
 
@@ -66,6 +66,9 @@ class _Expected:
     applying: int = 0  # scatters into the request's blocks running right now
     keep: int = 0  # tokens below this are already in the blocks (shared with other requests): never written
     unsent: int = 0  # pulls with routes not yet acknowledged by their producer rank (see _stall_at)
+    # Producer rank -> the loss_seq stamp of the handshake its pull was acknowledged under (see fail_peer).
+    acked: dict[int, int] = field(default_factory=dict)
+    since_seq: int = 0  # the channel's loss_seq when it was expected: a loss reported up to it came before it
     # CUDA: per layer, an event after each scatter into the request's blocks (the landing threads' streams are
     # not the forward's): waited for by the forward's stream (wait_layer) or the host (take_finished, abort).
     scattered: dict[int, list[torch.cuda.Event]] = field(default_factory=dict)
@@ -183,7 +186,8 @@ class ConsumerSide:
             remaining[layer] += 1
         now = self._clock.now()
         req = _Expected(request_id, producer, slots, pending, per_src, remaining, time.monotonic(), now, push=push,
-                        keep=keep_tokens, unsent=0 if push else sum(1 for src_routes in by_src.values() if src_routes))
+                        keep=keep_tokens, unsent=0 if push else sum(1 for src_routes in by_src.values() if src_routes),
+                        since_seq=self._channel.loss_seq)
         staged_tensors: list[_StagedTensor] = []
         with self._cond:
             if request_id in self._requests:
@@ -458,8 +462,9 @@ class ConsumerSide:
     def on_push_offer(self, sender: str, offer: PushOffer) -> Ack:
         """Accept a producer's push: direct if the request is expected, else reserve staging or refuse."""
         peer = self._peers.known(sender)
-        if peer is None:
-            raise ProtocolError(f"push offer for {offer.request_id!r} from {sender!r} before any handshake")
+        if peer is None:  # answered peer_reset: the producer shakes hands again and offers once more
+            raise PeerResetError(f"push offer for {offer.request_id!r} from {sender!r} before any handshake (none "
+                                 f"held here: it was lost, or this process restarted)")
         if not self._caches.registered:  # its tensors could not be received: refuse it now
             raise TransferError(f"push of {offer.request_id!r} from {sender!r}: this rank has no KV caches registered")
         src = peer.remote.rank
@@ -553,12 +558,30 @@ class ConsumerSide:
 
     def fail_peer(self, peer_id: str, error: NcclKVError) -> None:
         """Fail every request that still waits for data from ``peer_id``, staged pushes from its engine included
-        (a complete one is kept: it needs nothing more from anyone)."""
-        engine_id, _ = split_peer_id(peer_id)
+        (a complete one is kept: it needs nothing more from anyone).
+
+        For a loss with a ``loss_seq`` (the channel's), a request expected after it was reported, or a pull
+        acknowledged under a handshake made after it, is not the lost one's; after a reset
+        (:class:`PeerResetError`: the producer is there, it only dropped us, restarted or moved), a pull not
+        acknowledged yet is left to shake hands again."""
+        engine_id, rank = split_peer_id(peer_id)
+        seq = error.loss_seq if isinstance(error, PeerLostError) else None
+        reset = isinstance(error, PeerResetError)
         with self._cond:
             for req in self._requests.values():
-                if req.error is None and any(req.producer.peer_id(src) == peer_id for src, _, _ in req.pending):
-                    self._fail_locked(req, error)
+                if req.error is not None or req.producer.engine_id != engine_id:
+                    continue
+                if not any(src == rank for src, _, _ in req.pending):
+                    continue
+                if seq is not None and req.since_seq >= seq:  # expected after the loss was reported
+                    continue
+                if not req.push:
+                    stamp = req.acked.get(rank)
+                    if stamp is None and reset:  # its pull is still to be (re)sent, under a new handshake
+                        continue
+                    if stamp is not None and seq is not None and stamp >= seq:  # pulled after the loss
+                        continue
+                self._fail_locked(req, error)
             for request_id, staged in self._staged.items():
                 if staged.error is None and staged.producer_engine_id == engine_id and staged.covered < staged.num_wanted:
                     self._fail_staged_locked(request_id, staged, error)
@@ -592,30 +615,63 @@ class ConsumerSide:
             self._queue_declines(request_id, producer, (src,))
             return
         try:
-            self._send_pull(request_id, producer, src, routes, tokens)
+            peer = self._send_pull(request_id, producer, src, routes, tokens)
         except Exception as err:  # the request fails; the error names the producer rank
             log.log(logging.ERROR if routes else logging.WARNING, "%s of %s from %s failed: %s",
                     "pull" if routes else "empty pull (nothing to receive)", request_id, producer.peer_id(src), err)
             if routes:
                 self._fail(req, err if isinstance(err, NcclKVError) else TransferError(str(err)))
+                if not isinstance(err, HandshakeError):  # it may hold the request (a restarted producer, a lost
+                    # acknowledgement): tell it we will not take it, so it frees the blocks now, not after hold_s
+                    self._queue_declines(request_id, producer, (src,))
             return
         if routes:
             with self._cond:
+                req.acked[src] = peer.stamp
                 req.unsent -= 1
                 req.progress = self._clock.now()  # its no-progress deadline counts from here (see _stall_at)
                 self._cond.notify_all()  # a waiter's stall limit may have dropped from hold_s to deadline_s
 
     def _send_pull(self, request_id: str, producer: EngineRef, src: int, routes: list[Route],
-                   tokens: SpanSet) -> None:
-        """Shake hands with producer rank ``src`` if needed and send it the pull; returns once it is acknowledged."""
+                   tokens: SpanSet) -> Peer:
+        """Shake hands with producer rank ``src`` if needed and send it the pull; returns once it is acknowledged,
+        the handshake it went under.
+
+        Refused for want of a handshake, or failed by a reset of the producer (it had lost us, it restarted,
+        it moved: :class:`PeerResetError`), the pull goes once more under a new handshake."""
         peer_id = producer.peer_id(src)
-        self._peers.ensure(peer_id, producer.control_addrs[src], need_link=bool(routes))
-        self._channel.request(peer_id, PullRequest(
-            request_id, self._rank, self._engine_id, tuple(RouteMsg.from_route(r) for r in routes),
-            tokens.bounds.stop), self._deadline_s)
+        pull = PullRequest(request_id, self._rank, self._engine_id, tuple(RouteMsg.from_route(r) for r in routes),
+                           tokens.bounds.stop)
+        for attempt in (1, 2):
+            peer = None
+            try:
+                peer = self._peers.ensure(peer_id, producer.control_addrs[src], need_link=bool(routes))
+                self._channel.request(peer_id, pull, self._deadline_s)
+                return peer
+            except PeerResetError as err:
+                if attempt == 2:
+                    raise
+                log.info("pull of %s from %s: %s; shaking hands again", request_id, peer_id, err)
+                if peer is not None:
+                    self._peers.forget(peer, err)
+        raise AssertionError("unreachable")
 
     def _landed(self, request_id: str, key: _Key, piece: Span, buf: torch.Tensor, fut: Future[torch.Tensor]) -> None:
-        """On the link's receive thread: stage a landed tensor, or scatter it unless its request failed."""
+        """On the link's receive thread (a done-callback of the receive): stage a landed tensor, or scatter it
+        unless its request failed.
+
+        A done-callback's exception is only logged by ``concurrent.futures``: the tensor would be lost, its wire
+        buffer never handed back, and its request would find out by a stall. So whatever fails here fails that
+        request (or staged push) at once, typed and naming it, and the buffer, unless it was handed on, goes back.
+        """
+        owned = [True]  # buf is still ours: neither in the store nor handed to _apply (which hands it back)
+        try:
+            self._land(request_id, key, piece, buf, fut, owned)
+        except Exception as err:  # noqa: BLE001 - reported on the request, never lost in a callback's log
+            self._landing_failed(request_id, key, piece, buf if owned[0] else None, fut, err)
+
+    def _land(self, request_id: str, key: _Key, piece: Span, buf: torch.Tensor, fut: Future[torch.Tensor],
+              owned: list[bool]) -> None:
         error = fut.exception()
         with self._cond:
             req = self._requests.get(request_id)
@@ -626,15 +682,38 @@ class ConsumerSide:
                 if staged is not None and staged.error is None:
                     # Counted as the push reserved it, its bytes: the buffer's class slack is the wire pool's.
                     self._store.put(_store_key(request_id, key, piece), buf, nbytes=buf.nbytes)
+                    owned[0] = False  # the store holds it: given back with the staged push
                     staged.landed.append((key, piece))
                     # Announced pieces of a slice lie inside its route and never overlap: a count suffices.
                     count = staged.landed_tokens[key] = staged.landed_tokens.get(key, 0) + len(piece)
                     staged.covered += int(count == len(key[2].tokens))
                     self._report_stored(request_id, staged)
                 else:  # its push failed (now or before), or its request ended (aborted, expired): nothing takes it
+                    owned[0] = False
                     self._caches.hand_back(buf, completed=error is None)
                 return
+        owned[0] = False
         self._apply(req, key, piece, buf, error)
+
+    def _landing_failed(self, request_id: str, key: _Key, piece: Span, buf: torch.Tensor | None,
+                        fut: Future[torch.Tensor], err: Exception) -> None:
+        """A landed tensor could not be taken (staged or scattered): fail its request, or its staged push (which
+        gives back its staging), with a TransferError naming it; hand ``buf`` back if it is still ours."""
+        src, layer, route = key
+        error = TransferError(f"request {request_id!r}: the tensor of layer {layer} from rank {src} (tokens "
+                              f"{piece!r} of {route!r}) landed but could not be taken: {type(err).__name__}: {err}")
+        log.error("%s", error, exc_info=err)
+        try:
+            with self._cond:
+                req = self._requests.get(request_id)
+                staged = self._staged.get(request_id) if req is None else None
+                if req is not None:
+                    self._fail_locked(req, error)
+                elif staged is not None and staged.error is None:
+                    self._fail_staged_locked(request_id, staged, error)
+        finally:
+            if buf is not None:
+                self._caches.hand_back(buf, completed=not fut.cancelled() and fut.exception() is None)
 
     def _apply(self, req: _Expected, key: _Key, piece: Span, buf: torch.Tensor, error: BaseException | None) -> None:
         """Scatter one landed tensor (``piece`` of the slice ``key``) into the request's blocks and count it."""
@@ -652,7 +731,10 @@ class ConsumerSide:
                 done = self._caches.scattered(buf)
             except Exception as err:  # reported on the request
                 error = err
-        self._caches.hand_back(buf, received)  # read by the scatter if at all: only its shape is read below
+        try:  # read by the scatter if at all: only its shape is read below
+            self._caches.hand_back(buf, received)
+        except Exception as err:  # noqa: BLE001 - the count below must still drop (abort() waits for it)
+            error = error or err
         with self._cond:
             if done is not None:  # before the layer counts as landed: its waiters take every event
                 req.scattered.setdefault(key[1], []).append(done)

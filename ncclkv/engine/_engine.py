@@ -10,13 +10,13 @@ import torch
 
 from .._affinity import pin_this_thread, pinned
 from ..channel import Channel, ReplyThen
-from ..errors import ClosedError, HandshakeError, PeerLostError, ProtocolError
+from ..errors import ClosedError, HandshakeError, PeerLostError, PeerResetError, ProtocolError
 from ..layout import SpanSet
 from ..paged import CacheLayout
 from ..protocol import Announce, Done, ErrorMsg, Handshake, Message, PullRequest, PushOffer
 from ..transport import DataPlane, LinkFactory
 from ._caches import RankCaches
-from ._config import EngineConfig, EngineRef
+from ._config import EngineConfig, EngineRef, parse_peer_id
 from ._consumer import ConsumerSide
 from ._links import PeerLinks
 from ._producer import ProducerSide
@@ -77,7 +77,8 @@ class TransferEngine:
                 auth=cfg.auth,
             )
             local = Handshake.create(cfg.engine_id, cfg.role, cfg.rank, cfg.layout, cfg.geometry,
-                                     self._channel.address, self._data_plane.address)
+                                     self._channel.address, self._data_plane.address,
+                                     incarnation=self._channel.incarnation)
             self._peers = PeerLinks(local, self._channel, self._data_plane, self._link_opener, cfg.device,
                                     cfg.deadline_s)
             self._producer = ProducerSide(cfg.rank, cfg.layout, cfg.geometry, self._caches, self._channel,
@@ -229,10 +230,14 @@ class TransferEngine:
         if isinstance(body, Announce):
             self._consumer.on_announce(sender, body)
             return None
-        if isinstance(body, PullRequest):
-            return self._producer.on_pull(sender, body)
-        if isinstance(body, PushOffer):
-            return self._consumer.on_push_offer(sender, body)
+        try:
+            if isinstance(body, PullRequest):
+                return self._producer.on_pull(sender, body)
+            if isinstance(body, PushOffer):
+                return self._consumer.on_push_offer(sender, body)
+        except PeerResetError as err:  # expected after a loss or a restart: the peer shakes hands and asks again
+            log.info("%s: %s", self.config.peer_id, err)
+            return ErrorMsg.from_exception(err, body.request_id)
         if isinstance(body, Done):
             self._consumer.on_done(sender, body)
             return None
@@ -242,8 +247,13 @@ class TransferEngine:
         raise ProtocolError(f"unexpected {type(body).__name__} from {sender!r}")
 
     def _on_peer_lost(self, peer_id: str, error: PeerLostError) -> None:
-        self._peers.drop(peer_id, error)
-        self._consumer.fail_peer(peer_id, error)
+        """A peer is gone, or (PeerResetError) what it held about us or we about it is: what was agreed with it
+        before the loss goes (its handshake, links, the requests waiting for its tensors, what we hold for it);
+        whatever was started with it after the loss (its ``loss_seq``) stays."""
+        if parse_peer_id(peer_id) is not None:  # else a raw channel client, no engine rank: no request names it
+            self._consumer.fail_peer(peer_id, error)  # first: once its link is closed (what it sees), they failed
+            self._producer.peer_lost(peer_id, error)
+        self._peers.drop(peer_id, error, before=error.loss_seq)
 
     def _check_open(self) -> None:
         if self._closed:

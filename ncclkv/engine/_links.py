@@ -9,6 +9,14 @@ same link: its id is derived from the two peer ids and the nonce, the
 responder's TCPStore is the rendezvous, and the smaller peer id is link rank
 0. A link is used in both directions; the n-th send in one direction matches
 the n-th receive on the other side.
+
+A peer lost (``drop``) takes what was agreed with it before the loss: each
+:class:`Peer` carries the channel's ``loss_seq`` from when it was made (an
+initiator's read before its handshake went out; a responder's handshake is
+older than any loss the dispatcher reports after it), so a loss reported late
+never takes a handshake made after it. A cached peer is not used once the
+channel lost it, heard another incarnation under its id, or when the caller
+names another address than the one we connected to (it restarted elsewhere).
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ class Peer:
     remote: Handshake
     link: Future[LinkBase] | None  # None: control only (no tensors flow between these two ranks yet)
     link_id: str | None = None
+    # The channel's loss_seq it was made under (-1: as the responder, older than every loss reported after it):
+    # a loss reported with a higher count ends it, one with a count up to this came before it.
+    stamp: int = -1
 
 
 @dataclass(slots=True, eq=False)
@@ -75,6 +86,7 @@ class PeerLinks:
         self._links: dict[str, Peer] = {}
         self._gone_hooks: list[Callable[[str], None]] = []  # told each link id that leaves _links
         self._connecting: dict[str, _Gate] = {}  # only peers with an ensure() in progress
+        self._addresses: dict[str, str] = {}  # the control address we last connected to, per peer id
         self._closed = False
 
     def get(self, peer_id: str) -> Peer | None:
@@ -96,30 +108,39 @@ class PeerLinks:
         return peer
 
     def ensure(self, peer_id: str, control_addr: str, need_link: bool) -> Peer:
-        """Shake hands with ``peer_id`` (and open a link if ``need_link``) unless done; blocks up to the deadline."""
+        """Shake hands with ``peer_id`` (and open a link if ``need_link``) unless done; blocks up to the deadline.
+
+        A peer we connected to at another address than ``control_addr`` moved (restarted elsewhere under its
+        id): it is dropped, and the channel connects to ``control_addr`` instead."""
         with self._lock:
             self._check_open()
             peer = self._peers.get(peer_id)
-            if peer is not None and _usable(peer, need_link):
+            if peer is not None and self._current(peer, control_addr, need_link):
                 return peer
         with self._handshaking(peer_id):
             with self._lock:
                 peer = self._peers.get(peer_id)
-                if peer is not None and _usable(peer, need_link):
+                if peer is not None and self._current(peer, control_addr, need_link):
                     return peer
+                moved_from = self._addresses.get(peer_id)
+            if moved_from is not None and moved_from != control_addr:
+                self.drop(peer_id, f"{peer_id!r} is at {control_addr!r} now, no longer at {moved_from!r}")
             session = uuid.uuid4().hex
-            self._channel.connect(peer_id, control_addr)
+            self._channel.connect(peer_id, control_addr)  # replaces the channel's path to it when it moved
+            with self._lock:
+                self._addresses[peer_id] = control_addr
+            stamp = self._channel.loss_seq  # after connect(): a loss it reported is older than this handshake
             hello = replace(self._local, session=session, open_link=need_link)
             reply = self._channel.request(peer_id, hello, self._deadline_s)
             if not isinstance(reply, Handshake) or reply.session != session:
                 raise HandshakeError(f"peer {peer_id!r} answered the handshake with {type(reply).__name__}")
             check_compatible(self._local, reply)
             if not need_link:
-                return self._install(peer_id, reply, None, None)
+                return self._install(peer_id, reply, None, None, stamp)
             link: Future[LinkBase] = Future()
             link.set_running_or_notify_cancel()  # not cancellable: close() and drop() close what it brings instead
             link_id = self._link_id(peer_id, session)
-            peer = self._install(peer_id, reply, link, link_id)
+            peer = self._install(peer_id, reply, link, link_id, stamp)
             try:
                 opened = self._open_link(peer_id, reply.data_addr, session)
             except BaseException as err:
@@ -206,18 +227,30 @@ class PeerLinks:
                 for hook in self._gone_hooks:
                     hook(peer.link_id)
 
-    def drop(self, peer_id: str, reason: BaseException | str) -> None:
+    def drop(self, peer_id: str, reason: BaseException | str, before: int | None = None) -> None:
         """Forget ``peer_id`` and close every link to it, a link still opening once it opens; the next ``ensure``
-        shakes hands anew."""
+        shakes hands anew. ``before``: only what was agreed under a lower ``loss_seq`` (a loss reported with
+        that count: a handshake made after it stays)."""
+        def stale(peer: Peer) -> bool:
+            return peer.peer_id == peer_id and (before is None or peer.stamp < before)
+
         with self._lock:
-            self._peers.pop(peer_id, None)
-            gone = [p for p in self._links.values() if p.peer_id == peer_id]
+            current = self._peers.get(peer_id)
+            if current is not None and stale(current):
+                del self._peers[peer_id]
+            gone = [p for p in self._links.values() if stale(p)]
             for peer in gone:
                 del self._links[peer.link_id]  # type: ignore[arg-type]
         if gone:  # a peer that closed on purpose (it said Bye) is no failure
             log.log(logging.INFO if isinstance(reason, PeerClosedError) else logging.WARNING,
                     "dropping peer %s: %s", peer_id, reason)
         self._retire(gone)
+
+    def forget(self, peer: Peer, reason: BaseException | str) -> None:
+        """Forget this one handshake (the peer refused a request sent under it: it holds none with us), and
+        close its link; a newer one with the same peer stays."""
+        log.info("forgetting handshake with %s: %s", peer.peer_id, reason)
+        self._discard(peer)
 
     def close(self) -> None:
         """Forget every peer and close every link, a link still opening once it opens; later calls raise ClosedError."""
@@ -230,25 +263,29 @@ class PeerLinks:
                 peer.link.cancel()  # a responder's open not started yet never starts
             _close_link(peer)
 
-    def _install(self, peer_id: str, remote: Handshake, link: Future[LinkBase] | None, link_id: str | None) -> Peer:
+    def _install(self, peer_id: str, remote: Handshake, link: Future[LinkBase] | None, link_id: str | None,
+                 stamp: int = -1) -> Peer:
         """Make this handshake the current one with ``peer_id``.
 
-        A control-only handshake never replaces a usable link. A replaced link
-        stays open while it is healthy: the peer may still be sending on it
-        (both sides started a handshake at once); a broken one is closed.
+        A control-only handshake never replaces a usable link of the same
+        incarnation. A replaced link stays open while it is healthy: the peer
+        may still be sending on it (both sides started a handshake at once); a
+        broken one is closed, and so is one with another incarnation of the
+        peer id (that process is gone: nothing will come on it).
         """
-        peer = Peer(peer_id, remote, link, link_id)
+        peer = Peer(peer_id, remote, link, link_id, stamp)
         stale: list[Peer] = []
         with self._lock:
             self._check_open()
             old = self._peers.get(peer_id)
-            if link is None and old is not None and old.link is not None and _usable(old, True):
+            if (link is None and old is not None and old.link is not None and _usable(old, True)
+                    and not _other_life(old, remote)):
                 return old
             self._peers[peer_id] = peer
             if link_id is not None:
                 self._links[link_id] = peer
             for other in [p for p in self._links.values() if p.peer_id == peer_id and p is not peer]:
-                if not _usable(other, True):
+                if not _usable(other, True) or _other_life(other, remote):
                     del self._links[other.link_id]  # type: ignore[arg-type]
                     stale.append(other)
         self._retire(stale)
@@ -298,6 +335,18 @@ class PeerLinks:
         if self._closed:
             raise ClosedError("engine peers are closed")
 
+    def _current(self, peer: Peer, control_addr: str, need_link: bool) -> bool:
+        """Under the lock: whether ``ensure`` may use ``peer`` as it is: usable, not lost by the channel (the
+        dispatcher may not have dropped it yet), of the incarnation the channel hears now, and reached at
+        ``control_addr`` when we connected to it ourselves."""
+        if not _usable(peer, need_link) or not self._channel.peer_alive(peer.peer_id):
+            return False
+        heard = self._channel.peer_incarnation(peer.peer_id)
+        if heard and peer.remote.incarnation and heard != peer.remote.incarnation:
+            return False
+        address = self._addresses.get(peer.peer_id)
+        return address is None or address == control_addr
+
     # Waits run on the channel's clock: a pause of this whole process does not expire them.
     def _acquire(self, gate: threading.Lock) -> bool:
         return self._channel.clock.wait(lambda s: gate.acquire(timeout=s), self._deadline_s)
@@ -306,6 +355,11 @@ class PeerLinks:
         if link.done():  # the usual case, once per announced tensor: no waiter set up for it
             return True
         return self._channel.clock.wait(lambda s: not wait_futures([link], timeout=s).not_done, self._deadline_s)
+
+
+def _other_life(peer: Peer, remote: Handshake) -> bool:
+    """Whether ``peer`` was made with another incarnation of the peer id than ``remote``'s (0: not known)."""
+    return bool(peer.remote.incarnation and remote.incarnation and peer.remote.incarnation != remote.incarnation)
 
 
 def _usable(peer: Peer, need_link: bool) -> bool:

@@ -24,7 +24,8 @@ import torch
 
 from .._affinity import pinned
 from ..channel import Channel
-from ..errors import CapacityError, ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
+from ..errors import (CapacityError, PeerLostError, PeerResetError, ProtocolError, ShapeMismatchError, TransferError,
+                      TransferTimeout)
 from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, cached_plan
 from ..paged import SlotMap
 from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, RouteMsg
@@ -170,6 +171,31 @@ class ProducerSide:
             held.error = held.error or TransferError(f"request {request_id!r} released before every consumer pulled")
             return True
 
+    def peer_lost(self, peer_id: str, error: PeerLostError) -> None:
+        """Dispatcher thread: consumer rank ``peer_id`` is lost (gone, restarted, or it dropped us): its parked
+        pulls go, unanswered, and a held request it was to pull and has not is released with an error (its
+        consumer engine can no longer complete it), instead of holding its blocks ``hold_s``. Pulls that come
+        after (the dispatcher handles them after this) are the peer's anew."""
+        with self._lock:
+            for request_id, parked in list(self._early.items()):
+                mine = [entry for entry in parked if entry[0] == peer_id]
+                if not mine:
+                    continue
+                self._unpark_locked(mine)
+                rest = [entry for entry in parked if entry[0] != peer_id]
+                if rest:
+                    self._early[request_id] = rest
+                else:
+                    del self._early[request_id]
+            for request_id, held in self._held.items():
+                if held.released or held.expected is None or peer_id not in held.expected or peer_id in held.served:
+                    continue
+                held.released = True
+                held.deadline = float("-inf")
+                held.error = held.error or TransferError(
+                    f"request {request_id!r}: its consumer rank {peer_id!r} was lost before it pulled: {error}")
+                log.info("released %s: consumer %s lost before it pulled", request_id, peer_id)
+
     def _pushed(self, request_id: str, error: BaseException | None) -> None:
         with self._lock:
             self._finished[request_id] = error
@@ -199,8 +225,9 @@ class ProducerSide:
 
     def _check_pull(self, sender: str, pull: PullRequest) -> list[Route]:
         peer = self._peers.known(sender)
-        if peer is None:
-            raise ProtocolError(f"pull for {pull.request_id!r} from {sender!r} before any handshake")
+        if peer is None:  # answered peer_reset: the consumer shakes hands again and asks once more
+            raise PeerResetError(f"pull for {pull.request_id!r} from {sender!r} before any handshake (none held "
+                                 f"here: it was lost, or this process restarted)")
         if pull.dst_rank != peer.remote.rank or pull.consumer_engine_id != peer.remote.engine_id:
             raise ProtocolError(f"pull from {sender!r} names engine {pull.consumer_engine_id!r} rank {pull.dst_rank}")
         routes = [Route(m.src, m.dst, *m.spans()) for m in pull.routes]

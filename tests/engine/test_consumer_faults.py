@@ -402,3 +402,34 @@ def test_a_pull_under_the_id_of_an_aborted_or_failed_one_is_refused() -> None:
             decode[0].engine.expect("d", dead, [5], 10)
         decode[0].engine.expect("d", producer, [5], 10)  # another producer's request under that id: its own
         decode[0].engine.abort("d")
+
+
+def test_a_staged_tensor_the_store_refuses_fails_its_push_at_once_and_gives_its_buffer_back(
+        gloo_pair: tuple[list[RankSide], list[RankSide]]) -> None:
+    """Staging a landed tensor runs in the receive's done-callback, whose exceptions concurrent.futures only
+    logs: the tensor was lost, its wire buffer never handed back, and the expect() found out by a stall. Now the
+    staged push fails at once, naming the request, its staging and the buffer go back, and the link goes on."""
+    prefill, decode = gloo_pair
+    ref, producer = engine_ref("decode", ONE, decode), engine_ref("prefill", ONE, prefill)
+    consumer = decode[0].engine._consumer  # noqa: SLF001
+    store = consumer._store  # noqa: SLF001
+    store.put = _fail_call(2, store.put, RuntimeError("store fault (test)"),  # type: ignore[method-assign]
+                           lambda key, value, **_: value is not None)  # the second tensor staged
+    prefill[0].fill(seed=3, block_ids=[0, 1], num_tokens=32)
+    _push(prefill[0], "p", ref, [0, 1], 32)  # not expected here yet: every tensor goes to staging
+    _sent(prefill[0], "p")  # every send of p completed: every landing ran
+    _until(lambda: _staging(decode[0]) == (0, 0), "p's staging given back")
+    buffers = decode[0].engine._caches._buffers  # noqa: SLF001
+    _until(lambda: buffers._lent_bytes == 0, "every wire buffer of p given back")  # noqa: SLF001
+    started = time.monotonic()
+    decode[0].engine.expect("p", producer, [2, 3], 32, push=True)
+    with pytest.raises(TransferError, match=r"request 'p': the tensor of layer 1 from rank 0 .* landed but could "
+                                            r"not be taken: RuntimeError: store fault \(test\)"):
+        decode[0].engine.wait("p", timeout_s=WAIT_S)
+    assert time.monotonic() - started < 2.0  # at once, not after a stall (deadline_s=3)
+    prefill[0].fill(seed=4, block_ids=[2, 3], num_tokens=32)
+    _push(prefill[0], "q", ref, [2, 3], 32)  # the same link goes on
+    assert _sent(prefill[0], "q") is None
+    decode[0].engine.expect("q", producer, [4, 5], 32, push=True)
+    decode[0].engine.wait("q", timeout_s=WAIT_S)
+    assert decode[0].mismatches(4, [4, 5], 32, Span(0, 32)) == []

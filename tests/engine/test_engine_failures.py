@@ -353,3 +353,28 @@ def test_a_declined_push_gives_its_staging_back_and_refuses_the_rest() -> None:
         _push(prefill[0], "coming", ref, [2, 3], 32)
         assert isinstance(_sent(prefill[0], "coming"), TransferError)  # refused: the producer frees its blocks
         assert _staging(decode[0]) == (0, 0)
+
+
+def test_losing_a_peer_that_is_no_engine_rank_is_no_handler_error(caplog: pytest.LogCaptureFixture) -> None:
+    """Anyone that reaches a channel is a peer, under any id; losing one whose id is not ``<engine>.r<rank>`` (a
+    raw channel client) raised ValueError in the engine's on_peer_lost (a traceback, a handler error)."""
+    from ncclkv.auth import ChannelAuth
+    from ncclkv.channel import Channel
+    from ncclkv.protocol import Handshake
+
+    caplog.set_level(logging.INFO, logger="ncclkv")
+    none = ChannelAuth()
+    with _pair(producer=dict(auth=none)) as (prefill, _):
+        engine = prefill[0].engine
+        channel = engine._channel  # noqa: SLF001
+        with Channel("raw client", auth=none, deadline_s=WAIT_S) as raw:
+            raw.connect("prefill.r0", engine.address)
+            _until(lambda: channel.peer_alive("raw client"), "the raw client heard")
+        _until(lambda: channel.stats.peers_lost == 1, "the raw client lost (its Bye)")
+        # A reply from the dispatcher after the loss: it handled the loss first (one queue, in order).
+        with Channel("probe.r0", auth=none, deadline_s=WAIT_S) as probe:
+            probe.connect("prefill.r0", engine.address)
+            hello = Handshake.create("probe", "consumer", 0, ONE, GQA, probe.address, "127.0.0.1:1", session="s")
+            assert isinstance(probe.request("prefill.r0", hello, WAIT_S), Handshake)
+        assert channel.stats.handler_errors == 0, [r.getMessage() for r in caplog.records]
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]

@@ -13,6 +13,7 @@ the test can time a failure against the moment it killed a peer.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -29,6 +30,8 @@ import msgspec
 import torch
 
 import ncclkv._messages as messages
+import ncclkv.engine._engine as engine_module
+from ncclkv.channel import Channel
 from ncclkv.engine import EngineRef
 from ncclkv.layout import KVGeometry, ParallelLayout, Span, SpanSet
 from ncclkv.paged import CacheLayout
@@ -114,15 +117,18 @@ def _poll(what: str, timeout_s: float, ready: Callable[[], bool]) -> float:
 
 def build(st: _State, key: str, engine_id: str, rank: int, layout: ParallelLayout, geometry: KVGeometry,
           cache_layout: CacheLayout, block_size: int, role: str, num_blocks: int = 32,
-          protocol_version: int | None = None, **config: Any) -> str:
-    """Build an engine rank with sentinel-filled caches; return its control address."""
-    saved = messages.PROTOCOL_VERSION
+          protocol_version: int | None = None, control_port: int = 0, **config: Any) -> str:
+    """Build an engine rank with sentinel-filled caches; return its control address. ``control_port``: bind its
+    channel there (``Channel(port=...)``), e.g. the port of a process it restarts."""
+    saved, saved_channel = messages.PROTOCOL_VERSION, engine_module.Channel
     if protocol_version is not None:  # stands in for a build of another protocol version
         messages.PROTOCOL_VERSION = protocol_version
+    if control_port:
+        engine_module.Channel = functools.partial(Channel, port=control_port)  # type: ignore[misc]
     try:
         side = RankSide.build(engine_id, rank, layout, geometry, cache_layout, block_size, num_blocks, role, **config)
     finally:
-        messages.PROTOCOL_VERSION = saved
+        messages.PROTOCOL_VERSION, engine_module.Channel = saved, saved_channel
     st.sides[key] = side
     st.received[key], st.sent[key] = {}, {}
     return side.engine.address
@@ -301,6 +307,15 @@ def stats(st: _State, key: str) -> dict[str, Any]:
     return out
 
 
+def links(st: _State, key: str) -> dict[str, Any]:
+    """The data links an engine rank keeps (by id: the peer), and the link ids its live link threads serve."""
+    engine = st.sides[key].engine
+    kept = {link_id: peer.peer_id for link_id, peer in engine._peers._links.items()}
+    threads = sorted({"kv-" + t.name.split("-")[3] for t in threading.enumerate()
+                      if t.name.startswith("ncclkv-link-kv-")})
+    return {"kept": kept, "threads": threads}
+
+
 def logs(st: _State, contains: str = "") -> list[str]:
     return [line for line in st.logs if contains in line]
 
@@ -317,7 +332,8 @@ def close_all(st: _State) -> list[str]:
 
 
 COMMANDS: dict[str, Callable[..., Any]] = {f.__name__: f for f in (
-    build, hold, expect, wait, wait_layer, take_sent, push, stall, tamper, recv_posted, peer_gone, stats, logs, close_all,
+    build, hold, expect, wait, wait_layer, take_sent, push, stall, tamper, recv_posted, peer_gone, stats, links, logs,
+    close_all,
 )}
 
 

@@ -37,12 +37,19 @@ class _Channel:
     peer_id = ME
     auth = ChannelAuth()
     clock = _Clock()
+    loss_seq = 0  # no peer is ever lost here
 
     def __init__(self) -> None:
         self.refuse: BaseException | None = None
 
     def connect(self, peer_id: str, address: str) -> None:
         return None
+
+    def peer_alive(self, peer_id: str) -> bool:
+        return True
+
+    def peer_incarnation(self, peer_id: str) -> int:
+        return 0  # none heard: never compared
 
     def request(self, peer_id: str, hello: Handshake, timeout_s: float) -> Handshake:
         if self.refuse is not None:

@@ -29,6 +29,7 @@ from ncclkv.protocol import (
     LayoutMsg,
     PullRequest,
     Ready,
+    Reset,
     RouteMsg,
     check_compatible,
     decode,
@@ -54,7 +55,7 @@ def handshake(**changes: object) -> Handshake:
 
 EXAMPLES = [
     handshake(),
-    Handshake("e", "both", 0, LayoutMsg(1, 2, (3, 1)), GeometryMsg(4, 1, 576, "float16", True), "float16", 7, "tcp://h:1", "h:2", "abc", True),
+    Handshake("e", "both", 0, LayoutMsg(1, 2, (3, 1)), GeometryMsg(4, 1, 576, "float16", True), "float16", 7, "tcp://h:1", "h:2", "abc", True, 2**63 - 1),
     HandshakeAck("decode-0", 0, True, ""),
     HandshakeAck("decode-0", 3, False, "num_kv_heads mismatch"),
     PullRequest("req-1", 0, "decode-0", (ROUTE, RouteMsg(1, 0, (16, 32), (0, 2), (5, 5))), 128),
@@ -65,8 +66,9 @@ EXAMPLES = [
     Done("req-1", 16, 1 << 20),
     ErrorMsg("req-1", ErrorCode.CAPACITY, "staging full"),
     ErrorMsg(None, ErrorCode.PROTOCOL, "garbage"),
-    Heartbeat(9, 123456789),
+    Heartbeat(9, 123456789, 77),
     Bye(),
+    Reset("nothing heard for more than deadline_s=3.0s"),
 ]
 
 
@@ -82,12 +84,14 @@ def test_every_message_round_trips(body: object) -> None:
 ids = st.text(min_size=1, max_size=12)
 nonneg = st.integers(min_value=0, max_value=2**63)
 positive = st.integers(min_value=1, max_value=4096)
+incarnations = st.integers(min_value=0, max_value=2**63 - 1)
 pairs = st.tuples(nonneg, nonneg).map(lambda p: (min(p), max(p)))
 routes = st.builds(RouteMsg, nonneg, nonneg, pairs, pairs, pairs)
 layouts = st.builds(LayoutMsg, positive, positive, st.none() | st.lists(positive, max_size=4).map(tuple))
 geometries = st.builds(GeometryMsg, positive, positive, positive, st.sampled_from(["bfloat16", "float8_e4m3fn"]), st.booleans())
 bodies = st.one_of(
-    st.builds(Handshake, ids, st.sampled_from(["producer", "consumer", "both"]), nonneg, layouts, geometries, ids, nonneg, ids, ids),
+    st.builds(Handshake, ids, st.sampled_from(["producer", "consumer", "both"]), nonneg, layouts, geometries, ids, nonneg, ids, ids,
+              incarnation=incarnations),
     st.builds(HandshakeAck, ids, nonneg, st.booleans(), st.text(max_size=40)),
     st.builds(PullRequest, ids, nonneg, ids, st.lists(routes, max_size=4).map(tuple), nonneg),
     st.builds(Announce, ids, nonneg, routes, st.lists(nonneg, max_size=MAX_SHAPE_DIMS).map(tuple), ids, nonneg, nonneg, ids,
@@ -96,8 +100,9 @@ bodies = st.one_of(
     st.builds(Ready, ids),
     st.builds(Done, ids, nonneg, nonneg),
     st.builds(ErrorMsg, st.none() | ids, st.sampled_from(list(ErrorCode)), st.text(max_size=40)),
-    st.builds(Heartbeat, nonneg, nonneg),
+    st.builds(Heartbeat, nonneg, nonneg, incarnations),
     st.just(Bye()),
+    st.builds(Reset, st.text(max_size=40)),
 )
 
 
@@ -205,7 +210,7 @@ def test_encode_refuses_what_the_peer_would_refuse() -> None:
     with pytest.raises(errors.ProtocolError, match="Ack would be refused.*seq"):
         encode(Envelope("a", 1, None, Ack("r", "7")))  # type: ignore[arg-type]
     with pytest.raises(errors.ProtocolError, match="cannot encode Heartbeat"):
-        encode(Envelope("a", 1, None, Heartbeat(2**70, 0)))
+        encode(Envelope("a", 1, None, Heartbeat(2**70, 0, 1)))
     with pytest.raises(errors.ProtocolError, match="exceeds max_frame_bytes=1024"):
         encode(Envelope("a", 1, None, ErrorMsg(None, ErrorCode.INTERNAL, "x" * 2000)), max_frame_bytes=1024)
     with pytest.raises(TypeError, match="takes an Envelope"):
@@ -280,8 +285,8 @@ def test_check_compatible_accepts_heterogeneous_layouts_and_lists_every_mismatch
 
 @pytest.mark.parametrize(
     "error",
-    [errors.TransferTimeout, errors.PeerLostError, errors.ShapeMismatchError, errors.CapacityError,
-     errors.HandshakeError, errors.ProtocolError, errors.ClosedError],
+    [errors.TransferTimeout, errors.PeerLostError, errors.PeerResetError, errors.ShapeMismatchError,
+     errors.CapacityError, errors.HandshakeError, errors.ProtocolError, errors.ClosedError],
 )
 def test_error_messages_map_to_typed_errors_and_back(error: type[errors.NcclKVError]) -> None:
     wire = decode(encode(Envelope("p", 1, 2, ErrorMsg.from_exception(error("detail 42"), "req-9")))).body

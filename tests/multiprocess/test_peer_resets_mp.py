@@ -1,0 +1,207 @@
+"""Peers that are there again after their state about each other went: real processes, real sockets, gloo.
+
+A process stopped (SIGSTOP) longer than its peer's deadline is declared lost by
+the peer, which drops its handshake and link; the stopped one leaves its stop
+out of its own deadlines and loses no one. Once it runs, the peer tells it so
+(``Reset``) and the next request shakes hands again, instead of being refused
+"before any handshake" forever. A process restarted under the same engine id,
+at the same control address or another, is told from its earlier life by its
+channel's incarnation: the earlier one is lost at once (its requests fail, its
+link is closed, what the producer held for it is released) and the new one is
+served. A pull that failed on the consumer is declined, so its producer frees
+the blocks instead of holding them ``hold_s``.
+
+Order comes from the engines' own state (a peer seen lost, a request reported),
+never from sleeps; the stop itself lasts until the peer declared the stopped
+process lost, which is the fault under test.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from ncclkv.engine import EngineRef
+from ncclkv.launch import free_port
+from ncclkv.layout import KVGeometry, ParallelLayout, Route, Span
+from ncclkv.paged import CacheLayout
+from ncclkv.protocol import RouteMsg
+
+from _engine_pool import Pool, Proc, blocks, build_engine
+from _engine_workers import Outcome, Req
+
+pytestmark = pytest.mark.multiprocess
+
+GQA = KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32")
+ONE = ParallelLayout(1, 1)
+DEADLINE_S = 3.0
+LATE_S = 2.5  # a heartbeat tick and a busy core on top of the deadline
+POOL_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def engine_pool() -> Iterator[Pool]:
+    """Four children are enough here (the session's pool has eight, for the layout matrix)."""
+    pool = Pool(POOL_SIZE)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def _build(proc: Proc, engine_id: str, role: str, **config: object) -> EngineRef:
+    config = {"deadline_s": DEADLINE_S, "num_blocks": 64, **config}
+    return build_engine([proc], engine_id, ONE, GQA, CacheLayout.CPU, 16, role, **config)
+
+
+def _req(rid: str, seed: int, slot: int, num_tokens: int = 40) -> Req:
+    return Req(rid, seed, num_tokens, blocks(num_tokens, 16, 4 * slot), blocks(num_tokens, 16, 4 * slot))
+
+
+def _pull(producer: Proc, key_p: str, consumer: Proc, key_d: str, ref_p: EngineRef, req: Req) -> Outcome:
+    producer.call("hold", key=key_p, reqs=[req])
+    consumer.call("expect", key=key_d, producer=ref_p, reqs=[req])
+    return consumer.call("wait", key=key_d, reqs=[req])[req.rid]
+
+
+def _push(producer: Proc, ref_p: EngineRef, consumer: Proc, ref_c: EngineRef, req: Req) -> tuple[Outcome, Outcome]:
+    consumer.call("expect", key=ref_c.engine_id, producer=ref_p, reqs=[req], push=True)
+    sent = producer.call("push", key=ref_p.engine_id, req=req, consumer=ref_c)
+    return sent, consumer.call("wait", key=ref_c.engine_id, reqs=[req])[req.rid]
+
+
+# -- D1: a process stopped longer than its peer's deadline, while idle ---------------------------------
+
+
+def test_a_consumer_stopped_longer_than_the_deadline_pulls_again_once_it_runs(procs: Pool) -> None:
+    producer, consumer = procs[0], procs[1]
+    ref_p = _build(producer, "idle-p", "producer")
+    _build(consumer, "idle-d", "consumer")
+    assert _pull(producer, "idle-p", consumer, "idle-d", ref_p, _req("warm", 1, 0)).ok
+    consumer.signal(signal.SIGSTOP)
+    producer.call("peer_gone", key="idle-p", peer_id="idle-d.r0")  # lost there: handshake and link dropped
+    consumer.signal(signal.SIGCONT)
+    # The consumer lost no one (its stop is left out of its deadlines) and still had the producer's handshake
+    # and a link whose far end is closed: every pull was refused "before any handshake", for ever.
+    for i in range(2):
+        outcome = _pull(producer, "idle-p", consumer, "idle-d", ref_p, _req(f"after{i}", 2 + i, 1 + i))
+        assert outcome.ok, outcome
+    told = consumer.call("logs", contains="reset: it had declared us lost")
+    assert len(told) == 1 and "peer 'idle-p.r0'" in told[0], consumer.call("logs")
+
+
+def test_a_producer_stopped_longer_than_the_deadline_pushes_again_once_it_runs(procs: Pool) -> None:
+    producer, consumer = procs[0], procs[1]
+    ref_p = _build(producer, "pidle-p", "producer")
+    ref_c = _build(consumer, "pidle-d", "consumer")
+    sent, got = _push(producer, ref_p, consumer, ref_c, _req("warm", 1, 0))
+    assert sent.ok and got.ok, (sent, got)
+    producer.signal(signal.SIGSTOP)
+    consumer.call("peer_gone", key="pidle-d", peer_id="pidle-p.r0")
+    producer.signal(signal.SIGCONT)
+    for i in range(2):  # before: every offer refused "push offer ... before any handshake"
+        sent, got = _push(producer, ref_p, consumer, ref_c, _req(f"after{i}", 2 + i, 1 + i))
+        assert sent.ok and got.ok, (sent, got)
+    told = producer.call("logs", contains="reset: it had declared us lost")
+    assert len(told) == 1 and "peer 'pidle-d.r0'" in told[0], producer.call("logs")
+
+
+# -- D2: a producer restarted at the same address --------------------------------------------------
+
+
+def test_a_producer_restarted_at_the_same_address_is_told_apart_and_serves_the_next_pull(procs: Pool) -> None:
+    """Same engine id, same control port: the consumer's DEALER reconnects to the new process and its
+    heartbeats are echoed, so it never lost the old one, and its pulls went to the old one's handshake and
+    link ('before any handshake' for ever). The new one's first frame names another incarnation."""
+    old, consumer, new = procs[0], procs[1], procs[2]
+    port = free_port()
+    ref_old = _build(old, "same-p", "producer", control_port=port)
+    _build(consumer, "same-d", "consumer", deadline_s=30.0)  # it never loses the old one by silence
+    assert _pull(old, "same-p", consumer, "same-d", ref_old, _req("warm", 1, 0)).ok
+    killed_at = old.kill()
+    ref_new = _build(new, "same-p", "producer", control_port=port)
+    assert ref_new == ref_old
+    for i in range(2):
+        outcome = _pull(new, "same-p", consumer, "same-d", ref_new, _req(f"after{i}", 2 + i, 1 + i))
+        assert outcome.ok, outcome
+    assert outcome.at - killed_at < DEADLINE_S + LATE_S  # well before the consumer's 30 s deadline
+    lost = consumer.call("logs", contains="channel 'same-d.r0': peer 'same-p.r0' lost: it restarted: incarnation")
+    assert len(lost) == 1, consumer.call("logs")
+    assert list(consumer.call("links", key="same-d")["kept"].values()) == ["same-p.r0"]  # the new one's only
+
+
+# -- D3: a consumer restarted under the same engine id -------------------------------------------------
+
+
+def test_a_consumer_restarted_under_its_engine_id_retires_the_old_ones_link(procs: Pool) -> None:
+    """The old consumer is stopped (it keeps its connections: the producer would lose it only after its
+    deadline) and a new process under its engine id pulls: the producer kept the old one's link, its threads
+    and gloo pair, for as long as the new one talked to it ('a replaced link stays open while healthy')."""
+    producer, old, new = procs[0], procs[1], procs[2]
+    ref_p = _build(producer, "crst-p", "producer")
+    _build(old, "crst-d", "consumer")
+    assert _pull(producer, "crst-p", old, "crst-d", ref_p, _req("warm", 1, 0)).ok
+    (old_link,) = producer.call("links", key="crst-p")["kept"]
+    old.signal(signal.SIGSTOP)
+    _build(new, "crst-d", "consumer")
+    assert _pull(producer, "crst-p", new, "crst-d", ref_p, _req("b", 2, 1)).ok
+    links = producer.call("links", key="crst-p")
+    assert list(links["kept"].values()) == ["crst-d.r0"] and old_link not in links["kept"], links
+    assert old_link not in links["threads"], links  # closed: its threads ended
+    assert producer.call("logs", contains="peer 'crst-d.r0' lost: it restarted"), producer.call("logs")
+    old.kill()
+
+
+def test_a_held_request_whose_consumer_rank_is_lost_before_it_pulled_is_released(procs: Pool) -> None:
+    """Consumer rank 0 of two pulled, rank 1 is killed before it did: the producer released the blocks only
+    after hold_s; now at the loss, with an error naming the rank."""
+    producer, rank0, rank1 = procs[0], procs[1], procs[2]
+    ref_p = _build(producer, "rel-p", "producer", hold_s=120.0)
+    build_engine([rank0, rank1], "rel-d", ParallelLayout(2, 1), GQA, CacheLayout.CPU, 16, "consumer",
+                 deadline_s=DEADLINE_S, num_blocks=64)
+    warm, x = _req("warm", 1, 0), _req("x", 2, 1)
+    producer.call("hold", key="rel-p", reqs=[warm, x])
+    for rank in (rank0, rank1):  # both ranks shake hands with the producer
+        rank.call("expect", key="rel-d", producer=ref_p, reqs=[warm])
+    for rank in (rank0, rank1):
+        assert rank.call("wait", key="rel-d", reqs=[warm])["warm"].ok
+    rank0.call("expect", key="rel-d", producer=ref_p, reqs=[x])
+    assert rank0.call("wait", key="rel-d", reqs=[x])["x"].ok  # x is held now for rank 1 alone
+    killed_at = rank1.kill()
+    outcome = producer.call("take_sent", key="rel-p", rids=["x"], timeout_s=DEADLINE_S + 3 * LATE_S)["x"]
+    assert outcome.error_type == "TransferError" and "consumer rank 'rel-d.r1' was lost" in outcome.message, outcome
+    assert outcome.at - killed_at < DEADLINE_S + LATE_S, outcome
+
+
+# -- D4: a producer restarted at another address; a pull that failed on the consumer ----------------------
+
+
+def test_a_producer_restarted_at_a_new_address_serves_the_next_pull(procs: Pool) -> None:
+    """The consumer is given the new process's EngineRef right after the old one died: its cached handshake
+    and DEALER led to the dead address (Channel.connect did nothing for a peer alive), and the pull failed."""
+    old, consumer, new = procs[0], procs[1], procs[2]
+    ref_old = _build(old, "mv-p", "producer")
+    _build(consumer, "mv-d", "consumer")
+    assert _pull(old, "mv-p", consumer, "mv-d", ref_old, _req("warm", 1, 0)).ok
+    ref_new = _build(new, "mv-p", "producer")  # the restarted process, up before the old one is gone
+    assert ref_new.control_addrs != ref_old.control_addrs
+    killed_at = old.kill()
+    outcome = _pull(new, "mv-p", consumer, "mv-d", ref_new, _req("b", 2, 1))
+    assert outcome.ok and outcome.at - killed_at < DEADLINE_S, outcome
+    assert new.call("take_sent", key="mv-p", rids=["b"])["b"].ok
+
+
+def test_a_pull_that_failed_on_the_consumer_is_declined_so_the_producer_frees_it(procs: Pool) -> None:
+    producer, consumer = procs[0], procs[1]
+    ref_p = _build(producer, "dcl-p", "producer", hold_s=120.0)
+    _build(consumer, "dcl-d", "consumer")
+    lie = _req("lie", 1, 0)
+    beyond = RouteMsg.from_route(Route(0, 0, Span(0, 9), Span(0, 4), Span(0, 40)))  # refused by the producer
+    consumer.call("tamper", key="dcl-d", tag="pull", rid="lie", routes=(beyond,))
+    failed = _pull(producer, "dcl-p", consumer, "dcl-d", ref_p, lie)
+    assert failed.error_type == "ProtocolError" and "our plan gives" in failed.message, failed
+    # Declined (a pull of nothing, untampered): freed now, not after hold_s=120.
+    outcome = producer.call("take_sent", key="dcl-p", rids=["lie"], timeout_s=DEADLINE_S + LATE_S)["lie"]
+    assert outcome.at - failed.at < DEADLINE_S + LATE_S, outcome
