@@ -113,10 +113,12 @@ caller-thread posting (the pull set-up alone: `--setups ncclkv --modes pull
 same prompt took 4422 ms against 1939 ms that morning; 109 and 133 ms in two
 runs that evening (recompute 4305 and 4437 ms), the second
 with the producer announcing and describing each tensor before gathering
-it (bench overlap, engine rows), push 60 and 52 ms. This run is the 2-core
-Xeon's (2026-11-26), whose AMX tiles make prefill about 3.7x faster (recompute
-of 4096 tokens 1166 ms against 4305-4437 on the EPYC of the runs before), so
-the transfer weighs more against it: pull 120 ms, push 69 ms (a development
+it (bench overlap, engine rows), push 60 and 52 ms. The runs of 2026-11-26
+are the 2-core Xeon's, whose AMX tiles make prefill about 3.7x faster
+(recompute of 4096 tokens 1166 ms that morning against 4305-4437 on the EPYC
+of the runs before), so the transfer weighs more against it: pull 120 ms,
+push 69 ms that morning; 115 and 61 ms (recompute 950 ms) in the evening run
+this section shows, with the session's control-plane changes (a development
 run the same morning, with and without that day's engine changes in turn:
 135 and 145 ms pull, 73 and 72 ms push; 16 MiB layers go whole and one
 ahead either way, so those changes do not show here). The `ncclkv-gil` rows are a diagnostic, not
@@ -151,11 +153,12 @@ announced alone, so the gather, the wire and the decode side's scatter of one
 slice overlap (what bench overlap measures for the last layer of a layer-wise
 send). Decode TTFT does not gain from it here: in pull mode every layer is
 ready when the decode request arrives, so pieces only add messages (an
-Announce and the link's per-message cost each): 160 ms against 120 ms at 4096
-tokens in this run, 180 against 133 in the last EPYC run, 143 against 114
+Announce and the link's per-message cost each): 141 ms against 115 ms at 4096
+tokens in the run of 2026-11-26 21:40, 160 against 120 that morning, 180
+against 133 in the last EPYC run, 143 against 114
 that afternoon, 103 against 105 and 106 against 88 ms in two runs the
 morning before; in push mode the KV is mostly staged before the decode
-request comes (79 against 69 ms here, 55 against 52 and 53 against 67 on the
+request comes (68 against 61 and 79 against 69 ms on 2026-11-26, 55 against 52 and 53 against 67 on the
 EPYC, 36 against 33 ms that morning: noise either way). Hence `piece_bytes` defaults to 0; it is for a
 decode engine that waits on the last layers of a push still in flight.
 
@@ -164,9 +167,12 @@ prefill engine and reads it back on the decode engine, in the forward pass
 and on the main thread: on one machine the files sit in the page cache, so
 its "transfer" is two memory copies and it is the local ceiling for a
 synchronous load. It loads whole blocks of all but the last prompt token and
-recomputes the rest. In this run it took 77 ms at 4096 tokens, between
-ncclkv's push (69 ms) and pull (120 ms); on the EPYC 103 ms, between the
-same two (52 and 133 ms). A pull starts moving the KV only when the decode
+recomputes the rest. At 4096 tokens it took 66 ms on 2026-11-26 21:40, between
+ncclkv's push (61 ms) and pull (115 ms), and 77 ms that morning (push 69, pull
+120); on the EPYC 103 ms, between the same two (52 and 133 ms). Its end-to-end
+time (prefill TTFT plus decode TTFT) was longer than ncclkv's, 1380 against
+1016 (pull) and 1131 ms (push) on 2026-11-26 21:40: its prefill engine writes
+every layer to a file in its forward pass. A pull starts moving the KV only when the decode
 request arrives, and then both engines' single cores do two copies each
 (gather and gloo's write, gloo's read and scatter) where the page cache
 needs one a side.
@@ -182,8 +188,9 @@ core of each NUMA node to reserve it for transfers, so the prefill engine
 computes on the decode engine's core. On 2 cores the two busy threads take
 both cores: every engine beside them slows a lot (`recompute slowed beside
 it`), the NIXL pair's own prefill included, and NIXL's numbers here say more
-about a 2-core host than about NIXL (593 ms at 4096 tokens in this run,
-recompute beside it 12.6x slower; 435 ms and 5.3x on the EPYC); with spare
+about a 2-core host than about NIXL (365 ms at 4096 tokens on 2026-11-26 21:40,
+recompute beside it 37x slower; 593 ms and 12.6x that morning; 435 ms and 5.3x
+on the EPYC); with spare
 cores for those threads neither effect would matter much.
 
 **MooncakeConnector** cannot run here. `mooncake-transfer-engine-non-cuda`
