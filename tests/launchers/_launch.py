@@ -54,6 +54,18 @@ def run(command: Sequence[str], *, env: dict[str, str], timeout_s: float, cwd: P
     return Finished(text, proc.returncode, output, time.monotonic() - started, timed_out)
 
 
+SLURM_TIME_LIMIT = "3"  # minutes: Slurm ends a job that outlives the test's own timeout
+SBATCH_TIMEOUT_S = 150
+
+
+def sbatch_wait(script: Sequence[str], *, env: dict[str, str], out: Path) -> tuple[Finished, str]:
+    """``sbatch --wait`` of ``script`` (its path and arguments), its output written to ``out``: how sbatch ended and
+    what the job printed."""
+    done = run(["sbatch", "--wait", f"--output={out}", f"--time={SLURM_TIME_LIMIT}", *script], env=env,
+               timeout_s=SBATCH_TIMEOUT_S)
+    return done, out.read_text() if out.exists() else "(no job output)"
+
+
 def unused_port() -> int:
     """A free TCP port below the kernel's ephemeral range, so no outgoing connection or bind(0) takes it meanwhile."""
     low = 32768

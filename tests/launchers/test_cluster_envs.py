@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import REPO, VENV_BIN, SlurmCluster, child_env, ring_lines, run, unused_port
+from _launch import (REPO, SLURM_TIME_LIMIT, VENV_BIN, SlurmCluster, child_env, ring_lines, run, sbatch_wait,
+                     unused_port)
 
 TIMEOUT_S = 150
-SLURM_TIME_LIMIT = "3"  # minutes
 
 # enroot's slurm-pytorch hook (pyxis containers) in every srun task, with the test's free port in place of its
 # $((SLURM_JOB_ID % 16384 + 49152)): one port for every step of the job, as the hook gives.
@@ -66,11 +66,8 @@ def test_two_steps_given_one_port_one_runs_the_other_is_refused(slurm: SlurmClus
         "wait",
         "",
     ]))
-    out = tmp_path / "job.out"
-    env = {**slurm.env, "HOOK_PORT": str(unused_port())}
-    done = run(["sbatch", "--wait", f"--output={out}", f"--time={SLURM_TIME_LIMIT}", str(script)], env=env,
-               timeout_s=TIMEOUT_S)
-    output = out.read_text() if out.exists() else "(no job output)"
+    done, output = sbatch_wait([str(script)], env={**slurm.env, "HOOK_PORT": str(unused_port())},
+                               out=tmp_path / "job.out")
     print(f"two steps on one port: {done.elapsed_s:.1f} s")
     assert done.returncode == 0, f"{done.describe()}\n{output}"
     exits = {(int(m[1]), int(m[2])): int(m[3]) for m in re.finditer(r"step (\d+) task (\d) exit (\d+)", output)}
@@ -97,11 +94,8 @@ def test_preserve_env_runs_the_steps_world_and_the_batch_script_is_told_to_srun(
         f"s=$SECONDS; {scenario}; echo \"batch script exit $? after $((SECONDS - s)) s\"",
         "",
     ]))
-    out = tmp_path / "job.out"
-    env = {**slurm.env, "MASTER_PORT": str(unused_port())}
-    done = run(["sbatch", "--wait", f"--output={out}", f"--time={SLURM_TIME_LIMIT}", str(script)], env=env,
-               timeout_s=TIMEOUT_S)
-    output = out.read_text() if out.exists() else "(no job output)"
+    done, output = sbatch_wait([str(script)], env={**slurm.env, "MASTER_PORT": str(unused_port())},
+                               out=tmp_path / "job.out")
     print(f"srun --preserve-env and the batch script: {done.elapsed_s:.1f} s")
     assert done.returncode == 0, f"{done.describe()}\n{output}"
     assert "preserve-env exit 0" in output and sorted(ring_lines(output)) == [0, 1], output

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import REPO, SlurmCluster, ring_lines, run, unused_port
+from _launch import REPO, SLURM_TIME_LIMIT, SlurmCluster, ring_lines, run, sbatch_wait, unused_port
 
 from ncclkv.launch import derived_master_port
 from ncclkv.layout import ParallelLayout
@@ -17,7 +17,6 @@ from ncclkv.scenario import PDTopology
 pytestmark = pytest.mark.slurm
 
 TIMEOUT_S = 150
-SLURM_TIME_LIMIT = "3"  # minutes: Slurm ends a job that outlives the test's own timeout
 TEMPLATES = sorted((REPO / "slurm").glob("pd_*.sbatch"))
 
 
@@ -111,10 +110,8 @@ def test_sbatch_template_small(slurm: SlurmCluster, template: Path, tmp_path: Pa
     assert ntasks == topology.world_size, f"{template.name}: --ntasks={ntasks}, its P/D set has {topology.world_size} ranks"
     out, summary = tmp_path / "job.out", tmp_path / "summary.json"
     env = {**slurm.env, "MASTER_PORT": str(unused_port()), "NCCLKV_SMALL": "1", "PYTHON": sys.executable}
-    command = ["sbatch", "--wait", f"--output={out}", f"--time={SLURM_TIME_LIMIT}", str(template.relative_to(REPO)),
-               "--json-out", str(summary)]  # the template passes its arguments on to the scenario
-    done = run(command, env=env, timeout_s=TIMEOUT_S)
-    output = out.read_text() if out.exists() else "(no job output)"
+    # the template passes its arguments on to the scenario
+    done, output = sbatch_wait([str(template.relative_to(REPO)), "--json-out", str(summary)], env=env, out=out)
     print(f"sbatch --wait {template.name} ({ntasks} tasks): {done.elapsed_s:.1f} s")
     assert done.returncode == 0, f"{done.describe()}\n--- job output\n{output[-6000:]}"
     # The templates run the transfer scenario: rank 0's table has one row per decode rank, and
