@@ -635,26 +635,11 @@ class ConsumerSide:
     def _send_pull(self, request_id: str, producer: EngineRef, src: int, routes: list[Route],
                    tokens: SpanSet) -> Peer:
         """Shake hands with producer rank ``src`` if needed and send it the pull; returns once it is acknowledged,
-        the handshake it went under.
-
-        Refused for want of a handshake, or failed by a reset of the producer (it had lost us, it restarted,
-        it moved: :class:`PeerResetError`), the pull goes once more under a new handshake."""
-        peer_id = producer.peer_id(src)
+        the handshake it went under (once more under a new one after a reset: :meth:`PeerLinks.request`)."""
         pull = PullRequest(request_id, self._rank, self._engine_id, tuple(RouteMsg.from_route(r) for r in routes),
                            tokens.bounds.stop)
-        for attempt in (1, 2):
-            peer = None
-            try:
-                peer = self._peers.ensure(peer_id, producer.control_addrs[src], need_link=bool(routes))
-                self._channel.request(peer_id, pull, self._deadline_s)
-                return peer
-            except PeerResetError as err:
-                if attempt == 2:
-                    raise
-                log.info("pull of %s from %s: %s; shaking hands again", request_id, peer_id, err)
-                if peer is not None:
-                    self._peers.forget(peer, err)
-        raise AssertionError("unreachable")
+        return self._peers.request(producer.peer_id(src), producer.control_addrs[src], pull, bool(routes),
+                                   f"pull of {request_id}")
 
     def _landed(self, request_id: str, key: _Key, piece: Span, buf: torch.Tensor, fut: Future[torch.Tensor]) -> None:
         """On the link's receive thread (a done-callback of the receive): stage a landed tensor, or scatter it

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 from msgspec.structs import replace
 
 from ..channel import Channel, ReplyThen
-from ..errors import ClosedError, HandshakeError, PeerClosedError, PeerLostError, ProtocolError, TransferTimeout
-from ..protocol import Handshake, check_compatible
+from ..errors import (ClosedError, HandshakeError, PeerClosedError, PeerLostError, PeerResetError, ProtocolError,
+                      TransferTimeout)
+from ..protocol import Handshake, Message, check_compatible
 from ..transport import LinkBase, LinkFactory
 from ..transport._pipe import settle
 
@@ -191,6 +192,26 @@ class PeerLinks:
 
         reply = replace(self._local, session=remote.session, open_link=True)
         return ReplyThen(reply, lambda: self._link_opener.submit(open_link))
+
+    def request(self, peer_id: str, control_addr: str, message: Message, need_link: bool, what: str) -> Peer:
+        """Shake hands with ``peer_id`` if needed (:meth:`ensure`) and send it the request ``message``; return once
+        it is answered, with the handshake it went under (``what`` names it in the log).
+
+        Refused for want of a handshake, or failed by a reset of the peer (it had lost us, it restarted, it moved:
+        :class:`PeerResetError`), the request goes once more under a new handshake."""
+        for attempt in (1, 2):
+            peer = None
+            try:
+                peer = self.ensure(peer_id, control_addr, need_link)
+                self._channel.request(peer_id, message, self._deadline_s)
+                return peer
+            except PeerResetError as err:
+                if attempt == 2:
+                    raise
+                log.info("%s to %s: %s; shaking hands again", what, peer_id, err)
+                if peer is not None:
+                    self.forget(peer, err)
+        raise AssertionError("unreachable")
 
     def link(self, peer_id: str) -> LinkBase:
         """Our link to ``peer_id``, waiting up to the deadline for it to open."""

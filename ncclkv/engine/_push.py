@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..channel import Channel
-from ..errors import ClosedError, NcclKVError, PeerResetError, TransferError
+from ..errors import ClosedError, NcclKVError, TransferError
 from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, cached_plan
 from ..paged import SlotMap
 from ..protocol import MAX_EXTRA_KEYS, MAX_PUSH_TOKENS, MAX_TEXT_CHARS, Done, ErrorMsg, PushBlocks, PushOffer, RouteMsg
@@ -170,27 +170,14 @@ class Pusher:
 
     def _offer_once_more_on_reset(self, state: PushState, consumer: EngineRef, dst: str, routes: list[Route],
                                   num_tokens: int) -> LinkBase:
-        """Shake hands with consumer rank ``dst`` if needed and offer it the push; the link the push goes on.
-
-        Refused for want of a handshake, or failed by a reset of the consumer (it had lost us, it restarted,
-        it moved: :class:`PeerResetError`), the offer goes once more under a new handshake."""
+        """Shake hands with consumer rank ``dst`` if needed and offer it the push (once more under a new handshake
+        after a reset: :meth:`PeerLinks.request`); the link the push goes on."""
         _, rank = split_peer_id(dst)
         nbytes = sum(r.nbytes(self._geometry) for r in routes)
         offer = PushOffer(state.request_id, self._rank, split_peer_id(self._channel.peer_id)[0],
                           tuple(RouteMsg.from_route(r) for r in routes), num_tokens, nbytes, state.blocks)
-        for attempt in (1, 2):
-            peer = None
-            try:
-                peer = self._peers.ensure(dst, consumer.control_addrs[rank], need_link=True)
-                self._channel.request(dst, offer, self._deadline_s)
-                return self._peers.link(dst)
-            except PeerResetError as err:
-                if attempt == 2:
-                    raise
-                log.info("push of %s to %s: %s; shaking hands again", state.request_id, dst, err)
-                if peer is not None:
-                    self._peers.forget(peer, err)
-        raise AssertionError("unreachable")
+        self._peers.request(dst, consumer.control_addrs[rank], offer, True, f"push of {state.request_id}")
+        return self._peers.link(dst)
 
     def _send_layer(self, state: PushState, dst: str, link: LinkBase, layer: int,
                     ready: torch.cuda.Event | None) -> None:
