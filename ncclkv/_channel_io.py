@@ -426,7 +426,7 @@ class IoLoop:
         sender, body = envelope.sender, envelope.body
         # Each life of a peer id starts every path to us with a heartbeat naming it (see _greet).
         incarnation = body.incarnation if isinstance(body, Heartbeat | Handshake) else 0
-        _, replaced = self._peers.heard(sender, self._clock.now(), incarnation)
+        replaced = self._peers.heard(sender, self._clock.now(), incarnation)
         if replaced:  # before anything of the new one is handled: the earlier one is lost
             self._restarted(sender, replaced, incarnation, via_router=routing_id is not None)
         link = self._links.get(sender)

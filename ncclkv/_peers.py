@@ -115,26 +115,27 @@ class PeerTable:
             self._lost.pop(peer_id, None)
             return True
 
-    def heard(self, peer_id: str, now: float, incarnation: int = 0) -> tuple[bool, int]:
-        """Record a valid frame from ``peer_id`` carrying ``incarnation`` (0: not given).
+    def heard(self, peer_id: str, now: float, incarnation: int = 0) -> int:
+        """Record a valid frame from ``peer_id`` carrying ``incarnation`` (0: not given); an unknown or lost peer
+        is alive from now.
 
-        Returns ``(revived, replaced)``: ``revived`` if the peer was unknown or lost until now; ``replaced`` the
-        incarnation it had until this frame when this frame names another one (the peer id restarted: the
-        caller reports the earlier one lost), else 0. The new incarnation is alive from now, echoes included."""
+        Returns the incarnation it had until this frame when this frame names another one (the peer id
+        restarted: the caller reports the earlier one lost), else 0. The new incarnation is alive from now,
+        echoes included."""
         with self._lock:
             state = self._states.get(peer_id)
             if state is None or state.lost:
                 self._states[peer_id] = _PeerState(last_heard=now, last_echo=now, incarnation=incarnation)
                 self._lost.pop(peer_id, None)
-                return True, 0
+                return 0
             state.last_heard = max(state.last_heard, now)
             if not incarnation or incarnation == state.incarnation:
-                return False, 0
+                return 0
             replaced, state.incarnation = state.incarnation, incarnation
             if replaced:
                 state.last_echo = max(state.last_echo, now)
                 state.rtt_s = None
-            return False, replaced
+            return replaced
 
     def renew(self, peer_id: str, now: float) -> None:
         """Start ``peer_id`` over, alive from ``now`` with no incarnation known (connected at a new address:
