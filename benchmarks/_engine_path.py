@@ -169,7 +169,7 @@ def consumer_loop(endpoint: Any, case: dict[str, Any]) -> dict[str, int]:
             if tag == "digests":
                 endpoint.send("digests", side.digests())
             elif tag == "scramble":
-                side.cache.view(torch.int16).random_()
+                side.scramble_cache()
                 endpoint.send("scrambled")
             elif tag == "expect":
                 request_id, producer_id, producer_address = payload

@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ncclkv.engine import TransferEngine
-from ncclkv.engine._buffers import KEEP_PEAKS
 
-__all__ = ["growth", "peak_rss_bytes", "rss_bytes", "slope", "slope_stderr", "staging_peak", "staging_usage",
+__all__ = ["fit", "growth", "peak_rss_bytes", "rss_bytes", "slope", "staging_peak", "staging_usage",
            "wire_pool"]
 
 _STATM = Path("/proc/self/statm")
@@ -77,10 +76,9 @@ def wire_pool(engine: TransferEngine) -> tuple[int, int]:
     the engine's ``wire_cache_bytes``. Read here alone (a private attribute), so a rename breaks one function.
     """
     buffers = engine._caches._buffers  # noqa: SLF001 - see the docstring
-    cap = engine.config.wire_cache_bytes or 0
     if buffers is None:  # nothing registered yet: nothing kept
         return 0, 0
-    return buffers.cached_bytes, min(cap, KEEP_PEAKS * buffers.recent_peak_bytes)
+    return buffers.cached_bytes, buffers.keep_bytes
 
 
 def growth(values: Sequence[float], warmup: float = 0.2, window: int = 3) -> float:
@@ -110,16 +108,12 @@ def slope(xs: Sequence[float], ys: Sequence[float], warmup: float = 0.2) -> floa
     however noisy the end points are, and a step early in the window weighs
     less than a steady climb across it.
     """
-    return _fit(xs, ys, warmup)[0]
+    return fit(xs, ys, warmup)[0]
 
 
-def slope_stderr(xs: Sequence[float], ys: Sequence[float], warmup: float = 0.2) -> float:
-    """The standard error of :func:`slope` from the residuals of the fit (samples taken as independent: RSS
-    moves in steps, so the real uncertainty is somewhat larger); 0.0 with fewer than 3 samples."""
-    return _fit(xs, ys, warmup)[1]
-
-
-def _fit(xs: Sequence[float], ys: Sequence[float], warmup: float) -> tuple[float, float]:
+def fit(xs: Sequence[float], ys: Sequence[float], warmup: float = 0.2) -> tuple[float, float]:
+    """:func:`slope` and its standard error from the residuals of the fit (samples taken as independent: RSS
+    moves in steps, so the real uncertainty is somewhat larger; 0.0 with fewer than 3 samples)."""
     if len(xs) != len(ys):
         raise ValueError(f"slope needs as many xs as ys, got {len(xs)} and {len(ys)}")
     if not 0 <= warmup < 1:

@@ -189,8 +189,8 @@ class _SoakSet:
             rank_used, rank_reserved = staging_usage(rank.engine)
             used, reserved = used + rank_used, reserved + rank_reserved
             in_flight += rank.engine.num_in_flight
-            wire_cached += rank.engine.stats().wire_buffers_cached_bytes
-            wire_bound += wire_pool(rank.engine)[1]
+            cached, bound = wire_pool(rank.engine)
+            wire_cached, wire_bound = wire_cached + cached, wire_bound + bound
         peaks = [staging_peak(rank.engine) for group in self.decode for rank in group]
         return used, reserved, in_flight, wire_cached, wire_bound, sum(peaks), max(peaks, default=0)
 

@@ -91,6 +91,11 @@ class SliceCase:
         return [Span(t, min(t + step, self.num_tokens)) for t in range(0, self.num_tokens, step)]
 
 
+def _digest(tensor: torch.Tensor) -> str:
+    """A hash of ``tensor``'s bytes (2-byte elements: the KV dtypes here)."""
+    return hashlib.blake2b(tensor.view(torch.int16).numpy().tobytes(), digest_size=16).hexdigest()
+
+
 def raw_group(store_addr: str, rank: int, prefix: str) -> dist.ProcessGroup:
     """The baseline: a bare 2-rank gloo group on the same store, bound to loopback like the links."""
     host, port = store_addr.rsplit(":", 1)
@@ -133,8 +138,12 @@ class PagedSide:
         result = []
         for layer in range(self.case.num_layers):
             gather(self.cache[layer], self.spec, self.slots, self.tokens, self.heads, out)
-            result.append(hashlib.blake2b(out.view(torch.int16).numpy().tobytes(), digest_size=16).hexdigest())
+            result.append(_digest(out))
         return result
+
+    def scramble_cache(self) -> None:
+        """Random bytes in the paged cache, so a later check sees only what the next round wrote there."""
+        self.cache.view(torch.int16).random_()
 
 
 class _Side(PagedSide):
@@ -159,15 +168,17 @@ class _Side(PagedSide):
 
     def wire_digests(self) -> list[str]:
         """A hash of each wire buffer as it is now (what the raw and link paths sent or received)."""
-        return [hashlib.blake2b(w.view(torch.int16).numpy().tobytes(), digest_size=16).hexdigest()
-                for w in self.wires]
+        return [_digest(w) for w in self.wires]
 
     def scramble(self, what: str) -> None:
         """Random bytes in the paged ``cache`` or in the ``wires``, so a later check sees only what the next
         round wrote there."""
         if what not in ("cache", "wires"):
             raise ValueError(f"scramble 'cache' or 'wires', got {what!r}")
-        (self.cache if what == "cache" else self.flat).view(torch.int16).random_()
+        if what == "cache":
+            self.scramble_cache()
+        else:
+            self.flat.view(torch.int16).random_()
 
 
 class Sender(_Side):

@@ -34,7 +34,7 @@ from ._common import (
 )
 from ncclkv.engine._buffers import KEEP_PEAKS
 
-from ._resources import growth, slope, slope_stderr
+from ._resources import fit, growth, slope
 from ._soak import SoakConfig, SoakReport, SoakSample, run_soak
 
 __all__ = ["GOAL_SLOPE_B", "NAME", "TITLE", "main", "plot", "run"]
@@ -150,8 +150,7 @@ def _row(what: str, samples: list[SoakSample], value: Callable[[SoakSample], int
     if trend and len(values) >= 3:
         done = [s.requests_done for s in samples]
         row["growth_pct"] = 100 * growth(values)
-        row["slope_b"] = slope(done, values, _WARMUP)
-        row["slope_se_b"] = slope_stderr(done, values, _WARMUP)
+        row["slope_b"], row["slope_se_b"] = fit(done, values, _WARMUP)
         if len(values) >= 6:  # the later half of the window: a leak keeps its slope there, a warm-up slows
             row["slope_late_b"] = slope(done, values, _LATE)
     return row

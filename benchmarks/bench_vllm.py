@@ -241,17 +241,18 @@ def _rows(outcome: Outcome, spec: TinyLlamaSpec, lengths: Sequence[int]) -> list
         before = [s.ttft_s for s in alone if s.tokens == tokens and s.setup in setups]
         # A pair's baseline is recompute taken alone just before its turn (the same rounds); recompute's own
         # row and a set-up without such samples fall back to every recompute sample of that length.
-        base_ms = (_median_ms(before) if method != RECOMPUTE and before else None) or baseline.get(tokens)
+        just_before = _median_ms(before) if method != RECOMPUTE else None
+        base_ms = just_before or baseline.get(tokens)
         # What a client waits for: the prefill engine's TTFT, then the decode engine's. A push moves part of the
         # transfer into the first, a pull keeps it all in the second: only the sum compares them (and recompute,
         # which is both at once).
         e2e = [s.ttft_s + (s.prefill_ttft_s or 0.0) for s in samples]
-        e2e_ms = statistics.median(e2e) * 1e3
+        e2e_ms = _median_ms(e2e)
         rows.append({
             "method": method, "tokens": tokens, "kv_mib": tokens * per_token / MIB,
             "ttft_min_ms": min(ttft) * 1e3, "ttft_median_ms": median_ms,
             "speedup": base_ms / median_ms if base_ms else None,
-            "recompute_ms": _median_ms(before) if method != RECOMPUTE else None,
+            "recompute_ms": just_before,
             "e2e_median_ms": e2e_ms, "e2e_ratio": e2e_ms / base_ms if base_ms else None,
             "kv_wait_ms": _median_ms([s.kv_wait_s for s in samples]),
             "prefill_ms": _median_ms([s.prefill_ttft_s for s in samples]),

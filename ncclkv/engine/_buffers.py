@@ -89,6 +89,17 @@ class WireBuffers:
             self._roll()
             return max(self._peaks)
 
+    @property
+    def keep_bytes(self) -> int:
+        """The most bytes of free buffers the pool keeps now (see :meth:`give`): ``KEEP_PEAKS`` times
+        :attr:`recent_peak_bytes`, at most ``max_cached_bytes``."""
+        with self._lock:
+            return self._keep_locked()
+
+    def _keep_locked(self) -> int:
+        self._roll()
+        return min(self._max, KEEP_PEAKS * max(self._peaks))
+
     def _roll(self) -> None:
         now = self._clock()
         if now >= self._window_ends:
@@ -153,8 +164,7 @@ class WireBuffers:
             if capacity is None:
                 return  # not one of ours, or given twice: keep it once
             self._lent_bytes -= capacity
-            self._roll()
-            keep = min(self._max, KEEP_PEAKS * max(self._peaks))
+            keep = self._keep_locked()
             if capacity > keep:
                 return
             self._free.setdefault(capacity, []).append((storage, view))

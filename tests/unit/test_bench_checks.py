@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import _runner, bench_memory, bench_overlap, bench_paged
 from benchmarks._common import BenchResult, machine_info
-from benchmarks._resources import slope, slope_stderr
+from benchmarks._resources import fit, slope
 from benchmarks._soak import SoakSample
 from benchmarks._transfer_paths import BytesDiffer
 from ncclkv.layout import KVGeometry
@@ -27,9 +27,9 @@ def test_slope_is_bytes_per_request_over_the_last_80_percent() -> None:
     warmup = [100e6 + 1e6 * i for i in range(20)]  # the first 20% may climb freely
     leak = warmup + [200e6 + 2 * KIB * r for r in requests[20:]]  # 2 KiB per request after it
     assert slope(requests, leak) == pytest.approx(2 * KIB)
-    assert slope_stderr(requests, leak) == pytest.approx(0, abs=1e-6)
+    assert fit(requests, leak)[1] == pytest.approx(0, abs=1e-6)
     steps = warmup + [200e6 + (1 << 20) * (i % 2) for i in range(80)]  # one MiB up and down: no trend
-    assert abs(slope(requests, steps)) < 100 and slope_stderr(requests, steps) > 0
+    assert abs(slope(requests, steps)) < 100 and fit(requests, steps)[1] > 0
     with pytest.raises(ValueError, match="as many"):
         slope([1, 2, 3], [1.0, 2.0])
     with pytest.raises(ValueError, match="samples"):
