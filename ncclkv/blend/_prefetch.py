@@ -44,7 +44,6 @@ class LayerPrefetcher(Generic[T]):
         self._cond = threading.Condition()
         self._asked = -1
         self._next = 0  # the next layer to produce (a restarted thread goes on from here)
-        self._prepared = prepare is None
         self._ready: dict[int, T] = {}
         self._taken: set[int] = set()
         self._error: BaseException | None = None
@@ -111,10 +110,9 @@ class LayerPrefetcher(Generic[T]):
 
     def _run(self) -> None:
         try:
-            if not self._prepared:
-                assert self._prepare is not None
+            if self._prepare is not None:
                 self._prepare()
-                self._prepared = True
+                self._prepare = None  # ran: a thread started again after an idle end goes on without it
             while True:
                 with self._cond:
                     layer = self._next

@@ -87,9 +87,10 @@ class RopeSpec:
         if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2:
             raise ValueError(f"rotary_dim must be an even int >= 2, got {rotary_dim!r}")
         kind = params.get("rope_type", params.get("type", "default"))
-        plain = base ** -(torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+        spec = cls(theta=base, rotary_dim=rotary_dim, neox_style=neox_style)
         if kind == "default":
-            return cls(theta=base, rotary_dim=rotary_dim, neox_style=neox_style)
+            return spec
+        plain = spec.frequencies(rotary_dim)
         if kind == "linear":
             # Positions divided by the factor: the same angles as frequencies divided by it.
             freqs = plain / _number("factor", _required(params, "linear", "factor"))

@@ -187,10 +187,9 @@ def run_rank(info: LaunchInfo, place: RankPlace, topology: PDTopology, cfg: Tran
         if producer:  # the KV "prefill" computed, before anyone measures the transfer
             for i in mine:
                 fill_shard(caches, cache_layout, cfg.geometry, shard, i + 1, cfg.blocks(i, block), cfg.tokens[i])
-        before = engine.stats()
         if cfg.warmup:
             _warm_up(engine, place, topology, cfg, refs, caches, cache_layout, shard, block)
-            before = engine.stats()  # the run's numbers leave the warm-up's bytes and tensors out
+        before = engine.stats()  # the run's numbers leave the warm-up's bytes and tensors out
         # The timed window starts here on every rank: a consumer that woke 50 ms late (the store's usual
         # polling backoff) would leave a push's first 50 ms out of its window.
         rendezvous.exchange("filled", name="filled", start_line=True)
