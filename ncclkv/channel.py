@@ -304,6 +304,11 @@ class Channel:
         """The incarnation (another peer's :attr:`incarnation`) its frames carried last; 0 if none was heard."""
         return self._peers.incarnation(peer_id)
 
+    def connected_address(self, peer_id: str) -> str | None:
+        """The address :meth:`connect` last opened a path to ``peer_id`` at; None if it never did."""
+        with self._lock:
+            return self._addresses.get(peer_id)
+
     @property
     def loss_seq(self) -> int:
         """How many peer losses this channel reported so far; each one's error carries its count as

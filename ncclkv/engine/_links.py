@@ -87,7 +87,6 @@ class PeerLinks:
         self._links: dict[str, Peer] = {}
         self._gone_hooks: list[Callable[[str], None]] = []  # told each link id that leaves _links
         self._connecting: dict[str, _Gate] = {}  # only peers with an ensure() in progress
-        self._addresses: dict[str, str] = {}  # the control address we last connected to, per peer id
         self._closed = False
 
     def get(self, peer_id: str) -> Peer | None:
@@ -123,13 +122,11 @@ class PeerLinks:
                 peer = self._peers.get(peer_id)
                 if peer is not None and self._current(peer, control_addr, need_link):
                     return peer
-                moved_from = self._addresses.get(peer_id)
+                moved_from = self._channel.connected_address(peer_id)
             if moved_from is not None and moved_from != control_addr:
                 self.drop(peer_id, f"{peer_id!r} is at {control_addr!r} now, no longer at {moved_from!r}")
             session = uuid.uuid4().hex
             self._channel.connect(peer_id, control_addr)  # replaces the channel's path to it when it moved
-            with self._lock:
-                self._addresses[peer_id] = control_addr
             stamp = self._channel.loss_seq  # after connect(): a loss it reported is older than this handshake
             hello = replace(self._local, session=session, open_link=need_link)
             reply = self._channel.request(peer_id, hello, self._deadline_s)
@@ -365,7 +362,7 @@ class PeerLinks:
         heard = self._channel.peer_incarnation(peer.peer_id)
         if heard and peer.remote.incarnation and heard != peer.remote.incarnation:
             return False
-        address = self._addresses.get(peer.peer_id)
+        address = self._channel.connected_address(peer.peer_id)
         return address is None or address == control_addr
 
     # Waits run on the channel's clock: a pause of this whole process does not expire them.

@@ -41,9 +41,13 @@ class _Channel:
 
     def __init__(self) -> None:
         self.refuse: BaseException | None = None
+        self.addresses: dict[str, str] = {}
 
     def connect(self, peer_id: str, address: str) -> None:
-        return None
+        self.addresses[peer_id] = address
+
+    def connected_address(self, peer_id: str) -> str | None:
+        return self.addresses.get(peer_id)
 
     def peer_alive(self, peer_id: str) -> bool:
         return True
