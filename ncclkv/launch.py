@@ -257,11 +257,9 @@ _VARS: dict[str, tuple[str, str, str | None, str | None]] = {
     "slurm": ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", None),
 }
 
-# The variable that says how many of the job's ranks run on this node, per launcher (Slurm's is a per-node list).
-LOCAL_SIZE_VARS: dict[str, str] = {
-    "torchrun": "LOCAL_WORLD_SIZE", "env": "LOCAL_WORLD_SIZE", "openmpi": "OMPI_COMM_WORLD_LOCAL_SIZE",
-    "mpich": "MPI_LOCALNRANKS", "slurm": "SLURM_STEP_TASKS_PER_NODE",
-}
+# The variable that says how many of the job's ranks run on this node, per launcher: _VARS' local size column,
+# and for Slurm its per-node list.
+LOCAL_SIZE_VARS: dict[str, str] = {name: names[3] or "SLURM_STEP_TASKS_PER_NODE" for name, names in _VARS.items()}
 
 
 _TASKS_ITEM = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
