@@ -301,9 +301,9 @@ of blocks, and vLLM's CPU layouts put a block's heads apart), or a GPU,
 where gather and scatter are device kernels off the host CPU. With 16 cores
 (the lent machines' sections below) the CPU is there but one thread's work
 per tensor is not: ncclkv/raw 0.63-0.86 from 1 MiB up with one copy thread,
-0.80-0.91 with two (`--copy-threads 2`, `NCCLKV_COPY_THREADS`: each gather
-and scatter spread over two threads, 7.1-10.5 GB/s against 4.2-7.6 alone),
-over runs in two sessions. In five runs of one hour (defaults, two copy
+0.77-0.97 with two (`--copy-threads 2`, `NCCLKV_COPY_THREADS`: each gather
+and scatter spread over two threads, 7.1-11.0 GB/s against 3.4-7.6 alone),
+over runs in three sessions, 1 and 64 MiB short of the goal in every one. In five runs of one hour (defaults, two copy
 threads, a 256-deep window, 4 MiB pieces, all of them twice) no setting met
 the goal at every size; the best median was 0.84 at 1 MiB and 0.88-0.91
 above, and two runs of the same command differed by up to 0.13, as much
