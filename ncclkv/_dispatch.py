@@ -44,7 +44,11 @@ class Dispatcher:
     counted in ``handler_errors`` and answered with an :class:`ErrorMsg`
     (except to an incoming ``ErrorMsg``: two peers must not ping-pong errors).
     Without ``on_message`` every message except an ``ErrorMsg`` is answered
-    ``ErrorMsg(code="unsupported")``.
+    ``ErrorMsg(code="unsupported")``. Whatever else fails on one message (a
+    reply that cannot be encoded, an exception that cannot be rendered) is
+    logged, counted and answered the same way; the thread goes on. If it ends
+    anyway, unless stopped (a ``SystemExit`` in a handler), it calls ``on_ended``
+    and :attr:`running` turns False.
     """
 
     def __init__(
@@ -56,12 +60,15 @@ class Dispatcher:
         on_peer_lost: PeerLostHandler | None,
         send_reply: SendReply,
         counters: Counters,
+        on_ended: Callable[[], None],
     ) -> None:
         self._peer_id = peer_id
         self._on_message = on_message
         self._on_peer_lost = on_peer_lost
         self._send_reply = send_reply
         self._counters = counters
+        self._on_ended = on_ended
+        self._ended = threading.Event()  # set as the thread ends, whether stopped or not
         self._inbox: queue.SimpleQueue[tuple[str, Envelope | PeerLostError | None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -73,6 +80,11 @@ class Dispatcher:
     def put_lost(self, peer_id: str, error: PeerLostError) -> None:
         self._inbox.put((peer_id, error))
 
+    @property
+    def running(self) -> bool:
+        """False once the thread ended, or was told to: then no message is handled any more."""
+        return not self._ended.is_set() and not self._stop.is_set()
+
     def stop(self, timeout_s: float) -> bool:
         """Stop after the current handler; True if the thread ended (or is the caller: a handler closing its channel)."""
         self._stop.set()
@@ -83,17 +95,43 @@ class Dispatcher:
         return not self._thread.is_alive()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sender, envelope = self._inbox.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if self._stop.is_set():
-                return
-            if isinstance(envelope, PeerLostError):
-                self._call_peer_lost(sender, envelope)
-            elif envelope is not None:
-                self._dispatch(sender, envelope)
+        try:
+            while not self._stop.is_set():
+                try:
+                    sender, envelope = self._inbox.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if self._stop.is_set():
+                    return
+                try:
+                    if isinstance(envelope, PeerLostError):
+                        self._call_peer_lost(sender, envelope)
+                    elif envelope is not None:
+                        self._dispatch(sender, envelope)
+                except Exception as exc:  # one message must not end the thread: the rank would look alive, yet deaf
+                    self._survive(sender, envelope, exc)
+        except BaseException:  # no Exception (those are survived above): e.g. SystemExit raised in a handler
+            log.critical("channel %r: dispatcher thread ended unexpectedly; the channel stops serving",
+                         self._peer_id, exc_info=True)
+            raise
+        finally:
+            self._ended.set()
+            if not self._stop.is_set():
+                self._on_ended()
+
+    def _survive(self, sender: str, envelope: Envelope | PeerLostError | None, exc: Exception) -> None:
+        """After anything that escaped handling one message: log and count it, and answer a request that got no
+        reply (the reply, or the error reply, failed) with an ErrorMsg, so the requester need not time out."""
+        self._counters.handler_errors += 1
+        what = type(envelope.body).__name__ if isinstance(envelope, Envelope) else "a peer loss"
+        log.exception("channel %r: handling %s from %r failed; the dispatcher goes on", self._peer_id, what, sender)
+        if not isinstance(envelope, Envelope) or isinstance(envelope.body, ErrorMsg):
+            return
+        request_id = getattr(envelope.body, "request_id", None)
+        try:
+            self._reply(sender, envelope.msg_id, _error_reply(exc, request_id), request_id)
+        except Exception:
+            log.exception("channel %r: could not report the failure to %r", self._peer_id, sender)
 
     def _call_peer_lost(self, peer_id: str, error: PeerLostError) -> None:
         if self._on_peer_lost is None:
@@ -122,7 +160,7 @@ class Dispatcher:
         except Exception as exc:
             self._counters.handler_errors += 1
             log.exception("channel %r: handler failed on %s from %r", self._peer_id, type(body).__name__, sender)
-            reply = None if isinstance(body, ErrorMsg) else ErrorMsg.from_exception(exc, request_id)
+            reply = None if isinstance(body, ErrorMsg) else _error_reply(exc, request_id)
         if reply is not None:
             self._reply(sender, envelope.msg_id, reply, request_id)
         if then is not None:
@@ -148,3 +186,12 @@ class Dispatcher:
             self._send_reply(sender, reply, msg_id)
         except (NcclKVError, ValueError) as exc:
             log.warning("channel %r: could not report the refused reply to %r: %s", self._peer_id, sender, exc)
+
+
+def _error_reply(exc: Exception, request_id: str | None) -> ErrorMsg:
+    """``ErrorMsg.from_exception``, or, for an exception whose text cannot be rendered (its ``__str__`` raised),
+    an ``internal`` error naming only its type: the requester must hear of the failure either way."""
+    try:
+        return ErrorMsg.from_exception(exc, request_id)
+    except Exception:
+        return ErrorMsg(request_id, ErrorCode.INTERNAL, f"{type(exc).__name__} (its text could not be rendered)")

@@ -24,7 +24,9 @@ Threads (all named ``ncclkv-channel-*``, all joined by :meth:`Channel.close`):
   :class:`PeerLostError` for one that went silent); handlers may call
   ``send`` and ``request``. A returned body is sent as the reply; an exception
   is logged and answered with an :class:`ErrorMsg` (never for an incoming
-  ``ErrorMsg``, so two peers cannot ping-pong errors).
+  ``ErrorMsg``, so two peers cannot ping-pong errors). Should the thread end
+  anyway (a handler raised ``SystemExit``), the channel stops serving: its
+  peers get a ``Bye``, its calls raise :class:`ClosedError`.
 
 Each channel has a random :attr:`Channel.incarnation`, in its heartbeats
 (the first frame it sends on every new path) and handshakes: a peer id heard
@@ -170,6 +172,7 @@ class Channel:
             on_peer_lost=on_peer_lost,
             send_reply=lambda sender, body, reply_to: self._send(sender, body, reply_to, None),
             counters=self._counters,
+            on_ended=self._on_dispatcher_ended,
         )
         self._io = IoLoop(
             peer_id=peer_id,
@@ -333,9 +336,8 @@ class Channel:
             if self._closed:
                 return
             self._closed = True
-            pending, self._pending = self._pending, {}
-            self._expire_locked(pending)
-        for entry in pending.values():
+            pending = self._take_pending_locked()
+        for entry in pending:
             self._finish(entry, None, ClosedError(f"channel {self.peer_id!r} closed while waiting for a reply"))
         if not self._io.stop(_JOIN_S):
             log.error("channel %r: I/O thread did not stop within %ss", self.peer_id, _JOIN_S)
@@ -356,6 +358,9 @@ class Channel:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"channel {self.peer_id!r} is closed")
+        # Before the I/O thread: a dispatcher that ended stops that one too, and is the cause to name.
+        if not self._dispatcher.running:
+            raise ClosedError(f"channel {self.peer_id!r} stopped serving: its dispatcher thread ended (see the log)")
         if not self._io.running:
             raise ClosedError(f"channel {self.peer_id!r} stopped serving: its I/O thread failed (see the log)")
 
@@ -377,6 +382,25 @@ class Channel:
                 self._pending[msg_id] = pending
             self._io.submit_send(peer_id, frame)
         return msg_id
+
+    def _take_pending_locked(self) -> list[_Pending]:
+        """Under ``self._lock``: remove every waiting request, to be failed by the caller (outside the lock)."""
+        pending, self._pending = self._pending, {}
+        self._expire_locked(pending)
+        return list(pending.values())
+
+    def _on_dispatcher_ended(self) -> None:
+        """On the dispatcher thread, ending while the channel is open: stop serving now. Left running, the I/O
+        thread would keep answering heartbeats, so peers would never drop this rank, while no request to it is
+        answered again; stopped, it says Bye and they drop it at once. Requests waiting here fail, and later calls
+        raise ClosedError (``_check_open``); close() still joins what is left."""
+        with self._lock:  # a request queued after this sees the dispatcher stopped in _check_open
+            pending = self._take_pending_locked()
+        error = f"channel {self.peer_id!r} stopped serving while waiting for a reply: its dispatcher thread ended"
+        for entry in pending:
+            self._finish(entry, None, ClosedError(error))
+        if not self._io.stop(_JOIN_S):
+            log.error("channel %r: I/O thread did not stop within %ss", self.peer_id, _JOIN_S)
 
     def _expire_locked(self, msg_ids: Iterable[int]) -> None:
         """Under ``self._lock``: remember request ids that ended unanswered, so their late replies are

@@ -9,6 +9,7 @@ was not registered through ``init_process_group``.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,6 +29,10 @@ _TAG = 0  # NCCL has no tags; gloo gets the same semantics: one ordered stream p
 _ABORT_TAG = 1  # never used for data, see TorchBackend.abort
 _NCCL_WATCHDOG_MARGIN_S = 60.0
 _JOIN_S = 2.0  # the send thread only posts (never waits on the peer): it ends at once once stopped
+# How torch (2.13), gloo and NCCL say time ran out: "Wait timeout", "wait timeout after 300ms, keys: ...", "Socket
+# Timeout", "Connect timeout", "Timed out waiting ...", "has timed out after", "collective operation timeout".
+# Whole words: "RuntimeError" (the text of an exception without a message), "runtime" or "lifetime" are none.
+_TIMEOUT_WORDS = re.compile(r"\btimed?[ -]?outs?\b", re.IGNORECASE)
 
 
 class _WorkPending:
@@ -200,10 +205,15 @@ def open_group(
         raise
     except Exception as exc:  # torch raises DistError subclasses and plain RuntimeErrors
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if time.monotonic() >= deadline - 0.01 or "time" in text.lower():
+        if time.monotonic() >= deadline - 0.01 or _is_timeout(exc, text):
             raise TransferTimeout(f"{where}: peer (link rank {peer}) not connected within {timeout_s:.3g} s: {text}") from exc
         raise TransferError(f"{where}: cannot connect to peer (link rank {peer}): {text}") from exc
     return TorchBackend(pg, link_rank, device, store, f"ncclkv-link-{link_id}")
+
+
+def _is_timeout(exc: Exception, text: str) -> bool:
+    """Whether ``exc`` (``text``: its first line) says time ran out; the caller also checks its own deadline."""
+    return isinstance(exc, TimeoutError) or _TIMEOUT_WORDS.search(text) is not None
 
 
 def _forget_own_keys(store: dist.Store, link_rank: int, where: str) -> None:
