@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..engine import EngineRef
+from ..engine._config import is_int
 from ..hashing import BlockHash, ExtraKeys, hash_block_tokens, hash_request_tokens
 
 __all__ = ["PARAMS_VERSION", "PrefillIntent", "RemotePrefill", "parse_params", "token_hash"]
@@ -61,11 +62,11 @@ class RemotePrefill:
         object.__setattr__(self, "block_ids", tuple(self.block_ids))
         if not isinstance(self.transfer_id, str) or not self.transfer_id:
             raise ValueError(f"transfer_id must be a non-empty str, got {self.transfer_id!r}")
-        if not _is_int(self.num_tokens) or self.num_tokens < 1:
+        if not is_int(self.num_tokens) or self.num_tokens < 1:
             raise ValueError(f"remote_num_tokens must be an int >= 1, got {self.num_tokens!r}")
-        if not _is_int(self.hash_block_size) or self.hash_block_size < 1:
+        if not is_int(self.hash_block_size) or self.hash_block_size < 1:
             raise ValueError(f"hash_block_size must be an int >= 1, got {self.hash_block_size!r}")
-        if not all(_is_int(b) and b >= 0 for b in self.block_ids):
+        if not all(is_int(b) and b >= 0 for b in self.block_ids):
             raise ValueError(f"remote_block_ids must be ints >= 0, got {list(self.block_ids)!r}")
         if not isinstance(self.token_hash, str) or not _HEX_64.fullmatch(self.token_hash):
             raise ValueError(f"token_hash must be 64 hex chars, got {self.token_hash!r}")
@@ -147,7 +148,3 @@ def _engine_ref(data: Mapping[str, object], key: str) -> EngineRef:
         return EngineRef.from_dict(dict(data))
     except (TypeError, ValueError) as err:
         raise ValueError(f"kv_transfer_params[{key!r}] is not a valid engine reference: {err}") from None
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import ShapeMismatchError
-from ..layout import KVGeometry, ParallelLayout, Roi, Span, shard_roi
+from ..layout import KVGeometry, ParallelLayout, Span, shard_roi
 from ..paged import CacheLayout, CacheViews, PagedCacheSpec, SlotMap, cache_views, gather, scatter
 from ._buffers import WireBuffers
 
@@ -200,10 +200,6 @@ class RankCaches:
     def placeholder(self, tokens: Span, heads: Span) -> torch.Tensor:
         """A ``meta`` tensor of one slice's wire shape: what a lazy send is queued with (see ``Link.send``)."""
         return _meta(self.wire_shape(tokens, heads), self.wire_dtype)
-
-    def check_route(self, roi: Roi, what: str) -> None:
-        if not self.shard.with_tokens(roi.tokens).covers(roi):
-            raise ShapeMismatchError(f"{what} {roi!r} lies outside this rank's shard {self.shard!r}")
 
     def gather(self, layer: int, slots: SlotMap, tokens: Span, heads: Span, out: torch.Tensor) -> torch.Tensor:
         entry, local = self._layer(layer), self._local(heads)

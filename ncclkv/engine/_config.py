@@ -13,7 +13,9 @@ from .._timeout import check_timeout
 from ..auth import ChannelAuth, load_channel_auth
 from ..layout import KVGeometry, ParallelLayout
 
-__all__ = ["DEFAULT_LAST_PIECE_BYTES", "EngineConfig", "EngineRef", "Role", "parse_peer_id", "peer_id", "split_peer_id"]
+__all__ = [
+    "DEFAULT_LAST_PIECE_BYTES", "EngineConfig", "EngineRef", "Role", "is_int", "parse_peer_id", "peer_id", "split_peer_id",
+]
 
 # A push may send a route's last layer in token pieces (last_piece_bytes): only that layer's latency is left after
 # the forward, and pieces could overlap its gather, wire and scatter while earlier layers, hidden behind compute,
@@ -31,7 +33,8 @@ def _check_engine_id(engine_id: object) -> None:
         raise ValueError(f"engine_id must be 1-128 chars of [A-Za-z0-9._:@+-], got {engine_id!r}")
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An int, not a bool (``True`` is an int in Python, never a count or an id here)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -94,7 +97,7 @@ class EngineConfig:
         _check_engine_id(self.engine_id)
         if self.role not in ("producer", "consumer", "both"):
             raise ValueError(f"role must be producer, consumer or both, got {self.role!r}")
-        if not _is_int(self.rank) or not 0 <= self.rank < self.layout.world_size:
+        if not is_int(self.rank) or not 0 <= self.rank < self.layout.world_size:
             raise ValueError(f"rank={self.rank!r} outside the layout's world_size={self.layout.world_size}")
         self.layout.check(self.geometry)
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -103,14 +106,14 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:  # None: from the environment below, which env_settings checked by the same rule
                 check_timeout(name, value)
-        if self.staging_bytes is not None and not (_is_int(self.staging_bytes) and self.staging_bytes >= 1):
+        if self.staging_bytes is not None and not (is_int(self.staging_bytes) and self.staging_bytes >= 1):
             raise ValueError(f"staging_bytes must be an int >= 1, got {self.staging_bytes!r}")
         for name in ("piece_bytes", "last_piece_bytes"):
             value = getattr(self, name)
-            if not (_is_int(value) and value >= 0):
+            if not (is_int(value) and value >= 0):
                 raise ValueError(f"{name} must be an int >= 0 (0: whole slices), got {value!r}")
         cache = self.wire_cache_bytes
-        if cache is not None and not (_is_int(cache) and cache >= 0):
+        if cache is not None and not (is_int(cache) and cache >= 0):
             raise ValueError(f"wire_cache_bytes must be an int >= 0 (0: keep none), got {cache!r}")
         settings = env_settings()
         if self.cpus is None:
@@ -118,7 +121,7 @@ class EngineConfig:
         else:
             cpus = self.cpus
             if (not isinstance(cpus, (set, frozenset)) or not cpus
-                    or not all(_is_int(c) and c >= 0 for c in cpus)):
+                    or not all(is_int(c) and c >= 0 for c in cpus)):
                 raise ValueError(f"cpus must be a non-empty set of CPU numbers >= 0, got {cpus!r}")
             object.__setattr__(self, "cpus", frozenset(cpus))
         if self.deadline_s is None:
@@ -177,9 +180,9 @@ class EngineRef:
             sizes = {name: data[name] for name in ("tp_size", "pp_size")}
             # From other engines' kv_transfer_params, through clients: ints only (int(1e999) raises OverflowError).
             for name, value in sizes.items():
-                if not _is_int(value):
+                if not is_int(value):
                     raise ValueError(f"engine reference {name} must be an int, got {value!r}")
-            if partition and (not isinstance(partition, (list, tuple)) or not all(map(_is_int, partition))):
+            if partition and (not isinstance(partition, (list, tuple)) or not all(map(is_int, partition))):
                 raise ValueError(f"engine reference layer_partition must be a list of ints, got {partition!r}")
             layout = ParallelLayout(sizes["tp_size"], sizes["pp_size"], tuple(partition) if partition else None)  # type: ignore[arg-type]
             return cls(str(data["engine_id"]), layout, tuple(str(a) for a in data["control_addrs"]))  # type: ignore[union-attr]

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -33,10 +34,11 @@ from ..paged import SlotMap
 from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, PushOffer, RouteMsg
 from ..transport import LinkBase
 from ._caches import RankCaches, torch_dtype
-from ._config import EngineRef, split_peer_id
+from ._config import EngineRef, peer_id, split_peer_id
 from ._links import Peer, PeerLinks
 from ._staging import BlockTokens, RemovalReason, StagingEvent, StagingLog, StagingName
 from ._stats import EngineStats
+from ._tasks import submit_task
 
 __all__ = ["ConsumerSide"]
 
@@ -54,8 +56,8 @@ class _Expected:
     producer: EngineRef
     slots: SlotMap
     pending: set[_Key]
-    per_src: dict[int, int]  # tensors each producer rank will send us
-    remaining: dict[int, int]  # layer -> tensors still to land
+    per_src: dict[int, int]  # (layer, route) slices each producer rank will send us (what its Done counts)
+    remaining: dict[int, int]  # layer -> (layer, route) slices still to land (each in one piece or several)
     started: float  # time.monotonic(): latencies are wall time
     progress: float  # the channel clock: the no-progress deadline leaves out our own pauses
     nbytes: int = 0
@@ -148,7 +150,7 @@ class ConsumerSide:
         # Declines (see decline) wait on producers that may be gone: a worker of their own (made at the
         # first), never the executor that pulls, and a bounded queue.
         self._cpus = cpus
-        self._decliner = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ncclkv-decline[{engine_id}.r{rank}]",
+        self._decliner = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ncclkv-decline[{peer_id(engine_id, rank)}]",
                                             initializer=pin_this_thread, initargs=(cpus,))
         self._declines_queued = 0
         self._staging_log = StagingLog()
@@ -221,7 +223,10 @@ class ConsumerSide:
         if push:
             return
         for src, src_routes in by_src.items():
-            self._executor.submit(self._pull, req, src, src_routes, token_set)
+            # A failure past _pull's own handling fails the request; an empty pull's is only logged.
+            submit_task(self._executor, f"pull of {request_id} from {producer.peer_id(src)}",
+                        partial(self._pull_failed, req, src) if src_routes else None,
+                        self._pull, req, src, src_routes, token_set)
 
     def decline(self, request_id: str, producer: EngineRef, push: bool = False) -> None:
         """This rank will not take ``request_id``; returns at once.
@@ -248,7 +253,8 @@ class ConsumerSide:
                 return
             self._declines_queued += len(srcs)
         for src in srcs:
-            self._decliner.submit(self._decline, request_id, producer, src)
+            submit_task(self._decliner, f"decline of {request_id} to {producer.peer_id(src)}", None,
+                        self._decline, request_id, producer, src)
 
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
         """Block until ``layer`` of ``request_id`` has landed; raise the request's error if it failed."""
@@ -347,7 +353,7 @@ class ConsumerSide:
         with self._cond:
             for request_id, req in self._requests.items():  # their waiters see it now, not a stall after deadline_s
                 if req.error is None:
-                    req.error = ClosedError(f"engine rank {self._engine_id}.r{self._rank} closed while request "
+                    req.error = ClosedError(f"engine rank {peer_id(self._engine_id, self._rank)} closed while request "
                                             f"{request_id!r} was expected")
             self._staged.clear()
             self._refused.clear()
@@ -620,10 +626,7 @@ class ConsumerSide:
             log.log(logging.ERROR if routes else logging.WARNING, "%s of %s from %s failed: %s",
                     "pull" if routes else "empty pull (nothing to receive)", request_id, producer.peer_id(src), err)
             if routes:
-                self._fail(req, err if isinstance(err, NcclKVError) else TransferError(str(err)))
-                if not isinstance(err, HandshakeError):  # it may hold the request (a restarted producer, a lost
-                    # acknowledgement): tell it we will not take it, so it frees the blocks now, not after hold_s
-                    self._queue_declines(request_id, producer, (src,))
+                self._pull_failed(req, src, err)
             return
         if routes:
             with self._cond:
@@ -631,6 +634,13 @@ class ConsumerSide:
                 req.unsent -= 1
                 req.progress = self._clock.now()  # its no-progress deadline counts from here (see _stall_at)
                 self._cond.notify_all()  # a waiter's stall limit may have dropped from hold_s to deadline_s
+
+    def _pull_failed(self, req: _Expected, src: int, error: BaseException) -> None:
+        """The pull of ``req``'s routes from producer rank ``src`` failed: the request fails (once) with ``error``."""
+        self._fail(req, _as_ncclkv(error))
+        if not isinstance(error, HandshakeError):  # it may hold the request (a restarted producer, a lost
+            # acknowledgement): tell it we will not take it, so it frees the blocks now, not after hold_s
+            self._queue_declines(req.request_id, req.producer, (src,))
 
     def _send_pull(self, request_id: str, producer: EngineRef, src: int, routes: list[Route],
                    tokens: SpanSet) -> Peer:
@@ -837,7 +847,9 @@ class ConsumerSide:
             self._fail_staged_locked(request_id, staged, error)
 
     def _remember_refusal(self, request_id: str, producer_engine_id: str, error: NcclKVError) -> None:
-        """Under ``self._cond``: what an expect() of this pushed request will fail with (see ``_refused``).
+        """Under ``self._cond``: record that ``request_id`` from ``producer_engine_id`` ended with ``error`` (a push
+        refused, failed or expired here; an expected request failed or aborted): an expect() of its push fails
+        at once with it, a pull of it again is refused (see ``_refused``).
 
         Expiry relies on times in insertion order: a refreshed entry moves to the end, and its time is at least
         the newest one's (``now()`` steps back once a pause of this process is counted)."""
@@ -896,7 +908,7 @@ class ConsumerSide:
         limit, which = self._stall_limit(req)
         return TransferTimeout(
             f"request {req.request_id!r}: no progress for {limit:g}s ({which}); still missing "
-            f"{len(req.pending)} tensors, e.g. (src rank, layer) {missing}")
+            f"{len(req.pending)} (layer, route) slices, e.g. (src rank, layer) {missing}")
 
     def _fail(self, req: _Expected, error: BaseException) -> None:
         with self._cond:

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .._affinity import pin_this_thread, pinned
+from .._timeout import check_timeout
 from ..channel import Channel, ReplyThen
 from ..errors import ClosedError, HandshakeError, PeerLostError, PeerResetError, ProtocolError
 from ..layout import SpanSet
@@ -69,7 +70,7 @@ class TransferEngine:
         data_plane: LinkFactory | None = None
         channel: Channel | None = None
         try:  # a failure half-way leaves no thread or socket behind
-            data_plane = transport if transport is not None else DataPlane(cfg.bind_host)
+            data_plane = transport if transport is not None else DataPlane(cfg.bind_host, cfg.deadline_s)
             self._data_plane: LinkFactory = data_plane
             self._channel = channel = Channel(
                 cfg.peer_id, bind_host=cfg.bind_host, on_message=self._on_message,
@@ -163,12 +164,15 @@ class TransferEngine:
         self._consumer.decline(request_id, producer, push)
 
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
-        """Block until ``layer`` of ``request_id`` is in this rank's cache (that layer only)."""
-        self._consumer.wait_layer(request_id, layer, timeout_s)
+        """Block until ``layer`` of ``request_id`` is in this rank's cache (that layer only).
+
+        ``timeout_s``: None waits as long as the request makes progress (``deadline_s`` without any fails it);
+        0 only looks; else a number of seconds > 0 (``ValueError`` for nan, inf or a negative one)."""
+        self._consumer.wait_layer(request_id, layer, None if timeout_s is None else _wait_timeout(timeout_s))
 
     def wait(self, request_id: str, timeout_s: float | None = None) -> None:
-        """Block until every layer of ``request_id`` landed on this rank."""
-        self._consumer.wait_all(request_id, timeout_s)
+        """Block until every layer of ``request_id`` landed on this rank (``timeout_s`` as for :meth:`wait_layer`)."""
+        self._consumer.wait_all(request_id, None if timeout_s is None else _wait_timeout(timeout_s))
 
     def abort(self, request_id: str) -> None:
         self._consumer.abort(request_id)
@@ -177,10 +181,8 @@ class TransferEngine:
         """Block until an expected request landed or failed, or ``timeout_s`` passed; True if one did.
 
         For a caller with nothing else to do (an idle vLLM step): it sleeps on a
-        condition instead of polling :meth:`take_finished_receiving`."""
-        if not timeout_s >= 0:
-            raise ValueError(f"timeout_s must be >= 0, got {timeout_s!r}")
-        return self._consumer.wait_finished(timeout_s)
+        condition instead of polling :meth:`take_finished_receiving`. ``timeout_s``: 0 only looks."""
+        return self._consumer.wait_finished(_wait_timeout(timeout_s))
 
     def take_finished_receiving(self) -> dict[str, BaseException | None]:
         """Expected requests that landed (None) or failed (the error) since the last call."""
@@ -258,3 +260,11 @@ class TransferEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"engine {self.config.peer_id!r} is closed")
+
+
+def _wait_timeout(timeout_s: object) -> float:
+    """A wait's ``timeout_s``: 0 (only look) or what :func:`check_timeout` takes, which names any other value
+    (nan never expired, a negative one timed out at once, inf raised OverflowError in the wait)."""
+    if isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s == 0:
+        return 0.0
+    return check_timeout("timeout_s", timeout_s)

@@ -38,6 +38,8 @@ from ..errors import (ClosedError, HandshakeError, PeerClosedError, PeerLostErro
 from ..protocol import Handshake, Message, check_compatible
 from ..transport import LinkBase, LinkFactory
 from ..transport._pipe import settle
+from ._config import peer_id
+from ._tasks import submit_task
 
 __all__ = ["Peer", "PeerLinks"]
 
@@ -161,7 +163,7 @@ class PeerLinks:
         The link opens only once the reply is with ZMQ: the peer joins the rendezvous after reading
         it, and a stall of this process while we wait there must not hold the reply back too."""
         self._check_open()
-        if sender != f"{remote.engine_id}.r{remote.rank}":
+        if sender != peer_id(remote.engine_id, remote.rank):
             raise HandshakeError(f"handshake from {sender!r} names engine {remote.engine_id!r} rank {remote.rank}")
         try:
             check_compatible(self._local, remote)
@@ -188,7 +190,9 @@ class PeerLinks:
             settle(link, result=opened)  # a drop() or close() that came meanwhile closes it (its callback)
 
         reply = replace(self._local, session=remote.session, open_link=True)
-        return ReplyThen(reply, lambda: self._link_opener.submit(open_link))
+        # open_link settles the link whatever fails in it; should anything escape, the link's waiters see it.
+        return ReplyThen(reply, lambda: submit_task(self._link_opener, f"link open to {sender}",
+                                                    lambda err: settle(link, error=err), open_link))
 
     def request(self, peer_id: str, control_addr: str, message: Message, need_link: bool, what: str) -> Peer:
         """Shake hands with ``peer_id`` if needed (:meth:`ensure`) and send it the request ``message``; return once

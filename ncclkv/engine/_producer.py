@@ -33,7 +33,7 @@ from ..transport import LinkBase
 from ._caches import RankCaches, WireLease
 from ._config import EngineRef, peer_id
 from ._links import PeerLinks
-from ._push import Pusher, SliceHooks
+from ._push import Pusher, SliceHooks, tell
 from ._staging import BlockTokens
 from ._stats import EngineStats
 
@@ -80,7 +80,7 @@ class ProducerSide:
         self._seq: dict[str, int] = {}  # per link id: the seq the next announce carries
         peers.on_link_gone(lambda link_id: self._seq.pop(link_id, None))
         self._pusher = Pusher(rank, layout, geometry, caches, channel, peers, executor, self._announcer,
-                              self._pushed, deadline_s, stats, piece_bytes, last_piece_bytes)
+                              self._pushed, stats, piece_bytes, last_piece_bytes)
 
     def start_push(self, request_id: str, consumer: EngineRef, block_ids: Sequence[int], num_tokens: int,
                    blocks: BlockTokens | None = None) -> None:
@@ -294,11 +294,18 @@ class ProducerSide:
 
         def end() -> None:
             error = errors[0] if errors else None
-            if error is None:
-                self._stats.record_send(nbytes, len(futures), time.monotonic() - started)
-                self._safe_send(sender, Done(pull.request_id, slices, nbytes))
-            else:
-                self._send_error(sender, error, pull.request_id)
+            try:
+                if error is None:
+                    self._stats.record_send(nbytes, len(futures), time.monotonic() - started)
+                    tell(self._channel, sender, Done(pull.request_id, slices, nbytes))
+                else:
+                    self._send_error(sender, error, pull.request_id)
+            except Exception as err:  # noqa: BLE001 - on a send's done-callback, where it would only be logged
+                log.error("pull %s from %s: ending its sends failed: %s: %s", pull.request_id, sender,
+                          type(err).__name__, err, exc_info=err)
+                error = error or TransferError(f"pull {pull.request_id!r} from {sender!r}: ending its sends failed: "
+                                               f"{type(err).__name__}: {err}")
+            # Always: else ``serving`` never drops and take_finished() never reports the request (its blocks held).
             self._mark_served(held, sender, error, sending=True)
 
         def on_sent(future: Future[None]) -> None:
@@ -346,10 +353,4 @@ class ProducerSide:
                 held.error = error
 
     def _send_error(self, sender: str, error: BaseException, request_id: str) -> None:
-        self._safe_send(sender, ErrorMsg.from_exception(error, request_id))
-
-    def _safe_send(self, sender: str, body: Done | ErrorMsg) -> None:
-        try:
-            self._channel.send(sender, body)
-        except Exception as err:  # the peer is gone: its own side reports the request
-            log.warning("could not tell %s about %s: %s", sender, getattr(body, "request_id", "?"), err)
+        tell(self._channel, sender, ErrorMsg.from_exception(error, request_id))

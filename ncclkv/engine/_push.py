@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -29,8 +30,9 @@ from ._config import EngineRef, split_peer_id
 from ._links import PeerLinks
 from ._staging import BlockTokens
 from ._stats import EngineStats
+from ._tasks import submit_task
 
-__all__ = ["PushState", "Pusher", "SliceHooks"]
+__all__ = ["PushState", "Pusher", "SliceHooks", "tell"]
 
 log = logging.getLogger("ncclkv.engine")
 
@@ -78,11 +80,11 @@ class PushState:
 class Pusher:
     def __init__(self, rank: int, layout: ParallelLayout, geometry: KVGeometry, caches: RankCaches, channel: Channel,
                  peers: PeerLinks, executor: Executor, announcer: Announcer,
-                 on_complete: Callable[[str, BaseException | None], None], deadline_s: float,
+                 on_complete: Callable[[str, BaseException | None], None],
                  stats: EngineStats | None = None, piece_bytes: int = 0, last_piece_bytes: int = 0) -> None:
         self._rank, self._layout, self._geometry, self._caches = rank, layout, geometry, caches
         self._channel, self._peers, self._executor = channel, peers, executor
-        self._announcer, self._on_complete, self._deadline_s = announcer, on_complete, deadline_s
+        self._announcer, self._on_complete = announcer, on_complete
         self._stats = stats
         self._piece_bytes = piece_bytes
         self._last_piece_bytes = last_piece_bytes
@@ -109,7 +111,8 @@ class Pusher:
                 raise ValueError(f"request {request_id!r} is already being pushed")
             self._pushes[request_id] = state
         for dst, routes in by_dst.items():
-            self._executor.submit(self._offer, state, consumer, dst, routes, num_tokens)
+            submit_task(self._executor, f"push of {request_id} to {dst}", partial(self._fail_dst, state, dst),
+                        self._offer, state, consumer, dst, routes, num_tokens)
 
     def pushing(self, request_id: str) -> bool:
         with self._lock:
@@ -157,15 +160,24 @@ class Pusher:
     def _offer(self, state: PushState, consumer: EngineRef, dst: str, routes: list[Route], num_tokens: int) -> None:
         try:
             link = self._offer_once_more_on_reset(state, consumer, dst, routes, num_tokens)
-        except Exception as err:  # this consumer rank fails; the others go on
-            log.error("push of %s to %s refused or failed: %s", state.request_id, dst, err)
-            with state.lock:
-                state.errors[dst] = err
-        else:
             with state.lock:
                 state.links[dst] = link
                 for layer, ready in state.saved.items():  # the backlog, in save order
                     self._send_layer(state, dst, link, layer, ready)
+        except Exception as err:  # this consumer rank fails (refused, or its backlog not queued); the others go on
+            log.error("push of %s to %s refused or failed: %s: %s", state.request_id, dst, type(err).__name__, err,
+                      exc_info=not isinstance(err, NcclKVError))  # a bug's traceback; a refusal is one line
+            self._fail_dst(state, dst, err)
+            return
+        self._maybe_complete(state)
+
+    def _fail_dst(self, state: PushState, dst: str, error: BaseException) -> None:
+        """Consumer rank ``dst`` of the push failed with ``error`` (kept if it already had one); the others go
+        on, and the push completes once nothing else is open."""
+        with state.lock:
+            state.links.pop(dst, None)  # counted once, by its error (PushState.resolved); later layers skip it
+            state.errors.setdefault(dst, error if isinstance(error, NcclKVError) else TransferError(
+                f"push of {state.request_id!r} to {dst!r} failed: {type(error).__name__}: {error}"))
         self._maybe_complete(state)
 
     def _offer_once_more_on_reset(self, state: PushState, consumer: EngineRef, dst: str, routes: list[Route],
@@ -250,25 +262,28 @@ class Pusher:
                        for dst in state.by_dst}
         with self._lock:
             self._pushes.pop(state.request_id, None)
-        first_error: BaseException | None = None
-        for dst, error in outcome.items():
-            if error is None:
-                if self._stats is not None:
-                    self._stats.record_send(state.nbytes.get(dst, 0), state.sends.get(dst, 0),
-                                            time.monotonic() - state.started)
-                self._tell(dst, Done(state.request_id, state.slices.get(dst, 0), state.nbytes.get(dst, 0)))
-            else:
-                first_error = first_error or error
-                self._tell(dst, ErrorMsg.from_exception(error, state.request_id))
+        first_error = next((error for error in outcome.values() if error is not None), None)
         if first_error is not None and not isinstance(first_error, NcclKVError):
             first_error = TransferError(str(first_error))
-        self._on_complete(state.request_id, first_error)
-
-    def _tell(self, dst: str, body: Done | ErrorMsg) -> None:
         try:
-            self._channel.send(dst, body)
-        except Exception as err:  # the consumer is gone: its own side reports the request
-            log.warning("could not tell %s about %s: %s", dst, body.request_id, err)
+            for dst, error in outcome.items():
+                if error is None:
+                    if self._stats is not None:
+                        self._stats.record_send(state.nbytes.get(dst, 0), state.sends.get(dst, 0),
+                                                time.monotonic() - state.started)
+                    tell(self._channel, dst, Done(state.request_id, state.slices.get(dst, 0), state.nbytes.get(dst, 0)))
+                else:
+                    tell(self._channel, dst, ErrorMsg.from_exception(error, state.request_id))
+        finally:  # reported exactly once (``completed``), whatever telling the consumers did
+            self._on_complete(state.request_id, first_error)
+
+
+def tell(channel: Channel, peer: str, body: Done | ErrorMsg) -> None:
+    """Send ``body`` to ``peer``, best effort: a peer that is gone reports the request on its own side."""
+    try:
+        channel.send(peer, body)
+    except Exception as err:
+        log.warning("could not tell %s about %s: %s", peer, body.request_id, err)
 
 
 def _blocks_msg(request_id: str, blocks: BlockTokens | None, max_frame_bytes: int) -> PushBlocks | None:

@@ -22,7 +22,7 @@ from typing import Literal
 
 from ..hashing import BlockHash, as_token_ids, hash_request_tokens
 
-__all__ = ["MAX_PENDING_EVENTS", "BlockTokens", "StagingEvent", "StagingLog", "StagingName"]
+__all__ = ["MAX_PENDING_EVENTS", "BlockTokens", "RemovalReason", "StagingEvent", "StagingLog", "StagingName"]
 
 log = logging.getLogger("ncclkv.engine")
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .._env import env_settings
+from .._timeout import check_timeout
 from ..errors import ClosedError, HandshakeError, TransferTimeout
 from ._base import join_address, split_address
 from ._group import TorchBackend, open_group
@@ -36,16 +37,19 @@ class DataPlane(LinkOpener):
     a link call :meth:`open_link` with the same ``link_id`` and ``store_addr``
     (either end's address) and opposite ``link_rank``. ``bind_host`` must be an
     address the peers can reach: gloo also binds its own sockets to it.
+    ``deadline_s`` bounds the blocking store calls (the engine passes its
+    ``EngineConfig.deadline_s``); both default to the environment (``NCCLKV_*``).
     """
 
     kind = "data plane"
 
-    def __init__(self, bind_host: str | None = None) -> None:
+    def __init__(self, bind_host: str | None = None, deadline_s: float | None = None) -> None:
         settings = env_settings()
         self._bind_host = bind_host or settings.bind_host
         # Blocking store calls (NCCL reads its unique id with a get) wait this long, on our store and on the
         # long-lived connections to peers' stores alike.
-        self._store_timeout = timedelta(seconds=settings.deadline_s)
+        deadline_s = settings.deadline_s if deadline_s is None else check_timeout("deadline_s", deadline_s)
+        self._store_timeout = timedelta(seconds=deadline_s)
         fd, port = _listen(self._bind_host)
         try:
             self._server: dist.TCPStore | None = dist.TCPStore(

@@ -532,7 +532,7 @@ def test_wait_finished_receiving_sleeps_until_a_request_lands() -> None:
         assert outcome == [True]
         assert consumer.engine.take_finished_receiving() == {"req-w": None}
         assert consumer.mismatches(3, blocks, num_tokens, Span(0, num_tokens)) == []
-        with pytest.raises(ValueError, match="timeout_s must be >= 0, got -1"):
+        with pytest.raises(ValueError, match="timeout_s must be .*, got -1"):
             consumer.engine.wait_finished_receiving(-1)
     finally:
         close_sides(prefill, decode)
