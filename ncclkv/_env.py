@@ -2,7 +2,8 @@
 
 Launcher variables (RANK, SLURM_PROCID, ...) are read by :mod:`ncclkv.launch`
 from a mapping it is given; everything else configurable by environment is
-listed here, parsed once into a typed value.
+listed here and parsed into a typed value by :func:`env_settings`, on every call (not cached: a value set
+after import, as tests and the scenario entry point do, is seen by the next reader).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class EnvSettings:
     bind_host: str = "127.0.0.1"
     staging_bytes: int = 1 << 30
     wire_cache_bytes: int = 256 << 20  # as much as a link keeps in flight per direction (transport default)
-    max_frame_bytes: int = 1 << 20
+    max_frame_bytes: int = 1 << 20  # = ncclkv.protocol.DEFAULT_MAX_FRAME_BYTES (not imported: _env stays stdlib-only)
     fuzz_examples: int = 10_000
     soak_requests: int = 200
     paged_kernel: str = "native"
@@ -158,6 +159,8 @@ class EnvSettings:
 
 
 def env_settings(environ: Mapping[str, str] | None = None) -> EnvSettings:
+    """The ``NCCLKV_*`` values of ``environ`` (default: ``os.environ`` as it is now), each checked (a ValueError
+    names a bad one)."""
     env = os.environ if environ is None else environ
     # An instance, not the class: on a slots dataclass the class attributes are member descriptors.
     default = EnvSettings()

@@ -200,6 +200,9 @@ class Handshake(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hs"):
 
 
 class HandshakeAck(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hs_ack"):
+    """Not sent by ncclkv (the engine answers a :class:`Handshake` with its own, and this as unexpected); a
+    handshake reply for channel-level users and tests."""
+
     engine_id: Id
     rank: NonNeg
     accepted: bool
@@ -274,6 +277,9 @@ class Ack(_Tagged, frozen=True, forbid_unknown_fields=True, tag="ack"):
 
 
 class Ready(_Tagged, frozen=True, forbid_unknown_fields=True, tag="ready"):
+    """Not sent by ncclkv (the engine answers it as unexpected); the plain request channel-level users and the
+    channel's tests send."""
+
     request_id: Id
 
 

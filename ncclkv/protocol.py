@@ -41,20 +41,22 @@ from __future__ import annotations
 import msgspec
 
 from . import _messages
-from ._env import EnvSettings
 from ._messages import *  # noqa: F403 - the message types and limits, re-exported as listed in _messages.__all__
 from ._messages import Envelope, Handshake
 from .errors import HandshakeError, ProtocolError
 
-__all__ = ["check_compatible", "decode", "encode"]
+__all__ = ["DEFAULT_MAX_FRAME_BYTES", "check_compatible", "decode", "encode"]
 __all__ += _messages.__all__  # one list of the message names: _messages.__all__
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Envelope)
-_DEFAULT_MAX_FRAME_BYTES = EnvSettings().max_frame_bytes
+# The largest frame decode() and encode() take unless told (the channel passes its own, NCCLKV_MAX_FRAME_BYTES).
+# A literal, not EnvSettings' default: the wire format does not depend on ncclkv._env, which keeps its default
+# equal to this one (tests/unit/test_module_rules.py pins the two).
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
 
 
-def decode(frame: bytes | bytearray | memoryview, max_frame_bytes: int = _DEFAULT_MAX_FRAME_BYTES) -> Envelope:
+def decode(frame: bytes | bytearray | memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Envelope:
     """Parse one frame; any defect (size, bytes, type, field, range) raises :class:`ProtocolError`."""
     size = len(frame)
     if size > max_frame_bytes:
@@ -65,7 +67,7 @@ def decode(frame: bytes | bytearray | memoryview, max_frame_bytes: int = _DEFAUL
         raise ProtocolError(f"malformed control frame ({size} bytes): {exc}") from None
 
 
-def encode(envelope: Envelope, max_frame_bytes: int = _DEFAULT_MAX_FRAME_BYTES) -> bytes:
+def encode(envelope: Envelope, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
     """Serialise ``envelope``; raise :class:`ProtocolError` for anything the peer's :func:`decode` would refuse.
 
     Structs do not type-check on construction, so the frame is decoded once

@@ -5,7 +5,7 @@
 background thread looks every chunk up once (so validity is the same for
 every layer) and then assembles each layer's K/V for the whole batch on the
 target device, a few layers ahead of the model. On CUDA it copies on a side
-stream and waits for the copies before handing a layer over.
+stream and waits for the copies (at most ``deadline_s``) before handing a layer over.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .._device_wait import wait_events
 from .._env import env_settings
 from .._timeout import check_timeout
-from ..errors import ShapeMismatchError
+from ..errors import ShapeMismatchError, TransferTimeout
 from ..hashing import as_token_ids
 from ._prefetch import LayerPrefetcher
 from ._store import ChunkStore, StoredChunk
@@ -67,6 +68,7 @@ class BlendRetrieverTask:
         self._segments, bounds = segments
         self._store = retriever.store
         self.device = retriever.device
+        self._deadline_s = retriever.deadline_s
         self.num_layers = retriever.store.num_layers
         self.num_tokens = bounds[-1]
         self.query_start_loc = torch.tensor(bounds, dtype=torch.int64)
@@ -143,8 +145,18 @@ class BlendRetrieverTask:
         else:
             with torch.cuda.stream(self._stream):
                 kv = self._fill(layer, shape, sample.dtype)
-            self._stream.synchronize()
+            self._wait_copies(layer)
         return BlendRetrieverResult(kv[0], kv[1], self._valid_mask, self._original_positions)
+
+    def _wait_copies(self, layer: int) -> None:
+        """CUDA: wait until the side stream's copies of ``layer`` are done, at most ``deadline_s``, else
+        :class:`TransferTimeout` (``result()`` raises it). ``Stream.synchronize`` has no timeout: a stalled device
+        would hold this thread for good, and ``close()`` would fail to join it."""
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        if wait_events([done], self._deadline_s):
+            raise TransferTimeout(f"blend retriever: the copies of layer {layer} to {self.device} were not done "
+                                  f"within deadline_s={self._deadline_s:g} s (a stalled device?)")
 
     def _fill(self, layer: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         kv = torch.empty(shape, dtype=dtype, device=self.device)

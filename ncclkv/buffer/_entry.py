@@ -11,7 +11,7 @@ from ..hashing import BlockHash, as_token_ids, hash_request_tokens
 from ..layout import KVGeometry, Roi, Span, SpanSet
 from ._lru import held_nbytes
 
-__all__ = ["LookupEntry", "PrefixIndex", "entry_matches", "to_roi"]
+__all__ = ["LookupEntry", "PrefixIndex", "entry_matches", "to_roi", "to_token_ids"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -45,7 +45,7 @@ from ._events import EventGatherer, NcclKVEvents
 from ._metadata import DeclineJob, HoldJob, LoadJob, NcclKVMetadata, PushJob, engine_ref_from_handshakes
 from ._params import PrefillIntent, RemotePrefill, parse_params, token_hash
 
-__all__ = ["SchedulerSide"]
+__all__ = ["SchedulerSide", "extra_keys"]
 
 log = logging.getLogger("ncclkv.connector")
 

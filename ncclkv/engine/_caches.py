@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -12,15 +11,11 @@ from typing import Any
 
 import torch
 
+from .._device_wait import wait_events
 from ..errors import ShapeMismatchError
 from ..layout import KVGeometry, ParallelLayout, Span, shard_roi
 from ..paged import CacheLayout, CacheViews, PagedCacheSpec, SlotMap, cache_views, gather, scatter
 from ._buffers import WireBuffers
-
-# wait_done's polling of a scatter's event: first pause, then doubling up to the last (latency added to a
-# load that was not yet done on the device, at most).
-_DONE_POLL_FIRST_S = 20e-6
-_DONE_POLL_MAX_S = 1e-3
 
 __all__ = ["RankCaches", "WireLease", "torch_dtype"]
 
@@ -131,17 +126,8 @@ class RankCaches:
 
         Returns how many were still pending at the deadline (0: all done), for the caller to report: a device
         that stalls that long is broken, and ``Event.synchronize`` (no timeout) would hang the engine with it.
-        Polled: a scatter is nearly always done by the time a load is taken, and then nothing sleeps."""
-        pending = list(events)
-        deadline = time.monotonic() + timeout_s
-        pause = _DONE_POLL_FIRST_S
-        while pending:
-            pending = [event for event in pending if not event.query()]
-            if not pending or time.monotonic() >= deadline:
-                break
-            time.sleep(pause)
-            pause = min(2 * pause, _DONE_POLL_MAX_S)
-        return len(pending)
+        Polled (``ncclkv._device_wait``): nothing sleeps when they are done, the usual case."""
+        return wait_events(events, timeout_s)
 
     def block_size(self) -> int:
         return self._any_layer().spec.block_size

@@ -102,7 +102,8 @@ class TransferPlan:
     ``routes`` are sorted by (src, dst, layers, heads, tokens), so the routes
     of one (src, dst) link come in the same order from :meth:`routes_from` on
     the sending side and :meth:`routes_to` on the receiving side (point-to-point
-    sends have no tags: order is what matches them).
+    sends have no tags: order is what matches them). Sorted on construction,
+    whoever built the plan.
     """
 
     src_layout: ParallelLayout
@@ -113,10 +114,13 @@ class TransferPlan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", token_set(self.tokens))
-        object.__setattr__(self, "routes", tuple(self.routes))
-        for route in self.routes:
+        routes = tuple(self.routes)
+        for route in routes:
             if not isinstance(route, Route):
                 raise TypeError(f"TransferPlan.routes must hold Route values, got {type(route).__name__}")
+        # Sorted, not checked: plans are also built by hand (tests break plan()'s, then validate() them). On
+        # plan()'s routes, sorted already, this costs one comparison per route.
+        object.__setattr__(self, "routes", tuple(sorted(routes)))
 
     def routes_from(self, src: int) -> tuple[Route, ...]:
         return tuple(r for r in self.routes if r.src == src)

@@ -35,8 +35,8 @@ from ._registry import ScenarioError, report
 from ._rendezvous import StoreRendezvous
 from ._topology import PDTopology, RankPlace
 
-__all__ = ["HELP", "TransferConfig", "TransferRun", "add_arguments", "check", "run", "summary_json",
-           "transfer_on_rank"]
+__all__ = ["HELP", "TransferConfig", "TransferRun", "add_arguments", "check", "check_kill", "config_from_args",
+           "pair_of", "run", "summary_json", "transfer_on_rank"]
 
 HELP = "prefill engines send KV to decode engines (pull or push), checked byte-exact on every decode rank"
 PRODUCER_LAYOUT, PRODUCER_BLOCK = CacheLayout.CPU, 16
@@ -162,8 +162,8 @@ def _warm_up(engine: TransferEngine, place: RankPlace, topology: PDTopology, cfg
             raise ScenarioError(f"{place}: warm-up request from prefill[{prefill}] differs in layers {bad}")
 
 
-def run_rank(info: LaunchInfo, place: RankPlace, topology: PDTopology, cfg: TransferConfig, device: torch.device,
-             bind_host: str | None, rendezvous: StoreRendezvous) -> list[dict[str, object]]:
+def _run_rank(info: LaunchInfo, place: RankPlace, topology: PDTopology, cfg: TransferConfig, device: torch.device,
+              bind_host: str | None, rendezvous: StoreRendezvous) -> list[dict[str, object]]:
     """One rank's part; returns every rank's numbers (place, bytes, seconds, requests, tensors)."""
     producer = place.role == "prefill"
     layout: ParallelLayout = topology.prefill if producer else topology.decode
@@ -242,7 +242,7 @@ def transfer_on_rank(info: LaunchInfo, topology: PDTopology, cfg: TransferConfig
     """
     rendezvous = StoreRendezvous(info, prefix="ncclkv/transfer", deadline_s=cfg.run_deadline_s)
     try:
-        return run_rank(info, topology.place(info.rank), topology, cfg, device, bind_host, rendezvous)
+        return _run_rank(info, topology.place(info.rank), topology, cfg, device, bind_host, rendezvous)
     except BaseException as exc:
         rendezvous.report_failure(f"{type(exc).__name__}: {exc}")
         raise
@@ -329,13 +329,13 @@ def run(info: LaunchInfo, checked: TransferRun) -> None:
     topology, cfg = checked.topology, checked.cfg
     results = transfer_on_rank(info, topology, cfg, checked.device, checked.bind_host)
     if info.rank == 0:
-        report(summary_table(topology, cfg, results))
+        report(_summary_table(topology, cfg, results))
         if checked.json_out:
             with open(checked.json_out, "w", encoding="utf-8") as out:
                 json.dump(summary_json(topology, cfg, results), out, indent=1)
 
 
-def summary_table(topology: PDTopology, cfg: TransferConfig, results: list[dict[str, object]]) -> str:
+def _summary_table(topology: PDTopology, cfg: TransferConfig, results: list[dict[str, object]]) -> str:
     """One line per decode rank: requests, bytes, seconds, GB/s; and the totals."""
     lines = [f"ncclkv transfer {topology} mode={cfg.mode} requests={len(cfg.tokens)} "
              f"tokens={sum(cfg.tokens)} geometry={cfg.geometry.num_layers}L x {cfg.geometry.num_kv_heads}H x "

@@ -7,7 +7,7 @@ NCCL for CUDA tensors, one code path) with one ordered pipe per direction.
 :class:`Link` over an in-process wire, to test the layers above.
 """
 
-from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, MAX_TIMEOUT_S, LinkBase, LinkFactory, LinkStats
+from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, LinkBase, LinkFactory, LinkStats
 from ._data_plane import DataPlane
 from ._link import Link
 from ._loopback import LoopbackHub, LoopbackTransport, loopback_pair
@@ -15,7 +15,6 @@ from ._loopback import LoopbackHub, LoopbackTransport, loopback_pair
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
     "DEFAULT_MAX_IN_FLIGHT_BYTES",
-    "MAX_TIMEOUT_S",
     "DataPlane",
     "Link",
     "LinkBase",

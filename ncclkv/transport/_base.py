@@ -10,18 +10,16 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-# Re-exported: links check their timeouts by the rule every ncclkv timeout follows.
-from .._timeout import MAX_TIMEOUT_S, check_timeout
+# Links check their timeouts by the rule every ncclkv timeout follows; ncclkv._timeout alone exports it.
+from .._timeout import check_timeout
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
     "DEFAULT_MAX_IN_FLIGHT_BYTES",
-    "MAX_TIMEOUT_S",
     "LinkBase",
     "LinkFactory",
     "LinkStats",
     "check_link_args",
-    "check_timeout",
     "check_window",
     "join_address",
     "split_address",

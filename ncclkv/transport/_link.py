@@ -22,8 +22,9 @@ from typing import Protocol
 
 import torch
 
+from .._timeout import check_timeout
 from ..errors import ClosedError, NcclKVError, ProtocolError, ShapeMismatchError, TransferError, TransferTimeout
-from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, LinkStats, check_timeout, check_window
+from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, LinkStats, check_window
 from ._framing import AHEAD_BYTES, BATCH, EARLY_FLUSH_BYTES, Framing, RecvFrames, SendFrames
 from ._pipe import Completed, HookResultRefused, Op, Pending, Pipe, settle
 

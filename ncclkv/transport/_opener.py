@@ -9,8 +9,9 @@ from typing import ClassVar
 
 import torch
 
+from .._timeout import check_timeout
 from ..errors import ClosedError
-from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, check_link_args, check_timeout, check_window
+from ._base import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_IN_FLIGHT_BYTES, check_link_args, check_window
 from ._link import Backend, Link
 
 __all__ = ["LinkOpener"]

@@ -372,6 +372,50 @@ def test_result_has_a_deadline() -> None:
     assert not task.prefetching
 
 
+class _StalledStream:
+    """A CUDA stream of a stalled device: ``synchronize`` (no timeout) would wait until ``release``."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def synchronize(self) -> None:
+        self.release.wait(timeout=10.0)
+
+
+class _StalledEvent:
+    """A CUDA event recorded on that stream: never done."""
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return False
+
+
+def test_a_stalled_device_fails_the_layer_after_deadline_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA copy wait is bounded by the retriever's deadline_s, with a TransferTimeout naming the layer that
+    result() raises, and the thread ends (CPU: the side stream and its event are stand-ins)."""
+    buffer = _GatedBuffer(1 << 20)
+    store = ChunkStore(buffer, 2)
+    buffer.gate.set()
+    store.store_chunk([5, 6, 7], [torch.ones(3, 1, 4)] * 2, [torch.ones(3, 1, 4)] * 2, [0, 1, 2])
+    buffer.gate.clear()
+    stream = _StalledStream()
+    monkeypatch.setattr(torch.cuda, "Event", _StalledEvent)
+    task = BlendRetriever(store, deadline_s=0.2).new_request([torch.tensor([5, 6, 7])], [[]])
+    try:
+        task._stream = stream  # type: ignore[assignment]  # set while the thread waits in its lookup
+        buffer.gate.set()
+        with pytest.raises(TransferTimeout, match=r"copies of layer 0 to cpu were not done within deadline_s=0.2 s"):
+            task.result(0, timeout_s=5.0)
+        task._prefetcher._thread.join(10.0)
+        assert not task.prefetching
+    finally:
+        stream.release.set()
+        buffer.gate.set()
+        task.close()
+
+
 def test_a_late_consumer_gets_every_layer_and_a_dropped_task_ends_its_thread() -> None:
     """The deadline bounds each result() call, not the gap between them: a forward that starts, or a layer that
     ends, more than deadline_s later is no error. The thread ends when idle, so a dropped task frees it."""

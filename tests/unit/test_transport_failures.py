@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 from ncclkv._env import env_settings
+from ncclkv._timeout import MAX_TIMEOUT_S
 from ncclkv.errors import CapacityError, ClosedError, HandshakeError, ShapeMismatchError, TransferError
 from ncclkv.transport import DataPlane, Link, LoopbackHub, LoopbackTransport, loopback_pair
 from ncclkv.transport import _opener
-from ncclkv.transport._base import MAX_TIMEOUT_S, split_address
+from ncclkv.transport._base import split_address
 from ncclkv.transport._pipe import Completed
 
 from link_probes import open_both, sleepy_poster
