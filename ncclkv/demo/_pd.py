@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .._vllm_model import TinyLlamaSpec, build_tiny_llama
+from ..connector._config import NcclKVConfig
 from ..layout import KVGeometry
 from ._engine_proc import EngineOptions, EngineProcess, RequestResult, close_all
 from ._progress import Reporter
@@ -51,7 +52,11 @@ class Placement:
 
 
 def connector_config(kv_role: str, **extra: Any) -> dict[str, Any]:
-    """vLLM's ``kv_transfer_config`` selecting NcclKVConnector (failed loads recomputed)."""
+    """vLLM's ``kv_transfer_config`` selecting NcclKVConnector (failed loads recomputed).
+
+    ``extra`` is checked here (``NcclKVConfig.from_extra``: unknown keys, types), so a bad key fails this
+    process, naming it, instead of an engine child's start-up."""
+    NcclKVConfig.from_extra(extra)
     return dict(kv_connector="NcclKVConnector", kv_connector_module_path="ncclkv.connector", kv_role=kv_role,
                 kv_load_failure_policy="recompute", kv_connector_extra_config=dict(extra))
 

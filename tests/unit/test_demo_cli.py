@@ -15,7 +15,7 @@ import pytest
 from ncclkv.cli import _build_parser, main
 from ncclkv.commands.demo import demo_settings, transport_args
 from ncclkv.demo import DemoReport, DemoSettings, PhaseResult, Reporter, format_plain, prompt_lengths, summary_table
-from ncclkv.demo import make_prompts, rich_available
+from ncclkv.demo import connector_config, make_prompts, rich_available
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -215,3 +215,13 @@ def test_reporter_rich_renders_the_same_cells() -> None:
     assert "done building [model]" in text  # markup in a step's text is escaped, not interpreted
     for row in table.rows:
         assert all(cell.strip() in text for cell in row), row
+
+
+def test_the_demo_checks_its_connector_config_before_any_engine_starts() -> None:
+    """A misspelled kv_connector_extra_config key fails in the demo's own process, naming it (it failed an engine
+    child's start-up, after the model was built and the first engine had started)."""
+    config = connector_config("kv_consumer", ref_path="decode_ref.json")
+    assert config["kv_connector_extra_config"] == {"ref_path": "decode_ref.json"}
+    assert config["kv_role"] == "kv_consumer" and config["kv_load_failure_policy"] == "recompute"
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config keys for NcclKVConnector: \['ref_pth'\]"):
+        connector_config("kv_consumer", ref_pth="decode_ref.json")
