@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from _channel_helpers import channel_threads
+from ncclkv.channel import Channel
 
 
 @pytest.fixture
@@ -16,3 +17,17 @@ def no_channel_thread_left() -> Iterator[None]:
     yield
     left = channel_threads()
     assert left == [], f"a channel thread (I/O, dispatcher or ZAP) outlived its test: {left}"
+
+
+@pytest.fixture
+def make_channel() -> Iterator[Callable[..., Channel]]:
+    """Makes channels (``make(peer_id, **kwargs)``) and closes every one it made when the test ends."""
+    made: list[Channel] = []
+
+    def make(peer_id: str, **kwargs: object) -> Channel:
+        made.append(Channel(peer_id, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for channel in made:
+        channel.close()

@@ -11,7 +11,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -46,19 +46,6 @@ ROUTE = RouteMsg(0, 0, (0, 1), (0, 1), (0, 16))
 WAIT_S = 5.0  # for wait_until
 
 pytestmark = pytest.mark.usefixtures("no_channel_thread_left")
-
-
-@pytest.fixture
-def make_channel() -> Iterator[Callable[..., Channel]]:
-    made: list[Channel] = []
-
-    def make(peer_id: str, **kwargs: object) -> Channel:
-        made.append(Channel(peer_id, **kwargs))  # type: ignore[arg-type]
-        return made[-1]
-
-    yield make
-    for channel in made:
-        channel.close()
 
 
 def ack_ready(sender: str, body: Message) -> Message | None:

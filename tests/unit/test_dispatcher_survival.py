@@ -4,7 +4,7 @@ ends anyway, the channel says so (ClosedError) and its peers drop it instead of 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -31,19 +31,6 @@ def _cyclic() -> list[object]:
     loop: list[object] = []
     loop.append(loop)  # encoding recurses until RecursionError, which encode() does not turn into a ProtocolError
     return loop
-
-
-@pytest.fixture
-def make_channel() -> Iterator[Callable[..., Channel]]:
-    made: list[Channel] = []
-
-    def make(peer_id: str, **kwargs: object) -> Channel:
-        made.append(Channel(peer_id, **kwargs))  # type: ignore[arg-type]
-        return made[-1]
-
-    yield make
-    for channel in made:
-        channel.close()
 
 
 def _handler(sender: str, body: Message) -> Message | None:
