@@ -242,10 +242,10 @@ class FrameGate:
                 raise ProtocolError(f"frame names sender {envelope.sender!r} but came from {name!r}")
         except AuthenticationError as exc:  # a ProtocolError too: caught first, as it goes unanswered
             self._counters.auth_failures += 1
-            self.reject(sock, routing_id, origin, exc, authentic=False)
+            self.reject(sock, routing_id, origin, exc, authentic=False, renamed=_renamed_by_zmq(origin))
             return None
         except ProtocolError as exc:
-            self.reject(sock, routing_id, origin, exc)
+            self.reject(sock, routing_id, origin, exc, renamed=_renamed_by_zmq(origin))
             return None
         return envelope
 
@@ -266,12 +266,22 @@ class FrameGate:
         return self._sealer.open(origin, payload[0], via_router=routing_id is not None)
 
     def reject(
-        self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, exc: ProtocolError, authentic: bool = True
+        self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, exc: ProtocolError, authentic: bool = True,
+        renamed: bool = False,
     ) -> None:
-        """Count and log a bad frame; if ``authentic``, tell its sender why on the socket it came in on."""
+        """Count and log a bad frame; if ``authentic``, tell its sender why on the socket it came in on.
+
+        ``renamed``: it came in under a routing id ZMQ made up. Most often that is a peer's old connection, renamed
+        by our ROUTER when the peer reset its path to us (ROUTER_HANDOVER), whose last frames still arrive: no
+        sign of an intruder, so INFO, with that explanation (else it read as spoofing after every reset)."""
         self._counters.rejected += 1
         now = time.monotonic()
-        self._warn(now, "channel %r: rejected a frame from %r: %s", origin, exc)
+        if renamed:
+            self._warn(now, "channel %r: rejected a frame from %r, a connection without an id of its own (most "
+                            "likely an old connection of a peer that reconnected under the same id): %s", origin, exc,
+                       level=logging.INFO)
+        else:
+            self._warn(now, "channel %r: rejected a frame from %r: %s", origin, exc)
         if not authentic or not self._replies.take(now):
             return
         # <= 4 UTF-8 bytes a char: the reply fits any max_frame_bytes >= 1024
@@ -292,8 +302,15 @@ class FrameGate:
         if self._warnings.take(time.monotonic()):
             log.exception("channel %r: failed to handle a frame from %r", self._peer_id, origin)
 
-    def _warn(self, now: float, fmt: str, origin: bytes, exc: BaseException) -> None:
+    def _warn(self, now: float, fmt: str, origin: bytes, exc: BaseException, level: int = logging.WARNING) -> None:
         if self._warnings.take(now):
             unlogged = self._warnings.take_refused()
             more = f" ({unlogged} more rejected frames not logged)" if unlogged else ""
-            log.warning(fmt + "%s", self._peer_id, origin, exc, more)
+            log.log(level, fmt + "%s", self._peer_id, origin, exc, more)
+
+
+def _renamed_by_zmq(origin: bytes) -> bool:
+    """Whether ``origin`` is a routing id libzmq made up (a zero byte and a 32-bit counter): what a ROUTER names a
+    connection it renamed, or one that set no id. Never a channel's own (peer ids are text, never starting with NUL);
+    a client claiming such an id is refused all the same, only logged lower."""
+    return len(origin) == 5 and origin[0] == 0

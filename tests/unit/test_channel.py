@@ -831,3 +831,22 @@ def test_connecting_to_a_live_peer_at_another_address_replaces_its_path(make_cha
     assert isinstance(lost[0], errors.PeerResetError) and a.peer_incarnation("B") == new.incarnation
     a.connect("B", new.address)  # the same address again: nothing changes
     assert a.request("B", Ready("still"), timeout_s=5) == Ack("still", None) and len(lost) == 1
+
+
+def test_a_frame_from_a_connection_zmq_renamed_is_dropped_without_an_intruder_warning(
+        make_channel: Callable[..., Channel], caplog: pytest.LogCaptureFixture) -> None:
+    """After a peer resets its path to us, frames its old connection had sent come in under an id the ROUTER made
+    up (a zero byte and a counter). They are refused and counted as any frame not its sender's, but logged at INFO
+    with that explanation, not as a spoof."""
+    caplog.set_level(logging.INFO, logger="ncclkv")
+    seen: list[Message] = []
+    server = make_channel("server", on_message=lambda sender, body: seen.append(body), heartbeat_s=0.05, deadline_s=30.0)
+    with raw_dealer(server.address, b"\x00\x00\x00\x00\x07") as renamed, raw_dealer(server.address, b"peer") as peer:
+        renamed.send(encode(Envelope("peer", 1, None, Ready("stale"))))
+        wait_until(lambda: server.stats.rejected == 1, WAIT_S)
+        peer.send(encode(Envelope("peer", 2, None, Ready("fresh"))))
+        wait_until(lambda: seen == [Ready("fresh")], WAIT_S)
+    records = [r for r in caplog.records if "\\x00\\x00\\x00\\x00\\x07" in r.getMessage()]
+    assert [r.levelno for r in records] == [logging.INFO], [(r.levelname, r.getMessage()) for r in records]
+    assert "an old connection of a peer that reconnected" in records[0].getMessage()
+    assert "frame names sender 'peer'" in records[0].getMessage()
