@@ -373,10 +373,22 @@ class ConsumerSide:
 
     # -- control messages (dispatcher thread) ----------------------------------------------
     def on_announce(self, sender: str, ann: Announce) -> None:
-        peer = self._peers.known(sender)
-        if peer is None:
-            raise ProtocolError(f"announcement from {sender!r} before any handshake")
-        link = self._peers.link_by_id(sender, ann.link)
+        # The link it names, never waited for here: with it still opening (the peer's end opened first), every
+        # other peer's messages would wait behind it. Its receive is posted once it opens, after those of the
+        # announcements before it on that link (PeerLinks.when_open keeps their order: receives match sends).
+        peer = self._peers.link_peer(sender, ann.link)
+        self._peers.when_open(peer, partial(self._on_announce_open, sender, peer, ann))
+
+    def _on_announce_open(self, sender: str, peer: Peer, ann: Announce, link: LinkBase | None,
+                          error: BaseException | None) -> None:
+        """Post the receive of an announced tensor on its open link (on the dispatcher, or once the link opened
+        on the thread that opened it); ``error``: the link never opened, and its request fails with that."""
+        if link is None:
+            assert error is not None
+            log.warning("announcement seq %d of %r from %s: link %s never opened: %s", ann.seq, ann.request_id,
+                        sender, ann.link, error)
+            self._fail_announced(peer.remote.engine_id, ann.request_id, _as_ncclkv(error))
+            return
         want_seq = self._recv_seq.get(link.link_id, 0)
         if ann.seq != want_seq:
             self._peers.drop(sender, f"announcement seq {ann.seq}, expected {want_seq}")
@@ -392,6 +404,17 @@ class ConsumerSide:
             reason = f"no receive posted for announcement seq {ann.seq} of {ann.request_id!r}: {error}"
             self.fail_peer(sender, type(error)(f"{sender!r}: {reason}; link closed"))
             self._peers.drop(sender, reason)
+
+    def _fail_announced(self, engine_id: str, request_id: str, error: NcclKVError) -> None:
+        """The tensor announced for ``request_id`` by engine ``engine_id`` will never come: its request, or its
+        staged push, fails with ``error`` (only that engine's: no one can fail another's request)."""
+        with self._cond:
+            req = self._requests.get(request_id)
+            staged = self._staged.get(request_id) if req is None else None
+            if req is not None and req.producer.engine_id == engine_id:
+                self._fail_locked(req, error)
+            elif staged is not None and staged.producer_engine_id == engine_id and staged.error is None:
+                self._fail_staged_locked(request_id, staged, error)
 
     def _receive(self, sender: str, src: int, engine_id: str, link: LinkBase, ann: Announce) -> None:
         """Post the receive of one announced tensor from rank ``src`` of engine ``engine_id``: into a wire buffer

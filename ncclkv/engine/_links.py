@@ -25,10 +25,11 @@ import contextlib
 import logging
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from msgspec.structs import replace
 
@@ -41,9 +42,12 @@ from ..transport._pipe import settle
 from ._config import peer_id
 from ._tasks import submit_task
 
-__all__ = ["Peer", "PeerLinks"]
+__all__ = ["OnOpen", "Peer", "PeerLinks"]
 
 log = logging.getLogger("ncclkv.engine")
+
+# What runs once a link is open: (the link, None), or (None, why it never will be) (see PeerLinks.when_open).
+OnOpen = Callable[[LinkBase | None, BaseException | None], None]
 
 
 @dataclass(slots=True)
@@ -57,6 +61,16 @@ class Peer:
     # The channel's loss_seq it was made under (-1: as the responder, older than every loss reported after it):
     # a loss reported with a higher count ends it, one with a count up to this came before it.
     stamp: int = -1
+
+
+@dataclass(slots=True, eq=False)
+class _Waiting:
+    """The continuations waiting for one link to open, in arrival order (see ``PeerLinks.when_open``)."""
+
+    peer: Peer
+    queue: deque[OnOpen] = field(default_factory=deque)
+    error: BaseException | None = None  # the link was dropped or closed: each one still queued fails with this
+    running: bool = False  # a thread is running them (only one at a time: their order is the link's order)
 
 
 @dataclass(slots=True, eq=False)
@@ -82,6 +96,7 @@ class PeerLinks:
         self._device = device
         self._deadline_s = deadline_s
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a handshake was installed, or a gate went (known())
         self._peers: dict[str, Peer] = {}  # the link each side sends on now
         # Every open link by id: when both sides start a handshake at once, each
         # may send on a different one, so a receiver finds the link an
@@ -89,6 +104,7 @@ class PeerLinks:
         self._links: dict[str, Peer] = {}
         self._gone_hooks: list[Callable[[str], None]] = []  # told each link id that leaves _links
         self._connecting: dict[str, _Gate] = {}  # only peers with an ensure() in progress
+        self._waiting: dict[str, _Waiting] = {}  # link id -> what waits for that link to open (when_open)
         self._closed = False
 
     def get(self, peer_id: str) -> Peer | None:
@@ -96,18 +112,25 @@ class PeerLinks:
             return self._peers.get(peer_id)
 
     def known(self, peer_id: str) -> Peer | None:
-        """``get``, but first let a handshake we started with ``peer_id`` finish (up to the deadline).
+        """``get``, but first let a handshake we started with ``peer_id`` get its reply (up to the deadline).
 
         When both sides start a handshake at once, the peer may install ours
         first and send a request before our own ``ensure`` has read its reply.
+        Only that reply is waited for, never the link it opens (the dispatcher
+        calls this): the peer answered as it installed our handshake, before
+        it could send under it, so the reply is already on its way.
         """
         with self._lock:
             peer = self._peers.get(peer_id)
-            gate = self._connecting.get(peer_id)
-        if peer is None and gate is not None and self._acquire(gate.lock):
-            gate.lock.release()
-            peer = self.get(peer_id)
-        return peer
+            if peer is not None or peer_id not in self._connecting:
+                return peer
+
+        def answered(timeout_s: float) -> bool:
+            with self._changed:
+                return self._changed.wait_for(
+                    lambda: peer_id in self._peers or peer_id not in self._connecting or self._closed, timeout_s)
+        self._channel.clock.wait(answered, self._deadline_s)
+        return self.get(peer_id)
 
     def ensure(self, peer_id: str, control_addr: str, need_link: bool) -> Peer:
         """Shake hands with ``peer_id`` (and open a link if ``need_link``) unless done; blocks up to the deadline.
@@ -225,25 +248,65 @@ class PeerLinks:
             raise TransferTimeout(f"link to {peer_id!r} not open after {self._deadline_s}s")
         return peer.link.result()
 
-    def link_by_id(self, peer_id: str, link_id: str) -> LinkBase:
-        """The open link ``link_id`` to ``peer_id`` (an announcement names the link its tensor rides on)."""
+    def link_peer(self, peer_id: str, link_id: str) -> Peer:
+        """The handshake whose link ``link_id`` to ``peer_id`` is kept here, open or opening (an announcement names
+        the link its tensor rides on); :meth:`when_open` waits for it."""
         with self._lock:
             peer = self._links.get(link_id)
         if peer is None or peer.peer_id != peer_id or peer.link is None:
             raise ProtocolError(f"{peer_id!r} names link {link_id!r}, which is not open between us")
-        if not self._settled(peer.link):
-            raise TransferTimeout(f"link {link_id!r} to {peer_id!r} not open after {self._deadline_s}s")
-        return peer.link.result()
+        return peer
+
+    def when_open(self, peer: Peer, then: OnOpen) -> None:
+        """Call ``then(link, None)`` once ``peer``'s link is open, or ``then(None, error)`` once it cannot be: it
+        failed to open (its error: a TransferTimeout naming the link after the open's deadline_s), or it was
+        dropped or closed first (PeerLostError, ClosedError). Never waits.
+
+        Handlers on the channel's dispatcher call this instead of waiting for a link: one peer's link slow to
+        open would hold every other peer's messages behind it, past their own deadlines. Per link, the calls
+        run in the order they were made, one at a time (the n-th announced tensor is the n-th receive posted):
+        at once on this thread when the link is open and nothing waits for it, else on the thread that settles
+        or drops the link, after those queued before. ``then`` must not wait for another link."""
+        if peer.link is None or peer.link_id is None:
+            then(None, ProtocolError(f"no data link with {peer.peer_id!r}: its handshake asked for control only"))
+            return
+        link_id = peer.link_id
+        first, gone = False, None
+        with self._lock:
+            if self._links.get(link_id) is not peer:  # dropped or closed already
+                gone = self._gone_error(peer)
+            waiting = self._waiting.get(link_id)
+            if waiting is None and peer.link.done():
+                pass  # settled and nothing queued: run it here, now
+            elif waiting is None:
+                waiting = self._waiting[link_id] = _Waiting(peer, error=gone)  # gone: nothing else will run it
+                first = True
+            if waiting is not None:
+                waiting.queue.append(then)
+        if waiting is None:
+            self._run(peer, gone, then)
+        elif first:
+            if waiting.error is not None:
+                self._run_waiting(waiting)
+            else:  # on the thread that settles it (ensure()'s, or the link opener's), or here if it just did
+                peer.link.add_done_callback(lambda _: self._run_waiting(waiting))
 
     def on_link_gone(self, hook: Callable[[str], None]) -> None:
         """Call ``hook(link_id)`` for every link forgotten from now on (dropped, replaced, failed to open), so
         what others keep per link id (announcement sequence numbers) goes with it."""
         self._gone_hooks.append(hook)
 
-    def _retire(self, peers: Sequence[Peer]) -> None:
-        """Close the links of ``peers``, already out of ``_links`` (one still opening once it opens), and tell
-        the ``on_link_gone`` hooks."""
+    def _retire(self, peers: Sequence[Peer], reason: BaseException | str | None = None) -> None:
+        """Close the links of ``peers``, already out of ``_links`` (one still opening once it opens), fail what
+        waits for them to open (``when_open``: at once, not when the open ends), and tell the ``on_link_gone``
+        hooks."""
         for peer in peers:
+            with self._lock:
+                waiting = self._waiting.get(peer.link_id) if peer.link_id is not None else None
+                if waiting is not None and waiting.peer is peer and waiting.error is None:
+                    waiting.error = self._gone_error(peer, reason)
+            if waiting is not None:
+                self._run_waiting(waiting)
             _close_link(peer)
             if peer.link_id is not None:
                 for hook in self._gone_hooks:
@@ -266,7 +329,7 @@ class PeerLinks:
         if gone:  # a peer that closed on purpose (it said Bye) is no failure
             log.log(logging.INFO if isinstance(reason, PeerClosedError) else logging.WARNING,
                     "dropping peer %s: %s", peer_id, reason)
-        self._retire(gone)
+        self._retire(gone, reason)
 
     def forget(self, peer: Peer, reason: BaseException | str) -> None:
         """Forget this one handshake (the peer refused a request sent under it: it holds none with us), and
@@ -280,6 +343,13 @@ class PeerLinks:
             self._closed = True
             peers = list(self._links.values())
             self._peers, self._links = {}, {}
+            waiting = list(self._waiting.values())
+            for entry in waiting:
+                entry.error = entry.error or ClosedError(
+                    f"engine peers were closed while link {entry.peer.link_id!r} to {entry.peer.peer_id!r} was opening")
+            self._changed.notify_all()  # known() waits no longer
+        for entry in waiting:
+            self._run_waiting(entry)
         for peer in peers:
             if peer.link is not None:
                 peer.link.cancel()  # a responder's open not started yet never starts
@@ -304,6 +374,7 @@ class PeerLinks:
                     and not _other_life(old, remote)):
                 return old
             self._peers[peer_id] = peer
+            self._changed.notify_all()  # known() waits for this
             if link_id is not None:
                 self._links[link_id] = peer
             for other in [p for p in self._links.values() if p.peer_id == peer_id and p is not peer]:
@@ -340,6 +411,50 @@ class PeerLinks:
                 gate.users -= 1
                 if gate.users == 0 and self._connecting.get(peer_id) is gate:
                     del self._connecting[peer_id]
+                    self._changed.notify_all()  # known() waits no longer
+
+    def _run_waiting(self, waiting: _Waiting) -> None:
+        """Run what waits for ``waiting.peer``'s link, in order, unless another thread is at it (it runs what
+        comes meanwhile too): the link settled, or was dropped or closed (``waiting.error``)."""
+        with self._lock:
+            if waiting.running:
+                return
+            waiting.running = True
+        while True:
+            with self._lock:
+                if not waiting.queue:
+                    waiting.running = False
+                    if self._waiting.get(waiting.peer.link_id) is waiting:  # type: ignore[arg-type]
+                        del self._waiting[waiting.peer.link_id]  # type: ignore[arg-type]
+                    return
+                then, error = waiting.queue.popleft(), waiting.error
+            self._run(waiting.peer, error, then)
+
+    @staticmethod
+    def _run(peer: Peer, gone: BaseException | None, then: OnOpen) -> None:
+        """``then`` with ``peer``'s link: its error if it failed to open, else ``gone`` if it was dropped or closed
+        (while it was opening, or since), else the open link."""
+        assert peer.link is not None
+        link: LinkBase | None = None
+        error = gone
+        if peer.link.cancelled():
+            error = ClosedError(f"engine peers were closed before link {peer.link_id!r} to {peer.peer_id!r} opened")
+        elif peer.link.done():
+            error = peer.link.exception() or gone
+            link = peer.link.result() if error is None else None
+        assert link is not None or error is not None
+        try:
+            then(link, error)
+        except Exception as err:  # noqa: BLE001 - one continuation's failure must not stop the link's others
+            log.error("work waiting for link %s to %s failed: %s: %s", peer.link_id, peer.peer_id,
+                      type(err).__name__, err, exc_info=err)
+
+    def _gone_error(self, peer: Peer, reason: BaseException | str | None = None) -> BaseException:
+        """What waited for ``peer``'s link fails with, once the link was dropped or closed before it opened."""
+        if self._closed:
+            return ClosedError(f"engine peers were closed while link {peer.link_id!r} to {peer.peer_id!r} was opening")
+        why = "" if reason is None else f": {reason}"
+        return PeerLostError(f"link {peer.link_id!r} to {peer.peer_id!r} was dropped{why}")
 
     def _link_id(self, peer_id: str, session: str) -> str:
         return self._channel.auth.link_id(self._channel.peer_id, peer_id, session)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -32,7 +33,7 @@ from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, RouteMsg
 from ..transport import LinkBase
 from ._caches import RankCaches, WireLease
 from ._config import EngineRef, peer_id
-from ._links import PeerLinks
+from ._links import Peer, PeerLinks
 from ._push import Pusher, SliceHooks, tell
 from ._staging import BlockTokens
 from ._stats import EngineStats
@@ -267,6 +268,23 @@ class ProducerSide:
         if not routes:
             self._mark_served(held, sender, None)
             return
+        # Here on the dispatcher the link may still be opening (a consumer pulling under a handshake we started,
+        # for a push, or both sides starting one at once): its sends are queued once it opens, never waited for
+        # here, where every other peer's messages would wait behind this one's link (PeerLinks.when_open).
+        since = self._channel.clock.now()
+        self._peers.when_open(peer, partial(self._serve_on_open, sender, pull, held, routes, since, peer))
+
+    def _serve_on_open(self, sender: str, pull: PullRequest, held: _Held, routes: list[Route], since: float,
+                       waited: Peer, _: LinkBase | None, error: BaseException | None) -> None:
+        """Queue a pull's sends once its link is open (on the dispatcher if it already was, else on the thread that
+        opened it); ``error``: it never will be. Done, or ErrorMsg, goes once every send ended."""
+        current = self._peers.get(sender)
+        if error is None and current is not None and current is not waited and current.link is not None \
+                and not current.link.done():  # a newer handshake took over meanwhile: its link is the one to send on
+            self._peers.when_open(current, partial(self._serve_on_open, sender, pull, held, routes, since, current))
+            return
+        if error is None and self._channel.clock.now() - since > self._deadline_s:  # the deadline of the old wait
+            error = TransferTimeout(f"link to {sender!r} not open after {self._deadline_s}s")
         layers = sorted({layer for r in routes for layer in r.layers})
         futures: list[Future[None]] = []
         errors: list[BaseException] = []
@@ -274,7 +292,9 @@ class ProducerSide:
         slices = 0  # (layer, route) slices: what Done counts, whatever pieces they go in
         started = time.monotonic()
         try:
-            link = self._peers.link(sender)
+            if error is not None:
+                raise error  # nothing is queued: the consumer is told below
+            link = self._peers.link(sender)  # the current link, open: it returns at once
             for layer in layers:
                 for route in routes:
                     if layer not in route.layers:

@@ -4,9 +4,9 @@
 runs the command against the engine ranks it built (normally one), and
 answers ``("ok", result)`` or ``("error", traceback)``. Progress that the test
 must see while a command is still running (a producer parked before its last
-layer, a fault hook reached) goes to the ``notes`` queue; the only thing a
-child ever waits for from outside is its own ``gate`` event, always with a
-deadline. Request outcomes come back as :class:`Outcome` values stamped with
+layer, a fault hook reached) goes to the ``notes`` queue; the only things a
+child ever waits for from outside are its own ``gate`` event and, for a link
+``hold_link`` holds, the ``release_link`` command, always with a deadline. Request outcomes come back as :class:`Outcome` values stamped with
 ``time.monotonic()``, which is one clock for every process of the machine, so
 the test can time a failure against the moment it killed a peer.
 """
@@ -92,6 +92,7 @@ class _State:
     sent: dict[str, dict[str, BaseException | None]] = field(default_factory=dict)
     logs: list[str] = field(default_factory=list)
     release: threading.Event = field(default_factory=threading.Event)  # never set: stalled hooks time out
+    link_gate: threading.Event = field(default_factory=threading.Event)  # a link held by hold_link goes on once set
 
 
 def thread_names() -> list[str]:
@@ -223,6 +224,17 @@ def push(st: _State, key: str, req: Req, consumer: EngineRef, gate_after: int | 
     return take_sent(st, key, [req.rid], timeout_s)[req.rid]
 
 
+def start_push(st: _State, key: str, req: Req, consumer: EngineRef) -> None:
+    """Producer, push mode: start the push, save every layer and finish; returns at once (``take_sent`` reports
+    it), so the process takes other commands while the push waits for its consumer."""
+    side = st.sides[key]
+    side.fill(req.seed, list(req.src_blocks), req.num_tokens)
+    side.engine.start_push(req.rid, consumer, list(req.src_blocks), req.num_tokens)
+    for layer in side.shard.layers:
+        side.engine.save_layer(req.rid, layer)
+    side.engine.finish(req.rid)
+
+
 def stall(st: _State, key: str, phase: str, rid: str = "", layer: int = 0) -> None:
     """Fault hook: on the next handshake (before any reply), or right after announcing ``layer`` of ``rid``
     (before posting its tensor), post ("stalled", phase) and hold that thread until the process is killed."""
@@ -252,6 +264,54 @@ def stall(st: _State, key: str, phase: str, rid: str = "", layer: int = 0) -> No
         engine._channel.send = stalled_send  # type: ignore[method-assign]
     else:
         raise ValueError(f"unknown phase {phase!r}")
+
+
+def hold_link(st: _State, key: str, after_open: bool = False) -> None:
+    """Fault hook: hold the next link this engine rank opens (either end), on its opening thread, until
+    ``release_link`` (or ``close_all``); ("link held", peer id) is posted as it is held. Before its rendezvous
+    (``after_open=False``: the peer's end waits for ours, as if this process stalled right after answering the
+    handshake), or after it (``after_open=True``: the peer's end is open, ours opened but not yet settled)."""
+    peers = st.sides[key].engine._peers
+    open_link = peers._open_link
+    armed, lock = [True], threading.Lock()
+    st.link_gate.clear()
+
+    def hold_here(peer_id: str) -> None:
+        st.notes.put(("link held", peer_id))
+        st.link_gate.wait(STALL_S)
+
+    def held_open(peer_id: str, store_addr: str, session: str) -> Any:
+        with lock:
+            first, armed[0] = armed[0], False
+        if first and not after_open:
+            hold_here(peer_id)
+        link = open_link(peer_id, store_addr, session)
+        if first and after_open:
+            hold_here(peer_id)
+        return link
+
+    peers._open_link = held_open  # type: ignore[method-assign]
+
+
+def release_link(st: _State) -> None:
+    """Let the link held by ``hold_link`` go on."""
+    st.link_gate.set()
+
+
+def note_handling(st: _State, key: str, what: str, sender: str) -> None:
+    """Post ("handling", what, sender) as this engine rank starts handling the first pull (``what="pull"``) or
+    announcement (``"announce"``) from ``sender``, on the thread that handles it (the channel's dispatcher)."""
+    engine = st.sides[key].engine
+    owner, name = (engine._producer, "on_pull") if what == "pull" else (engine._consumer, "on_announce")
+    handle, seen = getattr(owner, name), threading.Event()
+
+    def noted(peer: str, body: Message) -> Any:
+        if peer == sender and not seen.is_set():
+            seen.set()
+            st.notes.put(("handling", what, peer))
+        return handle(peer, body)
+
+    setattr(owner, name, noted)
 
 
 def tamper(st: _State, key: str, tag: str, rid: str, layer: int | None = None, **changes: Any) -> None:
@@ -322,6 +382,7 @@ def logs(st: _State, contains: str = "") -> list[str]:
 
 def close_all(st: _State) -> list[str]:
     """Close every engine rank of this process; return the ncclkv threads still alive (should be none)."""
+    st.link_gate.set()  # a link held by hold_link ends its wait, so its opening thread can be joined
     for side in st.sides.values():
         side.engine.close()
     st.sides.clear()
@@ -332,8 +393,8 @@ def close_all(st: _State) -> list[str]:
 
 
 COMMANDS: dict[str, Callable[..., Any]] = {f.__name__: f for f in (
-    build, hold, expect, wait, wait_layer, take_sent, push, stall, tamper, recv_posted, peer_gone, stats, links, logs,
-    close_all,
+    build, hold, expect, wait, wait_layer, take_sent, push, start_push, stall, hold_link, release_link, note_handling,
+    tamper, recv_posted, peer_gone, stats, links, logs, close_all,
 )}
 
 
