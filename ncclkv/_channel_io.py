@@ -114,7 +114,9 @@ class IoLoop:
         self._reading_before_loss = False  # _send is reading after a lost route: no nested read
         # Peers we declared lost (silent, unreachable) that may still hold state about us, with the incarnation
         # they had and why: the first frame we send one again, or the first we hear from that same incarnation,
-        # is answered by a Reset first (it then drops that state and shakes hands anew). Oldest first, bounded.
+        # is answered by a Reset first (it then drops that state and shakes hands anew). The Reset names that
+        # incarnation: sent on a new path (a DEALER we open to the peer id's address), it may reach another life,
+        # which ignores it (see _handle). Oldest first, bounded.
         self._reset_due: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self._hb_seq = 0
         self.address = ""
@@ -330,7 +332,9 @@ class IoLoop:
         self._greet(peer_id)
 
     def _send(self, peer_id: str, frame: bytes, counted: bool = False) -> None:
-        if self._reset_due and peer_id in self._reset_due and peer_id in self._links:  # before anything else of ours
+        # Before anything else of ours. Whichever life is at the other end (on a path we just opened we have not
+        # heard it yet): the Reset names the one we lost, and only that one acts on it.
+        if self._reset_due and peer_id in self._reset_due and peer_id in self._links:
             self._send_reset(peer_id)
         self._post(peer_id, frame, counted)
 
@@ -448,6 +452,14 @@ class IoLoop:
                 self._lose(sender, "it closed its channel", "closed")
             return
         if isinstance(body, Reset):
+            if body.incarnation != self._incarnation:
+                # Meant for another life of our peer id (an earlier process, which the sender lost): we never gave
+                # the sender anything that Reset would take back, so our handshake and links with it stay.
+                self._counters.stale_resets += 1
+                log.info("channel %r: ignored a Reset from %r for incarnation %#x (ours is %#x): it had lost an "
+                         "earlier life of our peer id (%s)", self._peer_id, sender, body.incarnation,
+                         self._incarnation, body.reason)
+                return
             self._counters.peers_lost += 1
             reason = f"it had declared us lost ({body.reason}) and dropped what it held about us"
             log.warning("channel %r: peer %r reset: %s", self._peer_id, sender, reason)
@@ -480,10 +492,10 @@ class IoLoop:
 
     def _send_reset(self, peer_id: str) -> None:
         """Tell ``peer_id``, which we declared lost, to drop what it holds about us (see ``_reset_due``)."""
-        _, reason = self._reset_due.pop(peer_id)
-        log.info("channel %r: %r is back; it is told to drop what it holds about us (we had lost it: %s)",
-                 self._peer_id, peer_id, reason)
-        self._post(peer_id, self._frame(Reset(reason[:MAX_TEXT_CHARS]), None))
+        incarnation, reason = self._reset_due.pop(peer_id)
+        log.info("channel %r: %r (incarnation %#x, if that one is there) is told to drop what it holds about us "
+                 "(we had lost it: %s)", self._peer_id, peer_id, incarnation, reason)
+        self._post(peer_id, self._frame(Reset(reason[:MAX_TEXT_CHARS], incarnation), None))
 
     def _restarted(self, peer_id: str, old: int, new: int, via_router: bool) -> None:
         """``peer_id`` speaks with another incarnation: the earlier one is lost (its requests fail, its

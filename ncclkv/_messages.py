@@ -44,8 +44,8 @@ __all__ = [
 ]
 
 # 2: PushOffer.blocks; gloo links carry frame headers (ncclkv.transport._framing); 3: Announce.piece; 4: Bye;
-# 5: Heartbeat.incarnation, Handshake.incarnation, Reset, ErrorCode.PEER_RESET
-PROTOCOL_VERSION = 5
+# 5: Heartbeat.incarnation, Handshake.incarnation, Reset, ErrorCode.PEER_RESET; 6: Reset.incarnation
+PROTOCOL_VERSION = 6
 MAX_SHAPE_DIMS = 8
 MAX_ID_CHARS = 512
 MAX_TEXT_CHARS = 4096
@@ -65,6 +65,8 @@ Pair = tuple[NonNeg, NonNeg]
 # A channel's incarnation: random per Channel object (a process, or a channel, restarted under the same peer id has
 # another), never 0 from a channel; 0: not given (a hand-made message), never compared.
 Incarnation = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+# The one life a Reset is for: always named (a Reset for whichever life answers is what went wrong before).
+LostIncarnation = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 Role = Literal["producer", "consumer", "both"]
 
 
@@ -365,9 +367,14 @@ class Reset(_Tagged, frozen=True, forbid_unknown_fields=True, tag="reset"):
     """The sender had declared the receiver lost (``reason``: nothing heard for its deadline, or a send failed)
     and dropped what it held about it; it hears it again now. The receiver drops what it holds about the sender
     (handshake, links, requests waiting for it) and shakes hands again: e.g. a process stopped longer than the
-    sender's deadline, whose own clock left the stop out and which lost no one itself."""
+    sender's deadline, whose own clock left the stop out and which lost no one itself.
+
+    ``incarnation`` is the RECEIVER's: the life of its peer id the sender lost (never 0). A channel acts on a
+    Reset only if it names its own incarnation; another life under that peer id (a process restarted, which the
+    sender connects to before it heard a frame of it) never held anything of the sender's, and ignores it."""
 
     reason: Text
+    incarnation: LostIncarnation
 
 
 Message: TypeAlias = (

@@ -27,6 +27,7 @@ class Counters:
     peers_lost: int = 0
     handler_errors: int = 0
     auth_failures: int = 0  # frames dropped for a bad/missing MAC or a replay (I/O thread)
+    stale_resets: int = 0  # Resets ignored: they named another life of our peer id (I/O thread)
 
 
 @dataclass(slots=True)

@@ -33,9 +33,11 @@ Each channel has a random :attr:`Channel.incarnation`, in its heartbeats
 with another one restarted, and its earlier life is reported lost at once
 (:class:`PeerResetError`), before a frame of the new one is handled. A peer
 this channel declared lost (silent for ``deadline_s``, unreachable) that is
-heard again, or sent to again, gets a ``Reset`` first: it was only stopped,
-and drops what it holds about us (its ``on_peer_lost`` is told, with a
-:class:`PeerResetError`). Every loss reported carries ``loss_seq``
+heard again, or sent to again, gets a ``Reset`` first, naming the incarnation
+that was lost: it was only stopped, and drops what it holds about us (its
+``on_peer_lost`` is told, with a :class:`PeerResetError`). Another life under
+that peer id (restarted, and connected to before a frame of it was heard)
+ignores it: it holds nothing of ours. Every loss reported carries ``loss_seq``
 (:attr:`Channel.loss_seq`), so a handler can tell what came before it.
 
 Malformed frames are counted in :attr:`Channel.stats` ``.rejected``, logged,
@@ -94,7 +96,9 @@ class ChannelStats:
     or replayed MAC, the CURVE clients refused by the allow-list, and the
     frames from a CURVE client whose key is not the one bound to the peer id
     it claims. ``late_replies`` counts the replies no request waited for
-    (dropped, never dispatched).
+    (dropped, never dispatched). ``stale_resets`` counts the ``Reset`` frames
+    ignored because they named another incarnation than this channel's: meant
+    for an earlier life of its peer id, which a peer had lost.
     """
 
     sent: int
@@ -104,6 +108,7 @@ class ChannelStats:
     peers_lost: int
     handler_errors: int
     auth_failures: int = 0
+    stale_resets: int = 0
 
 
 @dataclass(slots=True)
@@ -209,7 +214,8 @@ class Channel:
     def stats(self) -> ChannelStats:
         c = self._counters
         auth_failures = c.auth_failures + self._io.curve_denied
-        return ChannelStats(c.sent, c.received, c.rejected, c.late_replies, c.peers_lost, c.handler_errors, auth_failures)
+        return ChannelStats(c.sent, c.received, c.rejected, c.late_replies, c.peers_lost, c.handler_errors,
+                            auth_failures, c.stale_resets)
 
     def connect(self, peer_id: str, address: str, *, server_key: bytes | str | None = None) -> None:
         """Open a DEALER to ``peer_id`` at ``address`` (``tcp://host:port``); a no-op if the peer is alive,

@@ -10,16 +10,17 @@ an :class:`Envelope`::
 ``hs hs_ack pull push ann ack ready done err hb bye reset``). ``Heartbeat`` and
 ``Handshake`` carry the sending channel's ``incarnation`` (random per channel, so
 a peer id restarted is told from its earlier life; 0: not given, never
-compared). Every field is required on the wire except ``Announce.piece``
-(absent: nil, the whole route; :func:`encode` always writes it), unknown fields
-and tags are refused (so a build of an older version refuses a newer one's frames
-as malformed, before the handshake could name the versions), and :func:`decode`
-checks the frame size before it parses a byte. What the decoder enforces, beyond
-types:
+compared); ``Reset`` carries the receiver's, the one life it is for (never 0:
+a channel acts only on a Reset naming its own). Every field is required on the
+wire except ``Announce.piece`` (absent: nil, the whole route; :func:`encode`
+always writes it), unknown fields and tags are refused (so a build of an older
+version refuses a newer one's frames as malformed, before the handshake could
+name the versions), and :func:`decode` checks the frame size before it parses a
+byte. What the decoder enforces, beyond types:
 
 * every count, rank, index, size, sequence number and id is an int ``>= 0``
   (``tp_size``, ``pp_size``, layer counts, ``num_layers``, ``num_kv_heads``,
-  ``head_size``: ``>= 1``); ``bool`` is not an int here;
+  ``head_size``, ``Reset.incarnation``: ``>= 1``); ``bool`` is not an int here;
 * spans (``layers``, ``heads``, ``tokens`` of a route) have ``start <= stop``;
 * ``shape`` has at most :data:`MAX_SHAPE_DIMS` dims, each ``>= 0``;
 * ``routes`` holds at most :data:`MAX_ROUTES` routes; ``tp_size``, ``pp_size``,

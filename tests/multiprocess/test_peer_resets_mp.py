@@ -9,7 +9,9 @@ at the same control address or another, is told from its earlier life by its
 channel's incarnation: the earlier one is lost at once (its requests fail, its
 link is closed, what the producer held for it is released) and the new one is
 served. A pull that failed on the consumer is declined, so its producer frees
-the blocks instead of holding them ``hold_s``.
+the blocks instead of holding them ``hold_s``. The ``Reset`` a peer owes a
+life it lost names that life's incarnation: sent on a path opened to the peer
+id again, it may reach a process restarted under that id, which ignores it.
 
 Order comes from the engines' own state (a peer seen lost, a request reported),
 never from sleeps; the stop itself lasts until the peer declared the stopped
@@ -205,3 +207,48 @@ def test_a_pull_that_failed_on_the_consumer_is_declined_so_the_producer_frees_it
     # Declined (a pull of nothing, untampered): freed now, not after hold_s=120.
     outcome = producer.call("take_sent", key="dcl-p", rids=["lie"], timeout_s=DEADLINE_S + LATE_S)["lie"]
     assert outcome.at - failed.at < DEADLINE_S + LATE_S, outcome
+
+
+# -- D5: a Reset owed to a lost life, sent to the next life under its engine id --------------------------
+
+
+def test_a_consumer_restarted_after_its_producer_lost_it_takes_the_next_push(procs: Pool) -> None:
+    """The consumer pulled (its channel connected to the producer's) and was killed; the producer declared it
+    lost and owed that life a Reset. A new process under the consumer's engine id, at another address, expects
+    a push: the producer connects to it and the owed Reset went first on that path. The new consumer took it
+    as its own, dropped the producer's handshake and failed the push with PeerResetError; now the Reset names
+    the dead life's incarnation, and the new one ignores it."""
+    producer, old, new = procs[0], procs[1], procs[2]
+    ref_p = _build(producer, "rnl-p", "producer")
+    ref_old = _build(old, "rnl-d", "consumer")
+    assert _pull(producer, "rnl-p", old, "rnl-d", ref_p, _req("warm", 1, 0)).ok
+    old.kill()
+    producer.call("peer_gone", key="rnl-p", peer_id="rnl-d.r0")  # lost there: a Reset is owed to that life
+    ref_new = _build(new, "rnl-d", "consumer")
+    assert ref_new.control_addrs != ref_old.control_addrs
+    for i in range(2):
+        sent, got = _push(producer, ref_p, new, ref_new, _req(f"after{i}", 2 + i, 1 + i))
+        assert sent.ok and got.ok, (sent, got)  # ok: landed byte for byte, and reported
+    assert new.call("logs", contains="reset: it had declared us lost") == [], new.call("logs")
+    assert new.call("stats", key="rnl-d")["channel"]["stale_resets"] == 1
+
+
+def test_a_producer_restarted_at_the_same_address_after_its_consumer_lost_it_is_not_reset(procs: Pool) -> None:
+    """The consumer declared the killed producer lost (its DEALER to it closed) and owed that life a Reset; a
+    new producer binds the same port and the consumer's next pull opens a DEALER to it: the owed Reset went
+    first, and the new producer took it as its own (a peer lost, logged as a reset, for a life it never was).
+    Now it ignores it, and serves the pull."""
+    old, consumer, new = procs[0], procs[1], procs[2]
+    port = free_port()
+    ref_old = _build(old, "rsa-p", "producer", control_port=port)
+    _build(consumer, "rsa-d", "consumer")
+    assert _pull(old, "rsa-p", consumer, "rsa-d", ref_old, _req("warm", 1, 0)).ok
+    old.kill()
+    consumer.call("peer_gone", key="rsa-d", peer_id="rsa-p.r0")  # lost there, by its deadline
+    ref_new = _build(new, "rsa-p", "producer", control_port=port)
+    assert ref_new == ref_old
+    for i in range(2):
+        outcome = _pull(new, "rsa-p", consumer, "rsa-d", ref_new, _req(f"after{i}", 2 + i, 1 + i))
+        assert outcome.ok, outcome
+    assert new.call("logs", contains="reset: it had declared us lost") == [], new.call("logs")
+    assert new.call("stats", key="rsa-p")["channel"]["stale_resets"] == 1

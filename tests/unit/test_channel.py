@@ -33,6 +33,7 @@ from ncclkv.protocol import (
     Heartbeat,
     Message,
     Ready,
+    Reset,
     RouteMsg,
     decode,
     encode,
@@ -850,3 +851,79 @@ def test_a_frame_from_a_connection_zmq_renamed_is_dropped_without_an_intruder_wa
     assert [r.levelno for r in records] == [logging.INFO], [(r.levelname, r.getMessage()) for r in records]
     assert "an old connection of a peer that reconnected" in records[0].getMessage()
     assert "frame names sender 'peer'" in records[0].getMessage()
+
+
+def _read_until(sock: zmq.Socket, wanted: Callable[[Envelope], bool], timeout_s: float) -> list[Envelope]:
+    """What a raw DEALER receives, up to and including the first envelope ``wanted`` accepts (fails past
+    ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    got: list[Envelope] = []
+    while not got or not wanted(got[-1]):
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        assert left_ms > 0 and sock.poll(left_ms), f"nothing wanted within {timeout_s}s; got {got}"
+        got.append(decode(sock.recv()))
+    return got
+
+
+def test_a_reset_is_acted_on_only_by_the_incarnation_it_names(
+        make_channel: Callable[..., Channel], caplog: pytest.LogCaptureFixture) -> None:
+    """The receive side of Reset: one naming another incarnation than the channel's (meant for an earlier life
+    of its peer id) is ignored, counted in stats.stale_resets and logged at INFO; the sender stays a peer, what
+    follows is served. One naming the channel's own incarnation makes it drop the sender (PeerResetError)."""
+    caplog.set_level(logging.INFO, logger="ncclkv")
+    lost: list[tuple[str, errors.PeerLostError]] = []
+    lost_event = threading.Event()
+    server = make_channel("server", on_message=ack_ready,
+                          on_peer_lost=lambda p, e: (lost.append((p, e)), lost_event.set()), **FAST)
+    other = server.incarnation % (2**63 - 1) + 1  # never 0, never the server's
+    with raw_dealer(server.address, b"peer") as peer:
+        peer.send(encode(Envelope("peer", 1, None, Heartbeat(1, time.monotonic_ns(), 0x77))))
+        peer.send(encode(Envelope("peer", 2, None, Reset("nothing heard for more than deadline_s=3.0s", other))))
+        peer.send(encode(Envelope("peer", 3, None, Ready("after the stale reset"))))
+        # The three come in order on one connection: the Ack to the third says the Reset was handled before it.
+        got = _read_until(peer, lambda e: e.reply_to == 3, WAIT_S)
+        assert got[-1].body == Ack("after the stale reset", None), got
+        assert server.stats.stale_resets == 1 and server.stats.peers_lost == 0
+        assert lost == [] and server.peer_alive("peer")
+        ignored = [r for r in caplog.records if "ignored a Reset from 'peer'" in r.getMessage()]
+        assert [r.levelno for r in ignored] == [logging.INFO], [(r.levelname, r.getMessage()) for r in caplog.records]
+        assert f"for incarnation {other:#x} (ours is {server.incarnation:#x})" in ignored[0].getMessage()
+
+        peer.send(encode(Envelope("peer", 4, None, Reset("nothing heard for more than deadline_s=3.0s",
+                                                         server.incarnation))))
+        assert lost_event.wait(WAIT_S), "a Reset naming the channel's own incarnation was not acted on"
+    assert [p for p, _ in lost] == ["peer"] and isinstance(lost[0][1], errors.PeerResetError), lost
+    assert "it had declared us lost (nothing heard for more than deadline_s=3.0s)" in str(lost[0][1])
+    assert server.stats.stale_resets == 1 and server.stats.peers_lost == 1
+
+
+def test_a_reset_owed_to_a_lost_life_does_not_reach_the_next_life_it_connects_to(
+        make_channel: Callable[..., Channel]) -> None:
+    """A loses B (it crashed: no Bye; B had connected to A) and owes that life a Reset. B's next life starts at
+    another address, and A connects to it and sends before it heard a frame of it: the owed Reset goes first on
+    that path. Before, the new B took it as its own: it dropped A (on_peer_lost, PeerResetError) and failed what
+    waited for A. Now the Reset names the lost incarnation, and the new B ignores it."""
+    lost_by_a: list[BaseException] = []
+    a_lost_old = threading.Event()
+    a = make_channel("A", on_message=ack_ready, on_peer_lost=lambda p, e: (lost_by_a.append(e), a_lost_old.set()),
+                     **FAST)
+    old = make_channel("B", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
+    old.connect("A", a.address)  # A reaches the old B through its ROUTER only
+    assert old.request("A", Ready("first"), timeout_s=5) == Ack("first", None)
+    old._io._say_bye = lambda: None  # noqa: SLF001 - it crashes: no Bye
+    old.close()
+    assert a_lost_old.wait(WAIT_S), "A never declared the old B lost"
+    assert not a.peer_alive("B") and not isinstance(lost_by_a[0], errors.PeerClosedError), lost_by_a
+
+    lost_by_new: list[BaseException] = []
+    new = make_channel("B", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_new.append(e), heartbeat_s=0.05,
+                       deadline_s=30.0)
+    assert new.address != old.address and new.incarnation != old.incarnation
+    a.connect("B", new.address)
+    # Reset (if any), then this request, on one path: the new B's dispatcher reports a loss before it handles
+    # the request, so its answer here means any loss of A was already reported.
+    assert a.request("B", Ready("to the new one"), timeout_s=5) == Ack("to the new one", None)
+    assert lost_by_new == [], f"the new B dropped A on a Reset meant for its predecessor: {lost_by_new}"
+    assert new.stats.stale_resets == 1 and new.stats.peers_lost == 0
+    assert new.request("A", Ready("back"), timeout_s=5) == Ack("back", None)  # A is still its peer
+    assert len(lost_by_a) == 1 and a.peer_incarnation("B") == new.incarnation

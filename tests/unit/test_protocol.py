@@ -68,7 +68,8 @@ EXAMPLES = [
     ErrorMsg(None, ErrorCode.PROTOCOL, "garbage"),
     Heartbeat(9, 123456789, 77),
     Bye(),
-    Reset("nothing heard for more than deadline_s=3.0s"),
+    Reset("nothing heard for more than deadline_s=3.0s", 0x5EED),
+    Reset("", 2**63 - 1),
 ]
 
 
@@ -102,7 +103,7 @@ bodies = st.one_of(
     st.builds(ErrorMsg, st.none() | ids, st.sampled_from(list(ErrorCode)), st.text(max_size=40)),
     st.builds(Heartbeat, nonneg, nonneg, incarnations),
     st.just(Bye()),
-    st.builds(Reset, st.text(max_size=40)),
+    st.builds(Reset, st.text(max_size=40), st.integers(min_value=1, max_value=2**63 - 1)),
 )
 
 
@@ -170,6 +171,35 @@ def test_malformed_fields_raise_protocol_error(mutate, needle: str) -> None:  # 
     with pytest.raises(errors.ProtocolError, match="malformed control frame") as info:
         decode(frame_with(mutate))
     assert needle in str(info.value)
+
+
+RESET = Envelope("peer-a", 5, None, Reset("nothing heard for more than deadline_s=3.0s", 0x5EED))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "needle"),
+    [
+        # A Reset names the one life of its receiver it is for: never "whichever answers" (protocol 6).
+        (_delete("body.incarnation"), "missing required field `incarnation`"),  # a protocol 5 Reset
+        (_set("body.incarnation", 0), ">= 1"),
+        (_set("body.incarnation", 2**63), "<= 9223372036854775807"),
+        (_set("body.incarnation", True), "Expected `int`, got `bool`"),
+    ],
+)
+def test_a_reset_must_name_the_incarnation_it_is_for(mutate, needle: str) -> None:  # type: ignore[no-untyped-def]
+    raw = msgspec.to_builtins(RESET)
+    mutate(raw)
+    with pytest.raises(errors.ProtocolError, match="malformed control frame") as info:
+        decode(msgspec.msgpack.encode(raw))
+    assert needle in str(info.value)
+    assert decode(encode(RESET)).body == Reset("nothing heard for more than deadline_s=3.0s", 0x5EED)
+
+
+def test_the_protocol_version_counts_reset_incarnation() -> None:
+    """6 added Reset.incarnation: a 5 and a 6 refuse each other's handshakes on the version."""
+    assert PROTOCOL_VERSION == 6
+    with pytest.raises(errors.HandshakeError, match="protocol_version mismatch: local 6, remote 5"):
+        check_compatible(handshake(), msgspec.structs.replace(handshake(role="consumer"), protocol_version=5))
 
 
 def test_every_truncation_of_a_frame_is_refused() -> None:
