@@ -104,6 +104,7 @@ class NcclKVHandshake(KVConnectorHandshakeMetadata):
     pp_size: int
     layer_partition: tuple[int, ...] | None
     control_addr: str
+    incarnation: int = 0  # the worker's engine's channel incarnation (0: not known), into the EngineRef
 
     @property
     def layout(self) -> ParallelLayout:
@@ -124,8 +125,11 @@ def engine_ref_from_handshakes(handshakes: dict[tuple[int, int], NcclKVHandshake
                              f"another {first.engine_id!r} {layout}")
         if key != (md.pp_rank, md.tp_rank) or md.rank != layout.rank(md.tp_rank, md.pp_rank):
             raise ValueError(f"handshake keyed {key} carries pp_rank={md.pp_rank} tp_rank={md.tp_rank} rank={md.rank}")
-    by_rank = {md.rank: md.control_addr for md in handshakes.values()}
+    by_rank = {md.rank: md for md in handshakes.values()}
     missing = sorted(set(range(layout.world_size)) - set(by_rank))
     if missing:
         raise ValueError(f"no handshake from ranks {missing} of engine {first.engine_id!r} ({layout})")
-    return EngineRef(first.engine_id, layout, tuple(by_rank[r] for r in range(layout.world_size)))
+    ranks = [by_rank[r] for r in range(layout.world_size)]
+    incarnations = tuple(md.incarnation for md in ranks)
+    return EngineRef(first.engine_id, layout, tuple(md.control_addr for md in ranks),
+                     incarnations if any(incarnations) else ())

@@ -146,35 +146,59 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineRef:
-    """How to reach every rank of an engine; travels in vLLM's ``kv_transfer_params``."""
+    """How to reach every rank of an engine; travels in vLLM's ``kv_transfer_params``.
+
+    ``incarnations``: each rank's channel incarnation when the reference was made (the life of its peer id that
+    holds what the reference is about), or empty when not known (a reference made by hand, or by a build before
+    they were carried; 0 for one rank: not known). A consumer refuses at once a reference that names a life of
+    a peer id it has since seen replaced (``PeerLinks.ensure``) instead of resetting the live one for it.
+    """
 
     engine_id: str
     layout: ParallelLayout
     control_addrs: tuple[str, ...]
+    incarnations: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_engine_id(self.engine_id)
         object.__setattr__(self, "control_addrs", tuple(self.control_addrs))
+        object.__setattr__(self, "incarnations", tuple(self.incarnations))
         if len(self.control_addrs) != self.layout.world_size:
             raise ValueError(
                 f"engine {self.engine_id!r}: {len(self.control_addrs)} control addresses for "
                 f"world_size={self.layout.world_size} (tp={self.layout.tp_size}, pp={self.layout.pp_size})"
             )
+        if self.incarnations and len(self.incarnations) != self.layout.world_size:
+            raise ValueError(f"engine {self.engine_id!r}: {len(self.incarnations)} incarnations for "
+                             f"world_size={self.layout.world_size}")
+        if not all(is_int(i) and 0 <= i <= _MAX_INCARNATION for i in self.incarnations):
+            raise ValueError(f"engine {self.engine_id!r}: incarnations must be ints in [0, 2**63), "
+                             f"got {list(self.incarnations)!r}")
 
     def peer_id(self, rank: int) -> str:
         return peer_id(self.engine_id, rank)
 
+    def incarnation(self, rank: int) -> int:
+        """Rank ``rank``'s channel incarnation when this reference was made; 0 when not known."""
+        return self.incarnations[rank] if self.incarnations else 0
+
     def to_dict(self) -> dict[str, object]:
-        return {
+        data: dict[str, object] = {
             "engine_id": self.engine_id,
             "tp_size": self.layout.tp_size,
             "pp_size": self.layout.pp_size,
             "layer_partition": list(self.layout.layer_partition) if self.layout.layer_partition else None,
             "control_addrs": list(self.control_addrs),
         }
+        if any(self.incarnations):
+            # Hex strings: 63-bit ints pass through JSON clients that read numbers as doubles (2**53) rounded.
+            data["incarnations"] = [f"{i:#x}" for i in self.incarnations]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> EngineRef:
+        """The reference :meth:`to_dict` made; ``incarnations`` may be absent (a build that did not carry them, or
+        none known): the ranks' lives are then not known."""
         try:
             partition = data.get("layer_partition")
             sizes = {name: data[name] for name in ("tp_size", "pp_size")}
@@ -185,6 +209,29 @@ class EngineRef:
             if partition and (not isinstance(partition, (list, tuple)) or not all(map(is_int, partition))):
                 raise ValueError(f"engine reference layer_partition must be a list of ints, got {partition!r}")
             layout = ParallelLayout(sizes["tp_size"], sizes["pp_size"], tuple(partition) if partition else None)  # type: ignore[arg-type]
-            return cls(str(data["engine_id"]), layout, tuple(str(a) for a in data["control_addrs"]))  # type: ignore[union-attr]
+            return cls(str(data["engine_id"]), layout, tuple(str(a) for a in data["control_addrs"]),  # type: ignore[union-attr]
+                       _incarnations(data.get("incarnations")))
         except KeyError as err:
             raise ValueError(f"engine reference is missing {err.args[0]!r}: {data!r}") from None
+
+
+_MAX_INCARNATION = 2**63 - 1  # a channel's incarnation is 63 random bits (ncclkv.channel)
+_HEX_INCARNATION = re.compile(r"0x[0-9a-f]{1,16}")
+
+
+def _incarnations(value: object) -> tuple[int, ...]:
+    """An engine reference's ``incarnations`` as :meth:`EngineRef.to_dict` writes them (``"0x..."`` strings; ints
+    taken too); absent or null: none known. ValueError naming anything else."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"engine reference incarnations must be a list, got {value!r}")
+    out = []
+    for item in value:
+        if isinstance(item, str) and _HEX_INCARNATION.fullmatch(item):
+            out.append(int(item, 16))
+        elif is_int(item):
+            out.append(item)
+        else:
+            raise ValueError(f"engine reference incarnations must be '0x...' hex strings, got {item!r}")
+    return tuple(out)

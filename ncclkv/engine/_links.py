@@ -17,6 +17,14 @@ older than any loss the dispatcher reports after it), so a loss reported late
 never takes a handshake made after it. A cached peer is not used once the
 channel lost it, heard another incarnation under its id, or when the caller
 names another address than the one we connected to (it restarted elsewhere).
+
+The caller's address is believed only when it is not stale: each peer id's
+lives (the incarnations its handshakes carried, and where) are remembered, and
+a request that names a life since replaced by another (its incarnation, or,
+with none given, the address of a replaced life while the current one is
+alive elsewhere) fails at once (:class:`PeerLostError` naming both) instead
+of moving the channel back to where the peer id no longer is: that reset the
+live peer and failed everything in flight with it.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import contextlib
 import logging
 import threading
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as wait_futures
@@ -45,6 +53,9 @@ from ._tasks import submit_task
 __all__ = ["OnOpen", "Peer", "PeerLinks"]
 
 log = logging.getLogger("ncclkv.engine")
+
+MAX_LIVES_PEERS = 4096  # peer ids whose lives are remembered (see _Lives), the least recently changed forgotten first
+MAX_SUPERSEDED_LIVES = 16  # replaced lives remembered per peer id, the oldest forgotten first
 
 # What runs once a link is open: (the link, None), or (None, why it never will be) (see PeerLinks.when_open).
 OnOpen = Callable[[LinkBase | None, BaseException | None], None]
@@ -71,6 +82,16 @@ class _Waiting:
     queue: deque[OnOpen] = field(default_factory=deque)
     error: BaseException | None = None  # the link was dropped or closed: each one still queued fails with this
     running: bool = False  # a thread is running them (only one at a time: their order is the link's order)
+
+
+@dataclass(slots=True, eq=False)
+class _Lives:
+    """The lives of one peer id that we shook hands with: the current one (the latest handshake's incarnation,
+    and the address it was reached at) and the ones it replaced (incarnation -> address), oldest first."""
+
+    incarnation: int
+    address: str
+    superseded: OrderedDict[int, str] = field(default_factory=OrderedDict)
 
 
 @dataclass(slots=True, eq=False)
@@ -105,6 +126,7 @@ class PeerLinks:
         self._gone_hooks: list[Callable[[str], None]] = []  # told each link id that leaves _links
         self._connecting: dict[str, _Gate] = {}  # only peers with an ensure() in progress
         self._waiting: dict[str, _Waiting] = {}  # link id -> what waits for that link to open (when_open)
+        self._lives: OrderedDict[str, _Lives] = OrderedDict()  # peer id -> its lives we shook hands with
         self._closed = False
 
     def get(self, peer_id: str) -> Peer | None:
@@ -132,22 +154,31 @@ class PeerLinks:
         self._channel.clock.wait(answered, self._deadline_s)
         return self.get(peer_id)
 
-    def ensure(self, peer_id: str, control_addr: str, need_link: bool) -> Peer:
+    def ensure(self, peer_id: str, control_addr: str, need_link: bool, incarnation: int = 0) -> Peer:
         """Shake hands with ``peer_id`` (and open a link if ``need_link``) unless done; blocks up to the deadline.
 
         A peer we connected to at another address than ``control_addr`` moved (restarted elsewhere under its
-        id): it is dropped, and the channel connects to ``control_addr`` instead."""
+        id): it is dropped, and the channel connects to ``control_addr`` instead. ``incarnation``: the life of
+        the peer id the caller's reference names (``EngineRef.incarnation``; 0: not known). A reference to a
+        life we saw replaced is stale: :class:`PeerLostError` at once, naming both lives, and nothing of the
+        live one is touched (see :meth:`_stale`)."""
         with self._lock:
             self._check_open()
+            stale = self._stale(peer_id, control_addr, incarnation)
             peer = self._peers.get(peer_id)
-            if peer is not None and self._current(peer, control_addr, need_link):
+            if stale is None and peer is not None and self._current(peer, control_addr, need_link):
                 return peer
+        if stale is not None:
+            raise PeerLostError(stale)
         with self._handshaking(peer_id):
-            with self._lock:
+            with self._lock:  # a handshake of another caller may have replaced the life named meanwhile
+                stale = self._stale(peer_id, control_addr, incarnation)
                 peer = self._peers.get(peer_id)
-                if peer is not None and self._current(peer, control_addr, need_link):
+                if stale is None and peer is not None and self._current(peer, control_addr, need_link):
                     return peer
                 moved_from = self._channel.connected_address(peer_id)
+            if stale is not None:
+                raise PeerLostError(stale)
             if moved_from is not None and moved_from != control_addr:
                 self.drop(peer_id, f"{peer_id!r} is at {control_addr!r} now, no longer at {moved_from!r}")
             session = uuid.uuid4().hex
@@ -159,11 +190,11 @@ class PeerLinks:
                 raise HandshakeError(f"peer {peer_id!r} answered the handshake with {type(reply).__name__}")
             check_compatible(self._local, reply)
             if not need_link:
-                return self._install(peer_id, reply, None, None, stamp)
+                return self._install(peer_id, reply, None, None, stamp, control_addr)
             link: Future[LinkBase] = Future()
             link.set_running_or_notify_cancel()  # not cancellable: close() and drop() close what it brings instead
             link_id = self._link_id(peer_id, session)
-            peer = self._install(peer_id, reply, link, link_id, stamp)
+            peer = self._install(peer_id, reply, link, link_id, stamp, control_addr)
             try:
                 opened = self._open_link(peer_id, reply.data_addr, session)
             except BaseException as err:
@@ -217,16 +248,17 @@ class PeerLinks:
         return ReplyThen(reply, lambda: submit_task(self._link_opener, f"link open to {sender}",
                                                     lambda err: settle(link, error=err), open_link))
 
-    def request(self, peer_id: str, control_addr: str, message: Message, need_link: bool, what: str) -> Peer:
-        """Shake hands with ``peer_id`` if needed (:meth:`ensure`) and send it the request ``message``; return once
-        it is answered, with the handshake it went under (``what`` names it in the log).
+    def request(self, peer_id: str, control_addr: str, message: Message, need_link: bool, what: str,
+                incarnation: int = 0) -> Peer:
+        """Shake hands with ``peer_id`` if needed (:meth:`ensure`, ``incarnation`` as there) and send it the request
+        ``message``; return once it is answered, with the handshake it went under (``what`` names it in the log).
 
         Refused for want of a handshake, or failed by a reset of the peer (it had lost us, it restarted, it moved:
         :class:`PeerResetError`), the request goes once more under a new handshake."""
         for attempt in (1, 2):
             peer = None
             try:
-                peer = self.ensure(peer_id, control_addr, need_link)
+                peer = self.ensure(peer_id, control_addr, need_link, incarnation)
                 self._channel.request(peer_id, message, self._deadline_s)
                 return peer
             except PeerResetError as err:
@@ -356,7 +388,7 @@ class PeerLinks:
             _close_link(peer)
 
     def _install(self, peer_id: str, remote: Handshake, link: Future[LinkBase] | None, link_id: str | None,
-                 stamp: int = -1) -> Peer:
+                 stamp: int = -1, address: str | None = None) -> Peer:
         """Make this handshake the current one with ``peer_id``.
 
         A control-only handshake never replaces a usable link of the same
@@ -369,6 +401,7 @@ class PeerLinks:
         stale: list[Peer] = []
         with self._lock:
             self._check_open()
+            self._record_life(peer_id, remote.incarnation, address or remote.control_addr)
             old = self._peers.get(peer_id)
             if (link is None and old is not None and old.link is not None and _usable(old, True)
                     and not _other_life(old, remote)):
@@ -471,6 +504,56 @@ class PeerLinks:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("engine peers are closed")
+
+    def _record_life(self, peer_id: str, incarnation: int, address: str) -> None:
+        """Under the lock: a handshake with ``peer_id``'s life ``incarnation`` (0: not known, nothing recorded),
+        reached at ``address``. Another incarnation than the one recorded replaced it: that one is superseded."""
+        if not incarnation:
+            return
+        lives = self._lives.get(peer_id)
+        if lives is None:
+            self._lives[peer_id] = _Lives(incarnation, address)
+            while len(self._lives) > MAX_LIVES_PEERS:
+                self._lives.popitem(last=False)
+            return
+        if lives.incarnation != incarnation:
+            log.info("peer %s: incarnation %#x at %s replaced incarnation %#x at %s", peer_id, incarnation, address,
+                     lives.incarnation, lives.address)
+            lives.superseded.pop(incarnation, None)  # never there (random 63 bits), but never both at once
+            lives.superseded[lives.incarnation] = lives.address
+            while len(lives.superseded) > MAX_SUPERSEDED_LIVES:
+                lives.superseded.popitem(last=False)
+            lives.incarnation = incarnation
+            self._lives.move_to_end(peer_id)
+        lives.address = address
+
+    def _stale(self, peer_id: str, control_addr: str, incarnation: int) -> str | None:
+        """Under the lock: why a request naming ``peer_id`` at ``control_addr``, life ``incarnation`` (0: not
+        known), names a life of the peer id that another replaced; None when it does not (the current life, one
+        never heard of, i.e. a restart or move we have yet to meet, or nothing to tell by).
+
+        With an incarnation, only it counts: a replaced one is stale wherever it is named. Without one, a
+        replaced life's address is stale while the current life is alive at another address (the channel hears
+        it there, under that incarnation): a peer id has one life at a time, so a process restarted at that old
+        address would have ended the current one, which the channel tells within ``deadline_s``."""
+        lives = self._lives.get(peer_id)
+        if lives is None or incarnation == lives.incarnation:
+            return None
+        if incarnation:
+            if incarnation not in lives.superseded:
+                return None
+            was_at = lives.superseded[incarnation]
+        else:
+            if control_addr == lives.address or control_addr not in lives.superseded.values():
+                return None
+            if (not self._channel.peer_alive(peer_id) or self._channel.connected_address(peer_id) != lives.address
+                    or self._channel.peer_incarnation(peer_id) != lives.incarnation):
+                return None
+            was_at = control_addr
+        named = f"incarnation {incarnation:#x}" if incarnation else "no incarnation"
+        return (f"stale reference to {peer_id!r}: it names {control_addr!r} ({named}), a life of that peer id "
+                f"(at {was_at!r}) replaced since by incarnation {lives.incarnation:#x} at {lives.address!r}; "
+                f"the request is not sent (it cannot be held by the current life, and moving back would reset it)")
 
     def _current(self, peer: Peer, control_addr: str, need_link: bool) -> bool:
         """Under the lock: whether ``ensure`` may use ``peer`` as it is: usable, not lost by the channel (the

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from ..errors import (CapacityError, PeerLostError, PeerResetError, ProtocolErro
                       TransferTimeout)
 from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, cached_plan
 from ..paged import SlotMap
-from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, RouteMsg
+from ..protocol import MAX_TEXT_CHARS, Ack, Announce, Done, ErrorCode, ErrorMsg, PullRequest, RouteMsg
 from ..transport import LinkBase
 from ._caches import RankCaches, WireLease
 from ._config import EngineRef, peer_id
@@ -38,13 +39,18 @@ from ._push import Pusher, SliceHooks, tell
 from ._staging import BlockTokens
 from ._stats import EngineStats
 
-__all__ = ["MAX_PARKED_PULLS", "MAX_PARKED_PULLS_PER_PEER", "ProducerSide"]
+__all__ = ["MAX_ENDED_HOLDS", "MAX_PARKED_PULLS", "MAX_PARKED_PULLS_PER_PEER", "ProducerSide"]
 
 # Pulls for requests this rank does not hold yet (the decode request came before the prefill finished) wait
 # up to deadline_s each; at most this many at once, in all and per peer: any peer could otherwise park
 # pulls for made-up request ids as fast as it can send them (40,000 in 1.7 s, 128 MiB), or crowd out others.
 MAX_PARKED_PULLS = 4096
 MAX_PARKED_PULLS_PER_PEER = 1024
+# Held requests reported (served, released, expired, failed) and remembered for hold_s, at most this many (the
+# oldest forgotten first): a pull for one is answered at once with why it ended, instead of being parked, where
+# it waited deadline_s for nothing, or was served by the next hold of the id as if it were that one's consumer.
+MAX_ENDED_HOLDS = 4096
+_MAX_REASON_CHARS = 1024  # of an ended hold's reason kept (bounds what MAX_ENDED_HOLDS entries hold)
 
 log = logging.getLogger("ncclkv.engine")
 
@@ -78,6 +84,9 @@ class ProducerSide:
         self._early: dict[str, list[tuple[str, PullRequest, float]]] = {}  # pulls before finish()
         self._parked_by: dict[str, int] = {}  # sender -> its pulls in _early (MAX_PARKED_PULLS)
         self._finished: dict[str, BaseException | None] = {}
+        # Held requests reported since at most hold_s, by id: (when, why it ended). Oldest first, "when" never
+        # decreasing (see _remember_ended): expiry stops at the first entry still kept.
+        self._ended: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self._seq: dict[str, int] = {}  # per link id: the seq the next announce carries
         peers.on_link_gone(lambda link_id: self._seq.pop(link_id, None))
         self._pusher = Pusher(rank, layout, geometry, caches, channel, peers, executor, self._announcer,
@@ -106,6 +115,7 @@ class ProducerSide:
         with self._lock:
             if request_id in self._held:
                 raise ValueError(f"request {request_id!r} is already held for pulling")
+            self._ended.pop(request_id, None)  # held anew: pulls for it are this hold's
             self._held[request_id] = _Held(request_id, slots, num_tokens, self._channel.clock.now() + self._hold_s,
                                            ready=self._caches.ready_event())
             early = self._early.pop(request_id, [])
@@ -113,11 +123,19 @@ class ProducerSide:
         for sender, pull, _ in early:
             self._serve_or_refuse(sender, pull)
 
-    def on_pull(self, sender: str, pull: PullRequest) -> Ack:
-        """Dispatcher thread: check the pull against our own plan, then serve it (or park it)."""
+    def on_pull(self, sender: str, pull: PullRequest) -> Ack | ErrorMsg:
+        """Dispatcher thread: check the pull against our own plan, then serve it, or park it when the request is
+        not held yet. A pull for a request whose hold ended here (reported within ``hold_s``) is answered at once
+        with why (``unknown_request``); a pull of nothing for it (a decline) is acknowledged: nothing to free."""
         routes = self._check_pull(sender, pull)
         with self._lock:
             held = self._held.get(pull.request_id)
+            ended = self._ended_reason_locked(pull.request_id, held)
+            if ended is not None:
+                if not pull.routes:
+                    return Ack(pull.request_id, None)
+                log.info("refused pull %s from %s: %s", pull.request_id, sender, ended)
+                return ErrorMsg(pull.request_id, ErrorCode.UNKNOWN_REQUEST, ended[:MAX_TEXT_CHARS])
             if held is None:
                 self._check_room_to_park(sender, pull.request_id)
                 parked = (sender, pull, self._channel.clock.now() + self._deadline_s)
@@ -137,14 +155,25 @@ class ProducerSide:
                     continue
                 if held.expected is not None and held.served >= held.expected:
                     self._finished[request_id] = held.error
+                    why = (f"it was pulled by every consumer rank ({', '.join(sorted(held.served))})"
+                           if held.error is None else _ended_with(held.error))
                 elif now > held.deadline:
-                    self._finished[request_id] = held.error or TransferTimeout(
-                        f"request {request_id!r} held {self._hold_s}s; pulled by {sorted(held.served)} of "
+                    expired = TransferTimeout(
+                        f"request {request_id!r} was released after hold_s={self._hold_s:g}s; pulled by "
+                        f"{sorted(held.served)} of "
                         f"{sorted(held.expected) if held.expected is not None else 'unknown consumers'}"
                     )
+                    self._finished[request_id] = held.error or expired
+                    why = str(expired) if held.error is None else _ended_with(held.error)
                 else:
                     continue
                 del self._held[request_id]
+                self._remember_ended_locked(request_id, now, why)
+            while self._ended:  # remembered hold_s: a pull later than that may be for a hold to come
+                since, _ = next(iter(self._ended.values()))
+                if now - since <= self._hold_s:  # and so is every later one
+                    break
+                self._ended.popitem(last=False)
             for request_id, parked in list(self._early.items()):
                 keep = [p for p in parked if p[2] >= now]
                 expired = [p for p in parked if p[2] < now]
@@ -156,8 +185,10 @@ class ProducerSide:
                     del self._early[request_id]
             done, self._finished = self._finished, {}
         for sender, pull in refused:
-            self._send_error(sender, TransferTimeout(f"request {pull.request_id!r} is not held by this producer"),
-                             pull.request_id)
+            self._send_error(sender, TransferTimeout(
+                f"request {pull.request_id!r} was not held by producer rank {self._channel.peer_id!r} within "
+                f"deadline_s={self._deadline_s:g}s of its pull (never held here: its prefill has not finished, or "
+                f"the id is unknown)"), pull.request_id)
         return done
 
     def release(self, request_id: str) -> bool:
@@ -169,7 +200,9 @@ class ProducerSide:
                 return False
             held.released = True
             held.deadline = float("-inf")
-            held.error = held.error or TransferError(f"request {request_id!r} released before every consumer pulled")
+            held.error = held.error or TransferError(
+                f"request {request_id!r} was released by its producer before every consumer rank pulled (pulled by "
+                f"{sorted(held.served)})")
             return True
 
     def peer_lost(self, peer_id: str, error: PeerLostError) -> None:
@@ -207,6 +240,33 @@ class ProducerSide:
             return len(self._held) + len(self._early)
 
     # -- internals --------------------------------------------------------------------
+    def _ended_reason_locked(self, request_id: str, held: _Held | None) -> str | None:
+        """Why a pull for ``request_id`` cannot be served here, when its hold ended (reported within ``hold_s``,
+        or released and about to be); None when it is held, or never was (a pull may come before the hold).
+        Lock held."""
+        if held is not None:
+            if not held.released:
+                return None
+            return (f"request {request_id!r} is no longer held by producer rank {self._channel.peer_id!r}: "
+                    f"{_ended_with(held.error) if held.error is not None else 'it was released'}")
+        ended = self._ended.get(request_id)
+        if ended is None:
+            return None
+        since, why = ended
+        age = self._channel.clock.now() - since
+        if age > self._hold_s:  # forgotten at the next take_finished(): a pull now may be for a hold to come
+            return None
+        return (f"request {request_id!r} is no longer held by producer rank {self._channel.peer_id!r}: its hold "
+                f"ended {max(0.0, age):.3g}s ago: {why}")
+
+    def _remember_ended_locked(self, request_id: str, now: float, why: str) -> None:
+        """Remember for ``hold_s`` that the hold of ``request_id`` ended (reported), and why; at most
+        MAX_ENDED_HOLDS, the oldest forgotten first. Lock held."""
+        newest = next(reversed(self._ended.values()))[0] if self._ended else now
+        if self._ended.pop(request_id, None) is None and len(self._ended) >= MAX_ENDED_HOLDS:
+            self._ended.popitem(last=False)
+        self._ended[request_id] = (max(now, newest), why[:_MAX_REASON_CHARS])
+
     def _check_room_to_park(self, sender: str, request_id: str) -> None:
         """CapacityError (the peer is answered ``capacity``) when parking one more pull passes
         MAX_PARKED_PULLS_PER_PEER for ``sender`` or MAX_PARKED_PULLS in all. Lock held."""
@@ -374,3 +434,8 @@ class ProducerSide:
 
     def _send_error(self, sender: str, error: BaseException, request_id: str) -> None:
         tell(self._channel, sender, ErrorMsg.from_exception(error, request_id))
+
+
+def _ended_with(error: BaseException) -> str:
+    """Why a hold ended, from the error it was reported with."""
+    return f"it ended with {type(error).__name__}: {error}"

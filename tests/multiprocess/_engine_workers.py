@@ -422,3 +422,47 @@ def serve(conn: Connection, notes: Any, gate: Any) -> None:
             conn.send(reply)
     finally:
         close_all(state)
+
+
+# -- appended for tests/multiprocess/test_dead_peer_isolation.py ----------------------------------------------
+
+
+def threads(st: _State, contains: str = "ncclkv") -> list[str]:
+    """The names of this process's live threads that contain ``contains`` (e.g. an engine rank's task threads)."""
+    return sorted(t.name for t in threading.enumerate() if contains in t.name)
+
+
+COMMANDS[threads.__name__] = threads
+
+
+# -- appended for tests/multiprocess/test_producer_restart_params.py ------------------------------------------
+
+
+def incarnation(st: _State, key: str) -> int:
+    """The engine rank's channel incarnation (the life of its peer id), as a worker puts it in its EngineRef."""
+    return st.sides[key].engine._channel.incarnation
+
+
+def wait_acked(st: _State, key: str, rid: str, timeout_s: float = 30.0) -> float:
+    """Consumer: wait until every pull of ``rid`` with routes was acknowledged by its producer rank; return when."""
+    consumer = st.sides[key].engine._consumer
+
+    def acked() -> bool:
+        with consumer._cond:
+            req = consumer._requests.get(rid)
+            return req is not None and req.unsent == 0
+    return _poll(f"{rid}'s pulls acknowledged", timeout_s, acked)
+
+
+def ensure(st: _State, key: str, peer_id: str, control_addr: str, incarnation: int = 0) -> tuple[str, str, float]:
+    """Shake hands with ``peer_id`` at ``control_addr`` naming its life ``incarnation``, as a pull does (the
+    engine's PeerLinks.ensure): ("ok", "", seconds) or (error type, message, seconds)."""
+    started = time.monotonic()
+    try:
+        st.sides[key].engine._peers.ensure(peer_id, control_addr, True, incarnation)
+    except Exception as err:  # noqa: BLE001 - the outcome under test
+        return type(err).__name__, str(err), time.monotonic() - started
+    return "ok", "", time.monotonic() - started
+
+
+COMMANDS.update({f.__name__: f for f in (incarnation, wait_acked, ensure)})

@@ -1,0 +1,154 @@
+"""Pulls for a request whose hold already ended on the producer: refused at once, never parked.
+
+A producer parks a pull for a request it does not hold yet (the decode request
+may come before the prefill finished). It used to park one for a request whose
+hold had already ended and been reported (released, expired after ``hold_s``,
+served) too: the pull then waited ``deadline_s`` for nothing, or, once the id
+was held again, was served from the new hold, whose consumer it became: the
+producer reported the new hold finished without its real consumer, which then
+failed after ``deadline_s``. Now the producer remembers the holds it reported,
+for ``hold_s`` (at most ``MAX_ENDED_HOLDS``), and answers a pull for one at once
+with why it ended; the consumer fails the request at once with that reason.
+
+Real ZMQ channels and gloo links, every rank in this process; order comes from
+the engines' own state (a request reported, a decline answered), never sleeps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import ncclkv.engine._producer as producer_module
+from ncclkv.errors import TransferError
+from ncclkv.layout import KVGeometry, ParallelLayout, Span
+from ncclkv.paged import CacheLayout
+
+from .kvsim import RankSide, build_sides, close_sides, engine_ref, wait_sent
+
+GQA = KVGeometry(num_layers=4, num_kv_heads=4, head_size=32, dtype="float32")
+ONE = ParallelLayout(1, 1)
+DEADLINE_S = 8.0
+FAST_S = 2.5  # "at once": a control round trip on two busy cores, far below deadline_s
+WAIT_S = 20.0
+TOKENS = 64
+
+
+def _until(what: str, ready: Callable[[], Any], timeout_s: float = WAIT_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (got := ready()):
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s}s"
+        threading.Event().wait(0.005)
+    return got
+
+
+@pytest.fixture
+def sides() -> Iterator[dict[str, RankSide]]:
+    """Producer P (hold_s 4 s) and consumers D1, D2, each one rank."""
+    p = build_sides("P", ONE, GQA, CacheLayout.CPU, 16, "producer", num_blocks=32, deadline_s=DEADLINE_S, hold_s=4.0)
+    d1 = build_sides("D1", ONE, GQA, CacheLayout.CPU, 16, "consumer", num_blocks=32, deadline_s=DEADLINE_S)
+    d2 = build_sides("D2", ONE, GQA, CacheLayout.FLASH_NHD, 32, "consumer", num_blocks=16, deadline_s=DEADLINE_S)
+    try:
+        yield {"P": p[0], "D1": d1[0], "D2": d2[0]}
+    finally:
+        close_sides(p, d1, d2)
+
+
+def _pull_fails_fast(consumer: RankSide, producer: RankSide, rid: str, blocks: list[int]) -> TransferError:
+    """``consumer`` pulls ``rid`` from ``producer``; the pull must fail far below deadline_s. Returns the error,
+    once the consumer's decline of it (a pull of nothing, after the failure) was answered too."""
+    ref = engine_ref("P", ONE, [producer])
+    started = time.monotonic()
+    consumer.engine.expect(rid, ref, blocks, TOKENS)
+    with pytest.raises(TransferError) as raised:
+        consumer.engine.wait(rid, WAIT_S)
+    took = time.monotonic() - started
+    assert took < FAST_S, f"the pull of {rid} failed after {took:.2f}s (deadline_s={DEADLINE_S}): {raised.value}"
+    assert _until(f"{rid} reported failed", lambda: consumer.engine.take_finished_receiving().get(rid))
+    # The failed pull is declined (a pull of nothing): acknowledged, never parked for a hold to come.
+    _until(f"{rid}'s decline answered", lambda: consumer.engine._consumer._declines_queued == 0)
+    assert producer.engine.num_in_flight == 0, producer.engine._producer._early
+    return raised.value
+
+
+def test_a_pull_after_release_is_refused_and_the_next_hold_of_the_id_serves_its_own_consumer(
+        sides: dict[str, RankSide]) -> None:
+    """The reviewer's scenario: X held and released (reported); D1's pull comes after. It was parked, and the
+    next hold of X (for D2) served it: P reported X sent with D1 as its consumer, and D2 failed after
+    deadline_s."""
+    p, d1, d2 = sides["P"], sides["D1"], sides["D2"]
+    ref = engine_ref("P", ONE, [p])
+    p.fill(1, [0, 1, 2, 3], TOKENS)
+    p.engine.finish("X", [0, 1, 2, 3], TOKENS)
+    assert p.engine.release("X")
+    gen1 = wait_sent(p, "X")["X"]
+    assert isinstance(gen1, TransferError), gen1
+
+    error = _pull_fails_fast(d1, p, "X", [0, 1, 2, 3])
+    text = str(error)
+    assert "'unknown_request'" in text and "is no longer held by producer rank 'P.r0'" in text, text
+    assert "released by its producer before every consumer rank pulled" in text, text
+    d1.engine.abort("X")  # D1 is done with X (a no-op now: it already failed)
+
+    p.fill(2, [8, 9, 10, 11], TOKENS)  # the next hold of X, other blocks and other KV, for D2
+    p.engine.finish("X", [8, 9, 10, 11], TOKENS)
+    assert "X" not in p.engine.take_finished_sending()  # nobody pulled it yet
+    held = p.engine._producer._held["X"]
+    assert held.expected is None and not held.served, (held.expected, held.served)
+    d2.engine.expect("X", ref, [4, 5], TOKENS)
+    d2.engine.wait("X", WAIT_S)
+    assert d2.mismatches(2, [4, 5], TOKENS, Span(0, TOKENS)) == []
+    received: dict[str, BaseException | None] = {}
+    _until("X reported by D2", lambda: received.update(d2.engine.take_finished_receiving()) or "X" in received)
+    assert received["X"] is None
+    assert wait_sent(p, "X")["X"] is None  # reported once D2 pulled: served to every consumer rank
+
+
+def test_a_pull_after_the_hold_expired_or_was_served_fails_at_once_naming_why(sides: dict[str, RankSide]) -> None:
+    p, d1, d2 = sides["P"], sides["D1"], sides["D2"]
+    ref = engine_ref("P", ONE, [p])
+    # Served: D1 pulled Y; a pull of Y after that (a client's retry through D2) is told so.
+    p.fill(3, [0, 1, 2, 3], TOKENS)
+    p.engine.finish("Y", [0, 1, 2, 3], TOKENS)
+    d1.engine.expect("Y", ref, [0, 1, 2, 3], TOKENS)
+    d1.engine.wait("Y", WAIT_S)
+    assert wait_sent(p, "Y")["Y"] is None
+    text = str(_pull_fails_fast(d2, p, "Y", [0, 1]))
+    assert "its hold ended" in text and "it was pulled by every consumer rank (D1.r0)" in text, text
+
+    # Expired: Z held, never pulled, released after hold_s; a pull after that is told so, at once.
+    p.fill(4, [4, 5, 6, 7], TOKENS)
+    p.engine.finish("Z", [4, 5, 6, 7], TOKENS)
+    expired = wait_sent(p, "Z")["Z"]  # after hold_s=4 s
+    assert "released after hold_s=4s" in str(expired), expired
+    text = str(_pull_fails_fast(d1, p, "Z", [4, 5, 6, 7]))
+    assert "Z' was released after hold_s=4s" in text and "TransferTimeout" not in text, text
+
+
+def test_a_pull_for_an_id_never_held_still_waits_for_its_hold(sides: dict[str, RankSide]) -> None:
+    """A decode request may come before its prefill finished: its pull is parked, then served by the hold."""
+    p, d1 = sides["P"], sides["D1"]
+    d1.engine.expect("early", engine_ref("P", ONE, [p]), [0, 1, 2, 3], TOKENS)
+    _until("the pull parked", lambda: "early" in p.engine._producer._early)
+    p.fill(5, [0, 1, 2, 3], TOKENS)
+    p.engine.finish("early", [0, 1, 2, 3], TOKENS)
+    d1.engine.wait("early", WAIT_S)
+    assert d1.mismatches(5, [0, 1, 2, 3], TOKENS, Span(0, TOKENS)) == []
+    assert wait_sent(p, "early")["early"] is None
+
+
+def test_ended_holds_are_remembered_within_a_bound(monkeypatch: pytest.MonkeyPatch,
+                                                   sides: dict[str, RankSide]) -> None:
+    monkeypatch.setattr(producer_module, "MAX_ENDED_HOLDS", 3)
+    p = sides["P"]
+    for i in range(5):
+        p.engine.finish(f"r{i}", [i], 8)
+        p.engine.release(f"r{i}")
+    wait_sent(p, *(f"r{i}" for i in range(5)))
+    assert list(p.engine._producer._ended) == ["r2", "r3", "r4"]  # the oldest forgotten first
+    p.engine.finish("r3", [3], 8)  # held anew: no longer an ended hold
+    assert list(p.engine._producer._ended) == ["r2", "r4"]
