@@ -41,16 +41,6 @@ def layer_index(name: str) -> int:
     return numbers[0]
 
 
-def _incarnation(engine: TransferEngine) -> int:
-    """The channel incarnation of ``engine``'s rank (the life of its peer id), for the EngineRef in the params:
-    a decode engine refuses at once params naming a life it saw replaced. ``TransferEngine.incarnation`` where
-    the engine has it, else its channel's."""
-    incarnation = getattr(engine, "incarnation", None)
-    if incarnation is None:
-        incarnation = engine._channel.incarnation  # noqa: SLF001 - until TransferEngine exposes it
-    return int(incarnation)
-
-
 @dataclass(frozen=True, slots=True)
 class RankInfo:
     """Where this worker sits in its engine, and what the model's KV looks like."""
@@ -188,7 +178,7 @@ class WorkerSide:
         info = self._info
         return NcclKVHandshake(info.engine_id, info.rank, info.tp_rank, info.pp_rank, info.layout.tp_size,
                                info.layout.pp_size, info.layout.layer_partition, self._engine.address,
-                               _incarnation(self._engine))
+                               self._engine.incarnation)
 
     @property
     def engine(self) -> TransferEngine:

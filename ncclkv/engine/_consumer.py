@@ -38,7 +38,7 @@ from ._config import EngineRef, peer_id, split_peer_id
 from ._links import Peer, PeerLinks
 from ._staging import BlockTokens, RemovalReason, StagingEvent, StagingLog, StagingName
 from ._stats import EngineStats
-from ._tasks import submit_task
+from ._tasks import fail_fast, submit_task
 
 __all__ = ["ConsumerSide"]
 
@@ -223,10 +223,11 @@ class ConsumerSide:
         if push:
             return
         for src, src_routes in by_src.items():
-            # A failure past _pull's own handling fails the request; an empty pull's is only logged.
+            # A failure past _pull's own handling fails the request; an empty pull's is only logged. In the producer
+            # rank's lane of the executor: after our earlier tasks for it, never behind another peer's.
             submit_task(self._executor, f"pull of {request_id} from {producer.peer_id(src)}",
                         partial(self._pull_failed, req, src) if src_routes else None,
-                        self._pull, req, src, src_routes, token_set)
+                        self._pull, req, src, src_routes, token_set, peer=producer.peer_id(src))
 
     def decline(self, request_id: str, producer: EngineRef, push: bool = False) -> None:
         """This rank will not take ``request_id``; returns at once.
@@ -632,11 +633,13 @@ class ConsumerSide:
                 self._declines_queued -= 1
 
     def _pull(self, req: _Expected, src: int, routes: list[Route], tokens: SpanSet) -> None:
-        """On the executor: ask producer rank ``src`` for ``routes`` of ``req``.
+        """On the executor, in producer rank ``src``'s lane: ask it for ``routes`` of ``req``.
 
-        A request that ended while this waited for a worker (aborted, or failed: a lost producer fails
+        A request that ended while this waited its turn (aborted, or failed: a lost producer fails
         all of its requests) is declined instead, on the decline worker: its producer frees the blocks,
-        and no handshake with a producer that may be dead holds a worker other pulls wait for."""
+        and no handshake with a producer that may be dead holds the lane the pulls after it wait for.
+        A pull that finds the producer lost (or unanswering) fails the pulls queued behind it at once
+        (``fail_fast``), rather than each waiting ``deadline_s`` on it."""
         request_id, producer = req.request_id, req.producer
         with self._cond:
             ended = self._requests.get(request_id) is not req or req.error is not None
@@ -650,6 +653,7 @@ class ConsumerSide:
                     "pull" if routes else "empty pull (nothing to receive)", request_id, producer.peer_id(src), err)
             if routes:
                 self._pull_failed(req, src, err)
+            fail_fast(self._executor, producer.peer_id(src), err, self._channel.peer_alive)
             return
         if routes:
             with self._cond:
@@ -661,8 +665,8 @@ class ConsumerSide:
     def _pull_failed(self, req: _Expected, src: int, error: BaseException) -> None:
         """The pull of ``req``'s routes from producer rank ``src`` failed: the request fails (once) with ``error``."""
         self._fail(req, _as_ncclkv(error))
-        if not isinstance(error, HandshakeError):  # it may hold the request (a restarted producer, a lost
-            # acknowledgement): tell it we will not take it, so it frees the blocks now, not after hold_s
+        if not isinstance(error, (HandshakeError, ClosedError)):  # it may hold the request (a restarted producer,
+            # a lost acknowledgement): tell it we will not take it, so it frees the blocks now, not after hold_s
             self._queue_declines(req.request_id, req.producer, (src,))
 
     def _send_pull(self, request_id: str, producer: EngineRef, src: int, routes: list[Route],
@@ -672,7 +676,7 @@ class ConsumerSide:
         pull = PullRequest(request_id, self._rank, self._engine_id, tuple(RouteMsg.from_route(r) for r in routes),
                            tokens.bounds.stop)
         return self._peers.request(producer.peer_id(src), producer.control_addrs[src], pull, bool(routes),
-                                   f"pull of {request_id}")
+                                   f"pull of {request_id}", incarnation=producer.incarnation(src))
 
     def _landed(self, request_id: str, key: _Key, piece: Span, buf: torch.Tensor, fut: Future[torch.Tensor]) -> None:
         """On the link's receive thread (a done-callback of the receive): stage a landed tensor, or scatter it
@@ -907,7 +911,8 @@ class ConsumerSide:
         from, or lost, gets ``deadline_s`` like any other. A pulled request
         counts from its last pull's acknowledgement; while a pull is not yet
         acknowledged it may wait ``hold_s``, as long as its producer holds it:
-        the pull may wait for a worker, and each of its own waits has a deadline.
+        the pull may wait in its producer rank's lane behind earlier tasks, and
+        each of its own waits has a deadline.
         """
         if req.push and not req.announced and self._hold_s != self._deadline_s and any(
             self._peers.get(peer) is not None and self._channel.peer_alive(peer)
@@ -915,7 +920,7 @@ class ConsumerSide:
         ):
             return self._hold_s, "hold_s, a push not yet announced"
         if req.unsent and self._hold_s > self._deadline_s:
-            # A pull waits for a worker (others may wait deadline_s each on a dead producer) or for its answer.
+            # A pull waits its turn in its producer rank's lane (after earlier tasks for it) or for its answer.
             return self._hold_s, "hold_s, a pull not yet acknowledged"
         return self._deadline_s, "deadline_s"
 

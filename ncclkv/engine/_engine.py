@@ -23,12 +23,18 @@ from ._links import PeerLinks
 from ._producer import ProducerSide
 from ._staging import BlockTokens, StagingEvent
 from ._stats import EngineStats, StatsSnapshot
+from ._tasks import PeerTasks
 
 __all__ = ["TransferEngine"]
 
 log = logging.getLogger("ncclkv.engine")
 
 _LINK_OPENERS = 8  # links this rank opens at once as the responder; each waits only on its peer and the I/O thread
+# The tasks that wait on one peer each (pulls, push offers) run in a lane per peer (PeerTasks): at most
+# _TASKS_PER_PEER of a peer's at once (what the one 4-worker executor of every peer's tasks allowed: a peer's
+# pulls overlap their round trips as before), at most _TASK_THREADS threads in all, started as lanes need them.
+_TASKS_PER_PEER = 4
+_TASK_THREADS = 64
 
 
 class TransferEngine:
@@ -59,8 +65,11 @@ class TransferEngine:
         self._stats = EngineStats()
         assert cfg.wire_cache_bytes is not None
         self._caches = RankCaches(cfg.layout, cfg.geometry, cfg.rank, cfg.wire_cache_bytes)
-        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"ncclkv-engine[{cfg.peer_id}]",
-                                            initializer=pin_this_thread, initargs=(cfg.cpus,))
+        # Pulls and push offers wait on their peer, up to deadline_s each when it is dead or stopped: a lane per
+        # peer, so such a peer holds at most _TASKS_PER_PEER threads and delays no other peer's transfers (they
+        # used to share 4 workers: 4 requests to one dead peer held every transfer of this rank for deadline_s).
+        self._executor = PeerTasks(_TASK_THREADS, f"ncclkv-engine[{cfg.peer_id}]", initializer=pin_this_thread,
+                                   initargs=(cfg.cpus,), per_peer=_TASKS_PER_PEER)
         # Responder-side link opens get threads of their own: tasks on the executor above wait for
         # links (a push waits for its link to open), so opening them there could starve: with every
         # worker waiting, the open that would release them never ran (seen in the quick soak).
@@ -101,6 +110,12 @@ class TransferEngine:
     def address(self) -> str:
         """This rank's control address; gather every rank's into an :class:`EngineRef`."""
         return self._channel.address
+
+    @property
+    def incarnation(self) -> int:
+        """This rank's life under its peer id (its channel's random incarnation), for the :class:`EngineRef`
+        beside its address: a peer refuses at once a reference to a life it saw replaced."""
+        return self._channel.incarnation
 
     def register(self, kv_caches: Mapping[int, torch.Tensor], cache_layout: CacheLayout) -> None:
         """Register this rank's paged caches: global layer index -> tensor in ``cache_layout``."""

@@ -30,7 +30,7 @@ from ._config import EngineRef, split_peer_id
 from ._links import PeerLinks
 from ._staging import BlockTokens
 from ._stats import EngineStats
-from ._tasks import submit_task
+from ._tasks import fail_fast, submit_task
 
 __all__ = ["PushState", "Pusher", "SliceHooks", "tell"]
 
@@ -110,9 +110,9 @@ class Pusher:
             if request_id in self._pushes:
                 raise ValueError(f"request {request_id!r} is already being pushed")
             self._pushes[request_id] = state
-        for dst, routes in by_dst.items():
+        for dst, routes in by_dst.items():  # in dst's lane of the executor: never behind another consumer rank
             submit_task(self._executor, f"push of {request_id} to {dst}", partial(self._fail_dst, state, dst),
-                        self._offer, state, consumer, dst, routes, num_tokens)
+                        self._offer, state, consumer, dst, routes, num_tokens, peer=dst)
 
     def pushing(self, request_id: str) -> bool:
         with self._lock:
@@ -168,6 +168,9 @@ class Pusher:
             log.error("push of %s to %s refused or failed: %s: %s", state.request_id, dst, type(err).__name__, err,
                       exc_info=not isinstance(err, NcclKVError))  # a bug's traceback; a refusal is one line
             self._fail_dst(state, dst, err)
+            # A consumer rank lost (or not answering): the offers queued behind this one for it fail now, instead
+            # of each shaking hands with it anew and waiting deadline_s.
+            fail_fast(self._executor, dst, err, self._channel.peer_alive)
             return
         self._maybe_complete(state)
 
@@ -188,7 +191,8 @@ class Pusher:
         nbytes = sum(r.nbytes(self._geometry) for r in routes)
         offer = PushOffer(state.request_id, self._rank, split_peer_id(self._channel.peer_id)[0],
                           tuple(RouteMsg.from_route(r) for r in routes), num_tokens, nbytes, state.blocks)
-        self._peers.request(dst, consumer.control_addrs[rank], offer, True, f"push of {state.request_id}")
+        self._peers.request(dst, consumer.control_addrs[rank], offer, True, f"push of {state.request_id}",
+                            incarnation=consumer.incarnation(rank))
         return self._peers.link(dst)
 
     def _send_layer(self, state: PushState, dst: str, link: LinkBase, layer: int,
@@ -282,8 +286,9 @@ def tell(channel: Channel, peer: str, body: Done | ErrorMsg) -> None:
     """Send ``body`` to ``peer``, best effort: a peer that is gone reports the request on its own side."""
     try:
         channel.send(peer, body)
-    except Exception as err:
-        log.warning("could not tell %s about %s: %s", peer, body.request_id, err)
+    except Exception as err:  # a closed channel (this engine closes) is no news
+        log.log(logging.DEBUG if isinstance(err, ClosedError) else logging.WARNING, "could not tell %s about %s: %s",
+                peer, body.request_id, err)
 
 
 def _blocks_msg(request_id: str, blocks: BlockTokens | None, max_frame_bytes: int) -> PushBlocks | None:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from ncclkv.engine import EngineRef
+from ncclkv.engine._engine import _TASKS_PER_PEER as TASKS_PER_PEER
 from ncclkv.errors import ClosedError, NcclKVError, TransferError, TransferTimeout
 from ncclkv.launch import free_port
 from ncclkv.layout import Span
@@ -30,7 +31,7 @@ from ncclkv.transport import LoopbackHub
 from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull
 from .test_engine_failures import GQA, ONE, WAIT_S, _pair, _push, _sent, _sides, _staging, _until
 
-EXECUTOR_WORKERS = 4  # TransferEngine's executor: the workers pulls run on
+EXECUTOR_WORKERS = TASKS_PER_PEER  # a peer's tasks that run at once: the dead producer gets twice as many pulls
 
 
 @pytest.fixture
@@ -135,15 +136,16 @@ def test_a_receive_that_cannot_be_posted_closes_the_link_and_the_next_request_la
 
 
 class _BusyWorkers:
-    """Holds every worker of an engine's executor until released (a handshake with a dead producer each)."""
+    """Holds every task slot of one peer's lane in an engine's executor until released (a handshake with a dead
+    producer each, ahead of a pull from ``peer``: the pull waits for a slot)."""
 
-    def __init__(self, side: RankSide) -> None:
+    def __init__(self, side: RankSide, peer: str) -> None:
         self._started = threading.Semaphore(0)
         self._release = threading.Event()
-        for _ in range(EXECUTOR_WORKERS):
-            side.engine._executor.submit(self._hold)  # noqa: SLF001
-        for _ in range(EXECUTOR_WORKERS):
-            assert self._started.acquire(timeout=WAIT_S), "an executor worker never started"
+        for _ in range(TASKS_PER_PEER):
+            side.engine._executor.submit_to(peer, self._hold)  # noqa: SLF001
+        for _ in range(TASKS_PER_PEER):
+            assert self._started.acquire(timeout=WAIT_S), "a task of the lane never started"
 
     def _hold(self) -> None:
         self._started.release()
@@ -158,7 +160,7 @@ def test_a_pull_waiting_for_a_worker_counts_its_deadline_from_when_it_is_sent() 
     with _pair(consumer=dict(deadline_s=deadline_s)) as (prefill, decode):
         prefill[0].fill(seed=5, block_ids=[1, 2], num_tokens=20)
         prefill[0].engine.finish("ok", [1, 2], 20)
-        busy = _BusyWorkers(decode[0])
+        busy = _BusyWorkers(decode[0], "prefill.r0")
         try:
             decode[0].engine.expect("ok", engine_ref("prefill", ONE, prefill), [3, 4], 20)
             with pytest.raises(TransferTimeout, match="not landed within"):  # the wait's own limit, not a stall
@@ -174,7 +176,7 @@ def test_a_pull_whose_request_was_aborted_while_queued_is_declined_not_sent() ->
     with _pair(producer=dict(hold_s=600.0)) as (prefill, decode):
         prefill[0].fill(seed=6, block_ids=[1, 2], num_tokens=20)
         prefill[0].engine.finish("a", [1, 2], 20)
-        busy = _BusyWorkers(decode[0])
+        busy = _BusyWorkers(decode[0], "prefill.r0")
         try:
             decode[0].engine.expect("a", engine_ref("prefill", ONE, prefill), [3, 4], 20)
             decode[0].engine.abort("a")
