@@ -74,12 +74,7 @@ def _skipped(what: str, on_error: Callable[[BaseException], None] | None, reason
     """A task failed by its lane before it started: logged, and ``on_error`` told (never raises)."""
     error = _like(reason, f"{what} not started: {reason}")
     log.log(logging.INFO if isinstance(error, ClosedError) else logging.WARNING, "%s", error)
-    if on_error is None:
-        return
-    try:
-        on_error(error)
-    except Exception as err:  # noqa: BLE001 - the lane fails the other tasks too
-        log.error("%s: reporting its failure failed too: %s: %s", what, type(err).__name__, err, exc_info=err)
+    _tell_owner(what, on_error, error)
 
 
 def _like(error: BaseException, text: str) -> BaseException:
@@ -100,11 +95,17 @@ def _report(future: Future[None], what: str, on_error: Callable[[BaseException],
     if error is None:
         return
     log.error("%s failed: %s: %s", what, type(error).__name__, error, exc_info=error)
+    _tell_owner(what, on_error, error)
+
+
+def _tell_owner(what: str, on_error: Callable[[BaseException], None] | None, error: BaseException) -> None:
+    """``on_error(error)``, never raising: it runs as a done-callback (whose exception concurrent.futures would only
+    log) or while a lane fails its other tasks too."""
     if on_error is None:
         return
     try:
         on_error(error)
-    except Exception as err:  # noqa: BLE001 - a done-callback's exception would only be logged by concurrent.futures
+    except Exception as err:  # noqa: BLE001 - see above
         log.error("%s: reporting its failure failed too: %s: %s", what, type(err).__name__, err, exc_info=err)
 
 
