@@ -31,7 +31,6 @@ from ncclkv.transport import LoopbackHub
 from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull
 from .test_engine_failures import GQA, ONE, WAIT_S, _pair, _push, _sent, _sides, _staging, _until
 
-EXECUTOR_WORKERS = TASKS_PER_PEER  # a peer's tasks that run at once: the dead producer gets twice as many pulls
 
 
 @pytest.fixture
@@ -135,61 +134,10 @@ def test_a_receive_that_cannot_be_posted_closes_the_link_and_the_next_request_la
     assert _link_id(decode[0], "prefill.r0") not in (None, link_before)  # a new link
 
 
-class _BusyWorkers:
-    """Holds every task slot of one peer's lane in an engine's executor until released (a handshake with a dead
-    producer each, ahead of a pull from ``peer``: the pull waits for a slot)."""
-
-    def __init__(self, side: RankSide, peer: str) -> None:
-        self._started = threading.Semaphore(0)
-        self._release = threading.Event()
-        for _ in range(TASKS_PER_PEER):
-            side.engine._executor.submit_to(peer, self._hold)  # noqa: SLF001
-        for _ in range(TASKS_PER_PEER):
-            assert self._started.acquire(timeout=WAIT_S), "a task of the lane never started"
-
-    def _hold(self) -> None:
-        self._started.release()
-        assert self._release.wait(WAIT_S)
-
-    def release(self) -> None:
-        self._release.set()
-
-
-def test_a_pull_waiting_for_a_worker_counts_its_deadline_from_when_it_is_sent() -> None:
-    deadline_s = 1.0
-    with _pair(consumer=dict(deadline_s=deadline_s)) as (prefill, decode):
-        prefill[0].fill(seed=5, block_ids=[1, 2], num_tokens=20)
-        prefill[0].engine.finish("ok", [1, 2], 20)
-        busy = _BusyWorkers(decode[0], "prefill.r0")
-        try:
-            decode[0].engine.expect("ok", engine_ref("prefill", ONE, prefill), [3, 4], 20)
-            with pytest.raises(TransferTimeout, match="not landed within"):  # the wait's own limit, not a stall
-                decode[0].engine.wait("ok", timeout_s=1.5 * deadline_s)
-            assert "ok" not in decode[0].engine.take_finished_receiving()  # before: failed, no progress for 1s
-        finally:
-            busy.release()
-        decode[0].engine.wait("ok", timeout_s=WAIT_S)
-        assert decode[0].mismatches(5, [3, 4], 20, Span(0, 20)) == []
-
-
-def test_a_pull_whose_request_was_aborted_while_queued_is_declined_not_sent() -> None:
-    with _pair(producer=dict(hold_s=600.0)) as (prefill, decode):
-        prefill[0].fill(seed=6, block_ids=[1, 2], num_tokens=20)
-        prefill[0].engine.finish("a", [1, 2], 20)
-        busy = _BusyWorkers(decode[0], "prefill.r0")
-        try:
-            decode[0].engine.expect("a", engine_ref("prefill", ONE, prefill), [3, 4], 20)
-            decode[0].engine.abort("a")
-        finally:
-            busy.release()
-        assert _sent(prefill[0], "a") is None  # a pull of nothing: freed at once, not after hold_s
-        assert prefill[0].engine.stats().tensors_sent == 0  # before: served, and every tensor drained
-
-
 def test_pulls_to_a_dead_producer_do_not_starve_a_pull_from_a_live_one() -> None:
     with _pair(producer=dict(deadline_s=2.0), consumer=dict(deadline_s=2.0)) as (prefill, decode):
         dead = EngineRef("deadprefill", ONE, (f"tcp://127.0.0.1:{free_port()}",))  # a crashed prefill engine
-        dead_ids = [f"dead{i}" for i in range(2 * EXECUTOR_WORKERS)]  # more than the executor's workers
+        dead_ids = [f"dead{i}" for i in range(2 * TASKS_PER_PEER)]  # more than run at once for one peer
         for i, request_id in enumerate(dead_ids):
             decode[0].engine.expect(request_id, dead, [8 + i], 10)
         prefill[0].fill(seed=1, block_ids=[1, 2], num_tokens=20)
