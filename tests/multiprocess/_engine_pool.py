@@ -174,6 +174,12 @@ class Pool:
         for proc in self.procs:
             proc.stop()
 
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def _spawn(self) -> Proc:
         self._count += 1
         return Proc(f"engine-proc-{self._count}")

@@ -46,11 +46,8 @@ POOL_SIZE = 4
 @pytest.fixture(scope="module")
 def engine_pool() -> Iterator[Pool]:
     """Four children are enough here (the session's pool has eight, for the layout matrix)."""
-    pool = Pool(POOL_SIZE)
-    try:
+    with Pool(POOL_SIZE) as pool:
         yield pool
-    finally:
-        pool.close()
 
 
 def _build(proc: Proc, engine_id: str, role: str, **config: object) -> EngineRef:
