@@ -18,7 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -38,7 +38,7 @@ from ._config import EngineRef, peer_id, split_peer_id
 from ._links import Peer, PeerLinks
 from ._staging import BlockTokens, RemovalReason, StagingEvent, StagingLog, StagingName
 from ._stats import EngineStats
-from ._tasks import fail_fast, submit_task
+from ._tasks import PeerTasks, fail_fast, submit_task
 
 __all__ = ["ConsumerSide"]
 
@@ -48,6 +48,7 @@ _Key = tuple[int, int, Route]  # (src rank, layer, route)
 _StagedTensor = tuple[_Key, Span, torch.Tensor]  # (slice, token piece, its wire buffer) taken from staging
 _MAX_REFUSALS = 4096  # failed pushes remembered for a later expect(), each at most hold_s
 _MAX_DECLINES_QUEUED = 256  # pulls of nothing waiting to go out; past it a decline is dropped (hold_s frees it)
+_DECLINE_THREADS = 8  # declines to this many producer ranks at once; past it, their lanes take turns
 
 
 @dataclass(slots=True)
@@ -147,11 +148,12 @@ class ConsumerSide:
         self._refused: OrderedDict[str, tuple[float, str, NcclKVError]] = OrderedDict()
         self._reserved = 0  # staging bytes promised to accepted push offers
         self._store = KVStoreBuffer(staging_bytes, evict=False)
-        # Declines (see decline) wait on producers that may be gone: a worker of their own (made at the
-        # first), never the executor that pulls, and a bounded queue.
+        # Declines (see decline) wait on producers that may be gone: threads of their own, never the executor
+        # that pulls, a lane per producer rank (one that does not answer delays only its own declines), and a
+        # bounded queue.
         self._cpus = cpus
-        self._decliner = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ncclkv-decline[{peer_id(engine_id, rank)}]",
-                                            initializer=pin_this_thread, initargs=(cpus,))
+        self._decliner = PeerTasks(_DECLINE_THREADS, f"ncclkv-decline[{peer_id(engine_id, rank)}]",
+                                   initializer=pin_this_thread, initargs=(cpus,))
         self._declines_queued = 0
         self._staging_log = StagingLog()
         # The largest (layer, route) slice this rank planned to receive (expected, or a push staged): what an
@@ -246,7 +248,8 @@ class ConsumerSide:
         self._queue_declines(request_id, producer, range(producer.layout.world_size))
 
     def _queue_declines(self, request_id: str, producer: EngineRef, srcs: Sequence[int]) -> None:
-        """Queue a pull of nothing to each of ``srcs`` on the decline worker (see ``decline``), within its bound."""
+        """Queue a pull of nothing to each of ``srcs`` on the decline threads, in that producer rank's lane (see
+        ``decline``), within their bound."""
         with self._cond:
             if self._declines_queued + len(srcs) > _MAX_DECLINES_QUEUED:
                 log.info("not declining %s: %d declines already queued (its producer frees it after hold_s)",
@@ -254,8 +257,14 @@ class ConsumerSide:
                 return
             self._declines_queued += len(srcs)
         for src in srcs:
-            submit_task(self._decliner, f"decline of {request_id} to {producer.peer_id(src)}", None,
-                        self._decline, request_id, producer, src)
+            # on_error: a decline its lane fails before it runs (its producer found lost, or closing) is not queued
+            submit_task(self._decliner, f"decline of {request_id} to {producer.peer_id(src)}", self._unqueue_decline,
+                        self._decline, request_id, producer, src, peer=producer.peer_id(src))
+
+    def _unqueue_decline(self, _: BaseException | None = None) -> None:
+        """One queued decline went (ran, or was failed by its lane before it ran)."""
+        with self._cond:
+            self._declines_queued -= 1
 
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
         """Block until ``layer`` of ``request_id`` has landed; raise the request's error if it failed."""
@@ -618,8 +627,9 @@ class ConsumerSide:
 
     # -- internals ------------------------------------------------------------------------
     def _decline(self, request_id: str, producer: EngineRef, src: int) -> None:
-        """On the decline worker: a pull of nothing to one producer rank, best effort. Its own worker, so a
-        producer that does not answer delays other declines only, never pulls; a lost one is skipped."""
+        """On the decline threads, in producer rank ``src``'s lane: a pull of nothing to it, best effort. Threads of
+        their own, a lane per producer rank: one that does not answer delays neither pulls nor declines to other
+        producers; a lost one is skipped."""
         try:
             peer_id = producer.peer_id(src)
             if self._peers.known(peer_id) is not None and not self._channel.peer_alive(peer_id):
@@ -628,15 +638,16 @@ class ConsumerSide:
             self._send_pull(request_id, producer, src, [], SpanSet(()))
         except Exception as err:
             log.warning("empty pull (declined) of %s from %s failed: %s", request_id, producer.peer_id(src), err)
+            # The declines queued behind it for a producer that does not answer are dropped, not each waited on.
+            fail_fast(self._decliner, producer.peer_id(src), err, self._channel.peer_alive)
         finally:
-            with self._cond:
-                self._declines_queued -= 1
+            self._unqueue_decline()
 
     def _pull(self, req: _Expected, src: int, routes: list[Route], tokens: SpanSet) -> None:
         """On the executor, in producer rank ``src``'s lane: ask it for ``routes`` of ``req``.
 
         A request that ended while this waited its turn (aborted, or failed: a lost producer fails
-        all of its requests) is declined instead, on the decline worker: its producer frees the blocks,
+        all of its requests) is declined instead, on the decline threads: its producer frees the blocks,
         and no handshake with a producer that may be dead holds the lane the pulls after it wait for.
         A pull that finds the producer lost (or unanswering) fails the pulls queued behind it at once
         (``fail_fast``), rather than each waiting ``deadline_s`` on it."""

@@ -383,3 +383,21 @@ def test_a_staged_tensor_the_store_refuses_fails_its_push_at_once_and_gives_its_
     decode[0].engine.expect("q", producer, [4, 5], 32, push=True)
     decode[0].engine.wait("q", timeout_s=WAIT_S)
     assert decode[0].mismatches(4, [4, 5], 32, Span(0, 32)) == []
+
+
+def test_declines_to_a_dead_producer_do_not_hold_back_a_decline_to_a_live_one() -> None:
+    """Declines are best effort on threads of their own, but one producer that never answers (each decline to it
+    waits deadline_s for a handshake) delayed every later decline: a live producer held its blocks that long."""
+    deadline_s = 8.0
+    with _pair(producer=dict(hold_s=600.0), consumer=dict(deadline_s=deadline_s)) as (prefill, decode):
+        dead = EngineRef("deadprefill", ONE, (f"tcp://127.0.0.1:{free_port()}",))  # a crashed prefill engine
+        for i in range(3):
+            decode[0].engine.decline(f"dead{i}", dead)
+        _until(lambda: "deadprefill.r0" in decode[0].engine._peers._connecting, "the first decline's handshake")  # noqa: SLF001
+        prefill[0].fill(seed=2, block_ids=[1, 2], num_tokens=20)
+        prefill[0].engine.finish("ok", [1, 2], 20)
+        started = time.monotonic()
+        decode[0].engine.decline("ok", engine_ref("prefill", ONE, prefill))
+        assert _sent(prefill[0], "ok") is None  # a pull of nothing: freed at once, not after hold_s
+        took = time.monotonic() - started
+        assert took < deadline_s / 2, f"the live producer heard the decline after {took:.2f}s (deadline_s={deadline_s})"
