@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..hashing import BlockHash, as_token_ids, hash_request_tokens
+from ._config import is_int
 
 __all__ = ["MAX_PENDING_EVENTS", "BlockTokens", "RemovalReason", "StagingEvent", "StagingLog", "StagingName"]
 
@@ -45,19 +46,19 @@ class BlockTokens:
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_ids", as_token_ids(self.token_ids))
         object.__setattr__(self, "extra_keys", tuple(self.extra_keys))
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+        if not is_int(self.block_size) or self.block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
         if len(self.token_ids) % self.block_size:
             raise ValueError(f"{len(self.token_ids)} token ids are not whole blocks of {self.block_size}")
         for index, key in enumerate(self.extra_keys):
-            if not (key is None or isinstance(key, str) or (isinstance(key, int) and not isinstance(key, bool))):
+            if not (key is None or isinstance(key, str) or is_int(key)):
                 raise ValueError(f"extra_keys[{index}] must be str, int or None, got {type(key).__name__} {key!r}")
 
     @classmethod
     def of_prompt(cls, token_ids: Sequence[int], block_size: int,
                   extra_keys: Sequence[EventKey] = ()) -> BlockTokens:
         """The full blocks of ``token_ids``; a partial last block is left out (it has no hash)."""
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        if not is_int(block_size) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         num_full = len(token_ids) // block_size * block_size
         return cls(tuple(token_ids[:num_full]), block_size, tuple(extra_keys))
