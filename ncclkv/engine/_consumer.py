@@ -24,7 +24,7 @@ from functools import partial
 
 import torch
 
-from .._affinity import pin_this_thread, pinned
+from .._affinity import pinned
 from ..channel import Channel
 from ..buffer import KVStoreBuffer
 from ..errors import (CapacityError, ClosedError, HandshakeError, NcclKVError, PeerLostError, PeerResetError,
@@ -38,7 +38,8 @@ from ._config import EngineRef, peer_id, split_peer_id
 from ._links import Peer, PeerLinks
 from ._staging import BlockTokens, RemovalReason, StagingEvent, StagingLog, StagingName
 from ._stats import EngineStats
-from ._tasks import PeerTasks, fail_fast, submit_task
+from ._declines import Decliner
+from ._tasks import fail_fast, submit_task
 
 __all__ = ["ConsumerSide"]
 
@@ -47,8 +48,6 @@ log = logging.getLogger("ncclkv.engine")
 _Key = tuple[int, int, Route]  # (src rank, layer, route)
 _StagedTensor = tuple[_Key, Span, torch.Tensor]  # (slice, token piece, its wire buffer) taken from staging
 _MAX_REFUSALS = 4096  # failed pushes remembered for a later expect(), each at most hold_s
-_MAX_DECLINES_QUEUED = 256  # pulls of nothing waiting to go out; past it a decline is dropped (hold_s frees it)
-_DECLINE_THREADS = 8  # declines to this many producer ranks at once; past it, their lanes take turns
 
 
 @dataclass(slots=True)
@@ -148,13 +147,9 @@ class ConsumerSide:
         self._refused: OrderedDict[str, tuple[float, str, NcclKVError]] = OrderedDict()
         self._reserved = 0  # staging bytes promised to accepted push offers
         self._store = KVStoreBuffer(staging_bytes, evict=False)
-        # Declines (see decline) wait on producers that may be gone: threads of their own, never the executor
-        # that pulls, a lane per producer rank (one that does not answer delays only its own declines), and a
-        # bounded queue.
         self._cpus = cpus
-        self._decliner = PeerTasks(_DECLINE_THREADS, f"ncclkv-decline[{peer_id(engine_id, rank)}]",
-                                   initializer=pin_this_thread, initargs=(cpus,))
-        self._declines_queued = 0
+        self._decliner = Decliner(f"ncclkv-decline[{peer_id(engine_id, rank)}]", self._send_decline, self._lost,
+                                  self._alive, cpus)
         self._staging_log = StagingLog()
         # The largest (layer, route) slice this rank planned to receive (expected, or a push staged): what an
         # unwanted tensor may plausibly be (see _drain). Pulled slices are not bounded by staging_bytes.
@@ -245,26 +240,7 @@ class ConsumerSide:
                 self._fail_unexpected_push_locked(request_id, producer.engine_id, TransferError(
                     f"push of {request_id!r} was declined here (its request ended unloaded)"))
                 return
-        self._queue_declines(request_id, producer, range(producer.layout.world_size))
-
-    def _queue_declines(self, request_id: str, producer: EngineRef, srcs: Sequence[int]) -> None:
-        """Queue a pull of nothing to each of ``srcs`` on the decline threads, in that producer rank's lane (see
-        ``decline``), within their bound."""
-        with self._cond:
-            if self._declines_queued + len(srcs) > _MAX_DECLINES_QUEUED:
-                log.info("not declining %s: %d declines already queued (its producer frees it after hold_s)",
-                         request_id, self._declines_queued)
-                return
-            self._declines_queued += len(srcs)
-        for src in srcs:
-            # on_error: a decline its lane fails before it runs (its producer found lost, or closing) is not queued
-            submit_task(self._decliner, f"decline of {request_id} to {producer.peer_id(src)}", self._unqueue_decline,
-                        self._decline, request_id, producer, src, peer=producer.peer_id(src))
-
-    def _unqueue_decline(self, _: BaseException | None = None) -> None:
-        """One queued decline went (ran, or was failed by its lane before it ran)."""
-        with self._cond:
-            self._declines_queued -= 1
+        self._decliner.queue(request_id, producer, range(producer.layout.world_size))
 
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
         """Block until ``layer`` of ``request_id`` has landed; raise the request's error if it failed."""
@@ -369,7 +345,7 @@ class ConsumerSide:
             self._refused.clear()
             self._reserved = 0
             self._cond.notify_all()
-        self._decliner.shutdown(wait=True, cancel_futures=True)  # a running one ends with the channel's close
+        self._decliner.close()
         self._store.close()
 
     def take_staging_events(self) -> list[StagingEvent]:
@@ -626,22 +602,16 @@ class ConsumerSide:
                     self._fail_staged_locked(request_id, staged, error)
 
     # -- internals ------------------------------------------------------------------------
-    def _decline(self, request_id: str, producer: EngineRef, src: int) -> None:
-        """On the decline threads, in producer rank ``src``'s lane: a pull of nothing to it, best effort. Threads of
-        their own, a lane per producer rank: one that does not answer delays neither pulls nor declines to other
-        producers; a lost one is skipped."""
-        try:
-            peer_id = producer.peer_id(src)
-            if self._peers.known(peer_id) is not None and not self._channel.peer_alive(peer_id):
-                log.info("not declining %s to %s: it was lost (it frees the blocks after hold_s)", request_id, peer_id)
-                return
-            self._send_pull(request_id, producer, src, [], SpanSet(()))
-        except Exception as err:
-            log.warning("empty pull (declined) of %s from %s failed: %s", request_id, producer.peer_id(src), err)
-            # The declines queued behind it for a producer that does not answer are dropped, not each waited on.
-            fail_fast(self._decliner, producer.peer_id(src), err, self._channel.peer_alive)
-        finally:
-            self._unqueue_decline()
+    def _send_decline(self, request_id: str, producer: EngineRef, src: int) -> None:
+        """On the decline threads (see ``_declines``): a pull of nothing to producer rank ``src``."""
+        self._send_pull(request_id, producer, src, [], SpanSet(()))
+
+    def _alive(self, peer_id: str) -> bool:
+        return self._channel.peer_alive(peer_id)
+
+    def _lost(self, peer_id: str) -> bool:
+        """Whether the channel gave up a peer we shook hands with (a decline to it is skipped)."""
+        return self._peers.known(peer_id) is not None and not self._channel.peer_alive(peer_id)
 
     def _pull(self, req: _Expected, src: int, routes: list[Route], tokens: SpanSet) -> None:
         """On the executor, in producer rank ``src``'s lane: ask it for ``routes`` of ``req``.
@@ -655,7 +625,7 @@ class ConsumerSide:
         with self._cond:
             ended = self._requests.get(request_id) is not req or req.error is not None
         if ended:
-            self._queue_declines(request_id, producer, (src,))
+            self._decliner.queue(request_id, producer, (src,))
             return
         try:
             peer = self._send_pull(request_id, producer, src, routes, tokens)
@@ -678,7 +648,7 @@ class ConsumerSide:
         self._fail(req, _as_ncclkv(error))
         if not isinstance(error, (HandshakeError, ClosedError)):  # it may hold the request (a restarted producer,
             # a lost acknowledgement): tell it we will not take it, so it frees the blocks now, not after hold_s
-            self._queue_declines(req.request_id, req.producer, (src,))
+            self._decliner.queue(req.request_id, req.producer, (src,))
 
     def _send_pull(self, request_id: str, producer: EngineRef, src: int, routes: list[Route],
                    tokens: SpanSet) -> Peer:

@@ -70,7 +70,7 @@ def _pull_fails_fast(consumer: RankSide, producer: RankSide, rid: str, blocks: l
     assert took < FAST_S, f"the pull of {rid} failed after {took:.2f}s (deadline_s={DEADLINE_S}): {raised.value}"
     assert _until(f"{rid} reported failed", lambda: consumer.engine.take_finished_receiving().get(rid))
     # The failed pull is declined (a pull of nothing): acknowledged, never parked for a hold to come.
-    _until(f"{rid}'s decline answered", lambda: consumer.engine._consumer._declines_queued == 0)
+    _until(f"{rid}'s decline answered", lambda: consumer.engine._consumer._decliner.queued == 0)
     assert producer.engine.num_in_flight == 0, producer.engine._producer._early
     return raised.value
 
