@@ -99,6 +99,9 @@ class NcclKVConfig:
             value = getattr(self, name)
             if value is not None:  # its type was checked above: only ValueError can come
                 check_timeout(f"kv_connector_extra_config[{name!r}]", value)
+        if self.heartbeat_s is not None and self.deadline_s is not None and self.heartbeat_s >= self.deadline_s:
+            raise ValueError(f"kv_connector_extra_config['heartbeat_s']={self.heartbeat_s:g} must be below "
+                             f"'deadline_s'={self.deadline_s:g}: a peer silent for deadline_s is lost")
         if not 0 <= self.idle_wait_ms <= 1000:
             raise ValueError(f"kv_connector_extra_config['idle_wait_ms'] must be in [0, 1000], got {self.idle_wait_ms!r}")
         for name in ("piece_bytes", "last_piece_bytes"):

@@ -128,6 +128,8 @@ class EngineConfig:
             object.__setattr__(self, "deadline_s", settings.deadline_s)
         if self.heartbeat_s is None:
             object.__setattr__(self, "heartbeat_s", min(settings.heartbeat_s, self.deadline_s / 4))
+        if self.heartbeat_s >= self.deadline_s:  # else a peer would be lost between two of its heartbeats
+            raise ValueError(f"heartbeat_s={self.heartbeat_s:g} must be below deadline_s={self.deadline_s:g}")
         if self.staging_bytes is None:
             object.__setattr__(self, "staging_bytes", settings.staging_bytes)
         if self.wire_cache_bytes is None:

@@ -51,6 +51,8 @@ def test_unknown_keys_are_named() -> None:
     ({"piece_bytes": -1}, r"'piece_bytes'.* must be >= 0, got -1"),
     ({"piece_bytes": 1.5}, "'piece_bytes'.* must be int"),
     ({"last_piece_bytes": -4096}, r"'last_piece_bytes'.* must be >= 0, got -4096"),
+    ({"heartbeat_s": 30, "deadline_s": 10}, r"'heartbeat_s'\]=30 must be below 'deadline_s'=10"),
+    ({"heartbeat_s": 5.0, "deadline_s": 5.0}, r"'heartbeat_s'\]=5 must be below 'deadline_s'=5"),
 ])
 def test_bad_values_are_rejected(extra: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
