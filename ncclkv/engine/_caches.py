@@ -63,6 +63,9 @@ class RankCaches:
     def register(self, kv_caches: Mapping[int, torch.Tensor], cache_layout: CacheLayout) -> None:
         """Register the caches of this rank's layers (global layer index -> tensor)."""
         want = set(self.shard.layers)
+        odd = [key for key in kv_caches if isinstance(key, bool) or not isinstance(key, int)]
+        if odd:
+            raise ValueError(f"registered layers must be global layer indices (ints), got {odd[:8]!r}")
         if set(kv_caches) != want:
             raise ValueError(
                 f"registered layers {sorted(kv_caches)} differ from this rank's layers {self.shard.layers!r}"
@@ -77,9 +80,24 @@ class RankCaches:
                 )
             if cache.dtype != self.wire_dtype:
                 raise ShapeMismatchError(f"layer {index}: cache dtype {cache.dtype}, geometry says {self.wire_dtype}")
+            if (spec.layout is CacheLayout.MLA) != self.geometry.use_mla:
+                raise ShapeMismatchError(f"layer {index}: a {spec.layout.name} cache for a geometry with use_mla="
+                                         f"{self.geometry.use_mla} (MLA latents need the MLA layout, and only they)")
             # CPU caches take the native kernel, which needs no views; CPU_AMX has none.
             keep_views = cache.device.type == "cuda" and spec.layout is not CacheLayout.CPU_AMX
-            layers[index] = _Layer(cache, spec, {} if keep_views else None)
+            layers[index] = entry = _Layer(cache, spec, {} if keep_views else None)
+            # What a gather checks of the cache itself (strides the kernel needs, the views of its layout),
+            # here: on a link's thread it would fail after the peer was told of the tensor, breaking the link.
+            local = Span(0, len(self.shard.heads))
+            empty = torch.empty(self.wire_shape(Span(0, 0), local), dtype=cache.dtype, device=cache.device)
+            try:
+                gather(cache, spec, SlotMap([], spec.block_size), Span(0, 0), local, empty, views=entry.views_for(local))
+            except (ValueError, RuntimeError) as err:
+                raise ShapeMismatchError(f"layer {index}: this {spec.layout.name} cache cannot be moved: {err}") from err
+        sizes = {index: entry.spec.block_size for index, entry in layers.items()}
+        if len(set(sizes.values())) > 1:
+            raise ShapeMismatchError(f"every layer's cache must have one block size (a request's block ids index "
+                                     f"them all), got {sizes}")
         device = next(iter(layers.values())).cache.device if layers else torch.device("cpu")
         num_blocks = min((entry.spec.num_blocks for entry in layers.values()), default=0)
         with self._lock:
@@ -132,15 +150,25 @@ class RankCaches:
     def block_size(self) -> int:
         return self._any_layer().spec.block_size
 
-    def slot_map(self, block_ids: Sequence[int]) -> SlotMap:
+    def slot_map(self, block_ids: Sequence[int], tokens: Span | None = None) -> SlotMap:
         """The block table of a request, its ids checked against the caches: a bad id fails the call here, not
-        a gather or scatter on a link's thread (which would break the link for every request on it)."""
+        a gather or scatter on a link's thread (which would break the link for every request on it).
+
+        ``tokens``: the tokens the request moves; the blocks that hold them must be distinct (one block twice
+        would send, or receive, the same bytes for two runs of tokens)."""
         self._registered()  # none registered: that error, before any about the ids
         num_blocks = self._num_blocks
         slots = SlotMap(list(block_ids), self.block_size())
         outside = [b for b in slots.block_ids if b >= num_blocks]
         if outside:
             raise ValueError(f"block ids {outside[:8]} are outside the {num_blocks} blocks of this rank's caches")
+        if tokens is not None and len(tokens):
+            size = slots.block_size
+            used = slots.block_ids[tokens.start // size : -(-tokens.stop // size)]
+            repeated = sorted({b for b in used if used.count(b) > 1}) if len(set(used)) < len(used) else []
+            if repeated:
+                raise ValueError(f"block ids {repeated[:8]} appear more than once among the blocks of tokens "
+                                 f"{tokens!r}: a request's tokens need distinct blocks")
         return slots
 
     def wire_shape(self, tokens: Span, heads: Span) -> tuple[int, ...]:

@@ -169,7 +169,7 @@ class ConsumerSide:
             raise ValueError(f"request {request_id!r}: keep_tokens={keep_tokens!r} needs a push of at least that "
                              f"many tokens (push={push}, tokens={tokens!r}); a pull asks only for what it lacks")
         token_set = SpanSet.range(0, tokens) if isinstance(tokens, int) else tokens
-        slots = self._caches.slot_map(block_ids)
+        slots = self._caches.slot_map(block_ids, token_set.bounds)
         if token_set.bounds.stop > slots.num_tokens:
             raise ValueError(f"request {request_id!r}: tokens {token_set!r} do not fit {len(block_ids)} blocks "
                              f"of {slots.block_size}")

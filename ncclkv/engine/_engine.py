@@ -14,10 +14,10 @@ from ..channel import Channel, ReplyThen
 from ..errors import ClosedError, HandshakeError, PeerLostError, PeerResetError, ProtocolError
 from ..layout import SpanSet
 from ..paged import CacheLayout
-from ..protocol import Announce, Done, ErrorMsg, Handshake, Message, PullRequest, PushOffer
+from ..protocol import MAX_ID_CHARS, Announce, Done, ErrorMsg, Handshake, Message, PullRequest, PushOffer
 from ..transport import DataPlane, LinkFactory
 from ._caches import RankCaches
-from ._config import EngineConfig, EngineRef, parse_peer_id
+from ._config import EngineConfig, EngineRef, is_int, parse_peer_id
 from ._consumer import ConsumerSide
 from ._links import PeerLinks
 from ._producer import ProducerSide
@@ -130,6 +130,8 @@ class TransferEngine:
         ``blocks``: the prompt's full blocks (``BlockTokens.of_prompt``), which the consumer names in
         its staging events (:meth:`take_staging_events`) while the KV waits in its staging store."""
         self._check_open()
+        _check_request_id(request_id)
+        _check_num_tokens(request_id, num_tokens)
         self._producer.start_push(request_id, consumer, block_ids, num_tokens, blocks)
 
     def save_layer(self, request_id: str, layer: int) -> None:
@@ -141,6 +143,9 @@ class TransferEngine:
         """Push mode: no more layers. Pull mode: hold the request's blocks until every consumer rank
         pulled them (or ``hold_s`` passes). Either way :meth:`take_finished_sending` reports it."""
         self._check_open()
+        _check_request_id(request_id)
+        if num_tokens is not None:
+            _check_num_tokens(request_id, num_tokens)
         self._producer.finish(request_id, block_ids, num_tokens)
 
     def release(self, request_id: str) -> bool:
@@ -167,6 +172,9 @@ class TransferEngine:
         tensors may still arrive.
         """
         self._check_open()
+        _check_request_id(request_id)
+        if not isinstance(tokens, SpanSet):
+            _check_num_tokens(request_id, tokens, "tokens (a count, or a SpanSet)")
         if producer.engine_id == self.config.engine_id:
             raise ValueError(f"request {request_id!r}: producer engine {producer.engine_id!r} is this engine")
         self._consumer.expect(request_id, producer, block_ids, tokens, push, keep_tokens)
@@ -176,6 +184,7 @@ class TransferEngine:
         every consumer rank pulled or declined, instead of holding them ``hold_s``. Push: give back what is
         staged for it now and refuse the rest. Returns at once."""
         self._check_open()
+        _check_request_id(request_id)
         self._consumer.decline(request_id, producer, push)
 
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
@@ -183,6 +192,8 @@ class TransferEngine:
 
         ``timeout_s``: None waits as long as the request makes progress (``deadline_s`` without any fails it);
         0 only looks; else a number of seconds > 0 (``ValueError`` for nan, inf or a negative one)."""
+        if not is_int(layer):
+            raise ValueError(f"request {request_id!r}: layer must be an int (a global layer index), got {layer!r}")
         self._consumer.wait_layer(request_id, layer, None if timeout_s is None else _wait_timeout(timeout_s))
 
     def wait(self, request_id: str, timeout_s: float | None = None) -> None:
@@ -275,6 +286,19 @@ class TransferEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError(f"engine {self.config.peer_id!r} is closed")
+
+
+def _check_request_id(request_id: object) -> None:
+    """What the protocol carries as a request id (a non-empty str of at most MAX_ID_CHARS): refused at the call,
+    not when its first message is refused on the way out, after the request was taken."""
+    if not isinstance(request_id, str) or not 1 <= len(request_id) <= MAX_ID_CHARS:
+        what = f"{len(request_id)} chars" if isinstance(request_id, str) else type(request_id).__name__
+        raise ValueError(f"request id must be a str of 1-{MAX_ID_CHARS} chars, got {what}: {request_id!r:.80}")
+
+
+def _check_num_tokens(request_id: str, num_tokens: object, what: str = "num_tokens") -> None:
+    if not (is_int(num_tokens) and num_tokens >= 1):  # type: ignore[operator]
+        raise ValueError(f"request {request_id!r}: {what} must be an int >= 1, got {num_tokens!r}")
 
 
 def _wait_timeout(timeout_s: object) -> float:

@@ -109,7 +109,7 @@ class ProducerSide:
             return
         if block_ids is None or num_tokens is None:
             raise ValueError(f"request {request_id!r} is not being pushed: finish() needs block_ids and num_tokens")
-        slots = self._caches.slot_map(block_ids)
+        slots = self._caches.slot_map(block_ids, Span(0, num_tokens))
         if num_tokens > slots.num_tokens:
             raise ValueError(f"request {request_id!r}: {num_tokens} tokens do not fit {len(block_ids)} blocks")
         with self._lock:

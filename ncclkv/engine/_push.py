@@ -93,7 +93,7 @@ class Pusher:
 
     def start(self, request_id: str, consumer: EngineRef, block_ids: list[int], num_tokens: int,
               blocks: BlockTokens | None = None) -> None:
-        slots = self._caches.slot_map(block_ids)
+        slots = self._caches.slot_map(block_ids, Span(0, num_tokens))
         if num_tokens > slots.num_tokens:
             raise ValueError(f"request {request_id!r}: {num_tokens} tokens do not fit {len(block_ids)} blocks")
         if blocks is not None and len(blocks.token_ids) != num_tokens // blocks.block_size * blocks.block_size:

@@ -129,6 +129,42 @@ def test_block_ids_outside_the_caches_are_refused_where_they_are_given() -> None
         assert decode[0].mismatches(3, [1, 15], 20, Span(0, 20)) == []
 
 
+def test_bad_request_arguments_are_refused_at_the_call_naming_them() -> None:
+    """Mistakes a caller makes are refused where they are given, typed and naming the value: before, a block
+    given twice among a held request's tokens went out as the same bytes twice (the pull "succeeded", every layer
+    wrong), a negative or bool token count was held and failed the consumer's pull later, and a request id the
+    protocol cannot carry was taken and failed asynchronously ("malformed control frame")."""
+    with _pair() as (prefill, decode):
+        producer, consumer = prefill[0].engine, decode[0].engine
+        ref = engine_ref("prefill", ONE, prefill)
+        repeated = r"block ids \[1\] appear more than once among the blocks of tokens \[0,20\)"
+        with pytest.raises(ValueError, match=repeated):
+            producer.finish("dup", [1, 1], 20)
+        with pytest.raises(ValueError, match=repeated):
+            producer.start_push("dup", engine_ref("decode", ONE, decode), [1, 1], 20)
+        with pytest.raises(ValueError, match=repeated):
+            consumer.expect("dup", ref, [1, 1], 20)
+        for bad in (-5, 0, True, 20.5, "20"):
+            with pytest.raises(ValueError, match=rf"'r': num_tokens must be an int >= 1, got {re.escape(repr(bad))}"):
+                producer.finish("r", [1, 2], bad)  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match=r"'r': tokens \(a count, or a SpanSet\) must be an int >= 1"):
+                consumer.expect("r", ref, [1, 2], bad)  # type: ignore[arg-type]
+        for bad_id in ("", 7, None, b"r", "x" * 513):
+            with pytest.raises(ValueError, match=r"request id must be a str of 1-512 chars, got "):
+                producer.finish(bad_id, [1, 2], 20)  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match=r"request id must be a str of 1-512 chars, got "):
+                consumer.expect(bad_id, ref, [1, 2], 20)  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match=r"request id must be a str of 1-512 chars, got "):
+                consumer.decline(bad_id, ref)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"'r': layer must be an int .*got True"):
+            consumer.wait_layer("r", True)  # type: ignore[arg-type]
+        assert producer.num_in_flight == 0 and consumer.num_in_flight == 0  # nothing half-started
+        # A block repeated past the tokens moved is no block of theirs: the same ids, distinct where used, go.
+        start_pull("r", prefill, decode, 3, [1, 15, 15], [2, 14, 14], 20)
+        consumer.wait("r", timeout_s=WAIT_S)
+        assert decode[0].mismatches(3, [2, 14], 20, Span(0, 20)) == []
+
+
 def test_an_expect_of_a_refused_push_fails_at_once_with_the_refusal() -> None:
     with _pair(consumer=dict(staging_bytes=4096, hold_s=60.0)) as (prefill, decode):
         prefill[0].engine.start_push("big", engine_ref("decode", ONE, decode), [0, 1], 32)
