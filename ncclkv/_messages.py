@@ -41,11 +41,15 @@ __all__ = [
     "Ready",
     "Reset",
     "RouteMsg",
+    "INCARNATION_RANDOM_BITS",
 ]
 
 # 2: PushOffer.blocks; gloo links carry frame headers (ncclkv.transport._framing); 3: Announce.piece; 4: Bye;
-# 5: Heartbeat.incarnation, Handshake.incarnation, Reset, ErrorCode.PEER_RESET; 6: Reset.incarnation
-PROTOCOL_VERSION = 6
+# 5: Heartbeat.incarnation, Handshake.incarnation, Reset, ErrorCode.PEER_RESET; 6: Reset.incarnation;
+# 7: incarnations grow with their channel's start time (INCARNATION_RANDOM_BITS), so lives can be ordered
+PROTOCOL_VERSION = 7
+# The low bits of an incarnation that are random; above them, the channel's start time in ms since the epoch.
+INCARNATION_RANDOM_BITS = 20
 MAX_SHAPE_DIMS = 8
 MAX_ID_CHARS = 512
 MAX_TEXT_CHARS = 4096
@@ -62,8 +66,10 @@ Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
 DType = Annotated[str, Meta(min_length=1, max_length=64)]
 Pair = tuple[NonNeg, NonNeg]
-# A channel's incarnation: random per Channel object (a process, or a channel, restarted under the same peer id has
-# another), never 0 from a channel; 0: not given (a hand-made message), never compared.
+# A channel's incarnation: new per Channel object (a process, or a channel, restarted under the same peer id has
+# another): its start time in ms, then INCARNATION_RANDOM_BITS random bits, so a later life of a peer id has a larger
+# one (hosts' clocks apart by less than the time between two lives); never 0 from a channel; 0: not given (a
+# hand-made message), never compared.
 Incarnation = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 # The one life a Reset is for: always named (a Reset for whichever life answers is what went wrong before).
 LostIncarnation = Annotated[int, Meta(ge=1, le=2**63 - 1)]
@@ -349,7 +355,7 @@ class ErrorMsg(_Tagged, frozen=True, forbid_unknown_fields=True, tag="err"):
 class Heartbeat(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hb"):
     """``sent_ns`` is the sender's monotonic clock: echoed back for RTT, never compared across hosts.
 
-    ``incarnation`` is the sending channel's (its echo carries the echoing channel's): random per channel, so a
+    ``incarnation`` is the sending channel's (its echo carries the echoing channel's): new per channel, so a
     peer id whose process restarted, even at the same address, is told apart from its earlier life. A channel
     sends one first on every new path to a peer, so it is the first thing a peer hears of each life."""
 

@@ -28,7 +28,7 @@ Threads (all named ``ncclkv-channel-*``, all joined by :meth:`Channel.close`):
   anyway (a handler raised ``SystemExit``), the channel stops serving: its
   peers get a ``Bye``, its calls raise :class:`ClosedError`.
 
-Each channel has a random :attr:`Channel.incarnation`, in its heartbeats
+Each channel has a new :attr:`Channel.incarnation` (:func:`new_incarnation`), in its heartbeats
 (the first frame it sends on every new path) and handshakes: a peer id heard
 with another one restarted, and its earlier life is reported lost at once
 (:class:`PeerResetError`), before a frame of the new one is handled. A peer
@@ -62,6 +62,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -75,9 +76,9 @@ from ._peers import Budget, Counters, PeerTable
 from ._timeout import check_timeout
 from .auth import ChannelAuth, curve_key, load_channel_auth
 from .errors import ClosedError, PeerClosedError, PeerLostError, PeerResetError, TransferTimeout
-from .protocol import Envelope, ErrorMsg, Message, encode
+from .protocol import INCARNATION_RANDOM_BITS, Envelope, ErrorMsg, Message, encode
 
-__all__ = ["THREAD_PREFIX", "Channel", "ChannelStats", "MessageHandler", "PeerLostHandler", "ReplyThen"]
+__all__ = ["THREAD_PREFIX", "Channel", "ChannelStats", "MessageHandler", "PeerLostHandler", "ReplyThen", "new_incarnation"]
 
 log = logging.getLogger("ncclkv.channel")
 
@@ -157,7 +158,7 @@ class Channel:
         # This channel's life under its peer id, in its heartbeats (the first frame on each path) and handshakes:
         # a peer that hears another one under our id takes this one as lost (a process restarted at once, even
         # at the same address, is told apart).
-        self.incarnation = secrets.randbits(63) or 1
+        self.incarnation = new_incarnation()
         self._lock = threading.Lock()
         self._closed = False
         self._addresses: dict[str, str] = {}  # peer id -> the address connect() last opened its DEALER to
@@ -464,6 +465,14 @@ class Channel:
         for entry in entries:
             self._finish(entry, None, _stamped(kind(f"peer {peer_id!r} lost while waiting for a reply: {reason}"), seq))
         self._dispatcher.put_lost(peer_id, _stamped(kind(f"peer {peer_id!r} lost: {reason}"), seq))
+
+
+def new_incarnation() -> int:
+    """A channel's incarnation: now in ms since the epoch, then ``INCARNATION_RANDOM_BITS`` random bits (63 bits
+    until the year 4200). Unique per channel, and a later life of a peer id has a larger one, so a reference to
+    an earlier life than the one alive is told stale (``engine._links``) as long as the hosts' clocks are closer
+    than the time between two lives (a process restart)."""
+    return (time.time_ns() // 1_000_000) << INCARNATION_RANDOM_BITS | secrets.randbits(INCARNATION_RANDOM_BITS)
 
 
 def _stamped(error: PeerLostError, seq: int) -> PeerLostError:

@@ -8,8 +8,9 @@ an :class:`Envelope`::
 ``msg_id`` is unique per sender; a reply carries the request's ``msg_id`` in
 ``reply_to``. ``body`` is one of the tagged messages of :data:`Message` (tags:
 ``hs hs_ack pull push ann ack ready done err hb bye reset``). ``Heartbeat`` and
-``Handshake`` carry the sending channel's ``incarnation`` (random per channel, so
-a peer id restarted is told from its earlier life; 0: not given, never
+``Handshake`` carry the sending channel's ``incarnation`` (new per channel,
+growing with its start time, so a peer id restarted is told from its earlier
+life, and the later of two lives has the larger one; 0: not given, never
 compared); ``Reset`` carries the receiver's, the one life it is for (never 0:
 a channel acts only on a Reset naming its own). Every field is required on the
 wire except ``Announce.piece`` (absent: nil, the whole route; :func:`encode`

@@ -217,7 +217,7 @@ class EngineRef:
             raise ValueError(f"engine reference is missing {err.args[0]!r}: {data!r}") from None
 
 
-_MAX_INCARNATION = 2**63 - 1  # a channel's incarnation is 63 random bits (ncclkv.channel)
+_MAX_INCARNATION = 2**63 - 1  # a channel's incarnation fits 63 bits (ncclkv.channel.new_incarnation)
 _HEX_INCARNATION = re.compile(r"0x[0-9a-f]{1,16}")
 
 

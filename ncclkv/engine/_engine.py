@@ -113,7 +113,7 @@ class TransferEngine:
 
     @property
     def incarnation(self) -> int:
-        """This rank's life under its peer id (its channel's random incarnation), for the :class:`EngineRef`
+        """This rank's life under its peer id (its channel's incarnation), for the :class:`EngineRef`
         beside its address: a peer refuses at once a reference to a life it saw replaced."""
         return self._channel.incarnation
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
@@ -44,7 +45,7 @@ from msgspec.structs import replace
 from ..channel import Channel, ReplyThen
 from ..errors import (ClosedError, HandshakeError, PeerClosedError, PeerLostError, PeerResetError, ProtocolError,
                       TransferTimeout)
-from ..protocol import Handshake, Message, check_compatible
+from ..protocol import INCARNATION_RANDOM_BITS, Handshake, Message, check_compatible
 from ..transport import LinkBase, LinkFactory
 from ..transport._pipe import settle
 from ._config import peer_id
@@ -519,7 +520,7 @@ class PeerLinks:
         if lives.incarnation != incarnation:
             log.info("peer %s: incarnation %#x at %s replaced incarnation %#x at %s", peer_id, incarnation, address,
                      lives.incarnation, lives.address)
-            lives.superseded.pop(incarnation, None)  # never there (random 63 bits), but never both at once
+            lives.superseded.pop(incarnation, None)  # never there (new per channel), but never both at once
             lives.superseded[lives.incarnation] = lives.address
             while len(lives.superseded) > MAX_SUPERSEDED_LIVES:
                 lives.superseded.popitem(last=False)
@@ -540,20 +541,33 @@ class PeerLinks:
         if lives is None or incarnation == lives.incarnation:
             return None
         if incarnation:
-            if incarnation not in lives.superseded:
+            if incarnation in lives.superseded:
+                was_at = lives.superseded[incarnation]
+            elif incarnation < lives.incarnation and self._hears(peer_id, lives):
+                # Never met, and started before the life alive now (incarnations grow with their start time): an
+                # earlier life, restarted since. Not a restart to come, which would have the larger incarnation.
+                return (f"stale reference to {peer_id!r}: it names {control_addr!r} (incarnation {incarnation:#x}, "
+                        f"started {_started(incarnation)}), a life of that peer id earlier than incarnation "
+                        f"{lives.incarnation:#x} (started {_started(lives.incarnation)}), alive at {lives.address!r}; "
+                        f"the request is not sent (it cannot be held by the current life, and moving to the old "
+                        f"address would reset it)")
+            else:
                 return None
-            was_at = lives.superseded[incarnation]
         else:
             if control_addr == lives.address or control_addr not in lives.superseded.values():
                 return None
-            if (not self._channel.peer_alive(peer_id) or self._channel.connected_address(peer_id) != lives.address
-                    or self._channel.peer_incarnation(peer_id) != lives.incarnation):
+            if not self._hears(peer_id, lives):
                 return None
             was_at = control_addr
         named = f"incarnation {incarnation:#x}" if incarnation else "no incarnation"
         return (f"stale reference to {peer_id!r}: it names {control_addr!r} ({named}), a life of that peer id "
                 f"(at {was_at!r}) replaced since by incarnation {lives.incarnation:#x} at {lives.address!r}; "
                 f"the request is not sent (it cannot be held by the current life, and moving back would reset it)")
+
+    def _hears(self, peer_id: str, lives: _Lives) -> bool:
+        """Under the lock: whether the channel hears the current life of ``peer_id``, where we met it."""
+        return (self._channel.peer_alive(peer_id) and self._channel.connected_address(peer_id) == lives.address
+                and self._channel.peer_incarnation(peer_id) == lives.incarnation)
 
     def _current(self, peer: Peer, control_addr: str, need_link: bool) -> bool:
         """Under the lock: whether ``ensure`` may use ``peer`` as it is: usable, not lost by the channel (the
@@ -603,3 +617,9 @@ def _close_link(peer: Peer) -> None:
 def _close_opened(link: Future[LinkBase]) -> None:
     if not link.cancelled() and link.exception() is None:
         link.result().close()
+
+
+def _started(incarnation: int) -> str:
+    """When the channel of ``incarnation`` started (UTC), for messages."""
+    ms = incarnation >> INCARNATION_RANDOM_BITS
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ms / 1000)) + f".{ms % 1000:03d} UTC"

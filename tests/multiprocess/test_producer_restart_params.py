@@ -136,3 +136,35 @@ def test_a_handshake_naming_a_replaced_life_at_the_same_address_is_refused_at_on
         assert consumer.call("ensure", key="fx-d", peer_id="fx-p.r0", control_addr=addr,
                              incarnation=incarnation)[0] == "ok"
     assert _pull(new, consumer, ref_new, _req("f2", 3, 2)).ok  # the live one left alone
+
+
+def test_params_of_an_earlier_life_the_consumer_never_met_fail_at_once(procs: Pool) -> None:
+    """The consumer met only the restarted producer; then a request carries params of the life before it (a
+    client's retry, a slow proxy). Never heard of, that incarnation looked like a restart to come: the consumer
+    moved to the dead address, reset the live producer (its load in flight failed at once) and waited deadline_s
+    there. Incarnations grow with their channel's start time (protocol 7): one below the live life's is an
+    earlier life, refused at once, naming both, and the live producer is left alone."""
+    old, consumer, new = procs[0], procs[1], procs[2]
+    ref_old = _build(old, "fx-p", "producer")
+    old.kill()  # never pulled from: the consumer knows nothing of this life
+    ref_new = _build(new, "fx-p", "producer")
+    _build(consumer, "fx-d", "consumer")
+    (dead,), (live,) = ref_old.control_addrs, ref_new.control_addrs
+    (inc_old,), (inc_new,) = ref_old.incarnations, ref_new.incarnations
+    assert inc_old < inc_new
+    assert _pull(new, consumer, ref_new, _req("f1", 2, 1)).ok
+    f2 = _req("f2", 3, 2)  # a load in flight from the live producer: its pull acknowledged, not held yet
+    consumer.call("expect", key="fx-d", producer=ref_new, reqs=[f2])
+    consumer.call("wait_acked", key="fx-d", rid="f2")
+    outcome = _stale_fails_fast(consumer, ref_old, _req("stale", 4, 3))
+    assert f"{inc_old:#x}" in outcome.message and f"{inc_new:#x}" in outcome.message, outcome
+    assert repr(dead) in outcome.message and repr(live) in outcome.message and "earlier than" in outcome.message
+    new.call("hold", key="fx-p", reqs=[f2])
+    assert consumer.call("wait", key="fx-d", reqs=[f2])["f2"].ok
+    assert _pull(new, consumer, ref_new, _req("f3", 5, 4)).ok
+    logs = consumer.call("logs")
+    assert [line for line in logs if f"is at {dead!r} now" in line] == [], logs  # never moved to the dead one
+    # A later life than the live one (a restart the consumer has yet to meet) is still followed: not refused.
+    kind, message, _ = consumer.call("ensure", key="fx-d", peer_id="fx-p.r0", control_addr=live,
+                                     incarnation=inc_new + 1)
+    assert kind == "ok", message

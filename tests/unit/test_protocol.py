@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import msgspec
 import pytest
@@ -13,6 +14,7 @@ from ncclkv import errors
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.layout._plan import plan
 from ncclkv.protocol import (
+    INCARNATION_RANDOM_BITS,
     MAX_SHAPE_DIMS,
     PROTOCOL_VERSION,
     Ack,
@@ -195,11 +197,24 @@ def test_a_reset_must_name_the_incarnation_it_is_for(mutate, needle: str) -> Non
     assert decode(encode(RESET)).body == Reset("nothing heard for more than deadline_s=3.0s", 0x5EED)
 
 
-def test_the_protocol_version_counts_reset_incarnation() -> None:
-    """6 added Reset.incarnation: a 5 and a 6 refuse each other's handshakes on the version."""
-    assert PROTOCOL_VERSION == 6
-    with pytest.raises(errors.HandshakeError, match="protocol_version mismatch: local 6, remote 5"):
-        check_compatible(handshake(), msgspec.structs.replace(handshake(role="consumer"), protocol_version=5))
+def test_the_protocol_version_counts_ordered_incarnations() -> None:
+    """6 added Reset.incarnation, 7 made incarnations grow with their channel's start time (a 6's are random, which
+    a 7 would misorder): each refuses the other's handshakes on the version."""
+    assert PROTOCOL_VERSION == 7
+    with pytest.raises(errors.HandshakeError, match="protocol_version mismatch: local 7, remote 6"):
+        check_compatible(handshake(), msgspec.structs.replace(handshake(role="consumer"), protocol_version=6))
+
+
+def test_a_later_channel_has_a_larger_incarnation() -> None:
+    from ncclkv.channel import new_incarnation
+
+    first = new_incarnation()
+    started_ms = first >> INCARNATION_RANDOM_BITS
+    while time.time_ns() // 1_000_000 <= started_ms:  # the next millisecond: the random bits order nothing within one
+        pass
+    later = [new_incarnation() for _ in range(64)]
+    assert all(first < i < 2**63 for i in later) and len(set(later)) > 60
+    assert abs((first >> INCARNATION_RANDOM_BITS) - time.time_ns() // 1_000_000) < 60_000
 
 
 def test_every_truncation_of_a_frame_is_refused() -> None:
