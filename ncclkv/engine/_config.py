@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Literal
 
 from .._affinity import cpus_from_setting
@@ -12,6 +13,7 @@ from .._env import env_settings
 from .._timeout import check_timeout
 from ..auth import ChannelAuth, load_channel_auth
 from ..layout import KVGeometry, ParallelLayout
+from ..protocol import MAX_ID_CHARS
 
 __all__ = [
     "DEFAULT_LAST_PIECE_BYTES", "EngineConfig", "EngineRef", "Role", "is_int", "parse_peer_id", "peer_id", "split_peer_id",
@@ -128,6 +130,8 @@ class EngineConfig:
             object.__setattr__(self, "deadline_s", settings.deadline_s)
         if self.heartbeat_s is None:
             object.__setattr__(self, "heartbeat_s", min(settings.heartbeat_s, self.deadline_s / 4))
+        if self.deadline_s < _MIN_DEADLINE_S:  # torch's store counts whole milliseconds: 0 would be no deadline
+            raise ValueError(f"deadline_s={self.deadline_s:g} must be at least {_MIN_DEADLINE_S:g} s")
         if self.heartbeat_s >= self.deadline_s:  # else a peer would be lost between two of its heartbeats
             raise ValueError(f"heartbeat_s={self.heartbeat_s:g} must be below deadline_s={self.deadline_s:g}")
         if self.staging_bytes is None:
@@ -163,7 +167,16 @@ class EngineRef:
 
     def __post_init__(self) -> None:
         _check_engine_id(self.engine_id)
+        if not isinstance(self.layout, ParallelLayout):
+            raise ValueError(f"engine {self.engine_id!r}: layout must be a ParallelLayout, got {self.layout!r}")
+        if isinstance(self.control_addrs, (str, bytes)) or not isinstance(self.control_addrs, (list, tuple)):
+            raise ValueError(f"engine {self.engine_id!r}: control_addrs must be a list of addresses, got "
+                             f"{self.control_addrs!r:.200}")
         object.__setattr__(self, "control_addrs", tuple(self.control_addrs))
+        bad = [a for a in self.control_addrs if not isinstance(a, str) or not 1 <= len(a) <= MAX_ID_CHARS]
+        if bad:
+            raise ValueError(f"engine {self.engine_id!r}: control addresses must be strs like 'tcp://host:port', "
+                             f"got {bad[:4]!r:.200}")
         object.__setattr__(self, "incarnations", tuple(self.incarnations))
         if len(self.control_addrs) != self.layout.world_size:
             raise ValueError(
@@ -200,7 +213,10 @@ class EngineRef:
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> EngineRef:
         """The reference :meth:`to_dict` made; ``incarnations`` may be absent (a build that did not carry them, or
-        none known): the ranks' lives are then not known."""
+        none known): the ranks' lives are then not known. Anything else is a ValueError naming it (it comes from
+        other engines through clients)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"engine reference must be a dict, got {type(data).__name__}: {data!r:.200}")
         try:
             partition = data.get("layer_partition")
             sizes = {name: data[name] for name in ("tp_size", "pp_size")}
@@ -211,12 +227,13 @@ class EngineRef:
             if partition and (not isinstance(partition, (list, tuple)) or not all(map(is_int, partition))):
                 raise ValueError(f"engine reference layer_partition must be a list of ints, got {partition!r}")
             layout = ParallelLayout(sizes["tp_size"], sizes["pp_size"], tuple(partition) if partition else None)  # type: ignore[arg-type]
-            return cls(str(data["engine_id"]), layout, tuple(str(a) for a in data["control_addrs"]),  # type: ignore[union-attr]
+            return cls(data["engine_id"], layout, data["control_addrs"],  # type: ignore[arg-type]
                        _incarnations(data.get("incarnations")))
         except KeyError as err:
             raise ValueError(f"engine reference is missing {err.args[0]!r}: {data!r}") from None
 
 
+_MIN_DEADLINE_S = 0.001
 _MAX_INCARNATION = 2**63 - 1  # a channel's incarnation fits 63 bits (ncclkv.channel.new_incarnation)
 _HEX_INCARNATION = re.compile(r"0x[0-9a-f]{1,16}")
 

@@ -278,13 +278,16 @@ def test_wire_cache_bytes_bounds_the_free_buffers_kept() -> None:
             EngineConfig("bad", 0, layout, GQA, wire_cache_bytes=bad)  # type: ignore[arg-type]
 
 
-def test_a_heartbeat_not_below_the_deadline_is_refused_by_the_config() -> None:
+def test_a_deadline_the_store_cannot_keep_or_a_heartbeat_not_below_it_is_refused_by_the_config() -> None:
     """A peer silent for deadline_s is lost, so a heartbeat as slow would lose every live peer: refused when the
     config is made, naming both, not later when the channel is built; an unset one defaults below deadline_s."""
     layout = ParallelLayout(1, 1)
     with pytest.raises(ValueError, match=r"heartbeat_s=12 must be below deadline_s=10"):
         EngineConfig("bad", 0, layout, GQA, deadline_s=10.0, heartbeat_s=12.0)
     assert EngineConfig("ok", 0, layout, GQA, deadline_s=2.0).heartbeat_s <= 0.5
+    # torch's store rounds its timeout down to whole milliseconds: below one, TransferEngine() failed in torch.
+    with pytest.raises(ValueError, match=r"deadline_s=1e-06 must be at least 0.001 s"):
+        EngineConfig("bad", 0, layout, GQA, deadline_s=1e-6)
 
 
 def test_mismatched_geometry_fails_on_both_sides_naming_both_values(caplog: pytest.LogCaptureFixture) -> None:

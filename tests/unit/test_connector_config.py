@@ -105,6 +105,14 @@ def test_prefill_intent_accepts_proxy_params() -> None:
     ({"remote_engine": {**REF.to_dict(), "tp_size": float("inf")}}, "tp_size must be an int, got inf"),
     ({"remote_engine": {**REF.to_dict(), "pp_size": 2.0}}, "pp_size must be an int, got 2.0"),
     ({"remote_engine": {**REF.to_dict(), "layer_partition": ["a"]}}, "layer_partition must be a list of ints"),
+    # Before, engine_id None or 5 became 'None' or '5' (a peer to wait deadline_s for), addresses that were not
+    # strings failed at wait() in a TransferError, and a list for the reference raised AttributeError.
+    ({"remote_engine": {**REF.to_dict(), "engine_id": None}}, "engine_id must be 1-128 chars.*got None"),
+    ({"remote_engine": {**REF.to_dict(), "engine_id": 5}}, "engine_id must be 1-128 chars.*got 5"),
+    ({"remote_engine": {**REF.to_dict(), "control_addrs": [5001, 5002]}}, r"control addresses must be strs .*\[5001, 5002\]"),
+    ({"remote_engine": {**REF.to_dict(), "control_addrs": None}}, "control_addrs must be a list of addresses, got None"),
+    ({"remote_engine": {**REF.to_dict(), "control_addrs": "tcp://a:1"}}, "control_addrs must be a list of addresses"),
+    ({"remote_engine": [REF.to_dict()]}, "remote_engine must be an EngineRef dict"),
     ({"do_remote_decode": True}, "both do_remote_decode and do_remote_prefill"),
     ({"do_remote_prefill": 1}, "'do_remote_prefill'.* must be a bool"),
 ])
@@ -143,3 +151,11 @@ def test_import_ncclkv_connector_does_not_import_vllm() -> None:
     code = ("import sys, ncclkv, ncclkv.connector as c; c.NcclKVConfig.from_extra({}); "
             "assert 'vllm' not in sys.modules, 'vllm imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_engine_ref_from_dict_refuses_what_is_not_a_reference() -> None:
+    with pytest.raises(ValueError, match=r"engine reference must be a dict, got list"):
+        EngineRef.from_dict([REF.to_dict()])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"control addresses must be strs .*\[b'tcp://a:1'\]"):
+        EngineRef("x", ParallelLayout(1, 1), (b"tcp://a:1",))  # type: ignore[arg-type]
+    assert EngineRef.from_dict(json.loads(json.dumps(REF.to_dict()))) == REF
