@@ -29,7 +29,7 @@ from ..channel import Channel
 from ..buffer import KVStoreBuffer
 from ..errors import (CapacityError, ClosedError, HandshakeError, NcclKVError, PeerLostError, PeerResetError,
                       ProtocolError, ShapeMismatchError, TransferError, TransferTimeout)
-from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, Route, Span, SpanSet, cached_plan
+from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, Route, Span, SpanSet, cached_plan, pp_layer_spans
 from ..paged import SlotMap
 from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, PushOffer, RouteMsg
 from ..transport import LinkBase
@@ -657,7 +657,19 @@ class ConsumerSide:
         pull = PullRequest(request_id, self._rank, self._engine_id, tuple(RouteMsg.from_route(r) for r in routes),
                            tokens.bounds.stop)
         return self._peers.request(producer.peer_id(src), producer.control_addrs[src], pull, bool(routes),
-                                   f"pull of {request_id}", incarnation=producer.incarnation(src))
+                                   f"pull of {request_id}", incarnation=producer.incarnation(src),
+                                   check=partial(self._check_layout, request_id, producer))
+
+    def _check_layout(self, request_id: str, producer: EngineRef, peer: Peer) -> None:
+        """The layout the reference gave (what the routes were planned from) is the one the producer shook hands
+        with; else the pull would be refused by the producer's plan, naming routes instead of the cause."""
+        said, runs = producer.layout, peer.remote.layout.to_layout()
+        layers = self._geometry.num_layers
+        if (said.tp_size, said.pp_size) != (runs.tp_size, runs.pp_size) or (
+                pp_layer_spans(layers, said.pp_size, said.layer_partition)
+                != pp_layer_spans(layers, runs.pp_size, runs.layer_partition)):
+            raise HandshakeError(f"request {request_id!r}: the reference to {producer.engine_id!r} says layout "
+                                 f"{said.spec()}, its rank {peer.peer_id!r} shook hands with {runs.spec()}")
 
     def _landed(self, request_id: str, key: _Key, piece: Span, buf: torch.Tensor, fut: Future[torch.Tensor]) -> None:
         """On the link's receive thread (a done-callback of the receive): stage a landed tensor, or scatter it

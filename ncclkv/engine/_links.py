@@ -250,9 +250,10 @@ class PeerLinks:
                                                     lambda err: settle(link, error=err), open_link))
 
     def request(self, peer_id: str, control_addr: str, message: Message, need_link: bool, what: str,
-                incarnation: int = 0) -> Peer:
+                incarnation: int = 0, check: Callable[[Peer], None] | None = None) -> Peer:
         """Shake hands with ``peer_id`` if needed (:meth:`ensure`, ``incarnation`` as there) and send it the request
         ``message``; return once it is answered, with the handshake it went under (``what`` names it in the log).
+        ``check(peer)`` runs between the two: what it raises goes to the caller, nothing sent.
 
         Refused for want of a handshake, or failed by a reset of the peer (it had lost us, it restarted, it moved:
         :class:`PeerResetError`), the request goes once more under a new handshake."""
@@ -260,6 +261,8 @@ class PeerLinks:
             peer = None
             try:
                 peer = self.ensure(peer_id, control_addr, need_link, incarnation)
+                if check is not None:
+                    check(peer)
                 self._channel.request(peer_id, message, self._deadline_s)
                 return peer
             except PeerResetError as err:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from ncclkv.engine import EngineConfig, EngineRef, TransferEngine
-from ncclkv.errors import CapacityError, ClosedError, TransferError
+from ncclkv.errors import CapacityError, ClosedError, HandshakeError, TransferError
 from ncclkv.launch import free_port
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.paged import CacheLayout
@@ -163,6 +163,32 @@ def test_bad_request_arguments_are_refused_at_the_call_naming_them() -> None:
         start_pull("r", prefill, decode, 3, [1, 15, 15], [2, 14, 14], 20)
         consumer.wait("r", timeout_s=WAIT_S)
         assert decode[0].mismatches(3, [2, 14], 20, Span(0, 20)) == []
+
+
+def test_a_reference_whose_layout_differs_from_the_producers_handshake_fails_naming_both() -> None:
+    """The reference says tp=1,pp=2 while the producer runs tp=2: the routes were planned from the reference,
+    so the producer refused the pull naming routes ("asks routes ... but our plan gives ..."), not the cause.
+    The layout the producer shook hands with is checked first: a HandshakeError naming both, nothing pulled."""
+    hub = LoopbackHub()
+    two = ParallelLayout(2, 1)
+    prefill = build_sides("prefill", two, GQA, CacheLayout.CPU, 16, "producer",
+                          transports=[LoopbackTransport(hub), LoopbackTransport(hub)])
+    decode = _sides(hub, "decode", "consumer")
+    try:
+        for side in prefill:
+            side.fill(seed=4, block_ids=[1, 2], num_tokens=20)
+            side.engine.finish("r", [1, 2], 20)
+        decode[0].engine.expect("r", engine_ref("prefill", ParallelLayout(1, 2), prefill), [3, 4], 20)
+        with pytest.raises(HandshakeError, match=r"'r': the reference to 'prefill' says layout tp=1,pp=2, its rank "
+                                                 r"'prefill.r[01]' shook hands with tp=2,pp=1"):
+            decode[0].engine.wait("r", timeout_s=WAIT_S)
+        decode[0].engine.expect("s", engine_ref("prefill", two, prefill), [5, 6], 20)  # the right one goes through
+        for side in prefill:
+            side.engine.finish("s", [1, 2], 20)
+        decode[0].engine.wait("s", timeout_s=WAIT_S)
+        assert decode[0].mismatches(4, [5, 6], 20, Span(0, 20)) == []
+    finally:
+        close_sides(prefill, decode)
 
 
 def test_an_expect_of_a_refused_push_fails_at_once_with_the_refusal() -> None:
