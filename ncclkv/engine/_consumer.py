@@ -65,6 +65,7 @@ class _Expected:
     announced: dict[_Key, SpanSet] = field(default_factory=dict)  # tokens of each slice announced so far
     landed: dict[_Key, SpanSet] = field(default_factory=dict)  # tokens of each slice scattered so far
     push: bool = False  # pushed: nothing arrives before the producer's prefill runs
+    num_tokens: int = 0  # push: the tokens expected (its offers must say as many)
     applying: int = 0  # scatters into the request's blocks running right now
     keep: int = 0  # tokens below this are already in the blocks (shared with other requests): never written
     unsent: int = 0  # pulls with routes not yet acknowledged by their producer rank (see _stall_at)
@@ -93,6 +94,7 @@ class _Staged:
     covered: int = 0  # slices whose every token landed
     reserved: int = 0
     error: BaseException | None = None
+    num_tokens: int = 0  # the tokens its offers say the push carries
     num_wanted: int = 0  # slices this rank receives for the push, from every producer rank
     blocks: BlockTokens | None = None  # what the staging events name (None: not reported)
     reported: StagingName | None = None  # set while a "stored" event stands for it
@@ -185,7 +187,7 @@ class ConsumerSide:
             remaining[layer] += 1
         now = self._clock.now()
         req = _Expected(request_id, producer, slots, pending, per_src, remaining, time.monotonic(), now, push=push,
-                        keep=keep_tokens, unsent=0 if push else sum(1 for src_routes in by_src.values() if src_routes),
+                        num_tokens=token_set.bounds.stop if push else 0, keep=keep_tokens, unsent=0 if push else sum(1 for src_routes in by_src.values() if src_routes),
                         since_seq=self._channel.loss_seq)
         staged_tensors: list[_StagedTensor] = []
         with self._cond:
@@ -198,6 +200,12 @@ class ConsumerSide:
                 raise ValueError(f"request {request_id!r} from {producer.engine_id!r} ended here unloaded "
                                  f"{max(0.0, self._clock.now() - ended[0]):.3g}s ago ({ended[2]}); its late tensors "
                                  f"may still come for hold_s={self._hold_s:g}s: pull it under a new request id")
+            pushed = None if push else self._staged.get(request_id)
+            if pushed is not None and pushed.producer_engine_id == producer.engine_id:
+                # Its tensors come unasked and wait in staging: a pull would wait deadline_s for an answer to it
+                # that the producer, pushing, never sends.
+                raise ValueError(f"request {request_id!r} is being pushed here by {producer.engine_id!r} (its "
+                                 f"tensors wait in staging): expect it with push=True")
             self._requests[request_id] = req
             self._plan_slices_locked(routes)
             refused = self._refused.pop(request_id, None) if push else None
@@ -211,6 +219,9 @@ class ConsumerSide:
                     req.error = ProtocolError(f"request {request_id!r} was pushed by {staged.producer_engine_id!r}, "
                                               f"expected from {producer.engine_id!r}")
                 req.error = req.error or staged.error
+                if req.error is None and staged.num_tokens != req.num_tokens:
+                    req.error = ShapeMismatchError(f"request {request_id!r} was pushed with {staged.num_tokens} "
+                                                   f"tokens, expected here with {req.num_tokens}")
                 self._report_removed(staged, "taken" if req.error is None else "failed")
                 staged_tensors = self._take_staged_locked(request_id, staged)
         if staged_tensors:
@@ -504,6 +515,13 @@ class ConsumerSide:
                 if req.producer.engine_id != offer.producer_engine_id:
                     raise ProtocolError(f"push of {offer.request_id!r} from engine {offer.producer_engine_id!r}, "
                                         f"expected from {req.producer.engine_id!r}")
+                mismatch = (f"expected here as a pull, not a push" if not req.push else
+                            f"expected here with {req.num_tokens} tokens, pushed with {offer.num_tokens}"
+                            if offer.num_tokens != req.num_tokens else None)
+                if mismatch is not None:  # fails here and there at once, not at a stall after deadline_s
+                    error = ShapeMismatchError(f"push of {offer.request_id!r} from {sender!r}: {mismatch}")
+                    self._fail_locked(req, error)
+                    raise error
                 return Ack(offer.request_id, None)
             staged = self._staged.get(offer.request_id)
             if staged is not None and staged.producer_engine_id != offer.producer_engine_id:
@@ -527,8 +545,8 @@ class ConsumerSide:
                 raise refusal
             if staged is None:
                 staged = self._staged[offer.request_id] = _Staged(
-                    offer.producer_engine_id, self._clock.now(), num_wanted=sum(len(r.layers) for r in want),
-                    blocks=blocks)
+                    offer.producer_engine_id, self._clock.now(), num_tokens=offer.num_tokens,
+                    num_wanted=sum(len(r.layers) for r in want), blocks=blocks)
             elif staged.blocks != blocks:  # producer ranks disagree on what they push: report nothing
                 staged.blocks = None
             staged.keys |= keys

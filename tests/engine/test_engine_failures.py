@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from ncclkv.engine import EngineConfig, EngineRef, TransferEngine
-from ncclkv.errors import CapacityError, ClosedError, HandshakeError, TransferError
+from ncclkv.errors import CapacityError, ClosedError, HandshakeError, ShapeMismatchError, TransferError
 from ncclkv.launch import free_port
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.paged import CacheLayout
@@ -189,6 +189,43 @@ def test_a_reference_whose_layout_differs_from_the_producers_handshake_fails_nam
         assert decode[0].mismatches(4, [5, 6], 20, Span(0, 20)) == []
     finally:
         close_sides(prefill, decode)
+
+
+def test_a_push_and_an_expect_that_disagree_fail_at_once_naming_both() -> None:
+    """Before, a push staged with 20 tokens and expected with 16 stalled deadline_s ("no progress"), naming
+    neither count; an offer of 20 tokens for a push expected with 30 failed at its first announcement naming
+    a route; and a pull of a request being pushed here waited deadline_s for an answer the pushing producer
+    never sends."""
+    with _pair(producer=dict(deadline_s=30.0), consumer=dict(deadline_s=30.0)) as (prefill, decode):
+        producer, consumer = prefill[0].engine, decode[0].engine
+        to_decode, ref = engine_ref("decode", ONE, decode), engine_ref("prefill", ONE, prefill)
+
+        def push(rid: str) -> None:
+            prefill[0].fill(seed=6, block_ids=[1, 2], num_tokens=20)
+            producer.start_push(rid, to_decode, [1, 2], 20)
+            for layer in range(GQA.num_layers):
+                producer.save_layer(rid, layer)
+            producer.finish(rid)
+
+        push("staged")
+        _until(lambda: consumer._consumer._staged.get("staged"), "the push staged")  # noqa: SLF001
+        with pytest.raises(ValueError, match=r"'staged' is being pushed here by 'prefill' .*expect it with push=True"):
+            consumer.expect("staged", ref, [3, 4], 20)
+        started = time.monotonic()
+        consumer.expect("staged", ref, [3, 4], 16, push=True)
+        with pytest.raises(ShapeMismatchError, match=r"'staged' was pushed with 20 tokens, expected here with 16"):
+            consumer.wait("staged", timeout_s=WAIT_S)
+        consumer.expect("early", ref, [5, 6], 30, push=True)
+        push("early")
+        with pytest.raises(ShapeMismatchError, match=r"push of 'early' from 'prefill.r0': expected here with 30 "
+                                                     r"tokens, pushed with 20"):
+            consumer.wait("early", timeout_s=WAIT_S)
+        assert isinstance(_sent(prefill[0], "early"), ShapeMismatchError)  # the producer hears it too
+        assert time.monotonic() - started < 10  # not deadline_s (30 s)
+        push("fine")  # the same engines go on
+        consumer.expect("fine", ref, [7, 8], 20, push=True)
+        consumer.wait("fine", timeout_s=WAIT_S)
+        assert decode[0].mismatches(6, [7, 8], 20, Span(0, 20)) == []
 
 
 def test_an_expect_of_a_refused_push_fails_at_once_with_the_refusal() -> None:
