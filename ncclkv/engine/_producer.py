@@ -316,8 +316,10 @@ class ProducerSide:
         peer = self._peers.get(sender)
         assert peer is not None
         consumer_layout = peer.remote.layout.to_layout()
-        if any(r.tokens.stop > held.num_tokens for r in routes):
-            raise ShapeMismatchError(f"pull for {pull.request_id!r} asks tokens beyond the {held.num_tokens} held")
+        asked = max((r.tokens.stop for r in routes), default=0)
+        if asked > held.num_tokens:
+            raise ShapeMismatchError(f"pull for {pull.request_id!r} asks tokens up to {asked}, beyond the "
+                                     f"{held.num_tokens} held")
         with self._lock:
             # Checked and counted at once: once released (or reported), its blocks may be reused.
             if self._held.get(pull.request_id) is not held or held.released:

@@ -222,6 +222,10 @@ def test_a_push_and_an_expect_that_disagree_fail_at_once_naming_both() -> None:
             consumer.wait("early", timeout_s=WAIT_S)
         assert isinstance(_sent(prefill[0], "early"), ShapeMismatchError)  # the producer hears it too
         assert time.monotonic() - started < 10  # not deadline_s (30 s)
+        producer.finish("short", [9, 10], 20)  # a pull of more tokens than held: both counts named
+        consumer.expect("short", ref, [11, 12], 30)
+        with pytest.raises(ShapeMismatchError, match=r"'short' asks tokens up to 30, beyond the 20 held"):
+            consumer.wait("short", timeout_s=WAIT_S)
         push("fine")  # the same engines go on
         consumer.expect("fine", ref, [7, 8], 20, push=True)
         consumer.wait("fine", timeout_s=WAIT_S)
