@@ -203,6 +203,14 @@ def configure_curve_client(sock: zmq.Socket, auth: ChannelAuth, server_key: byte
     sock.setsockopt(zmq.CURVE_SERVERKEY, server_key or curve.server_key)
 
 
+class _Misaddressed(ProtocolError):
+    """An authentic frame on our DEALER to one peer id that names another sender: that address is the other's."""
+
+    def __init__(self, sender: str, text: str) -> None:
+        super().__init__(text)
+        self.sender = sender
+
+
 class FrameGate:
     """Admission of incoming frames, and sealing of outgoing ones, for one channel (I/O thread only)."""
 
@@ -215,8 +223,11 @@ class FrameGate:
         counters: Counters,
         next_msg_id: Callable[[], int],
         peer_keys: Mapping[str, str] | None = None,
+        misaddressed: Callable[[str, str], None] | None = None,
     ) -> None:
         self._peer_id = peer_id
+        # (peer id, the one that answered): a frame on our DEALER to a peer came from another channel.
+        self._misaddressed = misaddressed
         # CURVE: peer id -> the Z85 public key it proved as a server (read on the I/O thread only).
         self._peer_keys: Mapping[str, str] = {} if peer_keys is None else peer_keys
         self._max_frame_bytes = max_frame_bytes
@@ -239,6 +250,9 @@ class FrameGate:
         try:
             envelope = decode(self._open(name, origin, routing_id, payload, client_key), self._max_frame_bytes)
             if envelope.sender != name:
+                if routing_id is None:  # on our DEALER to ``name``: the address we reach it at is another's
+                    raise _Misaddressed(envelope.sender, f"frame names sender {envelope.sender!r} but came on our "
+                                                         f"connection to {name!r}")
                 raise ProtocolError(f"frame names sender {envelope.sender!r} but came from {name!r}")
         except AuthenticationError as exc:  # a ProtocolError too: caught first, as it goes unanswered
             self._counters.auth_failures += 1
@@ -246,6 +260,8 @@ class FrameGate:
             return None
         except ProtocolError as exc:
             self.reject(sock, routing_id, origin, exc, renamed=_renamed_by_zmq(origin))
+            if isinstance(exc, _Misaddressed) and self._misaddressed is not None:
+                self._misaddressed(name, exc.sender)
             return None
         return envelope
 

@@ -61,6 +61,7 @@ class _Link:
     dealer: zmq.Socket | None = None  # set when we connected to the peer
     routing_id: bytes | None = None  # set when the peer connected to us
     client_key: str | None = None  # CURVE: the key (Z85) of the client on that connection
+    address: str = ""  # where the dealer connects
 
 
 class IoLoop:
@@ -99,7 +100,7 @@ class IoLoop:
         self._keys: dict[str, str] = {}
         self._gate = FrameGate(
             peer_id=peer_id, max_frame_bytes=max_frame_bytes, auth=auth, counters=counters,
-            next_msg_id=peers.next_msg_id, peer_keys=self._keys,
+            next_msg_id=peers.next_msg_id, peer_keys=self._keys, misaddressed=self._misaddressed,
         )
         self._zap: ZapGuard | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -328,7 +329,7 @@ class IoLoop:
             self._declare_lost(peer_id, f"cannot connect to {address!r}: {type(exc).__name__}: {exc}")
             return
         self._poller.register(dealer, zmq.POLLIN)
-        self._links[peer_id] = _Link(dealer=dealer)
+        self._links[peer_id] = _Link(dealer=dealer, address=address)
         self._greet(peer_id)
 
     def _send(self, peer_id: str, frame: bytes, counted: bool = False) -> None:
@@ -515,6 +516,15 @@ class IoLoop:
         for peer_id in list(self._links):
             if peer_id in self._links:  # a failed send may have dropped it meanwhile
                 self._send(peer_id, self._frame(beat, None))
+
+    def _misaddressed(self, peer_id: str, answered_as: str) -> None:
+        """An authentic frame on our DEALER to ``peer_id`` came from ``answered_as``'s channel: the address we
+        were given for ``peer_id`` is another peer's (a reference with ranks or engines mixed up). ``peer_id`` is
+        not there to answer: lost now, naming both, not after ``deadline_s`` of silence."""
+        link = self._links.get(peer_id)
+        address = repr(link.address) if link is not None and link.address else "its address"
+        self._declare_lost(peer_id, f"{address} answers as {answered_as!r}, not as {peer_id!r}: the address given "
+                                    f"for {peer_id!r} is another peer's")
 
     def _declare_lost(self, peer_id: str, reason: str) -> None:
         """Lose a peer whose send or connect failed (unless it was lost already)."""

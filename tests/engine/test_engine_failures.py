@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from ncclkv.engine import EngineConfig, EngineRef, TransferEngine
-from ncclkv.errors import CapacityError, ClosedError, HandshakeError, ShapeMismatchError, TransferError
+from ncclkv.errors import CapacityError, ClosedError, HandshakeError, PeerLostError, ShapeMismatchError, TransferError
 from ncclkv.launch import free_port
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.paged import CacheLayout
@@ -187,6 +187,28 @@ def test_a_reference_whose_layout_differs_from_the_producers_handshake_fails_nam
             side.engine.finish("s", [1, 2], 20)
         decode[0].engine.wait("s", timeout_s=WAIT_S)
         assert decode[0].mismatches(4, [5, 6], 20, Span(0, 20)) == []
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_a_reference_with_its_ranks_addresses_swapped_fails_at_once_naming_both() -> None:
+    """Rank 0's address is rank 1's and the reverse: each answered under its own name on our connection to the
+    other, a frame that was only logged and dropped, so the pull waited deadline_s ("nothing heard")."""
+    hub = LoopbackHub()
+    two = ParallelLayout(2, 1)
+    # The producer ranks' deadline bounds only their link openings for the handshakes they answered (the
+    # consumer dropped those at once): the close waits for them.
+    prefill = build_sides("prefill", two, GQA, CacheLayout.CPU, 16, "producer", deadline_s=3.0,
+                          transports=[LoopbackTransport(hub), LoopbackTransport(hub)])
+    decode = _sides(hub, "decode", "consumer", deadline_s=30.0)
+    try:
+        swapped = EngineRef("prefill", two, (prefill[1].engine.address, prefill[0].engine.address))
+        started = time.monotonic()
+        decode[0].engine.expect("r", swapped, [3, 4], 20)
+        with pytest.raises(PeerLostError, match=r"answers as 'prefill.r[01]', not as 'prefill.r[01]': the address "
+                                                r"given for 'prefill.r[01]' is another peer's"):
+            decode[0].engine.wait("r", timeout_s=WAIT_S)
+        assert time.monotonic() - started < 10  # not deadline_s (30 s)
     finally:
         close_sides(prefill, decode)
 

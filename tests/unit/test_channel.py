@@ -927,3 +927,23 @@ def test_a_reset_owed_to_a_lost_life_does_not_reach_the_next_life_it_connects_to
     assert new.stats.stale_resets == 1 and new.stats.peers_lost == 0
     assert new.request("A", Ready("back"), timeout_s=5) == Ack("back", None)  # A is still its peer
     assert len(lost_by_a) == 1 and a.peer_incarnation("B") == new.incarnation
+
+
+def test_an_address_that_answers_as_another_peer_loses_the_one_named_at_once(make_channel: Callable[..., Channel]) -> None:
+    """A reference with ranks (or engines) mixed up gives b's address for c. b answers on our DEALER to c under
+    its own name: c is not there, so it is lost at once, naming both, instead of a wait of deadline_s for a c
+    that never speaks (the frame was only logged and dropped). b itself, reached at its own address, is fine."""
+    lost: list[tuple[str, BaseException]] = []
+    c_lost = threading.Event()
+    a = make_channel("a", on_peer_lost=lambda p, e: (lost.append((p, e)), c_lost.set()), heartbeat_s=0.2,
+                     deadline_s=30.0)
+    b = make_channel("b", on_message=ack_ready, heartbeat_s=0.2, deadline_s=30.0)
+    a.connect("c", b.address)
+    started = time.monotonic()
+    with pytest.raises(errors.PeerLostError, match=rf"'{re.escape(b.address)}' answers as 'b', not as 'c': the "
+                                                   r"address given for 'c' is another peer's"):
+        a.request("c", Ready("to c"), timeout_s=20)
+    assert c_lost.wait(WAIT_S) and [p for p, _ in lost] == ["c"], lost
+    assert time.monotonic() - started < 10  # not deadline_s (30 s)
+    a.connect("b", b.address)
+    assert a.request("b", Ready("to b"), timeout_s=5) == Ack("to b", None)
