@@ -38,7 +38,7 @@ from ._auth import FrameGate, ZapGuard, configure_curve_client
 from ._clock import ActiveClock
 from ._peers import MAX_LOST_PEERS, Counters, PeerTable
 from .auth import ChannelAuth
-from .errors import TransferTimeout
+from .errors import ProtocolError, TransferTimeout
 from .protocol import MAX_TEXT_CHARS, Bye, Envelope, Handshake, Heartbeat, Reset, encode
 
 __all__ = ["IoLoop"]
@@ -431,6 +431,13 @@ class IoLoop:
         sender, body = envelope.sender, envelope.body
         # Each life of a peer id starts every path to us with a heartbeat naming it (see _greet).
         incarnation = body.incarnation if isinstance(body, Heartbeat | Handshake) else 0
+        current = self._peers.replaced_life(sender, incarnation) if incarnation else 0
+        if current:  # refused, answered: a second process under the id hears why its requests fail
+            self._gate.reject(sock, routing_id, origin, ProtocolError(
+                f"{sender!r} incarnation {incarnation:#x} was replaced by {current:#x}, which speaks under that id "
+                f"now: a late frame of a dead process, or two live processes share the peer id (each engine needs "
+                f"an engine_id of its own)"))
+            return
         replaced = self._peers.heard(sender, self._clock.now(), incarnation)
         if replaced:  # before anything of the new one is handled: the earlier one is lost
             self._restarted(sender, replaced, incarnation, via_router=routing_id is not None)
@@ -449,7 +456,7 @@ class IoLoop:
             else:  # another life: it holds nothing of ours
                 del self._reset_due[sender]
         if isinstance(body, Bye):
-            if self._peers.mark_lost(sender):
+            if self._peers.mark_lost(sender, "it closed its channel"):
                 self._lose(sender, "it closed its channel", "closed")
             return
         if isinstance(body, Reset):
@@ -528,7 +535,7 @@ class IoLoop:
 
     def _declare_lost(self, peer_id: str, reason: str) -> None:
         """Lose a peer whose send or connect failed (unless it was lost already)."""
-        if self._peers.mark_lost(peer_id):
+        if self._peers.mark_lost(peer_id, reason):
             self._lose(peer_id, reason)
         else:
             self._drop_link(peer_id)

@@ -59,13 +59,20 @@ class Budget:
         return refused
 
 
+_REPLACED_KEPT = 8  # replaced incarnations remembered per peer id
+
+
 @dataclass(slots=True)
 class _PeerState:
     last_heard: float  # the channel clock (ncclkv._clock) at the last frame from the peer, or at connect()
     last_echo: float  # the same clock at the last echo of our heartbeats from it, or when it became known
     lost: bool = False
+    lost_why: str = ""  # why it was lost (set with ``lost``), for calls that find it so
     rtt_s: float | None = None
     incarnation: int = 0  # the peer's channel incarnation, from its frames (0: none heard yet, or a raw client)
+    # Incarnations this one replaced (the last few): one of them heard again, earlier than this one, is a late
+    # frame of a dead life or a second process under the peer id, never a restart (see replaced_life).
+    replaced: tuple[int, ...] = ()
 
 
 class PeerTable:
@@ -136,7 +143,21 @@ class PeerTable:
             if replaced:
                 state.last_echo = max(state.last_echo, now)
                 state.rtt_s = None
+                state.replaced = (*state.replaced, replaced)[-_REPLACED_KEPT:]
             return replaced
+
+    def replaced_life(self, peer_id: str, incarnation: int) -> int:
+        """The current incarnation of ``peer_id`` when ``incarnation`` is one it replaced, and earlier (incarnations
+        grow with their channel's start time), else 0. Such a frame is a late one of a dead life, or comes from a
+        second live process under the peer id: taken as a restart, it would lose the live one (and the next frame
+        of that one the other again). A smaller incarnation never heard is still a restart: it may be a later
+        life on a host whose clock is behind."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            if (state is None or state.lost or not incarnation or incarnation >= state.incarnation
+                    or incarnation not in state.replaced):
+                return 0
+            return state.incarnation
 
     def renew(self, peer_id: str, now: float) -> None:
         """Start ``peer_id`` over, alive from ``now`` with no incarnation known (connected at a new address:
@@ -175,7 +196,13 @@ class PeerTable:
                     f"unknown peer {peer_id!r}: connect() to it first, or wait until it sends a message"
                 )
             if state.lost:
-                raise PeerLostError(f"peer {peer_id!r} is lost (nothing heard within the deadline)")
+                raise PeerLostError(f"peer {peer_id!r} is lost: {state.lost_why or 'nothing heard within the deadline'}")
+
+    def lost_why(self, peer_id: str) -> str:
+        """Why ``peer_id`` was lost; "" when it is not (or unknown)."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            return state.lost_why if state is not None and state.lost else ""
 
     def overdue(self, now: float, deadline_s: float) -> list[tuple[str, str]]:
         """Mark lost, and return with the reason, the alive peers not heard from for more than ``deadline_s``,
@@ -192,23 +219,23 @@ class PeerTable:
                 elif now - state.last_echo > deadline_s:
                     late.append((peer_id, f"none of our heartbeats echoed for more than deadline_s={deadline_s}s "
                                           "(what we send no longer reaches it: restarted under the same id?)"))
-            for peer_id, _ in late:
-                self._set_lost(peer_id)
+            for peer_id, why in late:
+                self._set_lost(peer_id, why)
             return late
 
-    def mark_lost(self, peer_id: str) -> bool:
-        """Mark ``peer_id`` lost now; False if it was unknown or already lost."""
+    def mark_lost(self, peer_id: str, why: str) -> bool:
+        """Mark ``peer_id`` lost now, for reason ``why``; False if it was unknown or already lost."""
         with self._lock:
             state = self._states.get(peer_id)
             if state is None or state.lost:
                 return False
-            self._set_lost(peer_id)
+            self._set_lost(peer_id, why)
             return True
 
-    def _set_lost(self, peer_id: str) -> None:
+    def _set_lost(self, peer_id: str, why: str) -> None:
         """Under the lock: mark lost, and forget the oldest lost peers past :data:`MAX_LOST_PEERS`
         (a stream of peers that each say hello once must not grow the table forever)."""
-        self._states[peer_id].lost = True
+        self._states[peer_id].lost, self._states[peer_id].lost_why = True, why
         self._lost[peer_id] = None
         while len(self._lost) > MAX_LOST_PEERS:
             oldest, _ = self._lost.popitem(last=False)

@@ -385,7 +385,8 @@ class Channel:
                 # Rechecked under this lock: _on_lost marks the peer lost before it takes this lock to fail
                 # its entries, so a loss since require_alive above is seen either here or by _on_lost.
                 if not self._peers.alive(peer_id):
-                    raise PeerLostError(f"peer {peer_id!r} was lost before {type(body).__name__} could be sent")
+                    raise PeerLostError(f"peer {peer_id!r} was lost before {type(body).__name__} could be sent: "
+                                        f"{self._peers.lost_why(peer_id) or 'nothing heard within the deadline'}")
                 self._pending[msg_id] = pending
             self._io.submit_send(peer_id, frame)
         return msg_id

@@ -381,7 +381,7 @@ def test_one_shot_peers_do_not_grow_the_peer_table() -> None:
     table = PeerTable()
     for index in range(MAX_LOST_PEERS + 10):
         table.heard(f"p{index}", 0.0)
-        assert table.mark_lost(f"p{index}")
+        assert table.mark_lost(f"p{index}", "test")
     with pytest.raises(ValueError, match="unknown peer 'p0'"):  # the oldest lost peers were forgotten
         table.require_alive("p0")
     with pytest.raises(errors.PeerLostError):  # the recent ones are still reported as lost
