@@ -470,7 +470,8 @@ class Channel:
 
 def new_incarnation() -> int:
     """A channel's incarnation: now in ms since the epoch, then ``INCARNATION_RANDOM_BITS`` random bits (63 bits
-    until the year 4200). Unique per channel, and a later life of a peer id has a larger one, so a reference to
+    until the year 2248). New per channel (two started in the same millisecond share one with odds of 1 in
+    2**20), and a later life of a peer id has a larger one, so a reference to
     an earlier life than the one alive is told stale (``engine._links``) as long as the hosts' clocks are closer
     than the time between two lives (a process restart)."""
     return (time.time_ns() // 1_000_000) << INCARNATION_RANDOM_BITS | secrets.randbits(INCARNATION_RANDOM_BITS)
