@@ -14,6 +14,7 @@ from . import errors
 from .layout import KVGeometry, ParallelLayout, Span
 
 __all__ = [
+    "INCARNATION_RANDOM_BITS",
     "MAX_EXTRA_KEYS",
     "MAX_ID_CHARS",
     "MAX_MODEL_DIM",
@@ -41,7 +42,6 @@ __all__ = [
     "Ready",
     "Reset",
     "RouteMsg",
-    "INCARNATION_RANDOM_BITS",
 ]
 
 # 2: PushOffer.blocks; gloo links carry frame headers (ncclkv.transport._framing); 3: Announce.piece; 4: Bye;

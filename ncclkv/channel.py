@@ -78,7 +78,8 @@ from .auth import ChannelAuth, curve_key, load_channel_auth
 from .errors import ClosedError, PeerClosedError, PeerLostError, PeerResetError, TransferTimeout
 from .protocol import INCARNATION_RANDOM_BITS, Envelope, ErrorMsg, Message, encode
 
-__all__ = ["THREAD_PREFIX", "Channel", "ChannelStats", "MessageHandler", "PeerLostHandler", "ReplyThen", "new_incarnation"]
+__all__ = ["THREAD_PREFIX", "Channel", "ChannelStats", "MessageHandler", "PeerLostHandler", "ReplyThen",
+           "new_incarnation"]
 
 log = logging.getLogger("ncclkv.channel")
 

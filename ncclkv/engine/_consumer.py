@@ -187,7 +187,8 @@ class ConsumerSide:
             remaining[layer] += 1
         now = self._clock.now()
         req = _Expected(request_id, producer, slots, pending, per_src, remaining, time.monotonic(), now, push=push,
-                        num_tokens=token_set.bounds.stop if push else 0, keep=keep_tokens, unsent=0 if push else sum(1 for src_routes in by_src.values() if src_routes),
+                        num_tokens=token_set.bounds.stop if push else 0, keep=keep_tokens,
+                        unsent=0 if push else sum(1 for src_routes in by_src.values() if src_routes),
                         since_seq=self._channel.loss_seq)
         staged_tensors: list[_StagedTensor] = []
         with self._cond:
@@ -515,7 +516,7 @@ class ConsumerSide:
                 if req.producer.engine_id != offer.producer_engine_id:
                     raise ProtocolError(f"push of {offer.request_id!r} from engine {offer.producer_engine_id!r}, "
                                         f"expected from {req.producer.engine_id!r}")
-                mismatch = (f"expected here as a pull, not a push" if not req.push else
+                mismatch = ("expected here as a pull, not a push" if not req.push else
                             f"expected here with {req.num_tokens} tokens, pushed with {offer.num_tokens}"
                             if offer.num_tokens != req.num_tokens else None)
                 if mismatch is not None:  # fails here and there at once, not at a stall after deadline_s
