@@ -162,10 +162,8 @@ class RankCaches:
         outside = [b for b in slots.block_ids if b >= num_blocks]
         if outside:
             raise ValueError(f"block ids {outside[:8]} are outside the {num_blocks} blocks of this rank's caches")
-        if tokens is not None and len(tokens):
-            size = slots.block_size
-            used = slots.block_ids[tokens.start // size : -(-tokens.stop // size)]
-            repeated = sorted({b for b in used if used.count(b) > 1}) if len(set(used)) < len(used) else []
+        if tokens is not None:
+            repeated = slots.repeated(tokens)
             if repeated:
                 raise ValueError(f"block ids {repeated[:8]} appear more than once among the blocks of tokens "
                                  f"{tokens!r}: a request's tokens need distinct blocks")

@@ -289,9 +289,8 @@ def scatter(
     if len(tokens) == 0 or len(heads) == 0:
         return
     if not plan.distinct:
-        used = list(plan.full_block_ids) + [run.block_id for run in plan.edges]
-        repeated = sorted({b for b in used if used.count(b) > 1})
-        raise ValueError(f"token span {tokens!r} maps to repeated block ids {repeated[:8]}; scatter needs distinct blocks")
+        raise ValueError(f"token span {tokens!r} maps to repeated block ids {slot_map.repeated(tokens)[:8]}; scatter "
+                         "needs distinct blocks")
     move(False)
 
 

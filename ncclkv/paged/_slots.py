@@ -98,6 +98,14 @@ class SlotMap:
     def __repr__(self) -> str:
         return f"SlotMap(blocks={len(self._block_ids)}, block_size={self._block_size})"
 
+    def repeated(self, tokens: Span) -> list[int]:
+        """The block ids that stand more than once among the blocks holding ``tokens`` (sorted; none: [])."""
+        size = self._block_size
+        used = self._block_ids[tokens.start // size : -(-tokens.stop // size)] if len(tokens) else ()
+        if len(set(used)) == len(used):
+            return []
+        return sorted({b for b in used if used.count(b) > 1})
+
     def plan(self, tokens: Span, device: torch.device | str = "cpu") -> SlicePlan:
         """The cut of ``tokens`` into block runs, with its index tensor on ``device`` (cached)."""
         device = torch.device(device)
