@@ -16,7 +16,6 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from ..transport import LinkBase
 from ._caches import RankCaches, torch_dtype
 from ._config import EngineRef, peer_id, split_peer_id
 from ._links import Peer, PeerLinks
+from ._recent import RecentEnds
 from ._staging import BlockTokens, RemovalReason, StagingEvent, StagingLog, StagingName
 from ._stats import EngineStats
 from ._declines import Decliner
@@ -144,9 +144,8 @@ class ConsumerSide:
         # and expected requests that failed or were aborted, by request id: (when, producer engine id, why).
         # The producer gave up, so an expect() of a push from that producer fails at once instead of waiting
         # hold_s for tensors that never come; a pull again under the id is refused (ValueError), since the
-        # ended one's tensors may still be on the way. Oldest first,
-        # "when" never decreasing (see _remember_refusal): expiry stops at the first entry still held.
-        self._refused: OrderedDict[str, tuple[float, str, NcclKVError]] = OrderedDict()
+        # ended one's tensors may still be on the way. Each kept hold_s, at most _MAX_REFUSALS.
+        self._refused: RecentEnds[tuple[str, NcclKVError]] = RecentEnds(hold_s, _MAX_REFUSALS)
         self._reserved = 0  # staging bytes promised to accepted push offers
         self._store = KVStoreBuffer(staging_bytes, evict=False)
         self._cpus = cpus
@@ -194,12 +193,13 @@ class ConsumerSide:
         with self._cond:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected")
-            ended = None if push else self._refused.get(request_id)
-            if ended is not None and ended[1] == producer.engine_id:
+            ended = None if push else self._refusal(request_id, producer.engine_id)
+            if ended is not None:
                 # The producer may still be sending the ended pull's tensors: a new pull under the same id would
                 # take them (and its own again), and its Done would count for the other.
+                since, why = ended
                 raise ValueError(f"request {request_id!r} from {producer.engine_id!r} ended here unloaded "
-                                 f"{max(0.0, self._clock.now() - ended[0]):.3g}s ago ({ended[2]}); its late tensors "
+                                 f"{max(0.0, self._clock.now() - since):.3g}s ago ({why}); its late tensors "
                                  f"may still come for hold_s={self._hold_s:g}s: pull it under a new request id")
             pushed = None if push else self._staged.get(request_id)
             if pushed is not None and pushed.producer_engine_id == producer.engine_id:
@@ -209,10 +209,12 @@ class ConsumerSide:
                                  f"tensors wait in staging): expect it with push=True")
             self._requests[request_id] = req
             self._plan_slices_locked(routes)
-            refused = self._refused.pop(request_id, None) if push else None
-            if refused is not None and refused[1] == producer.engine_id:
-                req.error = type(refused[2])(f"request {request_id!r}: its push failed before it was expected: "
-                                             f"{refused[2]}")
+            refused = self._refusal(request_id, producer.engine_id) if push else None
+            if push:
+                self._refused.pop(request_id)
+            if refused is not None:
+                error = refused[1]
+                req.error = type(error)(f"request {request_id!r}: its push failed before it was expected: {error}")
             staged = self._staged.pop(request_id, None) if push else None
             if staged is not None:
                 req.announced.update(staged.announced)
@@ -297,11 +299,7 @@ class ConsumerSide:
                     self._stats.record_request(req.error is not None)
                     if req.error is not None:  # a late offer for it is refused, a pull of it again too
                         self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error))
-            while self._refused:  # never expected here: forget it
-                since, _, _ = next(iter(self._refused.values()))
-                if now - since <= self._hold_s:  # and so is every later one
-                    break
-                self._refused.popitem(last=False)
+            self._refused.expire(now)
             for request_id, staged in list(self._staged.items()):
                 if now - staged.since > self._hold_s:  # pushed, but never expected here: free its staging
                     if staged.error is None:
@@ -528,9 +526,8 @@ class ConsumerSide:
             if staged is not None and staged.producer_engine_id != offer.producer_engine_id:
                 raise ProtocolError(f"push of {offer.request_id!r} from engine {offer.producer_engine_id!r}: "
                                     f"staged here from {staged.producer_engine_id!r}")  # never another's to fail
-            refused = self._refused.get(offer.request_id)
-            failed = staged.error if staged is not None else refused[2] if refused is not None \
-                and refused[1] == offer.producer_engine_id else None
+            refused = self._refusal(offer.request_id, offer.producer_engine_id)
+            failed = staged.error if staged is not None else refused[1] if refused is not None else None
             if failed is not None:  # another rank's part failed, or it was refused or expired: nothing to stage
                 raise type(_as_ncclkv(failed))(f"push of {offer.request_id!r} from {sender!r} refused: "
                                                 f"it already failed here: {failed}")
@@ -888,15 +885,17 @@ class ConsumerSide:
     def _remember_refusal(self, request_id: str, producer_engine_id: str, error: NcclKVError) -> None:
         """Under ``self._cond``: record that ``request_id`` from ``producer_engine_id`` ended with ``error`` (a push
         refused, failed or expired here; an expected request failed or aborted): an expect() of its push fails
-        at once with it, a pull of it again is refused (see ``_refused``).
-
-        Expiry relies on times in insertion order: a refreshed entry moves to the end, and its time is at least
-        the newest one's (``now()`` steps back once a pause of this process is counted)."""
-        newest = next(reversed(self._refused.values()))[0] if self._refused else -math.inf
-        if self._refused.pop(request_id, None) is None and len(self._refused) >= _MAX_REFUSALS:
-            self._refused.popitem(last=False)  # bounded: drop the oldest
+        at once with it, a pull of it again is refused (see ``_refused``)."""
         # Its type and text, not the error itself: a traceback would keep its frames' buffers alive for hold_s.
-        self._refused[request_id] = (max(self._clock.now(), newest), producer_engine_id, type(error)(str(error)))
+        self._refused.note(request_id, self._clock.now(), (producer_engine_id, type(error)(str(error))))
+
+    def _refusal(self, request_id: str, producer_engine_id: str) -> tuple[float, NcclKVError] | None:
+        """Under ``self._cond``: (when, error) if ``request_id`` from ``producer_engine_id`` ended here (see
+        ``_remember_refusal``); None if not, or from another producer."""
+        entry = self._refused.get(request_id)
+        if entry is None or entry[1][0] != producer_engine_id:
+            return None
+        return entry[0], entry[1][1]
 
     def _report_stored(self, request_id: str, staged: _Staged) -> None:
         """Under ``self._cond``: one "stored" event once every tensor of the push landed in staging."""

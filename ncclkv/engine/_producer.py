@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from ._caches import RankCaches, WireLease
 from ._config import EngineRef, peer_id
 from ._links import Peer, PeerLinks
 from ._push import Pusher, SliceHooks, tell
+from ._recent import RecentEnds
 from ._staging import BlockTokens
 from ._stats import EngineStats
 
@@ -84,9 +84,8 @@ class ProducerSide:
         self._early: dict[str, list[tuple[str, PullRequest, float]]] = {}  # pulls before finish()
         self._parked_by: dict[str, int] = {}  # sender -> its pulls in _early (MAX_PARKED_PULLS)
         self._finished: dict[str, BaseException | None] = {}
-        # Held requests reported since at most hold_s, by id: (when, why it ended). Oldest first, "when" never
-        # decreasing (see _remember_ended): expiry stops at the first entry still kept.
-        self._ended: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        # Held requests reported since at most hold_s, by id: why each ended.
+        self._ended: RecentEnds[str] = RecentEnds(hold_s, MAX_ENDED_HOLDS)
         self._seq: dict[str, int] = {}  # per link id: the seq the next announce carries
         peers.on_link_gone(lambda link_id: self._seq.pop(link_id, None))
         self._pusher = Pusher(rank, layout, geometry, caches, channel, peers, executor, self._announcer,
@@ -115,7 +114,7 @@ class ProducerSide:
         with self._lock:
             if request_id in self._held:
                 raise ValueError(f"request {request_id!r} is already held for pulling")
-            self._ended.pop(request_id, None)  # held anew: pulls for it are this hold's
+            self._ended.pop(request_id)  # held anew: pulls for it are this hold's
             self._held[request_id] = _Held(request_id, slots, num_tokens, self._channel.clock.now() + self._hold_s,
                                            ready=self._caches.ready_event())
             early = self._early.pop(request_id, [])
@@ -168,12 +167,8 @@ class ProducerSide:
                 else:
                     continue
                 del self._held[request_id]
-                self._remember_ended_locked(request_id, now, why)
-            while self._ended:  # remembered hold_s: a pull later than that may be for a hold to come
-                since, _ = next(iter(self._ended.values()))
-                if now - since <= self._hold_s:  # and so is every later one
-                    break
-                self._ended.popitem(last=False)
+                self._ended.note(request_id, now, why[:_MAX_REASON_CHARS])
+            self._ended.expire(now)  # remembered hold_s: a pull later than that may be for a hold to come
             for request_id, parked in list(self._early.items()):
                 keep = [p for p in parked if p[2] >= now]
                 expired = [p for p in parked if p[2] < now]
@@ -249,23 +244,14 @@ class ProducerSide:
                 return None
             return (f"request {request_id!r} is no longer held by producer rank {self._channel.peer_id!r}: "
                     f"{_ended_with(held.error) if held.error is not None else 'it was released'}")
-        ended = self._ended.get(request_id)
+        now = self._channel.clock.now()
+        ended = self._ended.get(request_id, now)  # past hold_s: a pull now may be for a hold to come
         if ended is None:
             return None
         since, why = ended
-        age = self._channel.clock.now() - since
-        if age > self._hold_s:  # forgotten at the next take_finished(): a pull now may be for a hold to come
-            return None
+        age = now - since
         return (f"request {request_id!r} is no longer held by producer rank {self._channel.peer_id!r}: its hold "
                 f"ended {max(0.0, age):.3g}s ago: {why}")
-
-    def _remember_ended_locked(self, request_id: str, now: float, why: str) -> None:
-        """Remember for ``hold_s`` that the hold of ``request_id`` ended (reported), and why; at most
-        MAX_ENDED_HOLDS, the oldest forgotten first. Lock held."""
-        newest = next(reversed(self._ended.values()))[0] if self._ended else now
-        if self._ended.pop(request_id, None) is None and len(self._ended) >= MAX_ENDED_HOLDS:
-            self._ended.popitem(last=False)
-        self._ended[request_id] = (max(now, newest), why[:_MAX_REASON_CHARS])
 
     def _check_room_to_park(self, sender: str, request_id: str) -> None:
         """CapacityError (the peer is answered ``capacity``) when parking one more pull passes

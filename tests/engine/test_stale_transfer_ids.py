@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-import ncclkv.engine._producer as producer_module
+from ncclkv.engine._recent import RecentEnds
 from ncclkv.errors import TransferError
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.paged import CacheLayout
@@ -143,8 +143,9 @@ def test_a_pull_for_an_id_never_held_still_waits_for_its_hold(sides: dict[str, R
 
 def test_ended_holds_are_remembered_within_a_bound(monkeypatch: pytest.MonkeyPatch,
                                                    sides: dict[str, RankSide]) -> None:
-    monkeypatch.setattr(producer_module, "MAX_ENDED_HOLDS", 3)
     p = sides["P"]
+    # The producer's memo of ended holds, bound to 3 instead of MAX_ENDED_HOLDS (made with the engine).
+    monkeypatch.setattr(p.engine._producer, "_ended", RecentEnds(p.engine.config.hold_s, 3))
     for i in range(5):
         p.engine.finish(f"r{i}", [i], 8)
         p.engine.release(f"r{i}")

@@ -52,7 +52,8 @@ def _refuse(consumer: ConsumerSide, request_id: str, producer: str = "prefill") 
 
 def _refused(consumer: ConsumerSide) -> list[tuple[str, float]]:
     """(request id, when) of each remembered refusal, oldest first."""
-    return [(request_id, since) for request_id, (since, _, _) in consumer._refused.items()]  # noqa: SLF001
+    refused = consumer._refused  # noqa: SLF001
+    return [(request_id, refused.get(request_id)[0]) for request_id in refused]
 
 
 def _in_time_order(entries: list[tuple[str, float]]) -> bool:
@@ -85,7 +86,7 @@ def test_a_refreshed_refusal_moves_to_the_end_and_is_held_from_its_refresh(
     time.t += 0.3
     _refuse(consumer, "a", producer="other")  # refreshed: e.g. a second producer's offer refused for room
     assert [r for r, _ in _refused(consumer)] == ["b", "a"] and _in_time_order(_refused(consumer))
-    assert consumer._refused["a"][1] == "other"  # noqa: SLF001 - the latest refusal is what an expect() meets
+    assert consumer._refused.get("a")[1][0] == "other"  # noqa: SLF001 - the latest refusal is what an expect() meets
     time.t += 0.8  # b is 1.1 s old, a 0.8 s since its refresh
     consumer.take_finished()
     assert [r for r, _ in _refused(consumer)] == ["a"]  # before a, b would have hidden behind a's first place
@@ -102,11 +103,11 @@ def test_a_refusal_after_the_clock_stepped_back_is_not_older_than_the_one_before
     _refuse(consumer, "during")
     clock.tick()  # the pause is counted: now() steps back by it
     _refuse(consumer, "after")
-    assert clock.now() < consumer._refused["during"][0]  # noqa: SLF001 - the step back this test is about
+    assert clock.now() < consumer._refused.get("during")[0]  # noqa: SLF001 - the step back this test is about
     assert [r for r, _ in _refused(consumer)] == ["during", "after"] and _in_time_order(_refused(consumer))
     # "during" holds the uncounted pause in its time (as it always did); "after" is held as long, not
     # hold_s from its own now(): at most that pause longer, so that expiry may stop at the first entry held.
-    stamp = consumer._refused["during"][0]  # noqa: SLF001
+    stamp = consumer._refused.get("during")[0]  # noqa: SLF001
     time.t += stamp + HOLD_S - 0.01 - clock.now()
     consumer.take_finished()
     assert [r for r, _ in _refused(consumer)] == ["during", "after"]
@@ -132,6 +133,6 @@ def test_a_push_declined_before_it_was_staged_is_remembered(
     consumer, _, _ = side
     producer: Any = SimpleNamespace(engine_id="prefill")
     consumer.decline("d", producer, push=True)
-    _, engine_id, error = consumer._refused["d"]  # noqa: SLF001
+    _, (engine_id, error) = consumer._refused.get("d")  # noqa: SLF001
     assert engine_id == "prefill" and isinstance(error, TransferError)
     assert str(error) == "push of 'd' was declined here (its request ended unloaded)"
