@@ -20,9 +20,9 @@ pair this way (no warm-up), so it keeps exercising the crossing.
 from __future__ import annotations
 
 import math
+import mmap
 
 import pytest
-import torch
 
 from benchmarks._resources import growth, rss_bytes
 from benchmarks._soak import MODES, SoakConfig, SoakReport, plan_requests, run_soak
@@ -77,10 +77,14 @@ def test_rss_grows_less_than_5_percent_over_the_last_80_percent(soak: SoakReport
 
 
 def test_rss_reading_follows_real_allocations() -> None:
+    # Fresh pages of their own (an anonymous map), each written so it is resident: a torch tensor could reuse
+    # memory glibc kept resident from earlier tests, and RSS would not move (seen once in CI: before == during).
     before = rss_bytes()
-    block = torch.ones(96 * MIB, dtype=torch.uint8)  # written, so resident
+    block = mmap.mmap(-1, 96 * MIB)
+    for offset in range(0, 96 * MIB, mmap.PAGESIZE):
+        block[offset] = 1
     during = rss_bytes()
-    del block
+    block.close()  # unmapped: the pages leave at once
     after = rss_bytes()
     assert during - before >= 90 * MIB, (before, during)
     assert during - after >= 64 * MIB, (during, after)  # the current RSS, not a high-water mark
