@@ -24,6 +24,14 @@ is why the MAC must name the path. A sender seen for the first time must be
 within ``max_clock_skew_s`` of the receiver's clock, so an old capture cannot
 be replayed to a receiver that restarted.
 
+A frame that fails authentication on our ROUTER is answered only by
+:data:`REFUSED_NOTICE`, fixed bytes that carry nothing of the frame or of this
+channel (token-bucketed like every answer). A channel that gets it, or any frame
+that fails authentication, on a DEALER it opened to a peer's address loses that
+peer at once, naming the likely cause: the peers' shared secrets differ (or one
+has none), so nothing either sends will ever be taken. An outsider gains no
+power from that: only the process at the address we dialled can answer there.
+
 With CURVE, a peer this channel connected to proved the server key it was
 given; its DEALER holds the same key pair, so frames reaching the ROUTER under
 that peer's id must come from a client with that key (``FrameGate.admit``).
@@ -48,8 +56,8 @@ from .auth import AuthenticationError, ChannelAuth, CurveConfig
 from .errors import ProtocolError
 from .protocol import MAX_TEXT_CHARS, Envelope, ErrorCode, ErrorMsg, decode, encode
 
-__all__ = ["MAC_OVERHEAD", "WARNING_BURST", "WARNINGS_PER_S", "FrameAuth", "FrameGate", "ZapGuard",
-           "configure_curve_client"]
+__all__ = ["MAC_OVERHEAD", "REFUSED_NOTICE", "WARNING_BURST", "WARNINGS_PER_S", "FrameAuth", "FrameGate",
+           "ZapGuard", "configure_curve_client"]
 
 log = logging.getLogger("ncclkv.channel")
 
@@ -60,6 +68,9 @@ _MAC_BYTES = 32
 MAC_OVERHEAD = _STAMP_BYTES + _MAC_BYTES
 _MAX_SENDERS = 1 << 16  # replay state kept for this many (sender, path) pairs, least recent dropped first
 ZAP_DOMAIN = "ncclkv"
+# Our ROUTER's only answer to a frame that fails authentication. Shorter than a MAC header and not an envelope,
+# so no channel takes it for a message; the same bytes whatever came in, so it tells the sender nothing else.
+REFUSED_NOTICE = b"ncclkv: frame not authenticated"
 # Replies to rejected frames, and warning lines about them: a flood of bad frames costs at most this.
 _REPLIES_PER_S, _REPLY_BURST = 50.0, 100.0
 # Every warning a peer can trigger at will (bad frames, refused keys, unexpected replies in ncclkv.channel).
@@ -78,6 +89,7 @@ class FrameAuth:
     def __init__(self, secret: bytes, me: str, max_clock_skew_s: float) -> None:
         self._secret = secret
         self._me = _ident(me.encode())
+        self.max_clock_skew_s = max_clock_skew_s
         self._max_skew_ns = int(max_clock_skew_s * 1e9)
         self._last_sent = 0
         self._last_seen: OrderedDict[tuple[bytes, bool], int] = OrderedDict()
@@ -223,11 +235,12 @@ class FrameGate:
         counters: Counters,
         next_msg_id: Callable[[], int],
         peer_keys: Mapping[str, str] | None = None,
-        misaddressed: Callable[[str, str], None] | None = None,
+        wrong_answer: Callable[[str, str], None] | None = None,
     ) -> None:
         self._peer_id = peer_id
-        # (peer id, the one that answered): a frame on our DEALER to a peer came from another channel.
-        self._misaddressed = misaddressed
+        # (peer id, what answered there): our DEALER to that peer heard from another channel, or from one whose
+        # frames and ours cannot authenticate each other. Nothing sent there will be taken: the peer is lost.
+        self._wrong_answer = wrong_answer
         # CURVE: peer id -> the Z85 public key it proved as a server (read on the I/O thread only).
         self._peer_keys: Mapping[str, str] = {} if peer_keys is None else peer_keys
         self._max_frame_bytes = max_frame_bytes
@@ -243,7 +256,9 @@ class FrameGate:
     def admit(self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, payload: list[bytes],
               client_key: str | None = None) -> Envelope | None:
         """The envelope of a good frame from ``origin``; None for a bad one, which was counted,
-        logged and (if authentic, or with no auth configured) answered on ``sock``.
+        logged and answered on ``sock`` (see :meth:`reject`). On a DEALER, one that shows the peer at that
+        address cannot be talked to (another peer's, or its frames and ours fail authentication) is reported
+        to ``wrong_answer``.
 
         ``client_key``: the CURVE key (Z85) of the client that sent a frame to our ROUTER."""
         name = origin.decode("utf-8", "replace")  # checked against both the CURVE binding and the envelope
@@ -254,14 +269,17 @@ class FrameGate:
                     raise _Misaddressed(envelope.sender, f"frame names sender {envelope.sender!r} but came on our "
                                                          f"connection to {name!r}")
                 raise ProtocolError(f"frame names sender {envelope.sender!r} but came from {name!r}")
-        except AuthenticationError as exc:  # a ProtocolError too: caught first, as it goes unanswered
+        except AuthenticationError as exc:  # a ProtocolError too: caught first, as only the notice answers it
             self._counters.auth_failures += 1
             self.reject(sock, routing_id, origin, exc, authentic=False, renamed=_renamed_by_zmq(origin))
+            if routing_id is None and self._wrong_answer is not None:
+                self._wrong_answer(name, self._unauthenticated_answer(exc))
             return None
         except ProtocolError as exc:
             self.reject(sock, routing_id, origin, exc, renamed=_renamed_by_zmq(origin))
-            if isinstance(exc, _Misaddressed) and self._misaddressed is not None:
-                self._misaddressed(name, exc.sender)
+            if isinstance(exc, _Misaddressed) and self._wrong_answer is not None:
+                self._wrong_answer(name, f"answers as {exc.sender!r}, not as {name!r}: the address given for "
+                                         f"{name!r} is another peer's")
             return None
         return envelope
 
@@ -274,6 +292,8 @@ class FrameGate:
             expected = self._peer_keys.get(name)
             if expected is not None and client_key != expected:  # an allowed client claiming another peer's id
                 raise AuthenticationError(f"CURVE client key {client_key} is not {expected}, the key of peer {name!r}")
+        if routing_id is None and payload == [REFUSED_NOTICE]:  # the peer we dialled cannot authenticate our frames
+            raise AuthenticationError(REFUSED_NOTICE.decode())
         if len(payload) != 1:  # with a shared secret it cannot be authenticated: dropped like a bad MAC
             error = ProtocolError if self._sealer is None else AuthenticationError
             raise error(f"expected 1 payload frame, got {len(payload)}")
@@ -281,11 +301,24 @@ class FrameGate:
             return payload[0]
         return self._sealer.open(origin, payload[0], via_router=routing_id is not None)
 
+    def _unauthenticated_answer(self, exc: AuthenticationError) -> str:
+        """Why a frame on our DEALER to a peer failed authentication, for the loss of that peer."""
+        if str(exc) == REFUSED_NOTICE.decode():
+            if self._sealer is None:
+                return ("refused our frames as not authenticated: it has a shared secret and this channel has none "
+                        "(NCCLKV_SHARED_SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike on every rank)")
+            return (f"refused our frames as not authenticated: its shared secret differs from ours (NCCLKV_SHARED_"
+                    f"SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike on every rank), or its clock and ours "
+                    f"differ by more than max_clock_skew_s={self._sealer.max_clock_skew_s:g}")
+        return (f"answers with frames that fail authentication ({exc}): its shared secret differs from ours, or it "
+                f"has none (NCCLKV_SHARED_SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike on every rank)")
+
     def reject(
         self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, exc: ProtocolError, authentic: bool = True,
         renamed: bool = False,
     ) -> None:
-        """Count and log a bad frame; if ``authentic``, tell its sender why on the socket it came in on.
+        """Count and log a bad frame; if ``authentic``, tell its sender why on the socket it came in on; if not,
+        and it came to our ROUTER under an id of its own in shared-secret mode, answer :data:`REFUSED_NOTICE`.
 
         ``renamed``: it came in under a routing id ZMQ made up. Most often that is a peer's old connection, renamed
         by our ROUTER when the peer reset its path to us (ROUTER_HANDOVER), whose last frames still arrive: no
@@ -298,12 +331,17 @@ class FrameGate:
                        level=logging.INFO)
         else:
             self._warn(now, "channel %r: rejected a frame from %r: %s", origin, exc)
-        if not authentic or not self._replies.take(now):
+        if not authentic and (routing_id is None or renamed or self._sealer is None):
+            return  # the one answer to an unauthenticated frame: the notice, to a connection that named itself
+        if not self._replies.take(now):
             return
-        # <= 4 UTF-8 bytes a char: the reply fits any max_frame_bytes >= 1024
-        text = str(exc)[: min(MAX_TEXT_CHARS, (self._max_frame_bytes - 512) // 4)]
-        envelope = Envelope(self._peer_id, self._next_msg_id(), None, ErrorMsg(None, ErrorCode.PROTOCOL, text))
-        frame = self.seal(origin, encode(envelope, self._max_frame_bytes), from_router=routing_id is not None)
+        if authentic:
+            # <= 4 UTF-8 bytes a char: the reply fits any max_frame_bytes >= 1024
+            text = str(exc)[: min(MAX_TEXT_CHARS, (self._max_frame_bytes - 512) // 4)]
+            envelope = Envelope(self._peer_id, self._next_msg_id(), None, ErrorMsg(None, ErrorCode.PROTOCOL, text))
+            frame = self.seal(origin, encode(envelope, self._max_frame_bytes), from_router=routing_id is not None)
+        else:
+            frame = REFUSED_NOTICE
         try:
             if routing_id is None:
                 sock.send(frame, zmq.NOBLOCK)

@@ -100,7 +100,7 @@ class IoLoop:
         self._keys: dict[str, str] = {}
         self._gate = FrameGate(
             peer_id=peer_id, max_frame_bytes=max_frame_bytes, auth=auth, counters=counters,
-            next_msg_id=peers.next_msg_id, peer_keys=self._keys, misaddressed=self._misaddressed,
+            next_msg_id=peers.next_msg_id, peer_keys=self._keys, wrong_answer=self._wrong_answer,
         )
         self._zap: ZapGuard | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -524,14 +524,13 @@ class IoLoop:
             if peer_id in self._links:  # a failed send may have dropped it meanwhile
                 self._send(peer_id, self._frame(beat, None))
 
-    def _misaddressed(self, peer_id: str, answered_as: str) -> None:
-        """An authentic frame on our DEALER to ``peer_id`` came from ``answered_as``'s channel: the address we
-        were given for ``peer_id`` is another peer's (a reference with ranks or engines mixed up). ``peer_id`` is
-        not there to answer: lost now, naming both, not after ``deadline_s`` of silence."""
+    def _wrong_answer(self, peer_id: str, what: str) -> None:
+        """Our DEALER to ``peer_id`` heard from another peer's channel (a reference with ranks or engines mixed up),
+        or from one whose frames and ours fail authentication (shared secrets that differ): nothing we send there
+        will be taken. Lost now, naming the address and ``what`` answered there, not after ``deadline_s``."""
         link = self._links.get(peer_id)
         address = repr(link.address) if link is not None and link.address else "its address"
-        self._declare_lost(peer_id, f"{address} answers as {answered_as!r}, not as {peer_id!r}: the address given "
-                                    f"for {peer_id!r} is another peer's")
+        self._declare_lost(peer_id, f"{address} {what}")
 
     def _declare_lost(self, peer_id: str, reason: str) -> None:
         """Lose a peer whose send or connect failed (unless it was lost already)."""

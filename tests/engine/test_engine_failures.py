@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from ncclkv.auth import ChannelAuth
 from ncclkv.engine import EngineConfig, EngineRef, TransferEngine
 from ncclkv.errors import CapacityError, ClosedError, HandshakeError, PeerLostError, ShapeMismatchError, TransferError
 from ncclkv.launch import free_port
@@ -211,6 +212,25 @@ def test_a_reference_with_its_ranks_addresses_swapped_fails_at_once_naming_both(
         assert time.monotonic() - started < 10  # not deadline_s (30 s)
     finally:
         close_sides(prefill, decode)
+
+
+@pytest.mark.parametrize("consumer_secret", [None, b"another secret, 32 bytes or more!"], ids=["none", "another"])
+def test_engines_whose_shared_secrets_differ_fail_the_pull_at_once_naming_them(consumer_secret: bytes | None) -> None:
+    """Before, each side dropped the other's frames unanswered: the pull waited deadline_s and failed with
+    "nothing heard", and only the producer's log named a bad MAC."""
+    producer_auth = ChannelAuth(shared_secret=b"the producer's secret: 32+ bytes!")
+    consumer_auth = ChannelAuth(shared_secret=consumer_secret) if consumer_secret else ChannelAuth()
+    with _pair(producer=dict(auth=producer_auth, deadline_s=3.0),
+               consumer=dict(auth=consumer_auth, deadline_s=60.0)) as (prefill, decode):
+        prefill[0].fill(seed=7, block_ids=[1, 2], num_tokens=20)
+        prefill[0].engine.finish("r", [1, 2], 20)
+        decode[0].engine.expect("r", engine_ref("prefill", ONE, prefill), [3, 4], 20)
+        told = "it has a shared secret and this channel has none" if consumer_secret is None else \
+            "its shared secret differs from ours"
+        with pytest.raises(PeerLostError, match=rf"refused our frames as not authenticated: {told} \(NCCLKV_SHARED_"
+                                                rf"SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike"):
+            decode[0].engine.wait("r", timeout_s=WAIT_S)  # WAIT_S < the consumer's deadline_s
+        prefill[0].engine.release("r")
 
 
 def test_a_push_and_an_expect_that_disagree_fail_at_once_naming_both() -> None:

@@ -3,6 +3,7 @@ configuration from files and environment, and where the channel listens by defau
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from ncclkv import errors
-from ncclkv._auth import MAC_OVERHEAD, FrameAuth
+from ncclkv._auth import MAC_OVERHEAD, REFUSED_NOTICE, FrameAuth
 from ncclkv._env import env_settings
 from ncclkv.auth import (
     AuthenticationError,
@@ -277,6 +278,44 @@ def test_hmac_refuses_unauthenticated_peers(make: Channels, who: str) -> None:
     assert server.channel.stats.rejected == server.channel.stats.auth_failures and server.seen == []
 
 
+# The server's secret, the client's, and what the client is told, in both directions (each side dials the other).
+MISMATCHED = {
+    "client has none": (SECRET, None, "it has a shared secret and this channel has none",
+                        r"answers with frames that fail authentication \(.*\): its shared secret differs from ours, "
+                        r"or it has none"),
+    "server has none": (None, SECRET, r"answers with frames that fail authentication \(.*\): its shared secret "
+                                      r"differs from ours, or it has none",
+                        "it has a shared secret and this channel has none"),
+    "secrets differ": (SECRET, SECRET[::-1], "its shared secret differs from ours",
+                       "its shared secret differs from ours"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCHED))
+def test_hmac_mismatched_secrets_lose_the_peer_at_once_naming_why(case: str) -> None:
+    """Each side dials the other: its first frames are refused there, the refusal (or the other's unauthenticated
+    answer) comes back on the connection it opened, and the request fails with a PeerLostError naming the secrets.
+    The deadline is long and the request's timeout shorter, so without that answer it would time out instead."""
+    server_secret, client_secret, client_told, server_told = MISMATCHED[case]
+    timing = dict(heartbeat_s=0.5, deadline_s=120.0)
+    channels = [Channel(name, auth=ChannelAuth(shared_secret=secret) if secret else ChannelAuth(),
+                        on_message=lambda sender, body: HandshakeAck("x", 0, True, ""), **timing)  # type: ignore[arg-type]
+                for name, secret in (("server", server_secret), ("decode-0", client_secret))]
+    server, client = channels
+    try:
+        for caller, callee, told in ((client, server, client_told), (server, client, server_told)):
+            caller.connect(callee.peer_id, callee.address)
+            with pytest.raises(errors.PeerLostError, match=rf"'{re.escape(callee.address)}' .*{told}") as lost:
+                caller.request(callee.peer_id, HELLO, timeout_s=30)
+            assert "NCCLKV_SHARED_SECRET" in str(lost.value)
+            assert not caller.peer_alive(callee.peer_id)
+        # Only the frames' gate refused anything: no handler saw a message.
+        assert server.stats.received == 0 and client.stats.received == 0
+    finally:
+        for channel in channels:
+            channel.close()
+
+
 def test_hmac_drops_replays_alterations_and_misattributed_frames(make: Channels) -> None:
     server = make.server(ChannelAuth(shared_secret=SECRET))
     context = zmq.Context()
@@ -309,13 +348,19 @@ def test_hmac_drops_replays_alterations_and_misattributed_frames(make: Channels)
         wait_until(lambda: len(server.seen) >= 2 and server.channel.stats.auth_failures >= 6, WAIT_S)
         assert [body.request_id for _, body in server.seen] == ["first", "last"]  # type: ignore[union-attr]
         assert server.channel.stats.auth_failures == 6 and server.channel.stats.received == 2
-        replies: list[Message] = []  # sealed for legit (heartbeats too, now that it is a known peer)
-        while len(replies) < 2:
+        # Each unauthenticated frame is answered by the fixed notice alone (sent by the I/O thread at once, so not
+        # in order with the Acks, which the dispatcher sends); legit's sealed replies include heartbeats now.
+        replies: list[Message | bytes] = []
+        while len(replies) < 5:
             assert socks["legit"].poll(5000), replies
-            body = decode(legit.open(b"server", socks["legit"].recv(), via_router=False)).body
+            frame = socks["legit"].recv()
+            body = frame if frame == REFUSED_NOTICE else decode(legit.open(b"server", frame, via_router=False)).body
             replies += [] if isinstance(body, Heartbeat) else [body]
-        assert replies == [Ack("first", None), Ack("last", None)]
-        assert not socks["mallory"].poll(0)  # unauthenticated frames are never answered
+        assert [reply for reply in replies if reply != REFUSED_NOTICE] == [Ack("first", None), Ack("last", None)]
+        assert replies.count(REFUSED_NOTICE) == 3
+        for _ in range(3):  # mallory learns nothing but that its frames were refused
+            assert socks["mallory"].poll(5000) and socks["mallory"].recv() == REFUSED_NOTICE
+        assert not socks["mallory"].poll(int(NO_ANSWER_S * 1000))
     finally:
         for sock in socks.values():
             sock.close(linger=0)
