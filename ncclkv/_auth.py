@@ -39,6 +39,7 @@ that peer's id must come from a client with that key (``FrameGate.admit``).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
@@ -50,14 +51,15 @@ from collections.abc import Callable, Mapping
 import zmq
 from zmq.auth import Authenticator
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from ._peers import Budget, Counters
 from .auth import AuthenticationError, ChannelAuth, CurveConfig
 from .errors import ProtocolError
 from .protocol import MAX_TEXT_CHARS, Envelope, ErrorCode, ErrorMsg, decode, encode
 
-__all__ = ["MAC_OVERHEAD", "REFUSED_NOTICE", "WARNING_BURST", "WARNINGS_PER_S", "FrameAuth", "FrameGate",
-           "ZapGuard", "configure_curve_client"]
+__all__ = ["HANDSHAKE_FAILURES_TO_LOSE", "MAC_OVERHEAD", "REFUSED_NOTICE", "WARNING_BURST", "WARNINGS_PER_S",
+           "CurveWatch", "FrameAuth", "FrameGate", "ZapGuard", "configure_curve_client"]
 
 log = logging.getLogger("ncclkv.channel")
 
@@ -213,6 +215,53 @@ def configure_curve_client(sock: zmq.Socket, auth: ChannelAuth, server_key: byte
     sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
     sock.setsockopt(zmq.CURVE_SERVERKEY, server_key or curve.server_key)
+
+
+# What a CURVE client's monitor reports of its handshakes (CurveWatch).
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_PROTOCOL_ERRORS = {getattr(zmq, name): name for name in dir(zmq) if name.startswith("PROTOCOL_ERROR_")}
+# A server that ends our CURVE handshake this many times in a row does not take our keys. One failure alone may be a
+# server that died mid-handshake; ZMQ tries again every 100 ms (its default reconnect interval).
+HANDSHAKE_FAILURES_TO_LOSE = 3
+
+
+class CurveWatch:
+    """The CURVE handshakes of one of our DEALERs, read from its monitor socket (I/O thread only): why its
+    server will never take our frames, as soon as that is clear, instead of a silence that looks like a peer
+    that is down until ``deadline_s``."""
+
+    def __init__(self, dealer: zmq.Socket, public_key: bytes, server_key: bytes) -> None:
+        self.socket = dealer.get_monitor_socket(_HANDSHAKE_EVENTS)  # before connect(): no event missed
+        self._dealer = dealer
+        self._public_key = public_key.decode("ascii")
+        self._server_key = server_key.decode("ascii")
+        self._failures = 0  # in a row
+
+    def read(self) -> str | None:
+        """Take the events waiting: why the server refuses us once that is clear, else None."""
+        while self.socket.get(zmq.EVENTS) & zmq.POLLIN:  # asked, not zmq.Again: see IoLoop._drain
+            event = recv_monitor_message(self.socket, zmq.NOBLOCK)
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failures = 0
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # its ZAP handler said no
+                return (f"refused our CURVE key {self._public_key} (ZAP status {value}): it is not among its allowed "
+                        f"clients (NCCLKV_CURVE_ALLOWED_KEYS, or CurveConfig.allowed_clients)")
+            else:
+                self._failures += 1
+                if self._failures >= HANDSHAKE_FAILURES_TO_LOSE:
+                    # errno's table, not strerror(): see IoLoop._drain on strerror's lock
+                    detail = _PROTOCOL_ERRORS.get(value) if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL else \
+                        errno.errorcode.get(value)
+                    return (f"ended our CURVE handshake {self._failures} times in a row ({detail or value}): the "
+                            f"server key we were given for it ({self._server_key}) is not its key, or it does not "
+                            f"use CURVE (NCCLKV_CURVE_SERVER_KEY, or connect()'s server_key)")
+        return None
+
+    def close(self) -> None:
+        self._dealer.disable_monitor()
+        self.socket.close(linger=0)
 
 
 class _Misaddressed(ProtocolError):

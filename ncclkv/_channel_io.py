@@ -34,7 +34,7 @@ from typing import Literal
 
 import zmq
 
-from ._auth import FrameGate, ZapGuard, configure_curve_client
+from ._auth import CurveWatch, FrameGate, ZapGuard, configure_curve_client
 from ._clock import ActiveClock
 from ._peers import MAX_LOST_PEERS, Counters, PeerTable
 from .auth import ChannelAuth
@@ -62,6 +62,7 @@ class _Link:
     routing_id: bytes | None = None  # set when the peer connected to us
     client_key: str | None = None  # CURVE: the key (Z85) of the client on that connection
     address: str = ""  # where the dealer connects
+    curve: CurveWatch | None = None  # CURVE: the dealer's handshakes
 
 
 class IoLoop:
@@ -266,6 +267,10 @@ class IoLoop:
                 # a link dropped while draining an earlier socket has a closed dealer: skip it
                 if link.dealer is not None and link.dealer in ready and self._links.get(peer_id) is link:
                     self._drain(link.dealer, peer_id)
+                if link.curve is not None and link.curve.socket in ready and self._links.get(peer_id) is link:
+                    refused = link.curve.read()
+                    if refused is not None:
+                        self._wrong_answer(peer_id, refused)
             if turn.now >= next_beat:
                 self._beat()
                 next_beat = turn.now + self._heartbeat_s
@@ -316,20 +321,26 @@ class IoLoop:
         if peer_id in self._links:  # already reachable: keep its path, so its frames stay in order
             return
         dealer: zmq.Socket | None = None
+        watch: CurveWatch | None = None
         try:  # any failure (too many sockets, an address ZMQ refuses) loses this peer, never the I/O thread
             dealer = self._router.context.socket(zmq.DEALER)
             self._configure(dealer)
             dealer.setsockopt(zmq.ROUTING_ID, self._peer_id.encode())  # the peer's ROUTER knows us by name
             if self._auth.curve is not None:
                 configure_curve_client(dealer, self._auth, server_key)
+                watch = CurveWatch(dealer, self._auth.curve.public_key, server_key or self._auth.curve.server_key)
             dealer.connect(address)
         except Exception as exc:
+            if watch is not None:
+                watch.close()
             if dealer is not None:
                 dealer.close(linger=0)
             self._declare_lost(peer_id, f"cannot connect to {address!r}: {type(exc).__name__}: {exc}")
             return
         self._poller.register(dealer, zmq.POLLIN)
-        self._links[peer_id] = _Link(dealer=dealer, address=address)
+        if watch is not None:
+            self._poller.register(watch.socket, zmq.POLLIN)
+        self._links[peer_id] = _Link(dealer=dealer, address=address, curve=watch)
         self._greet(peer_id)
 
     def _send(self, peer_id: str, frame: bytes, counted: bool = False) -> None:
@@ -364,6 +375,11 @@ class IoLoop:
                         self._send(peer_id, frame, counted)
                 finally:
                     self._reading_before_loss = False
+                return
+            if exc.errno == zmq.EAGAIN and link.dealer is not None:  # SNDHWM 0: only a dealer with no pipe left
+                self._declare_lost(peer_id, f"send failed: ZMQ dropped our connection to {link.address!r} ({exc}), "
+                                            f"most often because its handshake failed: a peer that uses CURVE while "
+                                            f"this channel does not")
                 return
             self._declare_lost(peer_id, f"send failed: {exc}")
         except Exception as exc:  # a bug with this one frame: lose its peer, keep serving the others
@@ -526,8 +542,8 @@ class IoLoop:
 
     def _wrong_answer(self, peer_id: str, what: str) -> None:
         """Our DEALER to ``peer_id`` heard from another peer's channel (a reference with ranks or engines mixed up),
-        or from one whose frames and ours fail authentication (shared secrets that differ): nothing we send there
-        will be taken. Lost now, naming the address and ``what`` answered there, not after ``deadline_s``."""
+        or from one whose frames and ours fail authentication (shared secrets that differ), or its server refuses
+        our CURVE handshake: nothing we send there will be taken. Lost now, naming the address and ``what`` answered there, not after ``deadline_s``."""
         link = self._links.get(peer_id)
         address = repr(link.address) if link is not None and link.address else "its address"
         self._declare_lost(peer_id, f"{address} {what}")
@@ -557,6 +573,9 @@ class IoLoop:
 
     def _drop_link(self, peer_id: str, linger_ms: int = 0) -> None:
         link = self._links.pop(peer_id, None)
+        if link is not None and link.curve is not None:
+            self._poller.unregister(link.curve.socket)
+            link.curve.close()
         if link is not None and link.dealer is not None:
             self._poller.unregister(link.dealer)
             link.dealer.close(linger=linger_ms)

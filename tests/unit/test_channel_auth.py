@@ -16,7 +16,7 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from ncclkv import errors
-from ncclkv._auth import MAC_OVERHEAD, REFUSED_NOTICE, FrameAuth
+from ncclkv._auth import HANDSHAKE_FAILURES_TO_LOSE, MAC_OVERHEAD, REFUSED_NOTICE, FrameAuth
 from ncclkv._env import env_settings
 from ncclkv.auth import (
     AuthenticationError,
@@ -154,6 +154,30 @@ def test_curve_refuses_unauthenticated_peers(make: Channels, certs: dict[str, Pa
     good = make.client("decode-1", curve(certs, "client"))  # meanwhile, an allowed client is served
     good.connect("server", server.channel.address)
     assert good.request("server", Ready("ok"), timeout_s=10) == Ack("ok", None)
+
+
+@pytest.mark.parametrize("who", ["key not allowed", "wrong server key", "no keys"])
+def test_curve_mismatched_keys_lose_the_peer_at_once_naming_why(certs: dict[str, Path], who: str) -> None:
+    """The client's CURVE handshake fails (its monitor says how) or ZMQ drops its connection: the request fails
+    with a PeerLostError naming the key or the setting. The deadline is long and the request's timeout shorter:
+    before, a wrong server key waited out the request ("no reply"), and the others said "send failed:
+    Resource temporarily unavailable"."""
+    auth, told = {
+        "key not allowed": (curve(certs, "intruder"), r"refused our CURVE key \S+ \(ZAP status 400\): it is not "
+                                                      r"among its allowed clients \(NCCLKV_CURVE_ALLOWED_KEYS"),
+        "wrong server key": (curve(certs, "client", server="intruder"),
+                             rf"ended our CURVE handshake {HANDSHAKE_FAILURES_TO_LOSE} times in a row \(\w+\): the "
+                             r"server key we were given for it \(\S+\) is not its key, or it does not use CURVE"),
+        "no keys": (ChannelAuth(), r"ZMQ dropped our connection to '.*' \(.*\), most often because its handshake "
+                                   r"failed: a peer that uses CURVE while this channel does not"),
+    }[who]
+    timing = dict(heartbeat_s=0.5, deadline_s=120.0)
+    with Channel("server", auth=curve(certs, "server"), **timing) as server, \
+            Channel("decode-0", auth=auth, **timing) as client:  # type: ignore[arg-type]
+        client.connect("server", server.address)
+        with pytest.raises(errors.PeerLostError, match=told):
+            client.request("server", HELLO, timeout_s=30)
+        assert server.stats.received == 0
 
 
 @pytest.mark.parametrize(
