@@ -945,9 +945,13 @@ class ConsumerSide:
     def _stall_error(self, req: _Expected) -> TransferTimeout:
         missing = sorted({(src, layer) for src, layer, _ in req.pending})[:8]
         limit, which = self._stall_limit(req)
+        # A push never announced is most often one its producer never started: it holds it for a pull instead
+        # (producer and consumer set up for different modes), or its prefill never ran.
+        hint = (f"; nothing of it was announced: {req.producer.engine_id!r} may hold it for a pull (expect it "
+                f"without push=True), or not have run its prefill") if req.push and not req.announced else ""
         return TransferTimeout(
             f"request {req.request_id!r}: no progress for {limit:g}s ({which}); still missing "
-            f"{len(req.pending)} (layer, route) slices, e.g. (src rank, layer) {missing}")
+            f"{len(req.pending)} (layer, route) slices, e.g. (src rank, layer) {missing}{hint}")
 
     def _fail(self, req: _Expected, error: BaseException) -> None:
         with self._cond:

@@ -157,10 +157,15 @@ class ProducerSide:
                     why = (f"it was pulled by every consumer rank ({', '.join(sorted(held.served))})"
                            if held.error is None else _ended_with(held.error))
                 elif now > held.deadline:
+                    # Never asked for at all: most often a consumer that expects it pushed (the two engines set
+                    # up for different modes), or one that never expected it.
+                    unasked = "" if held.served or held.expected is not None else (
+                        ": no consumer rank asked for it (one that expects it pushed waits for a start_push that "
+                        "never came)")
                     expired = TransferTimeout(
                         f"request {request_id!r} was released after hold_s={self._hold_s:g}s; pulled by "
                         f"{sorted(held.served)} of "
-                        f"{sorted(held.expected) if held.expected is not None else 'unknown consumers'}"
+                        f"{sorted(held.expected) if held.expected is not None else 'unknown consumers'}{unasked}"
                     )
                     self._finished[request_id] = held.error or expired
                     why = str(expired) if held.error is None else _ended_with(held.error)

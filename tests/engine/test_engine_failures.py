@@ -22,7 +22,8 @@ import pytest
 
 from ncclkv.auth import ChannelAuth
 from ncclkv.engine import EngineConfig, EngineRef, TransferEngine
-from ncclkv.errors import CapacityError, ClosedError, HandshakeError, PeerLostError, ShapeMismatchError, TransferError
+from ncclkv.errors import (CapacityError, ClosedError, HandshakeError, PeerLostError, ShapeMismatchError,
+                           TransferError, TransferTimeout)
 from ncclkv.launch import free_port
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.paged import CacheLayout
@@ -231,6 +232,22 @@ def test_engines_whose_shared_secrets_differ_fail_the_pull_at_once_naming_them(c
                                                 rf"SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike"):
             decode[0].engine.wait("r", timeout_s=WAIT_S)  # WAIT_S < the consumer's deadline_s
         prefill[0].engine.release("r")
+
+
+def test_a_hold_for_pull_expected_as_a_push_names_the_likely_mix_up_on_both_sides() -> None:
+    """The producer holds the request for a pull, the consumer waits for a push: neither asks the other, so both
+    time out. Before, neither error said why; each now names the other mode as the likely cause."""
+    with _pair(producer=dict(hold_s=1.5, deadline_s=1.5), consumer=dict(hold_s=1.5, deadline_s=1.5)) as (
+            prefill, decode):
+        prefill[0].fill(seed=8, block_ids=[1, 2], num_tokens=20)
+        prefill[0].engine.finish("r", [1, 2], 20)
+        decode[0].engine.expect("r", engine_ref("prefill", ONE, prefill), [3, 4], 20, push=True)
+        with pytest.raises(TransferTimeout, match=r"nothing of it was announced: 'prefill' may hold it for a pull "
+                                                  r"\(expect it without push=True\)"):
+            decode[0].engine.wait("r", timeout_s=WAIT_S)
+        finished = _until(lambda: prefill[0].engine.take_finished_sending(), "the hold expired")
+        assert isinstance(finished["r"], TransferTimeout), finished
+        assert "no consumer rank asked for it (one that expects it pushed" in str(finished["r"])
 
 
 def test_a_push_and_an_expect_that_disagree_fail_at_once_naming_both() -> None:
