@@ -52,11 +52,11 @@ def staging_usage(engine: TransferEngine) -> tuple[int, int]:
     """(bytes held in ``engine``'s staging store, bytes promised to accepted push offers).
 
     The engine has no public accessor for these yet; its consumer side owns
-    them (``_store``: a KVStoreBuffer, ``_reserved``: an int). Read here alone,
+    them (``_stage.store``: a KVStoreBuffer, ``_stage.reserved_bytes``: an int). Read here alone,
     so a rename breaks one function.
     """
     consumer = engine._consumer  # noqa: SLF001 - see the docstring
-    return consumer._store.used_bytes, consumer._reserved  # noqa: SLF001
+    return consumer._stage.store.used_bytes, consumer._stage.reserved_bytes  # noqa: SLF001
 
 
 def staging_peak(engine: TransferEngine, reset: bool = False) -> int:
@@ -64,7 +64,7 @@ def staging_peak(engine: TransferEngine, reset: bool = False) -> int:
 
     ``reset``: also start a new mark from what it holds now (read and reset at once: nothing is lost between).
     """
-    store = engine._consumer._store  # noqa: SLF001 - see staging_usage
+    store = engine._consumer._stage.store  # noqa: SLF001 - see staging_usage
     return store.reset_peak_used() if reset else store.peak_used_bytes
 
 

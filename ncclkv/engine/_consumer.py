@@ -25,7 +25,6 @@ import torch
 
 from .._affinity import pinned
 from ..channel import Channel
-from ..buffer import KVStoreBuffer
 from ..errors import (CapacityError, ClosedError, HandshakeError, NcclKVError, PeerLostError, PeerResetError,
                       ProtocolError, ShapeMismatchError, TransferError, TransferTimeout)
 from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, Route, Span, SpanSet, cached_plan, pp_layer_spans
@@ -36,7 +35,8 @@ from ._caches import RankCaches, torch_dtype
 from ._config import EngineRef, peer_id, split_peer_id
 from ._links import Peer, PeerLinks
 from ._recent import RecentEnds
-from ._staging import BlockTokens, RemovalReason, StagingEvent, StagingLog, StagingName
+from ._push_stage import PushStage, SliceKey, StagedTensor
+from ._staging import BlockTokens, StagingEvent
 from ._stats import EngineStats
 from ._declines import Decliner
 from ._tasks import fail_fast, submit_task
@@ -45,8 +45,7 @@ __all__ = ["ConsumerSide"]
 
 log = logging.getLogger("ncclkv.engine")
 
-_Key = tuple[int, int, Route]  # (src rank, layer, route)
-_StagedTensor = tuple[_Key, Span, torch.Tensor]  # (slice, token piece, its wire buffer) taken from staging
+_Key = SliceKey  # (src rank, layer, route)
 _MAX_REFUSALS = 4096  # failed pushes remembered for a later expect(), each at most hold_s
 
 
@@ -79,30 +78,6 @@ class _Expected:
     def all_scattered(self) -> list[torch.cuda.Event]:
         """The events after every scatter into the request's blocks, every layer's (CUDA; else none)."""
         return [event for events in self.scattered.values() for event in events]
-
-
-@dataclass(slots=True)
-class _Staged:
-    """A pushed request whose blocks do not exist yet: its tensors wait in the staging store."""
-
-    producer_engine_id: str
-    since: float
-    keys: set[_Key] = field(default_factory=set)
-    announced: dict[_Key, SpanSet] = field(default_factory=dict)
-    landed: list[tuple[_Key, Span]] = field(default_factory=list)  # (slice, token piece) in the store
-    landed_tokens: dict[_Key, int] = field(default_factory=dict)  # tokens of each slice in the store
-    covered: int = 0  # slices whose every token landed
-    reserved: int = 0
-    error: BaseException | None = None
-    num_tokens: int = 0  # the tokens its offers say the push carries
-    num_wanted: int = 0  # slices this rank receives for the push, from every producer rank
-    blocks: BlockTokens | None = None  # what the staging events name (None: not reported)
-    reported: StagingName | None = None  # set while a "stored" event stands for it
-
-
-def _store_key(request_id: str, key: _Key, piece: Span) -> str:
-    src, layer, route = key
-    return f"{request_id}|{src}|{layer}|{route}|{piece}"
 
 
 def _add_piece(pieces: dict[_Key, SpanSet], key: _Key, piece: Span) -> SpanSet | None:
@@ -139,19 +114,16 @@ class ConsumerSide:
         self._recv_seq: dict[str, int] = {}  # link id -> seq the next announcement must carry
         peers.on_link_gone(lambda link_id: self._recv_seq.pop(link_id, None))
         self._hold_s = hold_s
-        self._staged: dict[str, _Staged] = {}
+        self._stage = PushStage(staging_bytes, caches.recycle)  # pushes landed before they are expected
         # Pushes that failed before this rank expected them (refused here for room, or the producer's error),
         # and expected requests that failed or were aborted, by request id: (when, producer engine id, why).
         # The producer gave up, so an expect() of a push from that producer fails at once instead of waiting
         # hold_s for tensors that never come; a pull again under the id is refused (ValueError), since the
         # ended one's tensors may still be on the way. Each kept hold_s, at most _MAX_REFUSALS.
         self._refused: RecentEnds[tuple[str, NcclKVError]] = RecentEnds(hold_s, _MAX_REFUSALS)
-        self._reserved = 0  # staging bytes promised to accepted push offers
-        self._store = KVStoreBuffer(staging_bytes, evict=False)
         self._cpus = cpus
         self._decliner = Decliner(f"ncclkv-decline[{peer_id(engine_id, rank)}]", self._send_decline, self._lost,
                                   self._alive, cpus)
-        self._staging_log = StagingLog()
         # The largest (layer, route) slice this rank planned to receive (expected, or a push staged): what an
         # unwanted tensor may plausibly be (see _drain). Pulled slices are not bounded by staging_bytes.
         self._largest_slice = 0
@@ -189,7 +161,7 @@ class ConsumerSide:
                         num_tokens=token_set.bounds.stop if push else 0, keep=keep_tokens,
                         unsent=0 if push else sum(1 for src_routes in by_src.values() if src_routes),
                         since_seq=self._channel.loss_seq)
-        staged_tensors: list[_StagedTensor] = []
+        staged_tensors: list[StagedTensor] = []
         with self._cond:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected")
@@ -201,7 +173,7 @@ class ConsumerSide:
                 raise ValueError(f"request {request_id!r} from {producer.engine_id!r} ended here unloaded "
                                  f"{max(0.0, self._clock.now() - since):.3g}s ago ({why}); its late tensors "
                                  f"may still come for hold_s={self._hold_s:g}s: pull it under a new request id")
-            pushed = None if push else self._staged.get(request_id)
+            pushed = None if push else self._stage.get(request_id)
             if pushed is not None and pushed.producer_engine_id == producer.engine_id:
                 # Its tensors come unasked and wait in staging: a pull would wait deadline_s for an answer to it
                 # that the producer, pushing, never sends.
@@ -215,8 +187,9 @@ class ConsumerSide:
             if refused is not None:
                 error = refused[1]
                 req.error = type(error)(f"request {request_id!r}: its push failed before it was expected: {error}")
-            staged = self._staged.pop(request_id, None) if push else None
-            if staged is not None:
+            taken = self._stage.take(request_id) if push else None
+            if taken is not None:
+                staged, staged_tensors = taken
                 req.announced.update(staged.announced)
                 if staged.producer_engine_id != producer.engine_id:
                     req.error = ProtocolError(f"request {request_id!r} was pushed by {staged.producer_engine_id!r}, "
@@ -225,8 +198,7 @@ class ConsumerSide:
                 if req.error is None and staged.num_tokens != req.num_tokens:
                     req.error = ShapeMismatchError(f"request {request_id!r} was pushed with {staged.num_tokens} "
                                                    f"tokens, expected here with {req.num_tokens}")
-                self._report_removed(staged, "taken" if req.error is None else "failed")
-                staged_tensors = self._take_staged_locked(request_id, staged)
+                self._stage.report_removed(staged, "taken" if req.error is None else "failed")
         if staged_tensors:
             with pinned(self._cpus):  # scattered on this thread (EngineConfig.cpus)
                 for key, piece, tensor in staged_tensors:
@@ -300,17 +272,13 @@ class ConsumerSide:
                     if req.error is not None:  # a late offer for it is refused, a pull of it again too
                         self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error))
             self._refused.expire(now)
-            for request_id, staged in list(self._staged.items()):
-                if now - staged.since > self._hold_s:  # pushed, but never expected here: free its staging
-                    if staged.error is None:
-                        log.warning("dropping pushed request %s: not expected within %ss", request_id, self._hold_s)
-                    self._give_back_locked(request_id, staged)
-                    del self._staged[request_id]
-                    self._report_removed(staged, "expired")
-                    # An expect() after this fails at once (it would wait hold_s for tensors that never come).
-                    self._remember_refusal(request_id, staged.producer_engine_id, _as_ncclkv(
-                        staged.error or TransferTimeout(f"push of {request_id!r} expired in staging after "
-                                                        f"{self._hold_s:g}s, not expected here")))
+            for request_id, staged in self._stage.expire(now, self._hold_s):  # pushed, never expected here
+                if staged.error is None:
+                    log.warning("dropping pushed request %s: not expected within %ss", request_id, self._hold_s)
+                # An expect() after this fails at once (it would wait hold_s for tensors that never come).
+                self._remember_refusal(request_id, staged.producer_engine_id, _as_ncclkv(
+                    staged.error or TransferTimeout(f"push of {request_id!r} expired in staging after "
+                                                    f"{self._hold_s:g}s, not expected here")))
         # CUDA: reported done (or failed: recomputed) once on the device too
         self._wait_device(scattered, "finished loads")
         return out
@@ -351,16 +319,15 @@ class ConsumerSide:
                 if req.error is None:
                     req.error = ClosedError(f"engine rank {peer_id(self._engine_id, self._rank)} closed while request "
                                             f"{request_id!r} was expected")
-            self._staged.clear()
+            self._stage.clear()
             self._refused.clear()
-            self._reserved = 0
             self._cond.notify_all()
         self._decliner.close()
-        self._store.close()
+        self._stage.close()
 
     def take_staging_events(self) -> list[StagingEvent]:
         """Staging events (pushed KV stored in / removed from staging) since the last call, in order."""
-        return self._staging_log.take()
+        return self._stage.take_events()
 
     @property
     def num_pending(self) -> int:
@@ -406,11 +373,11 @@ class ConsumerSide:
         staged push, fails with ``error`` (only that engine's: no one can fail another's request)."""
         with self._cond:
             req = self._requests.get(request_id)
-            staged = self._staged.get(request_id) if req is None else None
+            staged = self._stage.get(request_id) if req is None else None
             if req is not None and req.producer.engine_id == engine_id:
                 self._fail_locked(req, error)
             elif staged is not None and staged.producer_engine_id == engine_id and staged.error is None:
-                self._fail_staged_locked(request_id, staged, error)
+                self._stage.fail(request_id, staged, error)
 
     def _receive(self, sender: str, src: int, engine_id: str, link: LinkBase, ann: Announce) -> None:
         """Post the receive of one announced tensor from rank ``src`` of engine ``engine_id``: into a wire buffer
@@ -429,7 +396,7 @@ class ConsumerSide:
         buf: torch.Tensor | None = None
         with self._cond:
             req = self._requests.get(ann.request_id)
-            staged = self._staged.get(ann.request_id) if req is None else None
+            staged = self._stage.get(ann.request_id) if req is None else None
             # Only the request's producer can fail it: any handshaken engine can announce (its tensor is drained).
             owner = req.producer.engine_id if req is not None else staged.producer_engine_id if staged else None
             own = owner == engine_id
@@ -468,7 +435,7 @@ class ConsumerSide:
                     _add_piece(staged.announced, key, piece)
             elif own and staged is not None and staged.error is None:
                 # Its expect() fails at once, not after a stall.
-                self._fail_staged_locked(ann.request_id, staged, failure(problem))
+                self._stage.fail(ann.request_id, staged, failure(problem))
         if buf is not None:
             out: torch.Tensor = buf
             try:
@@ -522,7 +489,7 @@ class ConsumerSide:
                     self._fail_locked(req, error)
                     raise error
                 return Ack(offer.request_id, None)
-            staged = self._staged.get(offer.request_id)
+            staged = self._stage.get(offer.request_id)
             if staged is not None and staged.producer_engine_id != offer.producer_engine_id:
                 raise ProtocolError(f"push of {offer.request_id!r} from engine {offer.producer_engine_id!r}: "
                                     f"staged here from {staged.producer_engine_id!r}")  # never another's to fail
@@ -531,25 +498,17 @@ class ConsumerSide:
             if failed is not None:  # another rank's part failed, or it was refused or expired: nothing to stage
                 raise type(_as_ncclkv(failed))(f"push of {offer.request_id!r} from {sender!r} refused: "
                                                 f"it already failed here: {failed}")
-            free = self._store.capacity_bytes - self._reserved
-            if nbytes > free:
+            if nbytes > self._stage.capacity_bytes - self._stage.reserved_bytes:
                 refusal = CapacityError(
                     f"push of {offer.request_id!r} from {sender!r} needs {nbytes} B of staging; capacity "
-                    f"{self._store.capacity_bytes} B, {self._reserved} B already reserved")
+                    f"{self._stage.capacity_bytes} B, {self._stage.reserved_bytes} B already reserved")
                 if staged is not None:  # the parts other ranks staged are of no use now: give them back
-                    self._fail_staged_locked(offer.request_id, staged, refusal)
+                    self._stage.fail(offer.request_id, staged, refusal)
                 else:
                     self._remember_refusal(offer.request_id, offer.producer_engine_id, refusal)
                 raise refusal
-            if staged is None:
-                staged = self._staged[offer.request_id] = _Staged(
-                    offer.producer_engine_id, self._clock.now(), num_tokens=offer.num_tokens,
-                    num_wanted=sum(len(r.layers) for r in want), blocks=blocks)
-            elif staged.blocks != blocks:  # producer ranks disagree on what they push: report nothing
-                staged.blocks = None
-            staged.keys |= keys
-            staged.reserved += nbytes
-            self._reserved += nbytes
+            self._stage.reserve(offer.request_id, offer.producer_engine_id, self._clock.now(), offer.num_tokens,
+                                sum(len(r.layers) for r in want), blocks, keys, nbytes)
             self._plan_slices_locked(routes)
         return Ack(offer.request_id, None)
 
@@ -613,9 +572,9 @@ class ConsumerSide:
                     if stamp is not None and seq is not None and stamp >= seq:  # pulled after the loss
                         continue
                 self._fail_locked(req, error)
-            for request_id, staged in self._staged.items():
-                if staged.error is None and staged.producer_engine_id == engine_id and staged.covered < staged.num_wanted:
-                    self._fail_staged_locked(request_id, staged, error)
+            for request_id, staged in self._stage.items():
+                if staged.error is None and staged.producer_engine_id == engine_id and not staged.complete:
+                    self._stage.fail(request_id, staged, error)
 
     # -- internals ------------------------------------------------------------------------
     def _send_decline(self, request_id: str, producer: EngineRef, src: int) -> None:
@@ -707,18 +666,12 @@ class ConsumerSide:
         with self._cond:
             req = self._requests.get(request_id)
             if req is None:
-                staged = self._staged.get(request_id)
+                staged = self._stage.get(request_id)
                 if staged is not None and error is not None:
-                    self._fail_staged_locked(request_id, staged, error)
+                    self._stage.fail(request_id, staged, error)
                 if staged is not None and staged.error is None:
-                    # Counted as the push reserved it, its bytes: the buffer's class slack is the wire pool's.
-                    self._store.put(_store_key(request_id, key, piece), buf, nbytes=buf.nbytes)
+                    self._stage.land(request_id, staged, key, piece, buf)
                     owned[0] = False  # the store holds it: given back with the staged push
-                    staged.landed.append((key, piece))
-                    # Announced pieces of a slice lie inside its route and never overlap: a count suffices.
-                    count = staged.landed_tokens[key] = staged.landed_tokens.get(key, 0) + len(piece)
-                    staged.covered += int(count == len(key[2].tokens))
-                    self._report_stored(request_id, staged)
                 else:  # its push failed (now or before), or its request ended (aborted, expired): nothing takes it
                     owned[0] = False
                     self._caches.hand_back(buf, completed=error is None)
@@ -737,11 +690,11 @@ class ConsumerSide:
         try:
             with self._cond:
                 req = self._requests.get(request_id)
-                staged = self._staged.get(request_id) if req is None else None
+                staged = self._stage.get(request_id) if req is None else None
                 if req is not None:
                     self._fail_locked(req, error)
                 elif staged is not None and staged.error is None:
-                    self._fail_staged_locked(request_id, staged, error)
+                    self._stage.fail(request_id, staged, error)
         finally:
             if buf is not None:
                 self._caches.hand_back(buf, completed=not fut.cancelled() and fut.exception() is None)
@@ -843,44 +796,15 @@ class ConsumerSide:
                     raise TransferTimeout(f"request {request_id!r}: {what} not landed within {timeout_s}s")
                 self._cond.wait(min(stall_at, limit if limit is not None else stall_at) - now)
 
-    def _fail_staged_locked(self, request_id: str, staged: _Staged, error: BaseException) -> None:
-        """Under ``self._cond``: a staged push that can no longer be used gives back its staging at once
-        (reservation, stored tensors and their wire buffers) and stays as a tombstone until ``hold_s``: its
-        late tensors are drained, later offers refused, and an expect() fails at once with ``error``."""
-        if staged.error is None:
-            staged.error = error
-        self._report_removed(staged, "failed")
-        self._give_back_locked(request_id, staged)
-
-    def _give_back_locked(self, request_id: str, staged: _Staged) -> None:
-        """Under ``self._cond``: ``staged``'s reservation, its tensors in the store and their wire buffers."""
-        for _, _, tensor in self._take_staged_locked(request_id, staged):
-            self._caches.recycle(tensor)
-
-    def _take_staged_locked(self, request_id: str, staged: _Staged) -> list[_StagedTensor]:
-        """Under ``self._cond``: give back ``staged``'s reservation and take its tensors out of the store; the
-        caller scatters or recycles them (they are wire buffers)."""
-        self._reserved -= staged.reserved
-        staged.reserved = 0
-        taken: list[_StagedTensor] = []
-        for key, piece in staged.landed:
-            store_key = _store_key(request_id, key, piece)
-            tensor = self._store.get(store_key)
-            self._store.put(store_key, None)
-            if tensor is not None:
-                taken.append((key, piece, tensor))
-        staged.landed.clear()
-        return taken
-
     def _fail_unexpected_push_locked(self, request_id: str, producer_engine_id: str, error: NcclKVError) -> None:
         """Under ``self._cond``: a push of ``request_id`` not expected here ended with ``error`` (declined here, or
         failed at its producer): what is staged for it from that producer is given back, or, if nothing is,
         an expect() of it fails at once (a push staged from another producer is left alone)."""
-        staged = self._staged.get(request_id)
+        staged = self._stage.get(request_id)
         if staged is None:
             self._remember_refusal(request_id, producer_engine_id, error)
         elif staged.producer_engine_id == producer_engine_id and staged.error is None:  # else failed already
-            self._fail_staged_locked(request_id, staged, error)
+            self._stage.fail(request_id, staged, error)
 
     def _remember_refusal(self, request_id: str, producer_engine_id: str, error: NcclKVError) -> None:
         """Under ``self._cond``: record that ``request_id`` from ``producer_engine_id`` ended with ``error`` (a push
@@ -896,18 +820,6 @@ class ConsumerSide:
         if entry is None or entry[1][0] != producer_engine_id:
             return None
         return entry[0], entry[1][1]
-
-    def _report_stored(self, request_id: str, staged: _Staged) -> None:
-        """Under ``self._cond``: one "stored" event once every tensor of the push landed in staging."""
-        if staged.reported is None and staged.blocks is not None and staged.error is None \
-                and staged.covered == staged.num_wanted:
-            staged.reported = self._staging_log.stored(request_id, staged.blocks)
-
-    def _report_removed(self, staged: _Staged, reason: RemovalReason) -> None:
-        """Under ``self._cond``: the staged KV left (or is no longer usable): pair its "stored" event."""
-        if staged.reported is not None:
-            self._staging_log.removed(staged.reported, reason)
-            staged.reported = None
 
     def _stall_at(self, req: _Expected) -> float:
         """When ``req`` counts as stalled (see ``_stall_limit``)."""

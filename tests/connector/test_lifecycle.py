@@ -394,10 +394,10 @@ def test_a_pushed_decode_request_that_never_loads_gives_its_staging_back(engines
     prefill, decode = _pair(engines, model_dir, decode_extra={"hold_s": 600.0})
     (params,) = _prefill(prefill, PROMPTS[:1], {"remote_decode": decode.ref})
     consumer = decode.worker._work().engine._consumer
-    decode.run(lambda: consumer._store.used_bytes > 0, also=(prefill,))  # the push waits in staging
+    decode.run(lambda: consumer._stage.store.used_bytes > 0, also=(prefill,))  # the push waits in staging
     decode.add("d-0", PROMPTS[0], MAX_TOKENS, params)
     decode.abort("d-0")  # before it was ever scheduled: its staged KV is given back, not held hold_s
-    decode.run(lambda: (consumer._reserved, consumer._store.used_bytes) == (0, 0), also=(prefill,))
+    decode.run(lambda: (consumer._stage.reserved_bytes, consumer._stage.store.used_bytes) == (0, 0), also=(prefill,))
     _settle(prefill, decode)
 
 

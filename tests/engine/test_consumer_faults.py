@@ -161,7 +161,7 @@ def test_an_offer_after_the_abort_of_an_expected_push_is_refused() -> None:
         assert isinstance(error, TransferError) and "already failed here" in str(error), error
         assert "'p' aborted" in str(error)
         assert _staging(decode[0]) == (0, 0)
-        assert "p" not in decode[0].engine._consumer._staged  # noqa: SLF001
+        assert decode[0].engine._consumer._stage.get("p") is None  # noqa: SLF001
 
 
 def test_an_aborted_pull_larger_than_the_staging_is_drained_and_the_link_kept() -> None:
@@ -362,7 +362,7 @@ def test_a_staged_tensor_the_store_refuses_fails_its_push_at_once_and_gives_its_
     prefill, decode = gloo_pair
     ref, producer = engine_ref("decode", ONE, decode), engine_ref("prefill", ONE, prefill)
     consumer = decode[0].engine._consumer  # noqa: SLF001
-    store = consumer._store  # noqa: SLF001
+    store = consumer._stage.store  # noqa: SLF001
     store.put = _fail_call(2, store.put, RuntimeError("store fault (test)"),  # type: ignore[method-assign]
                            lambda key, value, **_: value is not None)  # the second tensor staged
     prefill[0].fill(seed=3, block_ids=[0, 1], num_tokens=32)

@@ -267,7 +267,7 @@ def test_a_push_and_an_expect_that_disagree_fail_at_once_naming_both() -> None:
             producer.finish(rid)
 
         push("staged")
-        _until(lambda: consumer._consumer._staged.get("staged"), "the push staged")  # noqa: SLF001
+        _until(lambda: consumer._consumer._stage.get("staged"), "the push staged")  # noqa: SLF001
         with pytest.raises(ValueError, match=r"'staged' is being pushed here by 'prefill' .*expect it with push=True"):
             consumer.expect("staged", ref, [3, 4], 20)
         started = time.monotonic()
@@ -446,7 +446,7 @@ def test_what_is_kept_per_link_goes_with_the_link() -> None:
 def _staging(side: RankSide) -> tuple[int, int]:
     """(bytes reserved for staged pushes, bytes in the staging store) of a consumer rank."""
     consumer = side.engine._consumer  # noqa: SLF001
-    return consumer._reserved, consumer._store.used_bytes  # noqa: SLF001
+    return consumer._stage.reserved_bytes, consumer._stage.store.used_bytes  # noqa: SLF001
 
 
 def _push(side: RankSide, request_id: str, consumer: EngineRef, blocks: list[int], num_tokens: int,
@@ -494,7 +494,7 @@ def test_an_expect_after_a_push_expired_in_staging_fails_at_once() -> None:
         _push(prefill[0], "late", engine_ref("decode", ONE, decode), [0, 1], 32)
         assert _sent(prefill[0], "late") is None
         consumer = decode[0].engine._consumer  # noqa: SLF001
-        _until(lambda: not decode[0].engine.take_finished_receiving() and "late" not in consumer._staged,  # noqa: SLF001
+        _until(lambda: not decode[0].engine.take_finished_receiving() and consumer._stage.get("late") is None,  # noqa: SLF001
                "the push expiring from staging")
         assert _staging(decode[0]) == (0, 0)
         decode[0].engine.expect("late", engine_ref("prefill", ONE, prefill), [4, 5], 32, push=True)

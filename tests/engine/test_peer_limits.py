@@ -102,9 +102,9 @@ def test_a_push_offer_speaks_only_for_its_sender_and_never_fails_anothers_staged
         assert not isinstance(offer(prefill, "y", "prefill", 8), NcclKVError)
         other = offer(evil, "y", "evil", 4096)
         assert isinstance(other, NcclKVError) and "staged here from 'prefill'" in str(other), other
-        staged = consumer._consumer._staged
-        assert staged["y"].error is None and staged["y"].producer_engine_id == "prefill"
-        assert staged["x"].error is None
+        stage = consumer._consumer._stage
+        assert stage.get("y").error is None and stage.get("y").producer_engine_id == "prefill"
+        assert stage.get("x").error is None
     finally:
         evil.close()
         prefill.close()

@@ -49,7 +49,7 @@ def test_staged_kv_pins_at_most_its_size_class_over_what_staging_counts() -> Non
             for layer in range(GEOMETRY.num_layers):
                 producer.save_layer(f"push{i}", layer)
             producer.finish(f"push{i}")
-        store = consumer._consumer._store
+        store = consumer._consumer._stage.store
         _until(lambda: len(store) == 4 * GEOMETRY.num_layers, "every staged tensor stored")
         held = sum(value.untyped_storage().nbytes() for value, _ in store._lru._entries.values())
         assert held <= 1.25 * store.used_bytes, (held, store.used_bytes)  # was 1.94: the 64 KiB buffers reused
@@ -156,7 +156,7 @@ def test_a_push_that_fills_staging_exactly_is_staged_whole() -> None:
         for layer in range(GEOMETRY.num_layers):
             producer.save_layer("p", layer)
         producer.finish("p")
-        store = consumer._consumer._store  # noqa: SLF001
+        store = consumer._consumer._stage.store  # noqa: SLF001
         _until(lambda: len(store) == GEOMETRY.num_layers, "every layer staged")
         assert store.used_bytes == store.capacity_bytes == GEOMETRY.num_layers * slice_bytes
         held = sum(value.untyped_storage().nbytes() for value, _ in store._lru._entries.values())  # noqa: SLF001

@@ -358,8 +358,8 @@ def stats(st: _State, key: str) -> dict[str, Any]:
     engine = st.sides[key].engine
     out = asdict(engine.stats())
     out["channel"] = asdict(engine._channel.stats)
-    out["staging_used"] = engine._consumer._store.used_bytes
-    out["staging_reserved"] = engine._consumer._reserved
+    out["staging_used"] = engine._consumer._stage.store.used_bytes
+    out["staging_reserved"] = engine._consumer._stage.reserved_bytes
     out["links"] = {p.peer_id: p.link.result(0).stats().next_recv_seq
                     for p in engine._peers._peers.values() if p.link is not None and p.link.done()
                     and p.link.exception() is None}
