@@ -24,13 +24,17 @@ is why the MAC must name the path. A sender seen for the first time must be
 within ``max_clock_skew_s`` of the receiver's clock, so an old capture cannot
 be replayed to a receiver that restarted.
 
-A frame that fails authentication on our ROUTER is answered only by
+A frame that fails its MAC check on our ROUTER is answered only by
 :data:`REFUSED_NOTICE`, fixed bytes that carry nothing of the frame or of this
-channel (token-bucketed like every answer). A channel that gets it, or any frame
-that fails authentication, on a DEALER it opened to a peer's address loses that
-peer at once, naming the likely cause: the peers' shared secrets differ (or one
-has none), so nothing either sends will ever be taken. An outsider gains no
-power from that: only the process at the address we dialled can answer there.
+channel (token-bucketed, apart from the answers to authentic frames). A channel
+that gets it, or any frame failing its MAC, on a DEALER it opened to a peer's
+address loses that peer at once, naming the likely cause: the peers' shared
+secrets differ (or one has none), or the channel there is another peer, so
+nothing either sends will ever be taken. A frame refused only for its stamp
+(stale or replayed, with a good MAC) is neither answered nor a reason to lose
+anyone: only a holder of the secret made it. An outsider gains no power from
+that: only the process at the address we dialled (or one that can write into
+that TCP stream, which could as well cut it) can answer there.
 
 With CURVE, a peer this channel connected to proved the server key it was
 given; its DEALER holds the same key pair, so frames reaching the ROUTER under
@@ -79,6 +83,13 @@ _REPLIES_PER_S, _REPLY_BURST = 50.0, 100.0
 WARNINGS_PER_S, WARNING_BURST = 1.0, 5.0
 
 
+class _StaleFrame(AuthenticationError):
+    """A frame with a good MAC refused for its stamp (a replay, reordered, or too far from our clock): only a
+    holder of the secret made it, so it is no sign that the secrets differ. Honest peers send one when a
+    restarted process's first frames are queued old, or two lives of one id overlap a moment: neither noticed
+    nor a reason to lose the sender."""
+
+
 def _ident(name: bytes) -> bytes:
     if len(name) > 255:  # Channel refuses such ids; not an assert, which -O would drop
         raise ValueError(f"peer ids are at most 255 UTF-8 bytes, got {len(name)}")
@@ -91,7 +102,6 @@ class FrameAuth:
     def __init__(self, secret: bytes, me: str, max_clock_skew_s: float) -> None:
         self._secret = secret
         self._me = _ident(me.encode())
-        self.max_clock_skew_s = max_clock_skew_s
         self._max_skew_ns = int(max_clock_skew_s * 1e9)
         self._last_sent = 0
         self._last_seen: OrderedDict[tuple[bytes, bool], int] = OrderedDict()
@@ -124,12 +134,12 @@ class FrameAuth:
         if last is None:
             skew_ns = abs(value - time.time_ns())
             if skew_ns > self._max_skew_ns:
-                raise AuthenticationError(
+                raise _StaleFrame(
                     f"first frame's stamp is {skew_ns / 1e9:.1f}s from this host's clock (max_clock_skew_s="
                     f"{self._max_skew_ns / 1e9:g}): a stale replay, or unsynchronised clocks"
                 )
         elif value <= last:
-            raise AuthenticationError(f"replayed or reordered frame: stamp {value} is not after {last}")
+            raise _StaleFrame(f"replayed or reordered frame: stamp {value} is not after {last}")
         self._last_seen[key] = value
         self._last_seen.move_to_end(key)
         if len(self._last_seen) > _MAX_SENDERS:
@@ -297,6 +307,7 @@ class FrameGate:
         self._counters = counters
         self._next_msg_id = next_msg_id
         self._replies = Budget(_REPLIES_PER_S, _REPLY_BURST)
+        self._notices = Budget(_REPLIES_PER_S, _REPLY_BURST)  # REFUSED_NOTICE, to frames failing authentication
         self._warnings = Budget(WARNINGS_PER_S, WARNING_BURST)
 
     def seal(self, receiver: bytes, frame: bytes, *, from_router: bool) -> bytes:
@@ -321,8 +332,8 @@ class FrameGate:
         except AuthenticationError as exc:  # a ProtocolError too: caught first, as only the notice answers it
             self._counters.auth_failures += 1
             self.reject(sock, routing_id, origin, exc, authentic=False, renamed=_renamed_by_zmq(origin))
-            if routing_id is None and self._wrong_answer is not None:
-                self._wrong_answer(name, self._unauthenticated_answer(exc))
+            if routing_id is None and self._wrong_answer is not None and not isinstance(exc, _StaleFrame):
+                self._wrong_answer(name, self._unauthenticated_answer(name, exc))
             return None
         except ProtocolError as exc:
             self.reject(sock, routing_id, origin, exc, renamed=_renamed_by_zmq(origin))
@@ -350,17 +361,19 @@ class FrameGate:
             return payload[0]
         return self._sealer.open(origin, payload[0], via_router=routing_id is not None)
 
-    def _unauthenticated_answer(self, exc: AuthenticationError) -> str:
-        """Why a frame on our DEALER to a peer failed authentication, for the loss of that peer."""
+    def _unauthenticated_answer(self, name: str, exc: AuthenticationError) -> str:
+        """Why a frame on our DEALER to peer ``name`` failed authentication, for the loss of that peer."""
+        # Every MAC names its receiver: a channel there under another peer id fails it too, whatever the secrets.
+        not_it = f"or the channel at that address is not {name!r} (each frame's MAC names its receiver)"
         if str(exc) == REFUSED_NOTICE.decode():
             if self._sealer is None:
                 return ("refused our frames as not authenticated: it has a shared secret and this channel has none "
                         "(NCCLKV_SHARED_SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike on every rank)")
             return (f"refused our frames as not authenticated: its shared secret differs from ours (NCCLKV_SHARED_"
-                    f"SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike on every rank), or its clock and ours "
-                    f"differ by more than max_clock_skew_s={self._sealer.max_clock_skew_s:g}")
+                    f"SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike on every rank), {not_it}")
         return (f"answers with frames that fail authentication ({exc}): its shared secret differs from ours, or it "
-                f"has none (NCCLKV_SHARED_SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike on every rank)")
+                f"has none (NCCLKV_SHARED_SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike on every rank), "
+                f"{not_it}")
 
     def reject(
         self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, exc: ProtocolError, authentic: bool = True,
@@ -380,9 +393,10 @@ class FrameGate:
                        level=logging.INFO)
         else:
             self._warn(now, "channel %r: rejected a frame from %r: %s", origin, exc)
-        if not authentic and (routing_id is None or renamed or self._sealer is None):
+        if not authentic and (routing_id is None or renamed or self._sealer is None or isinstance(exc, _StaleFrame)):
             return  # the one answer to an unauthenticated frame: the notice, to a connection that named itself
-        if not self._replies.take(now):
+        # Notices draw on a bucket of their own: a flood of junk must not silence the answers peers get
+        if not (self._replies if authentic else self._notices).take(now):
             return
         if authentic:
             # <= 4 UTF-8 bytes a char: the reply fits any max_frame_bytes >= 1024

@@ -16,7 +16,8 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from ncclkv import errors
-from ncclkv._auth import HANDSHAKE_FAILURES_TO_LOSE, MAC_OVERHEAD, REFUSED_NOTICE, FrameAuth
+from ncclkv._auth import HANDSHAKE_FAILURES_TO_LOSE, MAC_OVERHEAD, REFUSED_NOTICE, FrameAuth, FrameGate
+from ncclkv._peers import Counters
 from ncclkv._env import env_settings
 from ncclkv.auth import (
     AuthenticationError,
@@ -372,23 +373,81 @@ def test_hmac_drops_replays_alterations_and_misattributed_frames(make: Channels)
         wait_until(lambda: len(server.seen) >= 2 and server.channel.stats.auth_failures >= 6, WAIT_S)
         assert [body.request_id for _, body in server.seen] == ["first", "last"]  # type: ignore[union-attr]
         assert server.channel.stats.auth_failures == 6 and server.channel.stats.received == 2
-        # Each unauthenticated frame is answered by the fixed notice alone (sent by the I/O thread at once, so not
-        # in order with the Acks, which the dispatcher sends); legit's sealed replies include heartbeats now.
+        # Each frame failing its MAC is answered by the fixed notice alone (sent by the I/O thread at once, so not
+        # in order with the Acks, which the dispatcher sends); a stale or replayed one, which only a holder of the
+        # secret can have made, is not answered at all. legit's sealed replies include heartbeats now.
         replies: list[Message | bytes] = []
-        while len(replies) < 5:
+        while len(replies) < 4:
             assert socks["legit"].poll(5000), replies
             frame = socks["legit"].recv()
             body = frame if frame == REFUSED_NOTICE else decode(legit.open(b"server", frame, via_router=False)).body
             replies += [] if isinstance(body, Heartbeat) else [body]
         assert [reply for reply in replies if reply != REFUSED_NOTICE] == [Ack("first", None), Ack("last", None)]
-        assert replies.count(REFUSED_NOTICE) == 3
-        for _ in range(3):  # mallory learns nothing but that its frames were refused
+        assert replies.count(REFUSED_NOTICE) == 2  # the altered and the redirected frame; not the replay
+        for _ in range(2):  # mallory learns nothing but that its frames were refused (not its stale capture)
             assert socks["mallory"].poll(5000) and socks["mallory"].recv() == REFUSED_NOTICE
         assert not socks["mallory"].poll(int(NO_ANSWER_S * 1000))
     finally:
         for sock in socks.values():
             sock.close(linger=0)
         context.term()
+
+
+class _Sent:
+    """A stand-in for the socket FrameGate answers on: it records what was sent."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def send(self, frame: bytes, flags: int = 0) -> None:
+        self.frames.append(frame)
+
+    def send_multipart(self, parts: list[bytes], flags: int = 0) -> None:
+        self.frames.append(parts[-1])
+
+
+def _gate(lost: list[tuple[str, str]]) -> FrameGate:
+    return FrameGate(peer_id="server", max_frame_bytes=1 << 20, auth=ChannelAuth(shared_secret=SECRET),
+                     counters=Counters(), next_msg_id=iter(range(1, 10**6)).__next__,
+                     wrong_answer=lambda peer, what: lost.append((peer, what)))
+
+
+def test_a_stale_or_replayed_frame_with_a_good_mac_is_neither_noticed_nor_a_loss() -> None:
+    """Only a holder of the secret can have made it: a restarted peer's first frames queued old, or two lives of one
+    id overlapping a moment. Answering it with the notice made honest peers with the same secret lose each other."""
+    lost: list[tuple[str, str]] = []
+    gate, sock = _gate(lost), _Sent()
+    peer = FrameAuth(SECRET, "peer", 300.0)
+    hello = encode(Envelope("peer", 1, None, Ready("r")))
+    for from_router in (False, True):  # the peer's DEALER -> our ROUTER, and its ROUTER -> our DEALER
+        routing_id = None if from_router else b"peer"
+        frame = peer.seal(b"server", hello, from_router=from_router)
+        assert gate.admit(sock, routing_id, b"peer", [frame]) is not None
+        assert gate.admit(sock, routing_id, b"peer", [frame]) is None  # replayed
+    with mock.patch("ncclkv._auth.time.time_ns", return_value=time.time_ns() - 3600 * 10**9):
+        old = FrameAuth(SECRET, "late", 300.0).seal(b"server", hello, from_router=True)
+    assert gate.admit(sock, None, b"late", [old]) is None  # a first frame an hour old, on our DEALER
+    assert sock.frames == [] and lost == []
+    # A bad MAC on our DEALER is still a loss, naming both causes a MAC failure can have.
+    assert gate.admit(sock, None, b"peer", [FrameAuth(SECRET[::-1], "peer", 300.0).seal(b"server", hello,
+                                                                                      from_router=True)]) is None
+    assert len(lost) == 1 and lost[0][0] == "peer" and "its shared secret differs from ours" in lost[0][1]
+    assert "or the channel at that address is not 'peer' (each frame's MAC names its receiver)" in lost[0][1]
+
+
+def test_a_flood_of_unauthenticated_frames_does_not_silence_the_answers_to_authentic_ones() -> None:
+    """The notices have a bucket of their own: before, an outsider's junk used up the one that answers peers."""
+    gate, sock = _gate([]), _Sent()
+    for _ in range(1000):
+        gate.admit(sock, b"outsider", b"outsider", [b"junk" * 20])
+    notices = len(sock.frames)
+    assert 0 < notices <= 110 and set(sock.frames) == {REFUSED_NOTICE}  # a burst of 100 and what refilled since
+    peer = FrameAuth(SECRET, "peer", 300.0)
+    for index in range(10):  # authentic, but naming another sender: answered, each one
+        gate.admit(sock, b"peer", b"peer", [peer.seal(b"server", encode(Envelope("other", index, None, Ready("r"))),
+                                                      from_router=False)])
+    answers = [decode(peer.open(b"server", frame, via_router=False)).body for frame in sock.frames[notices:]]
+    assert len(answers) == 10 and all("names sender 'other'" in body.text for body in answers), answers
 
 
 def test_frame_auth_seal_and_open() -> None:
