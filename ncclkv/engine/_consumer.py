@@ -363,8 +363,11 @@ class ConsumerSide:
         try:
             self._receive(sender, peer.remote.rank, peer.remote.engine_id, link, ann)
         except Exception as err:  # nothing posted: close the link rather than let it go out of step
-            error = _as_ncclkv(err)
-            reason = f"no receive posted for announcement seq {ann.seq} of {ann.request_id!r}: {error}"
+            # A link a tensor broke (its header did not match its receive) fails what waits on it with that cause's
+            # type: the request whose tensor it was may hear of it here first, before its own receive's error lands.
+            cause = link.broken if isinstance(err, ClosedError) and link.broken is not None else err
+            error = _as_ncclkv(cause)
+            reason = f"no receive posted for announcement seq {ann.seq} of {ann.request_id!r}: {_as_ncclkv(err)}"
             self.fail_peer(sender, type(error)(f"{sender!r}: {reason}; link closed"))
             self._peers.drop(sender, reason)
 

@@ -21,7 +21,7 @@ import pytest
 
 from ncclkv.engine import EngineRef
 from ncclkv.engine._engine import _TASKS_PER_PEER as TASKS_PER_PEER
-from ncclkv.errors import ClosedError, NcclKVError, TransferError, TransferTimeout
+from ncclkv.errors import ClosedError, NcclKVError, ShapeMismatchError, TransferError, TransferTimeout
 from ncclkv.launch import free_port
 from ncclkv.layout import Span
 from ncclkv.paged import CacheLayout
@@ -132,6 +132,32 @@ def test_a_receive_that_cannot_be_posted_closes_the_link_and_the_next_request_la
     decode[0].engine.wait("b", timeout_s=WAIT_S)
     assert decode[0].mismatches(2, [3, 4], 20, Span(0, 20)) == []
     assert _link_id(decode[0], "prefill.r0") not in (None, link_before)  # a new link
+
+
+def test_a_receive_refused_by_a_link_a_tensor_broke_fails_with_that_cause_s_type(
+        gloo_pair: tuple[list[RankSide], list[RankSide]]) -> None:
+    """The link closes (broken by a tensor whose header did not match its receive) before that receive's own error
+    lands on its request; the next announcement's receive is refused meanwhile. Before, every request on the link,
+    the one whose tensor broke it too, failed with a ClosedError; seen once in the multiprocess oversized-sender
+    test under load, which expects the ShapeMismatchError naming both sizes."""
+    prefill, decode = gloo_pair
+    start_pull("warm", prefill, decode, 9, [5], [5], 10)
+    decode[0].engine.wait("warm", timeout_s=WAIT_S)
+    link = decode[0].engine._peers.link("prefill.r0")  # noqa: SLF001
+    broken = ShapeMismatchError("header says (2, 41, 4, 32), the receive is (2, 40, 4, 32) (test)")
+    real_recv, calls = link.recv, [0]
+
+    def recv(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:  # the link's state at that moment: broken by an earlier tensor, so closed
+            link._broken = broken  # noqa: SLF001
+            raise ClosedError(f"link is closed (broken: {broken})")
+        return real_recv(*args, **kwargs)
+    link.recv = recv  # type: ignore[method-assign]
+    start_pull("a", prefill, decode, 1, [1, 2], [1, 2], 20)
+    error = _outcomes(decode[0], "a")["a"]
+    assert isinstance(error, ShapeMismatchError) and "no receive posted for announcement seq" in str(error), error
+    assert "(2, 41, 4, 32)" in str(error) and "link closed" in str(error)
 
 
 def test_pulls_to_a_dead_producer_do_not_starve_a_pull_from_a_live_one() -> None:
