@@ -3,11 +3,10 @@
 Every engine here has a CURVE key pair and a shared secret (``EngineConfig.auth``;
 a deployment sets the NCCLKV_CURVE_* / NCCLKV_SHARED_SECRET* variables instead,
 docs/SECURITY.md). Authenticated engines pull and push byte-exact. An engine
-without the credentials, or with wrong ones, gets no handshake: its request
-fails typed within the deadline, the producer counts the refused frames or
-connection, knows no such peer, sent nothing, and goes on serving the
-engines that belong. The engine without them loses the producer at once, told
-why (PeerLostError naming the keys or the secret).
+without the credentials, or with wrong ones, gets no handshake: it loses the
+producer at once, told why (PeerLostError naming the keys or the secret), and
+the producer counts the refused frames or connection, knows no such peer,
+sent nothing, and goes on serving the engines that belong.
 """
 
 from __future__ import annotations
