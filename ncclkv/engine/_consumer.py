@@ -45,7 +45,6 @@ __all__ = ["ConsumerSide"]
 
 log = logging.getLogger("ncclkv.engine")
 
-_Key = SliceKey  # (src rank, layer, route)
 _MAX_REFUSALS = 4096  # failed pushes remembered for a later expect(), each at most hold_s
 
 
@@ -54,15 +53,15 @@ class _Expected:
     request_id: str
     producer: EngineRef
     slots: SlotMap
-    pending: set[_Key]
+    pending: set[SliceKey]
     per_src: dict[int, int]  # (layer, route) slices each producer rank will send us (what its Done counts)
     remaining: dict[int, int]  # layer -> (layer, route) slices still to land (each in one piece or several)
     started: float  # time.monotonic(): latencies are wall time
     progress: float  # the channel clock: the no-progress deadline leaves out our own pauses
     nbytes: int = 0
     error: BaseException | None = None
-    announced: dict[_Key, SpanSet] = field(default_factory=dict)  # tokens of each slice announced so far
-    landed: dict[_Key, SpanSet] = field(default_factory=dict)  # tokens of each slice scattered so far
+    announced: dict[SliceKey, SpanSet] = field(default_factory=dict)  # tokens of each slice announced so far
+    landed: dict[SliceKey, SpanSet] = field(default_factory=dict)  # tokens of each slice scattered so far
     push: bool = False  # pushed: nothing arrives before the producer's prefill runs
     num_tokens: int = 0  # push: the tokens expected (its offers must say as many)
     applying: int = 0  # scatters into the request's blocks running right now
@@ -80,7 +79,7 @@ class _Expected:
         return [event for events in self.scattered.values() for event in events]
 
 
-def _add_piece(pieces: dict[_Key, SpanSet], key: _Key, piece: Span) -> SpanSet | None:
+def _add_piece(pieces: dict[SliceKey, SpanSet], key: SliceKey, piece: Span) -> SpanSet | None:
     """Record ``piece`` of slice ``key`` and return the slice's tokens recorded so far; None if it overlaps
     a piece recorded before (nothing recorded)."""
     seen = pieces.get(key)  # None: the first piece, and for whole slices the only one (no set arithmetic)
@@ -90,13 +89,13 @@ def _add_piece(pieces: dict[_Key, SpanSet], key: _Key, piece: Span) -> SpanSet |
     return merged
 
 
-def _overlaps(pieces: dict[_Key, SpanSet], key: _Key, piece: Span) -> bool:
+def _overlaps(pieces: dict[SliceKey, SpanSet], key: SliceKey, piece: Span) -> bool:
     """Whether ``piece`` overlaps a piece of slice ``key`` recorded before (what ``_add_piece`` refuses)."""
     seen = pieces.get(key)
     return seen is not None and not seen.intersect(piece).empty
 
 
-def _covers_slice(tokens: SpanSet, key: _Key) -> bool:
+def _covers_slice(tokens: SpanSet, key: SliceKey) -> bool:
     """Whether ``tokens`` (pieces inside the slice's route, checked as announced) are all of the slice's."""
     return tokens.spans == (key[2].tokens,)
 
@@ -114,7 +113,8 @@ class ConsumerSide:
         self._recv_seq: dict[str, int] = {}  # link id -> seq the next announcement must carry
         peers.on_link_gone(lambda link_id: self._recv_seq.pop(link_id, None))
         self._hold_s = hold_s
-        self._stage = PushStage(staging_bytes, caches.recycle)  # pushes landed before they are expected
+        # Pushes landed before they are expected; recycling looked up at each call, like the other hand-backs
+        self._stage = PushStage(staging_bytes, lambda tensor: self._caches.recycle(tensor))
         # Pushes that failed before this rank expected them (refused here for room, or the producer's error),
         # and expected requests that failed or were aborted, by request id: (when, producer engine id, why).
         # The producer gave up, so an expect() of a push from that producer fails at once instead of waiting
@@ -649,7 +649,8 @@ class ConsumerSide:
             raise HandshakeError(f"request {request_id!r}: the reference to {producer.engine_id!r} says layout "
                                  f"{said.spec()}, its rank {peer.peer_id!r} shook hands with {runs.spec()}")
 
-    def _landed(self, request_id: str, key: _Key, piece: Span, buf: torch.Tensor, fut: Future[torch.Tensor]) -> None:
+    def _landed(self, request_id: str, key: SliceKey, piece: Span, buf: torch.Tensor,
+                fut: Future[torch.Tensor]) -> None:
         """On the link's receive thread (a done-callback of the receive): stage a landed tensor, or scatter it
         unless its request failed.
 
@@ -663,7 +664,7 @@ class ConsumerSide:
         except Exception as err:  # noqa: BLE001 - reported on the request, never lost in a callback's log
             self._landing_failed(request_id, key, piece, buf if owned[0] else None, fut, err)
 
-    def _land(self, request_id: str, key: _Key, piece: Span, buf: torch.Tensor, fut: Future[torch.Tensor],
+    def _land(self, request_id: str, key: SliceKey, piece: Span, buf: torch.Tensor, fut: Future[torch.Tensor],
               owned: list[bool]) -> None:
         error = fut.exception()
         with self._cond:
@@ -673,8 +674,9 @@ class ConsumerSide:
                 if staged is not None and error is not None:
                     self._stage.fail(request_id, staged, error)
                 if staged is not None and staged.error is None:
-                    self._stage.land(request_id, staged, key, piece, buf)
+                    self._stage.put(request_id, key, piece, buf)
                     owned[0] = False  # the store holds it: given back with the staged push
+                    self._stage.landed(request_id, staged, key, piece)
                 else:  # its push failed (now or before), or its request ended (aborted, expired): nothing takes it
                     owned[0] = False
                     self._caches.hand_back(buf, completed=error is None)
@@ -682,7 +684,7 @@ class ConsumerSide:
         owned[0] = False
         self._apply(req, key, piece, buf, error)
 
-    def _landing_failed(self, request_id: str, key: _Key, piece: Span, buf: torch.Tensor | None,
+    def _landing_failed(self, request_id: str, key: SliceKey, piece: Span, buf: torch.Tensor | None,
                         fut: Future[torch.Tensor], err: Exception) -> None:
         """A landed tensor could not be taken (staged or scattered): fail its request, or its staged push (which
         gives back its staging), with a TransferError naming it; hand ``buf`` back if it is still ours."""
@@ -702,7 +704,8 @@ class ConsumerSide:
             if buf is not None:
                 self._caches.hand_back(buf, completed=not fut.cancelled() and fut.exception() is None)
 
-    def _apply(self, req: _Expected, key: _Key, piece: Span, buf: torch.Tensor, error: BaseException | None) -> None:
+    def _apply(self, req: _Expected, key: SliceKey, piece: Span, buf: torch.Tensor,
+               error: BaseException | None) -> None:
         """Scatter one landed tensor (``piece`` of the slice ``key``) into the request's blocks and count it."""
         received = error is None
         with self._cond:

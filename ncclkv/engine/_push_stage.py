@@ -8,13 +8,15 @@ tombstone (``StagedPush.error``) until it expires, so its late tensors are
 drained and its later offers refused. ``stored``/``removed`` staging events
 (:mod:`._staging`) pair up for every push that named its blocks.
 
-Not thread-safe on its own: the consumer calls every method under its lock,
-which also guards the requests these pushes turn into.
+Not thread-safe on its own: the consumer calls every method under its lock
+(which also guards the requests these pushes turn into), except
+:meth:`PushStage.take_events` (the events log has a lock of its own) and
+:meth:`PushStage.close`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -83,7 +85,7 @@ class PushStage:
         return self._reserved
 
     def reserve(self, request_id: str, producer_engine_id: str, now: float, num_tokens: int, num_wanted: int,
-                blocks: BlockTokens | None, keys: set[SliceKey], nbytes: int) -> StagedPush:
+                blocks: BlockTokens | None, keys: set[SliceKey], nbytes: int) -> None:
         """Stage one producer rank's offer of ``request_id`` (the first one stages the push); the caller checked
         that ``nbytes`` fit."""
         staged = self._pushes.get(request_id)
@@ -95,12 +97,15 @@ class PushStage:
         staged.keys |= keys
         staged.reserved += nbytes
         self._reserved += nbytes
-        return staged
 
-    def land(self, request_id: str, staged: StagedPush, key: SliceKey, piece: Span, buf: torch.Tensor) -> None:
-        """A landed tensor of ``staged`` goes into the store (which holds ``buf`` from now on)."""
+    def put(self, request_id: str, key: SliceKey, piece: Span, buf: torch.Tensor) -> None:
+        """A landed tensor goes into the store, which holds ``buf`` once this returns (then call :meth:`landed`:
+        apart, so the caller knows whose ``buf`` is should the bookkeeping fail)."""
         # Counted as the push reserved it, its bytes: the buffer's class slack is the wire pool's.
         self.store.put(_store_key(request_id, key, piece), buf, nbytes=buf.nbytes)
+
+    def landed(self, request_id: str, staged: StagedPush, key: SliceKey, piece: Span) -> None:
+        """Count a tensor :meth:`put` in the store for ``staged``; "stored" is reported once every one landed."""
         staged.landed.append((key, piece))
         # Announced pieces of a slice lie inside its route and never overlap: a count suffices.
         count = staged.landed_tokens[key] = staged.landed_tokens.get(key, 0) + len(piece)
@@ -125,15 +130,16 @@ class PushStage:
         for _, _, tensor in self._unstore(request_id, staged):
             self._recycle(tensor)
 
-    def expire(self, now: float, hold_s: float) -> list[tuple[str, StagedPush]]:
-        """Drop the pushes staged more than ``hold_s`` ago (never expected here), giving back their staging."""
+    def expire(self, now: float, hold_s: float) -> Iterator[tuple[str, StagedPush]]:
+        """Drop the pushes staged more than ``hold_s`` ago (never expected here), giving back their staging;
+        each is yielded once dropped, before the next is (the caller records each in turn)."""
         expired = [(request_id, staged) for request_id, staged in self._pushes.items() if now - staged.since > hold_s]
         for request_id, staged in expired:
             for _, _, tensor in self._unstore(request_id, staged):
                 self._recycle(tensor)
             del self._pushes[request_id]
             self.report_removed(staged, "expired")
-        return expired
+            yield request_id, staged
 
     def report_removed(self, staged: StagedPush, reason: RemovalReason) -> None:
         """The staged KV left (or is no longer usable): pair its "stored" event."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ncclkv.engine import EngineRef
+from ncclkv.engine import BlockTokens, EngineRef
 from ncclkv.engine._engine import _TASKS_PER_PEER as TASKS_PER_PEER
 from ncclkv.errors import ClosedError, NcclKVError, ShapeMismatchError, TransferError, TransferTimeout
 from ncclkv.launch import free_port
@@ -409,6 +409,34 @@ def test_a_staged_tensor_the_store_refuses_fails_its_push_at_once_and_gives_its_
     decode[0].engine.expect("q", producer, [4, 5], 32, push=True)
     decode[0].engine.wait("q", timeout_s=WAIT_S)
     assert decode[0].mismatches(4, [4, 5], 32, Span(0, 32)) == []
+
+
+def test_a_staged_tensor_whose_bookkeeping_fails_after_the_store_took_it_is_given_back_once(
+        gloo_pair: tuple[list[RankSide], list[RankSide]]) -> None:
+    """The store holds the buffer once put: if reporting the push as stored then fails, the failed push gives it
+    back (with the rest of its staging), and the landing must not hand it back again (another receive may hold it
+    by then)."""
+    prefill, decode = gloo_pair
+    ref, producer = engine_ref("decode", ONE, decode), engine_ref("prefill", ONE, prefill)
+    stage, caches = decode[0].engine._consumer._stage, decode[0].engine._caches  # noqa: SLF001
+    stage._log.stored = _fail_call(1, stage._log.stored, RuntimeError("stored event fault (test)"))  # noqa: SLF001
+    given: list[int] = []  # the storage of every wire buffer handed back, recycled or not
+    for name in ("hand_back", "recycle"):
+        real = getattr(caches, name)
+        setattr(caches, name, lambda buf, *args, _real=real, **kwargs: (
+            given.append(buf.untyped_storage().data_ptr()), _real(buf, *args, **kwargs))[1])
+    prefill[0].fill(seed=3, block_ids=[0, 1], num_tokens=32)
+    # Named blocks: the push is reported "stored" once its last tensor landed, which is the call that fails.
+    prefill[0].engine.start_push("p", ref, [0, 1], 32, blocks=BlockTokens.of_prompt(list(range(32)), 16))
+    for layer in range(GQA.num_layers):
+        prefill[0].engine.save_layer("p", layer)
+    prefill[0].engine.finish("p")
+    _sent(prefill[0], "p")
+    _until(lambda: _staging(decode[0]) == (0, 0), "p's staging given back")
+    decode[0].engine.expect("p", producer, [2, 3], 32, push=True)
+    with pytest.raises(TransferError, match=r"RuntimeError: stored event fault \(test\)"):
+        decode[0].engine.wait("p", timeout_s=WAIT_S)
+    assert len(given) == GQA.num_layers == len(set(given)), given  # each buffer once
 
 
 def test_declines_to_a_dead_producer_do_not_hold_back_a_decline_to_a_live_one() -> None:

@@ -103,8 +103,9 @@ def test_a_push_offer_speaks_only_for_its_sender_and_never_fails_anothers_staged
         other = offer(evil, "y", "evil", 4096)
         assert isinstance(other, NcclKVError) and "staged here from 'prefill'" in str(other), other
         stage = consumer._consumer._stage
-        assert stage.get("y").error is None and stage.get("y").producer_engine_id == "prefill"
-        assert stage.get("x").error is None
+        staged_x, staged_y = stage.get("x"), stage.get("y")
+        assert staged_y is not None and staged_y.error is None and staged_y.producer_engine_id == "prefill"
+        assert staged_x is not None and staged_x.error is None
     finally:
         evil.close()
         prefill.close()
