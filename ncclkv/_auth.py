@@ -62,8 +62,8 @@ from .auth import AuthenticationError, ChannelAuth, CurveConfig
 from .errors import ProtocolError
 from .protocol import MAX_TEXT_CHARS, Envelope, ErrorCode, ErrorMsg, decode, encode
 
-__all__ = ["HANDSHAKE_FAILURES_TO_LOSE", "MAC_OVERHEAD", "REFUSED_NOTICE", "WARNING_BURST", "WARNINGS_PER_S",
-           "CurveWatch", "FrameAuth", "FrameGate", "ZapGuard", "configure_curve_client"]
+__all__ = ["HANDSHAKE_FAILURES_TO_SUSPECT", "MAC_OVERHEAD", "REFUSED_NOTICE", "WARNING_BURST", "WARNINGS_PER_S",
+           "FrameAuth", "HandshakeWatch", "FrameGate", "ZapGuard", "configure_curve_client"]
 
 log = logging.getLogger("ncclkv.channel")
 
@@ -227,47 +227,66 @@ def configure_curve_client(sock: zmq.Socket, auth: ChannelAuth, server_key: byte
     sock.setsockopt(zmq.CURVE_SERVERKEY, server_key or curve.server_key)
 
 
-# What a CURVE client's monitor reports of its handshakes (CurveWatch).
+# What a DEALER's monitor reports of its handshakes (HandshakeWatch).
 _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _PROTOCOL_ERRORS = {getattr(zmq, name): name for name in dir(zmq) if name.startswith("PROTOCOL_ERROR_")}
-# A server that ends our CURVE handshake this many times in a row does not take our keys. One failure alone may be a
-# server that died mid-handshake; ZMQ tries again every 100 ms (its default reconnect interval).
-HANDSHAKE_FAILURES_TO_LOSE = 3
+# Handshakes ended by the server this many times in a row make our keys a suspect, named if the peer is lost. Not a
+# loss by themselves: a TCP forwarder (docker's proxy, kubectl port-forward, ssh -L, a sidecar) ends them just the
+# same while nothing listens behind it, for as long as a peer takes to start or restart.
+HANDSHAKE_FAILURES_TO_SUSPECT = 3
+_SAME_SETTINGS = "every rank needs the same NCCLKV_CURVE_* settings"
 
 
-class CurveWatch:
-    """The CURVE handshakes of one of our DEALERs, read from its monitor socket (I/O thread only): why its
-    server will never take our frames, as soon as that is clear, instead of a silence that looks like a peer
-    that is down until ``deadline_s``."""
+class HandshakeWatch:
+    """The ZMQ handshakes of one of our DEALERs until the first one succeeds, read from its monitor socket (I/O
+    thread only). A refusal that is certain (a ZAP refusal of our CURVE key, one side without CURVE) loses the
+    peer at once (:meth:`read`); a server that keeps ending them is named as a suspect (:attr:`suspect`) should
+    the peer be lost at ``deadline_s``. Closed after the first success, so a healthy peer costs no monitor sockets
+    (two more descriptors each)."""
 
-    def __init__(self, dealer: zmq.Socket, public_key: bytes, server_key: bytes) -> None:
+    def __init__(self, dealer: zmq.Socket, public_key: bytes | None, server_key: bytes | None) -> None:
+        """``public_key``, ``server_key``: this channel's CURVE keys for that server; None without CURVE."""
         self.socket = dealer.get_monitor_socket(_HANDSHAKE_EVENTS)  # before connect(): no event missed
         self._dealer = dealer
-        self._public_key = public_key.decode("ascii")
-        self._server_key = server_key.decode("ascii")
+        self._public_key = None if public_key is None else public_key.decode("ascii")
+        self._server_key = None if server_key is None else server_key.decode("ascii")
         self._failures = 0  # in a row
+        self.suspect: str | None = None  # why the handshakes may keep failing, once they failed often enough
+        self.succeeded = False  # a handshake succeeded: the watch can go
 
     def read(self) -> str | None:
-        """Take the events waiting: why the server refuses us once that is clear, else None."""
+        """Take the events waiting: why the server refuses us when that is certain, else None."""
         while self.socket.get(zmq.EVENTS) & zmq.POLLIN:  # asked, not zmq.Again: see IoLoop._drain
             event = recv_monitor_message(self.socket, zmq.NOBLOCK)
             kind, value = event["event"], event["value"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._failures = 0
+                self.succeeded, self._failures, self.suspect = True, 0, None
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # its ZAP handler said no
                 return (f"refused our CURVE key {self._public_key} (ZAP status {value}): it is not among its allowed "
                         f"clients (NCCLKV_CURVE_ALLOWED_KEYS, or CurveConfig.allowed_clients)")
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:  # it speaks ZMTP, not as we do: ZMQ gives up on it
+                name = _PROTOCOL_ERRORS.get(value, str(value))
+                if value != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                    return f"broke our ZMQ handshake ({name})"
+                if self._server_key is None:
+                    return f"uses CURVE while this channel does not ({name}): {_SAME_SETTINGS}"
+                return f"does not use CURVE ({name}): {_SAME_SETTINGS}"
             else:
                 self._failures += 1
-                if self._failures >= HANDSHAKE_FAILURES_TO_LOSE:
-                    # errno's table, not strerror(): see IoLoop._drain on strerror's lock
-                    detail = _PROTOCOL_ERRORS.get(value) if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL else \
-                        errno.errorcode.get(value)
-                    return (f"ended our CURVE handshake {self._failures} times in a row ({detail or value}): the "
-                            f"server key we were given for it ({self._server_key}) is not its key, or it does not "
-                            f"use CURVE (NCCLKV_CURVE_SERVER_KEY, or connect()'s server_key)")
+                if self._failures >= HANDSHAKE_FAILURES_TO_SUSPECT:
+                    self.suspect = self._suspect(value)
         return None
+
+    def _suspect(self, value: int) -> str:
+        # errno's table, not strerror(): see IoLoop._drain on strerror's lock
+        ended = (f"its last {self._failures} ZMQ handshakes were ended by the other side "
+                 f"({errno.errorcode.get(value, value)}), none succeeded")
+        forwarder = "or nothing listens behind a forwarder at that address"
+        if self._server_key is None:
+            return f"{ended}: it may use CURVE while this channel does not ({_SAME_SETTINGS}), {forwarder}"
+        return (f"{ended}: the server key we were given for it ({self._server_key}) may not be its key "
+                f"(NCCLKV_CURVE_SERVER_KEY, or connect()'s server_key), {forwarder}")
 
     def close(self) -> None:
         self._dealer.disable_monitor()

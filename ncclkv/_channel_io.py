@@ -34,7 +34,7 @@ from typing import Literal
 
 import zmq
 
-from ._auth import CurveWatch, FrameGate, ZapGuard, configure_curve_client
+from ._auth import FrameGate, HandshakeWatch, ZapGuard, configure_curve_client
 from ._clock import ActiveClock
 from ._peers import MAX_LOST_PEERS, Counters, PeerTable
 from .auth import ChannelAuth
@@ -47,6 +47,7 @@ log = logging.getLogger("ncclkv.channel")
 
 _BATCH = 256  # frames read from one socket per poll, so no socket starves the others
 _ZAP_JOIN_S = 2.0
+_MAX_SOCKETS = 8192  # ZMQ's default, 1023, held ~1000 peers; the descriptor limit (ulimit -n) is the real bound
 _BYE_LINGER_MS = 200  # on close: how long the Byes (and frames queued before them) may take to leave
 
 # kind, peer id, address / frame / flush event, server key
@@ -62,7 +63,7 @@ class _Link:
     routing_id: bytes | None = None  # set when the peer connected to us
     client_key: str | None = None  # CURVE: the key (Z85) of the client on that connection
     address: str = ""  # where the dealer connects
-    curve: CurveWatch | None = None  # CURVE: the dealer's handshakes
+    watch: HandshakeWatch | None = None  # the dealer's ZMQ handshakes, until one succeeded
 
 
 class IoLoop:
@@ -188,6 +189,7 @@ class IoLoop:
     # -- the I/O thread --------------------------------------------------------------
     def _run(self) -> None:
         context = zmq.Context()
+        context.set(zmq.MAX_SOCKETS, _MAX_SOCKETS)  # a DEALER per peer, and a monitor pair while a handshake is due
         self._router = context.socket(zmq.ROUTER)
         self._poller = zmq.Poller()
         try:
@@ -267,15 +269,15 @@ class IoLoop:
                 # a link dropped while draining an earlier socket has a closed dealer: skip it
                 if link.dealer is not None and link.dealer in ready and self._links.get(peer_id) is link:
                     self._drain(link.dealer, peer_id)
-                if link.curve is not None and link.curve.socket in ready and self._links.get(peer_id) is link:
-                    refused = link.curve.read()
-                    if refused is not None:
-                        self._wrong_answer(peer_id, refused)
+                if link.watch is not None and link.watch.socket in ready and self._links.get(peer_id) is link:
+                    self._watch(peer_id, link, link.watch)
             if turn.now >= next_beat:
                 self._beat()
                 next_beat = turn.now + self._heartbeat_s
             for peer_id, reason in self._peers.overdue(turn.now, self._deadline_s):
-                self._lose(peer_id, reason)
+                link = self._links.get(peer_id)
+                suspect = link.watch.suspect if link is not None and link.watch is not None else None
+                self._lose(peer_id, reason if suspect is None else f"{reason}; {suspect}")
 
     def _run_commands(self, woken: bool) -> None:
         # Read the wake-up bytes BEFORE clearing the flag: a submit that saw the
@@ -321,14 +323,16 @@ class IoLoop:
         if peer_id in self._links:  # already reachable: keep its path, so its frames stay in order
             return
         dealer: zmq.Socket | None = None
-        watch: CurveWatch | None = None
+        watch: HandshakeWatch | None = None
         try:  # any failure (too many sockets, an address ZMQ refuses) loses this peer, never the I/O thread
             dealer = self._router.context.socket(zmq.DEALER)
             self._configure(dealer)
             dealer.setsockopt(zmq.ROUTING_ID, self._peer_id.encode())  # the peer's ROUTER knows us by name
-            if self._auth.curve is not None:
+            curve = self._auth.curve
+            if curve is not None:
                 configure_curve_client(dealer, self._auth, server_key)
-                watch = CurveWatch(dealer, self._auth.curve.public_key, server_key or self._auth.curve.server_key)
+            watch = HandshakeWatch(dealer, None if curve is None else curve.public_key,
+                                   None if curve is None else server_key or curve.server_key)
             dealer.connect(address)
         except Exception as exc:
             if watch is not None:
@@ -338,9 +342,8 @@ class IoLoop:
             self._declare_lost(peer_id, f"cannot connect to {address!r}: {type(exc).__name__}: {exc}")
             return
         self._poller.register(dealer, zmq.POLLIN)
-        if watch is not None:
-            self._poller.register(watch.socket, zmq.POLLIN)
-        self._links[peer_id] = _Link(dealer=dealer, address=address, curve=watch)
+        self._poller.register(watch.socket, zmq.POLLIN)
+        self._links[peer_id] = _Link(dealer=dealer, address=address, watch=watch)
         self._greet(peer_id)
 
     def _send(self, peer_id: str, frame: bytes, counted: bool = False) -> None:
@@ -377,9 +380,12 @@ class IoLoop:
                     self._reading_before_loss = False
                 return
             if exc.errno == zmq.EAGAIN and link.dealer is not None:  # SNDHWM 0: only a dealer with no pipe left
-                self._declare_lost(peer_id, f"send failed: ZMQ dropped our connection to {link.address!r} ({exc}), "
-                                            f"most often because its handshake failed: a peer that uses CURVE while "
-                                            f"this channel does not")
+                # ZMQ gives a connection up for good after a handshake that cannot succeed, or a frame over its limit.
+                handshake = ("a peer without CURVE, or one that refused our key" if self._auth.curve is not None else
+                             "a peer that uses CURVE while this channel does not")
+                self._declare_lost(peer_id, f"send failed: ZMQ dropped our connection to {link.address!r} ({exc}) "
+                                            f"for good: its handshake failed ({handshake}), or a frame from it was "
+                                            f"over our limit (max_frame_bytes={self._max_frame_bytes})")
                 return
             self._declare_lost(peer_id, f"send failed: {exc}")
         except Exception as exc:  # a bug with this one frame: lose its peer, keep serving the others
@@ -540,6 +546,17 @@ class IoLoop:
             if peer_id in self._links:  # a failed send may have dropped it meanwhile
                 self._send(peer_id, self._frame(beat, None))
 
+    def _watch(self, peer_id: str, link: _Link, watch: HandshakeWatch) -> None:
+        """Read ``peer_id``'s ZMQ handshakes: lost at once when refused for certain; the watch closed once one
+        succeeded (what is left to go wrong there shows as for any peer)."""
+        refused = watch.read()
+        if refused is not None:
+            self._wrong_answer(peer_id, refused)
+        elif watch.succeeded:
+            self._poller.unregister(watch.socket)
+            watch.close()
+            link.watch = None
+
     def _wrong_answer(self, peer_id: str, what: str) -> None:
         """Our DEALER to ``peer_id`` heard from another peer's channel (a reference with ranks or engines mixed up),
         or from one whose frames and ours fail authentication (shared secrets that differ), or its server refuses
@@ -573,9 +590,9 @@ class IoLoop:
 
     def _drop_link(self, peer_id: str, linger_ms: int = 0) -> None:
         link = self._links.pop(peer_id, None)
-        if link is not None and link.curve is not None:
-            self._poller.unregister(link.curve.socket)
-            link.curve.close()
+        if link is not None and link.watch is not None:
+            self._poller.unregister(link.watch.socket)
+            link.watch.close()
         if link is not None and link.dealer is not None:
             self._poller.unregister(link.dealer)
             link.dealer.close(linger=linger_ms)

@@ -39,7 +39,8 @@ INTRUDERS = {
 }
 # What each one is told, at once (before, its request waited out the deadline, or was told "send failed").
 TOLD = {
-    "no-auth": "most often because its handshake failed: a peer that uses CURVE while this channel does not",
+    # At once, or at deadline_s: which side of the ZMQ handshake sees the mechanisms differ first is a race
+    "no-auth": "CURVE while this channel does not",
     "wrong-secret": "refused our frames as not authenticated: its shared secret differs from ours",
     "stranger-curve-key": "it is not among its allowed clients (NCCLKV_CURVE_ALLOWED_KEYS",
 }

@@ -3,8 +3,10 @@ configuration from files and environment, and where the channel listens by defau
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +18,9 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from ncclkv import errors
-from ncclkv._auth import HANDSHAKE_FAILURES_TO_LOSE, MAC_OVERHEAD, REFUSED_NOTICE, FrameAuth, FrameGate
-from ncclkv._peers import Counters
+from ncclkv._auth import HANDSHAKE_FAILURES_TO_SUSPECT, MAC_OVERHEAD, REFUSED_NOTICE, FrameAuth, FrameGate
 from ncclkv._env import env_settings
+from ncclkv._peers import Counters
 from ncclkv.auth import (
     AuthenticationError,
     ChannelAuth,
@@ -28,6 +30,7 @@ from ncclkv.auth import (
     load_shared_secret,
 )
 from ncclkv.channel import THREAD_PREFIX, Channel
+from ncclkv.launch import free_port
 from ncclkv.layout import KVGeometry, ParallelLayout
 from ncclkv.protocol import (
     Ack,
@@ -157,28 +160,93 @@ def test_curve_refuses_unauthenticated_peers(make: Channels, certs: dict[str, Pa
     assert good.request("server", Ready("ok"), timeout_s=10) == Ack("ok", None)
 
 
-@pytest.mark.parametrize("who", ["key not allowed", "wrong server key", "no keys"])
-def test_curve_mismatched_keys_lose_the_peer_at_once_naming_why(certs: dict[str, Path], who: str) -> None:
+@pytest.mark.parametrize("who", ["key not allowed", "server without CURVE", "no keys", "wrong server key"])
+def test_curve_mismatched_keys_lose_the_peer_naming_why(certs: dict[str, Path], who: str) -> None:
     """The client's CURVE handshake fails (its monitor says how) or ZMQ drops its connection: the request fails
-    with a PeerLostError naming the key or the setting. The deadline is long and the request's timeout shorter:
-    before, a wrong server key waited out the request ("no reply"), and the others said "send failed:
-    Resource temporarily unavailable"."""
-    auth, told = {
-        "key not allowed": (curve(certs, "intruder"), r"refused our CURVE key \S+ \(ZAP status 400\): it is not "
-                                                      r"among its allowed clients \(NCCLKV_CURVE_ALLOWED_KEYS"),
-        "wrong server key": (curve(certs, "client", server="intruder"),
-                             rf"ended our CURVE handshake {HANDSHAKE_FAILURES_TO_LOSE} times in a row \(\w+\): the "
-                             r"server key we were given for it \(\S+\) is not its key, or it does not use CURVE"),
-        "no keys": (ChannelAuth(), r"ZMQ dropped our connection to '.*' \(.*\), most often because its handshake "
-                                   r"failed: a peer that uses CURVE while this channel does not"),
+    with a PeerLostError naming the key or the setting, at once where the failure is certain (a long deadline,
+    the request's timeout shorter). A server that only keeps ending the handshakes is named as a suspect when the
+    peer is lost at deadline_s: a forwarder with nothing behind it does the same (see the next test). Before, a
+    wrong server key said "no reply" and the others "send failed: Resource temporarily unavailable"."""
+    auth, server_auth, told = {
+        "key not allowed": (curve(certs, "intruder"), curve(certs, "server"),
+                            r"refused our CURVE key \S+ \(ZAP status 400\): it is not among its allowed clients "
+                            r"\(NCCLKV_CURVE_ALLOWED_KEYS"),
+        "server without CURVE": (curve(certs, "client"), ChannelAuth(),
+                                 r"does not use CURVE \(PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH\)|for good: its "
+                                 r"handshake failed \(a peer without CURVE, or one that refused our key\)"),
+        # Whichever side sees the mechanisms differ first: at once, or the server ends it and it is a suspect
+        "no keys": (ChannelAuth(), curve(certs, "server"),
+                    r"uses CURVE while this channel does not \(PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH\)|ZMQ dropped our "
+                    r"connection to '.*' \(.*\) for good: its handshake failed \(a peer that uses CURVE while this "
+                    r"channel does not\)|nothing heard .*; its last \d+ ZMQ handshakes were ended by the other side "
+                    r"\(\w+\), none succeeded: it may use CURVE while this channel does not"),
+        "wrong server key": (curve(certs, "client", server="intruder"), curve(certs, "server"),
+                             r"nothing heard .*; its last \d+ ZMQ handshakes were ended by the other side \(\w+\), "
+                             r"none succeeded: the server key we were given for it \(\S+\) may not be its key"),
     }[who]
-    timing = dict(heartbeat_s=0.5, deadline_s=120.0)
-    with Channel("server", auth=curve(certs, "server"), **timing) as server, \
+    timing = dict(heartbeat_s=0.2, deadline_s=2.0) if who in ("wrong server key", "no keys") else \
+        dict(heartbeat_s=0.5, deadline_s=120.0)
+    with Channel("server", auth=server_auth, **timing) as server, \
             Channel("decode-0", auth=auth, **timing) as client:  # type: ignore[arg-type]
         client.connect("server", server.address)
         with pytest.raises(errors.PeerLostError, match=told):
             client.request("server", HELLO, timeout_s=30)
         assert server.stats.received == 0
+
+
+def test_curve_peer_behind_a_forwarder_is_not_lost_while_it_starts() -> None:
+    """A TCP forwarder (docker's proxy, kubectl port-forward, ssh -L) accepts our connection and closes it while
+    nothing listens behind it: to the client that is a handshake ended by the other side, as for a wrong server key.
+    Before, 3 of them in a row lost the peer within 0.3 s; now it is reached once it is up."""
+    keys = RankKeys()
+    backend = free_port()
+    refused = threading.Semaphore(0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def forward() -> None:  # accept; dial the backend; on refusal close the client; else pump both ways
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                client_sock, _ = listener.accept()
+            except OSError:
+                continue
+            try:
+                backend_sock = socket.create_connection(("127.0.0.1", backend))
+            except OSError:
+                client_sock.close()
+                refused.release()
+                continue
+            for a, b in ((client_sock, backend_sock), (backend_sock, client_sock)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+    forwarder = threading.Thread(target=forward, daemon=True)
+    forwarder.start()
+    client = Channel("decode-0", auth=keys.auth("r1"), heartbeat_s=0.2, deadline_s=60.0)
+    try:
+        client.connect("server", f"tcp://127.0.0.1:{listener.getsockname()[1]}")
+        for _ in range(2 * HANDSHAKE_FAILURES_TO_SUSPECT):  # the client tried, and was cut off, that many times
+            assert refused.acquire(timeout=WAIT_S)
+        with Channel("server", auth=keys.auth("r0"), bind_host="127.0.0.1", port=backend,
+                     on_message=lambda sender, body: HandshakeAck("x", 0, True, "")) as server:
+            assert client.request("server", HELLO, timeout_s=WAIT_S) == HandshakeAck("x", 0, True, "")
+            assert server.stats.received == 1
+    finally:
+        client.close()
+        stop.set()
+        forwarder.join(WAIT_S)
+        listener.close()
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    for sock in (source, sink):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 @pytest.mark.parametrize(
@@ -438,10 +506,12 @@ def test_a_stale_or_replayed_frame_with_a_good_mac_is_neither_noticed_nor_a_loss
 def test_a_flood_of_unauthenticated_frames_does_not_silence_the_answers_to_authentic_ones() -> None:
     """The notices have a bucket of their own: before, an outsider's junk used up the one that answers peers."""
     gate, sock = _gate([]), _Sent()
+    started = time.monotonic()
     for _ in range(1000):
         gate.admit(sock, b"outsider", b"outsider", [b"junk" * 20])
-    notices = len(sock.frames)
-    assert 0 < notices <= 110 and set(sock.frames) == {REFUSED_NOTICE}  # a burst of 100 and what refilled since
+    notices, elapsed = len(sock.frames), time.monotonic() - started
+    assert 0 < notices <= 100 + 50 * elapsed + 1  # a burst of 100 and what refilled since
+    assert set(sock.frames) == {REFUSED_NOTICE}
     peer = FrameAuth(SECRET, "peer", 300.0)
     for index in range(10):  # authentic, but naming another sender: answered, each one
         gate.admit(sock, b"peer", b"peer", [peer.seal(b"server", encode(Envelope("other", index, None, Ready("r"))),
