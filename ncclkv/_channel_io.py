@@ -560,7 +560,8 @@ class IoLoop:
     def _wrong_answer(self, peer_id: str, what: str) -> None:
         """Our DEALER to ``peer_id`` heard from another peer's channel (a reference with ranks or engines mixed up),
         or from one whose frames and ours fail authentication (shared secrets that differ), or its server refuses
-        our CURVE handshake: nothing we send there will be taken. Lost now, naming the address and ``what`` answered there, not after ``deadline_s``."""
+        our handshake for certain: nothing we send there will be taken. Lost now, naming the address and ``what``
+        answered there, not after ``deadline_s``."""
         link = self._links.get(peer_id)
         address = repr(link.address) if link is not None and link.address else "its address"
         self._declare_lost(peer_id, f"{address} {what}")
