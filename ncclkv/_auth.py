@@ -63,7 +63,7 @@ from .errors import ProtocolError
 from .protocol import MAX_TEXT_CHARS, Envelope, ErrorCode, ErrorMsg, decode, encode
 
 __all__ = ["HANDSHAKE_FAILURES_TO_SUSPECT", "MAC_OVERHEAD", "REFUSED_NOTICE", "WARNING_BURST", "WARNINGS_PER_S",
-           "FrameAuth", "HandshakeWatch", "FrameGate", "ZapGuard", "configure_curve_client"]
+           "FrameAuth", "FrameGate", "HandshakeWatch", "ZapGuard", "configure_curve_client"]
 
 log = logging.getLogger("ncclkv.channel")
 
@@ -88,6 +88,10 @@ class _StaleFrame(AuthenticationError):
     holder of the secret made it, so it is no sign that the secrets differ. Honest peers send one when a
     restarted process's first frames are queued old, or two lives of one id overlap a moment: neither noticed
     nor a reason to lose the sender."""
+
+
+class _RefusedThere(AuthenticationError):
+    """The notice on our DEALER: the peer we dialled refused our frames as not authenticated."""
 
 
 def _ident(name: bytes) -> bytes:
@@ -372,7 +376,7 @@ class FrameGate:
             if expected is not None and client_key != expected:  # an allowed client claiming another peer's id
                 raise AuthenticationError(f"CURVE client key {client_key} is not {expected}, the key of peer {name!r}")
         if routing_id is None and payload == [REFUSED_NOTICE]:  # the peer we dialled cannot authenticate our frames
-            raise AuthenticationError(REFUSED_NOTICE.decode())
+            raise _RefusedThere(REFUSED_NOTICE.decode())
         if len(payload) != 1:  # with a shared secret it cannot be authenticated: dropped like a bad MAC
             error = ProtocolError if self._sealer is None else AuthenticationError
             raise error(f"expected 1 payload frame, got {len(payload)}")
@@ -384,7 +388,7 @@ class FrameGate:
         """Why a frame on our DEALER to peer ``name`` failed authentication, for the loss of that peer."""
         # Every MAC names its receiver: a channel there under another peer id fails it too, whatever the secrets.
         not_it = f"or the channel at that address is not {name!r} (each frame's MAC names its receiver)"
-        if str(exc) == REFUSED_NOTICE.decode():
+        if isinstance(exc, _RefusedThere):
             if self._sealer is None:
                 return ("refused our frames as not authenticated: it has a shared secret and this channel has none "
                         "(NCCLKV_SHARED_SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike on every rank)")
