@@ -239,7 +239,9 @@ _PROTOCOL_ERRORS = {getattr(zmq, name): name for name in dir(zmq) if name.starts
 # loss by themselves: a TCP forwarder (docker's proxy, kubectl port-forward, ssh -L, a sidecar) ends them just the
 # same while nothing listens behind it, for as long as a peer takes to start or restart.
 HANDSHAKE_FAILURES_TO_SUSPECT = 3
+# What a loss for mismatched settings tells the operator to fix.
 _SAME_SETTINGS = "every rank needs the same NCCLKV_CURVE_* settings"
+_SAME_SECRET = "NCCLKV_SHARED_SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike on every rank"
 
 
 class HandshakeWatch:
@@ -390,13 +392,12 @@ class FrameGate:
         not_it = f"or the channel at that address is not {name!r} (each frame's MAC names its receiver)"
         if isinstance(exc, _RefusedThere):
             if self._sealer is None:
-                return ("refused our frames as not authenticated: it has a shared secret and this channel has none "
-                        "(NCCLKV_SHARED_SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike on every rank)")
-            return (f"refused our frames as not authenticated: its shared secret differs from ours (NCCLKV_SHARED_"
-                    f"SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike on every rank), {not_it}")
+                return (f"refused our frames as not authenticated: it has a shared secret and this channel has none "
+                        f"({_SAME_SECRET})")
+            return (f"refused our frames as not authenticated: its shared secret differs from ours ({_SAME_SECRET}), "
+                    f"{not_it}")
         return (f"answers with frames that fail authentication ({exc}): its shared secret differs from ours, or it "
-                f"has none (NCCLKV_SHARED_SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike on every rank), "
-                f"{not_it}")
+                f"has none ({_SAME_SECRET}), {not_it}")
 
     def reject(
         self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, exc: ProtocolError, authentic: bool = True,

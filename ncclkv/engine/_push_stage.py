@@ -100,7 +100,7 @@ class PushStage:
 
     def put(self, request_id: str, key: SliceKey, piece: Span, buf: torch.Tensor) -> None:
         """A landed tensor goes into the store, which holds ``buf`` once this returns (then call :meth:`landed`:
-        apart, so the caller knows whose ``buf`` is should the bookkeeping fail)."""
+        apart, so the caller knows who holds ``buf`` should the bookkeeping fail)."""
         # Counted as the push reserved it, its bytes: the buffer's class slack is the wire pool's.
         self.store.put(_store_key(request_id, key, piece), buf, nbytes=buf.nbytes)
 
@@ -127,16 +127,14 @@ class PushStage:
         if staged.error is None:
             staged.error = error
         self.report_removed(staged, "failed")
-        for _, _, tensor in self._unstore(request_id, staged):
-            self._recycle(tensor)
+        self._give_back(request_id, staged)
 
     def expire(self, now: float, hold_s: float) -> Iterator[tuple[str, StagedPush]]:
         """Drop the pushes staged more than ``hold_s`` ago (never expected here), giving back their staging;
         each is yielded once dropped, before the next is (the caller records each in turn)."""
         expired = [(request_id, staged) for request_id, staged in self._pushes.items() if now - staged.since > hold_s]
         for request_id, staged in expired:
-            for _, _, tensor in self._unstore(request_id, staged):
-                self._recycle(tensor)
+            self._give_back(request_id, staged)
             del self._pushes[request_id]
             self.report_removed(staged, "expired")
             yield request_id, staged
@@ -157,6 +155,11 @@ class PushStage:
 
     def close(self) -> None:
         self.store.close()
+
+    def _give_back(self, request_id: str, staged: StagedPush) -> None:
+        """``staged``'s reservation, its tensors in the store and their wire buffers."""
+        for _, _, tensor in self._unstore(request_id, staged):
+            self._recycle(tensor)
 
     def _unstore(self, request_id: str, staged: StagedPush) -> list[StagedTensor]:
         """Give back ``staged``'s reservation and take its tensors out of the store."""
