@@ -46,8 +46,9 @@ __all__ = [
 
 # 2: PushOffer.blocks; gloo links carry frame headers (ncclkv.transport._framing); 3: Announce.piece; 4: Bye;
 # 5: Heartbeat.incarnation, Handshake.incarnation, Reset, ErrorCode.PEER_RESET; 6: Reset.incarnation;
-# 7: incarnations grow with their channel's start time (INCARNATION_RANDOM_BITS), so lives can be ordered
-PROTOCOL_VERSION = 7
+# 7: incarnations grow with their channel's start time (INCARNATION_RANDOM_BITS), so lives can be ordered;
+# 8: Announce.num_layers (a pull sends a route's consecutive small layers in one tensor)
+PROTOCOL_VERSION = 8
 # The low bits of an incarnation that are random; above them, the channel's start time in ms since the epoch.
 INCARNATION_RANDOM_BITS = 20
 MAX_SHAPE_DIMS = 8
@@ -273,6 +274,10 @@ class Announce(_Tagged, frozen=True, forbid_unknown_fields=True, tag="ann"):
     # The route's tokens this tensor holds when the producer sends the (layer, route) slice in
     # pieces, one announced tensor each; None: all of them. ``shape`` is the piece's.
     piece: Pair | None = None
+    # The tensor holds the slices of layers ``layer`` .. ``layer + num_layers - 1`` of the route, one after the
+    # other: ``shape`` is then ``(num_layers, *slice shape)`` (a pull batches small layers, see the producer; the
+    # consumer checks the shape against its plan, as any announced shape).
+    num_layers: Annotated[int, Meta(ge=1, le=MAX_MODEL_DIM)] = 1
 
     def __post_init__(self) -> None:
         if self.piece is not None and self.piece[0] > self.piece[1]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Literal, Union, get_args, get_origin, get_type_hints
 
 from .._timeout import check_timeout
-from ..engine import DEFAULT_LAST_PIECE_BYTES, Role
+from ..engine import DEFAULT_LAST_PIECE_BYTES, DEFAULT_PULL_BATCH_BYTES, Role
 from ..paged import CacheLayout
 
 __all__ = ["KVRole", "NcclKVConfig", "engine_role"]
@@ -51,6 +51,12 @@ class NcclKVConfig:
         on 2 CPU cores it did not shorten that tail (``ncclkv.engine``'s
         ``DEFAULT_LAST_PIECE_BYTES`` says why). ``piece_bytes``, when smaller,
         wins.
+    pull_batch_bytes
+        Producer, pull: send a route's consecutive layers whose slices are
+        small in one tensor of at most this many bytes (4 MiB by default), so
+        short prompts and TP-split kv heads do not pay a tensor's fixed costs
+        (announcement, frame header, thread hand-offs) per layer. 0: a tensor
+        per layer. Slices cut into pieces (``piece_bytes``) go alone.
     async_load
         Consumer: True (default) loads between scheduler steps (the request
         waits in WAITING_FOR_REMOTE_KVS, nothing blocks the forward pass).
@@ -85,6 +91,7 @@ class NcclKVConfig:
     hold_s: float = 120.0
     piece_bytes: int = 0
     last_piece_bytes: int = DEFAULT_LAST_PIECE_BYTES
+    pull_batch_bytes: int = DEFAULT_PULL_BATCH_BYTES
     async_load: bool = True
     idle_wait_ms: float = 2.0
     cache_layout: str | None = None
@@ -104,7 +111,7 @@ class NcclKVConfig:
                              f"'deadline_s'={self.deadline_s:g}: a peer silent for deadline_s is lost")
         if not 0 <= self.idle_wait_ms <= 1000:
             raise ValueError(f"kv_connector_extra_config['idle_wait_ms'] must be in [0, 1000], got {self.idle_wait_ms!r}")
-        for name in ("piece_bytes", "last_piece_bytes"):
+        for name in ("piece_bytes", "last_piece_bytes", "pull_batch_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be >= 0, got {getattr(self, name)!r}")
         if self.staging_bytes is not None and self.staging_bytes < 1:

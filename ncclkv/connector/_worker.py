@@ -115,6 +115,7 @@ class WorkerSide:
             bind_host=self._config.bind_host, deadline_s=self._config.deadline_s,
             heartbeat_s=self._config.heartbeat_s, staging_bytes=self._config.staging_bytes, hold_s=self._config.hold_s,
             piece_bytes=self._config.piece_bytes, last_piece_bytes=self._config.last_piece_bytes,
+            pull_batch_bytes=self._config.pull_batch_bytes,
         ))
         try:
             engine.register(by_index, cache_layout)

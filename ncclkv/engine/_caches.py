@@ -169,18 +169,19 @@ class RankCaches:
                                  f"{tokens!r}: a request's tokens need distinct blocks")
         return slots
 
-    def wire_shape(self, tokens: Span, heads: Span) -> tuple[int, ...]:
+    def wire_shape(self, tokens: Span, heads: Span, layers: int = 1) -> tuple[int, ...]:
+        """One slice's shape on the wire; ``layers`` > 1: that many slices of consecutive layers, stacked."""
         g = self.geometry
-        if g.use_mla:
-            return (1, len(tokens), g.head_size)
-        return (2, len(tokens), len(heads), g.head_size)
+        shape = (1, len(tokens), g.head_size) if g.use_mla else (2, len(tokens), len(heads), g.head_size)
+        return shape if layers == 1 else (layers, *shape)
 
-    def wire_buffer(self, tokens: Span, heads: Span, exact: bool = False) -> torch.Tensor:
-        """A buffer for one slice on the wire (reused on the CPU: see ``_buffers``; ``exact``: of its own size
-        class only); :meth:`recycle` it after, or :meth:`forget` it if its send or receive failed."""
+    def wire_buffer(self, tokens: Span, heads: Span, exact: bool = False, layers: int = 1) -> torch.Tensor:
+        """A buffer for one slice on the wire, or ``layers`` stacked (reused on the CPU: see ``_buffers``;
+        ``exact``: of its own size class only); :meth:`recycle` it after, or :meth:`forget` it if its send or
+        receive failed."""
         self._registered()
         assert self._buffers is not None  # made by register()
-        return self._buffers.take(self.wire_shape(tokens, heads), self.wire_dtype, exact)
+        return self._buffers.take(self.wire_shape(tokens, heads, layers), self.wire_dtype, exact)
 
     @property
     def wire_cached_bytes(self) -> int:
@@ -209,9 +210,10 @@ class RankCaches:
         """The wire buffer of one lazily posted send (:class:`WireLease`)."""
         return WireLease(self)
 
-    def placeholder(self, tokens: Span, heads: Span) -> torch.Tensor:
-        """A ``meta`` tensor of one slice's wire shape: what a lazy send is queued with (see ``Link.send``)."""
-        return _meta(self.wire_shape(tokens, heads), self.wire_dtype)
+    def placeholder(self, tokens: Span, heads: Span, layers: int = 1) -> torch.Tensor:
+        """A ``meta`` tensor of the wire shape of one slice (or ``layers`` stacked): what a lazy send is queued
+        with (see ``Link.send``)."""
+        return _meta(self.wire_shape(tokens, heads, layers), self.wire_dtype)
 
     def gather(self, layer: int, slots: SlotMap, tokens: Span, heads: Span, out: torch.Tensor) -> torch.Tensor:
         entry, local = self._layer(layer), self._local(heads)
@@ -260,8 +262,8 @@ class WireLease:
         self._bufs: list[torch.Tensor] = []
         self._ended = False
 
-    def take(self, tokens: Span, heads: Span) -> torch.Tensor:
-        buf = self._caches.wire_buffer(tokens, heads)
+    def take(self, tokens: Span, heads: Span, layers: int = 1) -> torch.Tensor:
+        buf = self._caches.wire_buffer(tokens, heads, layers=layers)
         with self._lock:
             if not self._ended:
                 self._bufs.append(buf)

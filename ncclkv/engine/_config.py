@@ -16,7 +16,8 @@ from ..layout import KVGeometry, ParallelLayout
 from ..protocol import MAX_ID_CHARS
 
 __all__ = [
-    "DEFAULT_LAST_PIECE_BYTES", "EngineConfig", "EngineRef", "Role", "is_int", "parse_peer_id", "peer_id", "split_peer_id",
+    "DEFAULT_LAST_PIECE_BYTES", "DEFAULT_PULL_BATCH_BYTES", "EngineConfig", "EngineRef", "Role", "is_int",
+    "parse_peer_id", "peer_id", "split_peer_id",
 ]
 
 # A push may send a route's last layer in token pieces (last_piece_bytes): only that layer's latency is left after
@@ -25,6 +26,12 @@ __all__ = [
 # overlap: its pieces' wire buffers, idle for a whole request, come back cold, and gather and scatter into them
 # ran 1.4x slower). bench overlap keeps measuring it for machines whose copies have cores of their own.
 DEFAULT_LAST_PIECE_BYTES = 0
+# A pull sends the consecutive layers of a route whose slices are small together, as one tensor of at most this
+# many bytes: every tensor costs an announcement, a frame header and a few thread hand-offs on each side (about as
+# much as moving 0.5-1 MiB on two CPU cores, bench transfer's link/raw), which small slices (short prompts, kv
+# heads split by TP) would otherwise pay per layer. A pull waits for every layer anyway (the consumer loads
+# between steps), or for its layers in order (loading in the forward), and these tensors are short on the wire.
+DEFAULT_PULL_BATCH_BYTES = 4 << 20
 
 Role = Literal["producer", "consumer", "both"]
 _ENGINE_ID = re.compile(r"[A-Za-z0-9._:@+-]{1,128}")
@@ -88,6 +95,9 @@ class EngineConfig:
     piece_bytes: int = 0  # producer: send each (layer, route) slice in token pieces of at most this; 0: whole
     # push: a route's last layer in pieces of at most this (0: whole), see DEFAULT_LAST_PIECE_BYTES
     last_piece_bytes: int = DEFAULT_LAST_PIECE_BYTES
+    # pull: a route's consecutive layers in one tensor of at most this (0: a tensor per layer), see
+    # DEFAULT_PULL_BATCH_BYTES; slices cut into pieces (piece_bytes) go alone
+    pull_batch_bytes: int = DEFAULT_PULL_BATCH_BYTES
     wire_cache_bytes: int | None = None  # free CPU wire buffers kept for reuse (0: none); None: environment
     # The CPUs the engine's threads run on (ncclkv._affinity); None: NCCLKV_CPUS, and unset there, each thread
     # keeps the mask of the thread that started it.
@@ -110,10 +120,11 @@ class EngineConfig:
                 check_timeout(name, value)
         if self.staging_bytes is not None and not (is_int(self.staging_bytes) and self.staging_bytes >= 1):
             raise ValueError(f"staging_bytes must be an int >= 1, got {self.staging_bytes!r}")
-        for name in ("piece_bytes", "last_piece_bytes"):
+        for name in ("piece_bytes", "last_piece_bytes", "pull_batch_bytes"):
             value = getattr(self, name)
             if not (is_int(value) and value >= 0):
-                raise ValueError(f"{name} must be an int >= 0 (0: whole slices), got {value!r}")
+                off = "a tensor per layer" if name == "pull_batch_bytes" else "whole slices"
+                raise ValueError(f"{name} must be an int >= 0 (0: {off}), got {value!r}")
         cache = self.wire_cache_bytes
         if cache is not None and not (is_int(cache) and cache >= 0):
             raise ValueError(f"wire_cache_bytes must be an int >= 0 (0: keep none), got {cache!r}")

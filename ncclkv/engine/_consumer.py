@@ -75,8 +75,9 @@ class _Expected:
     scattered: dict[int, list[torch.cuda.Event]] = field(default_factory=dict)
 
     def all_scattered(self) -> list[torch.cuda.Event]:
-        """The events after every scatter into the request's blocks, every layer's (CUDA; else none)."""
-        return [event for events in self.scattered.values() for event in events]
+        """The events after every scatter into the request's blocks, every layer's, each once (a tensor of
+        several layers has one event for them all) (CUDA; else none)."""
+        return list(dict.fromkeys(event for events in self.scattered.values() for event in events))
 
 
 def _add_piece(pieces: dict[SliceKey, SpanSet], key: SliceKey, piece: Span) -> SpanSet | None:
@@ -202,7 +203,7 @@ class ConsumerSide:
         if staged_tensors:
             with pinned(self._cpus):  # scattered on this thread (EngineConfig.cpus)
                 for key, piece, tensor in staged_tensors:
-                    self._apply(req, key, piece, tensor, None)
+                    self._apply(req, (key,), piece, tensor, None)
         if push:
             return
         for src, src_routes in by_src.items():
@@ -387,12 +388,12 @@ class ConsumerSide:
         if its request takes it (checked against the plan), else into scratch (``_drain``). Raises only if
         nothing was posted."""
         route = Route(ann.route.src, ann.route.dst, *ann.route.spans())
-        key = (src, ann.layer, route)
+        keys = tuple((src, layer, route) for layer in range(ann.layer, ann.layer + ann.num_layers))
         piece = route.tokens if ann.piece is None else Span(*ann.piece)
-        shape = self._caches.wire_shape(piece, route.heads)
+        shape = self._caches.wire_shape(piece, route.heads, ann.num_layers)
 
         def what() -> str:  # built only for a problem: formatting spans costs more than the checks
-            return f"{sender!r} announced layer {ann.layer} {route}" + (
+            return f"{sender!r} announced {_layers_text(keys)} {route}" + (
                 "" if ann.piece is None else f" tokens {piece!r}")
         problem = None
         failure: type[NcclKVError] = ShapeMismatchError  # what the request fails with, for a problem of its own
@@ -408,34 +409,38 @@ class ConsumerSide:
             elif piece.empty or not route.tokens.covers(piece):
                 problem = f"{what()}: the piece is empty or outside the route's tokens"
             elif staged is not None:
-                if staged.error is not None or key not in staged.keys:
+                if staged.error is not None or keys[0] not in staged.keys:
                     problem = f"{what()} which push {ann.request_id!r} did not offer"
+                elif len(keys) > 1:  # only pulls batch layers: a staged tensor is one slice's (see PushStage)
+                    problem = f"{what()} in one tensor for push {ann.request_id!r}: a push sends a layer per tensor"
                 elif tuple(ann.shape) != shape or ann.dtype != self._geometry.dtype:
                     problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
-                elif _overlaps(staged.announced, key, piece):
+                elif _overlaps(staged.announced, keys[0], piece):
                     problem = f"{what()} of push {ann.request_id!r} again"
             elif req is None or req.error is not None:
                 problem = f"request {ann.request_id!r} is not expected (finished, failed or aborted)"
-            elif key not in req.pending:
+            elif any(key not in req.pending for key in keys):
                 problem = f"{what()} which request {ann.request_id!r} does not expect"
             elif tuple(ann.shape) != shape or ann.dtype != self._geometry.dtype:
                 problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
-            elif _overlaps(req.announced, key, piece):
+            elif any(_overlaps(req.announced, key, piece) for key in keys):
                 problem = f"{what()} of request {ann.request_id!r} again"
             if problem is None:
                 # Taken before anything is recorded: if it fails (out of memory), the request fails alone and
                 # its tensor is drained, as for any announcement it cannot take.
                 try:
-                    buf = self._caches.wire_buffer(piece, route.heads, exact=req is None)  # staged: held long
+                    buf = self._caches.wire_buffer(piece, route.heads, exact=req is None,  # staged: held long
+                                                   layers=len(keys))
                 except Exception as err:
                     problem, failure = f"no wire buffer for {what()}: {type(err).__name__}: {err}", TransferError
             if buf is not None:
                 if req is not None:
-                    _add_piece(req.announced, key, piece)
+                    for key in keys:
+                        _add_piece(req.announced, key, piece)
                     req.progress = self._clock.now()  # an announcement is progress: its tensor is on the way
                 else:
                     assert staged is not None
-                    _add_piece(staged.announced, key, piece)
+                    _add_piece(staged.announced, keys[0], piece)
             elif own and staged is not None and staged.error is None:
                 # Its expect() fails at once, not after a stall.
                 self._stage.fail(ann.request_id, staged, failure(problem))
@@ -446,7 +451,7 @@ class ConsumerSide:
             except BaseException:
                 self._caches.recycle(out)  # never posted: nothing writes it
                 raise
-            future.add_done_callback(lambda fut: self._landed(ann.request_id, key, piece, out, fut))
+            future.add_done_callback(lambda fut: self._landed(ann.request_id, keys, piece, out, fut))
             return
         assert problem is not None
         log.warning("dropping announced tensor from %s: %s", sender, problem)
@@ -649,7 +654,7 @@ class ConsumerSide:
             raise HandshakeError(f"request {request_id!r}: the reference to {producer.engine_id!r} says layout "
                                  f"{said.spec()}, its rank {peer.peer_id!r} shook hands with {runs.spec()}")
 
-    def _landed(self, request_id: str, key: SliceKey, piece: Span, buf: torch.Tensor,
+    def _landed(self, request_id: str, keys: tuple[SliceKey, ...], piece: Span, buf: torch.Tensor,
                 fut: Future[torch.Tensor]) -> None:
         """On the link's receive thread (a done-callback of the receive): stage a landed tensor, or scatter it
         unless its request failed.
@@ -660,12 +665,12 @@ class ConsumerSide:
         """
         owned = [True]  # buf is still ours: neither in the store nor handed to _apply (which hands it back)
         try:
-            self._land(request_id, key, piece, buf, fut, owned)
+            self._land(request_id, keys, piece, buf, fut, owned)
         except Exception as err:  # noqa: BLE001 - reported on the request, never lost in a callback's log
-            self._landing_failed(request_id, key, piece, buf if owned[0] else None, fut, err)
+            self._landing_failed(request_id, keys, piece, buf if owned[0] else None, fut, err)
 
-    def _land(self, request_id: str, key: SliceKey, piece: Span, buf: torch.Tensor, fut: Future[torch.Tensor],
-              owned: list[bool]) -> None:
+    def _land(self, request_id: str, keys: tuple[SliceKey, ...], piece: Span, buf: torch.Tensor,
+              fut: Future[torch.Tensor], owned: list[bool]) -> None:
         error = fut.exception()
         with self._cond:
             req = self._requests.get(request_id)
@@ -673,23 +678,23 @@ class ConsumerSide:
                 staged = self._stage.get(request_id)
                 if staged is not None and error is not None:
                     self._stage.fail(request_id, staged, error)
-                if staged is not None and staged.error is None:
-                    self._stage.put(request_id, key, piece, buf)
+                if staged is not None and staged.error is None and len(keys) == 1:
+                    self._stage.put(request_id, keys[0], piece, buf)
                     owned[0] = False  # the store holds it: given back with the staged push
-                    self._stage.landed(request_id, staged, key, piece)
+                    self._stage.landed(request_id, staged, keys[0], piece)
                 else:  # its push failed (now or before), or its request ended (aborted, expired): nothing takes it
                     owned[0] = False
                     self._caches.hand_back(buf, completed=error is None)
                 return
         owned[0] = False
-        self._apply(req, key, piece, buf, error)
+        self._apply(req, keys, piece, buf, error)
 
-    def _landing_failed(self, request_id: str, key: SliceKey, piece: Span, buf: torch.Tensor | None,
+    def _landing_failed(self, request_id: str, keys: tuple[SliceKey, ...], piece: Span, buf: torch.Tensor | None,
                         fut: Future[torch.Tensor], err: Exception) -> None:
         """A landed tensor could not be taken (staged or scattered): fail its request, or its staged push (which
         gives back its staging), with a TransferError naming it; hand ``buf`` back if it is still ours."""
-        src, layer, route = key
-        error = TransferError(f"request {request_id!r}: the tensor of layer {layer} from rank {src} (tokens "
+        src, _, route = keys[0]
+        error = TransferError(f"request {request_id!r}: the tensor of {_layers_text(keys)} from rank {src} (tokens "
                               f"{piece!r} of {route!r}) landed but could not be taken: {type(err).__name__}: {err}")
         log.error("%s", error, exc_info=err)
         try:
@@ -704,9 +709,10 @@ class ConsumerSide:
             if buf is not None:
                 self._caches.hand_back(buf, completed=not fut.cancelled() and fut.exception() is None)
 
-    def _apply(self, req: _Expected, key: SliceKey, piece: Span, buf: torch.Tensor,
+    def _apply(self, req: _Expected, keys: tuple[SliceKey, ...], piece: Span, buf: torch.Tensor,
                error: BaseException | None) -> None:
-        """Scatter one landed tensor (``piece`` of the slice ``key``) into the request's blocks and count it."""
+        """Scatter one landed tensor (``piece`` of the slices ``keys``: one, or several layers' stacked) into the
+        request's blocks and count it."""
         received = error is None
         with self._cond:
             if req.error is not None:
@@ -715,9 +721,9 @@ class ConsumerSide:
             req.applying += 1  # abort() and take_finished() wait for this scatter
         done = None
         if received:
-            _, layer, route = key
             try:
-                self._scatter(req, layer, buf, piece, route.heads)
+                for i, (_, layer, route) in enumerate(keys):
+                    self._scatter(req, layer, buf if len(keys) == 1 else buf[i], piece, route.heads)
                 done = self._caches.scattered(buf)
             except Exception as err:  # reported on the request
                 error = err
@@ -725,27 +731,32 @@ class ConsumerSide:
             self._caches.hand_back(buf, received)
         except Exception as err:  # noqa: BLE001 - the count below must still drop (abort() waits for it)
             error = error or err
+        slice_bytes = buf.numel() * buf.element_size() // len(keys)
         with self._cond:
-            if done is not None:  # before the layer counts as landed: its waiters take every event
-                req.scattered.setdefault(key[1], []).append(done)
+            if done is not None:  # before the layers count as landed: their waiters take every event
+                for key in keys:
+                    req.scattered.setdefault(key[1], []).append(done)
             req.applying -= 1
             self._cond.notify_all()
             if error is not None:
                 self._fail_locked(req, error if isinstance(error, NcclKVError) else TransferError(str(error)))
                 return
-            if req.error is not None or key not in req.pending:
+            if req.error is not None:
                 return
-            landed = _add_piece(req.landed, key, piece)
-            if landed is None:
-                return
-            req.progress = self._clock.now()
-            req.nbytes += buf.numel() * buf.element_size()
-            if _covers_slice(landed, key):  # else more pieces of this slice are to come
-                req.pending.discard(key)
-                layer = key[1]
-                req.remaining[layer] -= 1
-                if req.remaining[layer] == 0:
-                    self._stats.record_layer(layer, time.monotonic() - req.started)
+            for key in keys:
+                if key not in req.pending:
+                    continue
+                landed = _add_piece(req.landed, key, piece)
+                if landed is None:
+                    continue
+                req.progress = self._clock.now()
+                req.nbytes += slice_bytes
+                if _covers_slice(landed, key):  # else more pieces of this slice are to come
+                    req.pending.discard(key)
+                    layer = key[1]
+                    req.remaining[layer] -= 1
+                    if req.remaining[layer] == 0:
+                        self._stats.record_layer(layer, time.monotonic() - req.started)
             self._cond.notify_all()
         self._stats.record_tensor(buf.numel() * buf.element_size())
 
@@ -762,9 +773,11 @@ class ConsumerSide:
         larger than any slice this rank planned to receive (a peer's lie would size our scratch)."""
         itemsize = DTYPE_SIZES.get(ann.dtype)
         numel = math.prod(ann.shape)
-        if itemsize is None or numel * itemsize != ann.nbytes or ann.nbytes > self._largest_slice:
+        most = self._largest_slice * min(ann.num_layers, len(self._caches.shard.layers))  # a pull's run of layers
+        if itemsize is None or numel * itemsize != ann.nbytes or ann.nbytes > most:
+            layers = "" if ann.num_layers == 1 else f", {ann.num_layers} layers announced in it"
             reason = (f"implausible announcement {tuple(ann.shape)} {ann.dtype} {ann.nbytes} B (the largest slice "
-                      f"planned here is {self._largest_slice} B)")
+                      f"planned here is {self._largest_slice} B{layers})")
             # Fail its requests first: once the link is closed (what the peer sees), they have failed.
             self.fail_peer(sender, ProtocolError(f"{sender!r} sent an {reason}; link closed"))
             self._peers.drop(sender, reason)
@@ -880,6 +893,12 @@ class ConsumerSide:
             req.error = error
             log.warning("request %s failed: %s", req.request_id, error)
         self._cond.notify_all()
+
+
+def _layers_text(keys: Sequence[SliceKey]) -> str:
+    """``layer 3``, or ``layers 3-5`` for a tensor of several layers' slices (consecutive, in order)."""
+    first, last = keys[0][1], keys[-1][1]
+    return f"layer {first}" if first == last else f"layers {first}-{last}"
 
 
 def _as_ncclkv(error: BaseException) -> NcclKVError:

@@ -93,7 +93,7 @@ class TransferEngine:
                                     cfg.deadline_s)
             self._producer = ProducerSide(cfg.rank, cfg.layout, cfg.geometry, self._caches, self._channel,
                                           self._peers, self._executor, self._stats, cfg.hold_s, cfg.deadline_s,
-                                          cfg.piece_bytes, cfg.last_piece_bytes, cfg.cpus)
+                                          cfg.piece_bytes, cfg.last_piece_bytes, cfg.pull_batch_bytes, cfg.cpus)
             self._consumer = ConsumerSide(cfg.engine_id, cfg.rank, cfg.layout, cfg.geometry, self._caches,
                                           self._channel, self._peers, self._executor, self._stats, cfg.deadline_s,
                                           cfg.staging_bytes, cfg.hold_s, cfg.cpus)

@@ -9,6 +9,9 @@ it is posted, so announcement order is data order on that link (and the
 consumer posts its receive during the gather). With ``piece_bytes``
 a (layer, route) slice goes as several token pieces, each announced alone, so
 gather, wire and scatter of one slice overlap (the last layer's latency).
+A pull sends a route's small slices of consecutive layers together, one
+tensor per run of at most ``pull_batch_bytes``: a tensor's fixed costs (its
+announcement, frame header and thread hand-offs) then come once per run.
 """
 
 from __future__ import annotations
@@ -72,11 +75,12 @@ class _Held:
 class ProducerSide:
     def __init__(self, rank: int, layout: ParallelLayout, geometry: KVGeometry, caches: RankCaches,
                  channel: Channel, peers: PeerLinks, executor: Executor, stats: EngineStats, hold_s: float,
-                 deadline_s: float, piece_bytes: int = 0, last_piece_bytes: int = 0,
+                 deadline_s: float, piece_bytes: int = 0, last_piece_bytes: int = 0, pull_batch_bytes: int = 0,
                  cpus: frozenset[int] | None = None) -> None:
         self._rank, self._layout, self._geometry = rank, layout, geometry
         self._cpus = cpus  # where a push's last sends are posted from (EngineConfig.cpus)
         self._piece_bytes = piece_bytes  # each (layer, route) slice in pieces of at most this (0: whole)
+        self._pull_batch_bytes = pull_batch_bytes  # a pull's runs of small layers in one tensor of at most this
         self._caches, self._channel, self._peers, self._stats = caches, channel, peers, stats
         self._hold_s, self._deadline_s = hold_s, deadline_s
         self._lock = threading.Lock()
@@ -338,28 +342,24 @@ class ProducerSide:
             return
         if error is None and self._channel.clock.now() - since > self._deadline_s:  # the deadline of the old wait
             error = TransferTimeout(f"link to {sender!r} not open after {self._deadline_s}s")
-        layers = sorted({layer for r in routes for layer in r.layers})
         futures: list[Future[None]] = []
         errors: list[BaseException] = []
         nbytes = 0
-        slices = 0  # (layer, route) slices: what Done counts, whatever pieces they go in
+        slices = sum(len(route.layers) for route in routes)  # (layer, route) slices: what Done counts
         started = time.monotonic()
         try:
             if error is not None:
                 raise error  # nothing is queued: the consumer is told below
             link = self._peers.link(sender)  # the current link, open: it returns at once
-            for layer in layers:
-                for route in routes:
-                    if layer not in route.layers:
-                        continue
-                    slices += 1
-                    for piece in route.pieces(self._geometry, self._piece_bytes):
-                        placeholder, lease = self._caches.placeholder(piece, route.heads), self._caches.lease()
-                        nbytes += placeholder.nbytes  # a placeholder: see Pusher._queue_layer
-                        hooks = self._announcer(link, sender, pull.request_id, layer, route, held.slots, piece, lease)
-                        futures.append(link.send(placeholder, before_send=hooks.announce, fill=hooks.gather,
-                                                 ready_event=held.ready))
-                        futures[-1].add_done_callback(lease.end)
+            for layers, route, piece in self._pull_sends(routes):
+                placeholder = self._caches.placeholder(piece, route.heads, len(layers))
+                lease = self._caches.lease()
+                nbytes += placeholder.nbytes  # a placeholder: see Pusher._queue_layer
+                hooks = self._announcer(link, sender, pull.request_id, layers.start, route, held.slots, piece, lease,
+                                        len(layers))
+                futures.append(link.send(placeholder, before_send=hooks.announce, fill=hooks.gather,
+                                         ready_event=held.ready))
+                futures[-1].add_done_callback(lease.end)
         except Exception as err:  # the link closed or broke while queueing: the sends queued still end
             errors.append(err)
         remaining = [len(futures)]
@@ -395,9 +395,25 @@ class ProducerSide:
         for future in futures:
             future.add_done_callback(on_sent)
 
+    def _pull_sends(self, routes: Sequence[Route]) -> list[tuple[Span, Route, Span]]:
+        """A pull's sends in the order they go out, each (layers, route, tokens): layer-major, so a consumer can
+        finish layer 0 first. A route's slices cut into pieces go one piece of one layer each; the others as
+        runs of consecutive layers of at most ``pull_batch_bytes`` in all (one tensor, one announcement)."""
+        sends = []
+        for route in routes:
+            pieces = route.pieces(self._geometry, self._piece_bytes)
+            if len(pieces) == 1:
+                runs = route.layer_runs(self._geometry, self._pull_batch_bytes)
+                sends.extend((run, route, pieces[0]) for run in runs)
+            else:
+                sends.extend((Span(layer, layer + 1), route, piece) for layer in route.layers for piece in pieces)
+        sends.sort(key=lambda send: send[0].start)  # stable: routes, then pieces, in order within a layer
+        return sends
+
     def _announcer(self, link: LinkBase, sender: str, request_id: str, layer: int, route: Route, slots: SlotMap,
-                   piece: Span, lease: WireLease) -> SliceHooks:
-        """The hook and the fill of one piece's send: announce, then gather (see ``Link.send``).
+                   piece: Span, lease: WireLease, num_layers: int = 1) -> SliceHooks:
+        """The hook and the fill of one piece's send: announce, then gather (see ``Link.send``); ``num_layers``
+        > 1: the slices of that many layers from ``layer`` on, stacked in one tensor.
 
         The Announce goes out before the gather, so the consumer's receive is
         posted while the bytes are gathered, not a control round trip after.
@@ -405,17 +421,21 @@ class ProducerSide:
         piece_msg = None if piece == route.tokens else (piece.start, piece.stop)
 
         def take_and_announce() -> torch.Tensor:  # on the link's send thread, in send order, as it posts
-            buf = lease.take(piece, route.heads)
+            buf = lease.take(piece, route.heads, num_layers)
             seq = self._seq.get(link.link_id, 0)
             self._channel.send(sender, Announce(
                 request_id, layer, RouteMsg.from_route(route), tuple(buf.shape), self._geometry.dtype,
-                buf.numel() * buf.element_size(), seq, link.link_id, piece_msg,
+                buf.numel() * buf.element_size(), seq, link.link_id, piece_msg, num_layers,
             ))
             self._seq[link.link_id] = seq + 1  # only once announced: a send that failed leaves no gap
             return buf
 
         def gather(buf: torch.Tensor) -> None:
-            self._caches.gather(layer, slots, piece, route.heads, buf)
+            if num_layers == 1:
+                self._caches.gather(layer, slots, piece, route.heads, buf)
+                return
+            for i in range(num_layers):  # each layer's slice is a contiguous part of the stack
+                self._caches.gather(layer + i, slots, piece, route.heads, buf[i])
         return SliceHooks(take_and_announce, gather)
 
     def _mark_served(self, held: _Held, sender: str, error: BaseException | None, sending: bool = False) -> None:

@@ -82,6 +82,16 @@ class Route:
         # Evening out never lengthens a piece: each is at most ceil(n / count) <= most tokens.
         return self.tokens.split_even(count)
 
+    def layer_runs(self, geometry: KVGeometry, max_bytes: int) -> tuple[Span, ...]:
+        """This route's layers cut into the fewest runs of consecutive layers whose slices (all the route's
+        tokens) hold at most ``max_bytes`` together (at least one layer each), their lengths differing by at most
+        one layer; ``max_bytes`` 0: one run per layer."""
+        if not (isinstance(max_bytes, int) and max_bytes >= 0):
+            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        per_layer = len(self.tokens) * len(self.heads) * geometry.cell_bytes
+        most = 1 if max_bytes == 0 else max(1, max_bytes // per_layer)  # layers per run at most
+        return self.layers.split_even(-(-len(self.layers) // most))
+
     def to_json(self) -> dict[str, int | list[int]]:
         return {
             "src": self.src,

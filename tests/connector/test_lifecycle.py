@@ -279,6 +279,21 @@ def test_prefill_sends_slices_in_pieces(engines: list[EngineSim], model_dir: Pat
     assert pieces > NUM_LAYERS * len(LENGTHS)
 
 
+@pytest.mark.parametrize("batch_bytes", [None, 0], ids=["default", "a tensor per layer"])
+def test_a_pull_sends_a_prompts_layers_in_one_tensor_unless_told_not_to(engines: list[EngineSim], model_dir: Path,
+                                                                       batch_bytes: int | None) -> None:
+    """``pull_batch_bytes`` on the prefill side (default 4 MiB, far above these prompts): each prompt's layers go
+    in one tensor; 0: a tensor per layer. Either lands byte-exact."""
+    expected = _reference(engines, model_dir, PROMPTS)
+    extra = None if batch_bytes is None else {"pull_batch_bytes": batch_bytes}
+    prefill, decode = _pair(engines, model_dir, prefill_extra=extra)
+    ids = _decode(decode, PROMPTS, _prefill(prefill, PROMPTS), also=(prefill,))
+    assert decode.outputs(ids) == expected and decode.mismatches == [] and decode.load_errors == set()
+    _settle(prefill, decode)
+    tensors = len(LENGTHS) * (NUM_LAYERS if batch_bytes == 0 else 1)
+    assert _bytes(prefill, "tensors_sent") == _bytes(decode, "tensors_received") == tensors
+
+
 def test_two_requests_naming_one_transfer_both_finish(engines: list[EngineSim], model_dir: Path) -> None:
     expected = _reference(engines, model_dir, PROMPTS[1:2])
     prefill, decode = _pair(engines, model_dir)

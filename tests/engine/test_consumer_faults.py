@@ -35,8 +35,9 @@ from .test_engine_failures import GQA, ONE, WAIT_S, _pair, _push, _sent, _sides,
 
 @pytest.fixture
 def gloo_pair() -> Iterator[tuple[list[RankSide], list[RankSide]]]:
-    """A one-rank producer and consumer on real data planes (gloo links), a short deadline."""
-    prefill = build_sides("prefill", ONE, GQA, CacheLayout.CPU, 16, "producer", deadline_s=3.0)
+    """A one-rank producer and consumer on real data planes (gloo links), a short deadline; a pull's tensor per
+    layer (these tests fail the n-th tensor of a request)."""
+    prefill = build_sides("prefill", ONE, GQA, CacheLayout.CPU, 16, "producer", deadline_s=3.0, pull_batch_bytes=0)
     decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer", deadline_s=3.0)
     try:
         yield prefill, decode
@@ -455,3 +456,38 @@ def test_declines_to_a_dead_producer_do_not_hold_back_a_decline_to_a_live_one() 
         assert _sent(prefill[0], "ok") is None  # a pull of nothing: freed at once, not after hold_s
         took = time.monotonic() - started
         assert took < deadline_s / 2, f"the live producer heard the decline after {took:.2f}s (deadline_s={deadline_s})"
+
+
+def _forge(producer: RankSide, consumer: RankSide, announce: Callable[[str], Announce]) -> None:
+    """Send ``consumer`` the producer's own Announce (``announce(link_id)``), as the first on their link."""
+    peer_id = f"{consumer.engine.config.engine_id}.r0"
+    peer = producer.engine._peers.ensure(peer_id, consumer.engine.address, need_link=True)  # noqa: SLF001
+    producer.engine._channel.send(peer_id, announce(peer.link_id))  # noqa: SLF001
+
+
+def test_a_batch_of_layers_the_request_does_not_expect_fails_it_naming_them() -> None:
+    """The producer's own announcement of layers 3-4 in one tensor (GQA has 4: 0-3): the request fails at once,
+    typed, naming the layers."""
+    with _pair() as (prefill, decode):
+        decode[0].engine.expect("r", engine_ref("prefill", ONE, prefill), [1, 2], 20)
+        _until(lambda: prefill[0].engine._peers.get("decode.r0") is not None, "the pull's handshake")  # noqa: SLF001
+        _forge(prefill[0], decode[0], lambda link_id: Announce(
+            "r", 3, RouteMsg(0, 0, (0, 4), (0, 4), (0, 20)), (2, 2, 20, 4, 32), "float32", 2 * 2 * 20 * 4 * 32 * 4,
+            0, link_id, None, num_layers=2))
+        with pytest.raises(ShapeMismatchError, match=r"announced layers 3-4 .* which request 'r' does not expect"):
+            decode[0].engine.wait("r", timeout_s=WAIT_S)
+
+
+def test_a_batch_of_layers_for_a_staged_push_fails_that_push() -> None:
+    """Only pulls batch layers; a staged push keeps a tensor per slice: a batch announced for one fails it."""
+    with _pair() as (prefill, decode):
+        prefill[0].engine.start_push("p", engine_ref("decode", ONE, decode), [1, 2], 20)
+        _until(lambda: decode[0].engine._consumer._stage.get("p") is not None, "p staged")  # noqa: SLF001
+        _forge(prefill[0], decode[0], lambda link_id: Announce(
+            "p", 0, RouteMsg(0, 0, (0, 4), (0, 4), (0, 20)), (2, 2, 20, 4, 32), "float32", 2 * 2 * 20 * 4 * 32 * 4,
+            0, link_id, None, num_layers=2))
+        _until(lambda: decode[0].engine._consumer._stage.get("p").error is not None, "p failed")  # noqa: SLF001
+        decode[0].engine.expect("p", engine_ref("prefill", ONE, prefill), [1, 2], 20, push=True)
+        with pytest.raises(ShapeMismatchError, match=r"announced layers 0-1 .* in one tensor for push 'p': a push "
+                                                     r"sends a layer per tensor"):
+            decode[0].engine.wait("p", timeout_s=WAIT_S)

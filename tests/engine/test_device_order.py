@@ -42,19 +42,25 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[Any]]]:
     yield seen
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["a tensor per layer", "layers in one tensor"])
 def test_a_layers_waiter_orders_after_that_layers_scatters_and_the_report_after_all(
-        recorded: dict[str, list[Any]]) -> None:
-    prefill = build_sides("prefill", ONE, GQA, CacheLayout.CPU, 16, "producer")
+        recorded: dict[str, list[Any]], batched: bool) -> None:
+    prefill = build_sides("prefill", ONE, GQA, CacheLayout.CPU, 16, "producer",
+                          **({} if batched else {"pull_batch_bytes": 0}))
     decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer")
     try:
         engine = decode[0].engine
         start_pull("r", prefill, decode, 3, [1, 2, 3], [4, 5, 6], 40)
         for layer in range(GQA.num_layers):
             engine.wait_layer("r", layer, timeout_s=WAIT_S)
-        assert len(recorded["scattered"]) == GQA.num_layers  # one slice a layer here
-        # Each wait ordered after its own layer's scatter alone.
-        assert [len(events) for events in recorded["order_after"]] == [1] * GQA.num_layers
-        assert sorted(e for events in recorded["order_after"] for e in events) == sorted(recorded["scattered"])
+        if batched:  # every layer's slice in one tensor, one scatter event after all of them
+            assert len(recorded["scattered"]) == 1
+            assert recorded["order_after"] == [recorded["scattered"]] * GQA.num_layers
+        else:
+            assert len(recorded["scattered"]) == GQA.num_layers  # one slice a layer here
+            # Each wait ordered after its own layer's scatter alone.
+            assert [len(events) for events in recorded["order_after"]] == [1] * GQA.num_layers
+            assert sorted(e for events in recorded["order_after"] for e in events) == sorted(recorded["scattered"])
         done = _until(lambda: engine.take_finished_receiving(), "r reported")
         assert done == {"r": None}
         assert sorted(recorded["wait_done"][-1]) == sorted(recorded["scattered"])  # reported after every one
@@ -111,6 +117,7 @@ def test_scatters_stuck_on_the_device_are_reported_not_waited_for_forever(
         with caplog.at_level("ERROR", logger="ncclkv.engine"):
             assert _until(lambda: engine.take_finished_receiving(), "r reported") == {"r": None}
         stuck = [r.getMessage() for r in caplog.records if "still not done on the device" in r.getMessage()]
-        assert stuck and f"{GQA.num_layers} of {GQA.num_layers} scatter(s)" in stuck[0], caplog.text
+        count = len(recorded["scattered"])  # one: the pull's layers came in one tensor
+        assert count == 1 and stuck and f"{count} of {count} scatter(s)" in stuck[0], caplog.text
     finally:
         close_sides(prefill, decode)

@@ -92,7 +92,7 @@ def test_a_release_while_the_pull_waits_for_its_link_keeps_the_blocks_until_the_
 
 
 def test_a_link_closing_while_a_pull_is_queued_fails_that_request_and_reports_it() -> None:
-    with _pair(producer=dict(hold_s=30.0)) as (prefill, decode):
+    with _pair(producer=dict(hold_s=30.0, pull_batch_bytes=0)) as (prefill, decode):  # a send per layer
         peers = prefill[0].engine._peers  # noqa: SLF001 - the link closes after the pull's first send was queued
         link_of = peers.link
 

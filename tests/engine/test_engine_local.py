@@ -67,6 +67,34 @@ def test_pull_byte_exact(src: tuple[int, int], dst: tuple[int, int], geometry: K
         close_sides(prefill, decode)
 
 
+# A producer rank of TP 2 holds 2 of GQA's 4 heads: 45 tokens x 2 heads x 32 x (K, V) x 4 B = 23040 B per slice
+@pytest.mark.parametrize(("batch_bytes", "piece_bytes", "tensors_per_route"), [
+    (0, 0, 4),  # a tensor per layer
+    (4 << 20, 0, 1),  # the default: the route's four layers in one
+    (50_000, 0, 2),  # two slices fit: two runs of two layers
+    (4 << 20, 10_000, 4 * 3),  # slices cut into pieces (3 of 15 tokens) go alone: a piece of a layer each
+])
+def test_a_pull_batches_a_routes_small_layers_into_one_tensor_each_run(batch_bytes: int, piece_bytes: int,
+                                                                       tensors_per_route: int) -> None:
+    src_layout, dst_layout = ParallelLayout(2, 1), ParallelLayout(1, 1)  # two routes: one per producer rank
+    prefill = build_sides("prefill", src_layout, GQA, CacheLayout.CPU, 16, "producer", pull_batch_bytes=batch_bytes,
+                          piece_bytes=piece_bytes)
+    decode = build_sides("decode", dst_layout, GQA, CacheLayout.FLASH_NHD, 32, "consumer")
+    try:
+        num_tokens, src_blocks, dst_blocks = 45, [5, 2, 9], [3, 0]
+        start_pull("r", prefill, decode, 6, src_blocks, dst_blocks, num_tokens)
+        for layer in decode[0].shard.layers:  # each layer lands, whichever tensor it came in
+            decode[0].engine.wait_layer("r", layer, timeout_s=20)
+        assert decode[0].mismatches(6, dst_blocks, num_tokens, Span(0, num_tokens)) == []
+        assert set(_wait_sent(prefill, "r").values()) == {None}
+        assert [side.engine.stats().tensors_sent for side in prefill] == [tensors_per_route] * 2
+        received = decode[0].engine.stats()
+        assert received.tensors_received == 2 * tensors_per_route
+        assert received.bytes_received == 2 * 4 * 23040
+    finally:
+        close_sides(prefill, decode)
+
+
 def test_pull_partial_prefix_leaves_cached_tokens_alone() -> None:
     layout = ParallelLayout(2, 1)
     prefill = build_sides("prefill", layout, GQA, CacheLayout.CPU, 16, "producer")

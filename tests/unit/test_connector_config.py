@@ -25,6 +25,8 @@ def test_extra_config_defaults_and_values() -> None:
     assert NcclKVConfig().idle_wait_ms == 2.0 and NcclKVConfig.from_extra({"idle_wait_ms": 0}).idle_wait_ms == 0
     assert NcclKVConfig().piece_bytes == 0 and NcclKVConfig.from_extra({"piece_bytes": 4 << 20}).piece_bytes == 4 << 20
     assert NcclKVConfig().last_piece_bytes == 0
+    assert NcclKVConfig().pull_batch_bytes == 4 << 20
+    assert NcclKVConfig.from_extra({"pull_batch_bytes": 0}).pull_batch_bytes == 0
     assert NcclKVConfig.from_extra({"last_piece_bytes": 4 << 20}).last_piece_bytes == 4 << 20
     with pytest.raises(AttributeError):
         cfg.hold_s = 1.0  # type: ignore[misc]
@@ -51,6 +53,7 @@ def test_unknown_keys_are_named() -> None:
     ({"piece_bytes": -1}, r"'piece_bytes'.* must be >= 0, got -1"),
     ({"piece_bytes": 1.5}, "'piece_bytes'.* must be int"),
     ({"last_piece_bytes": -4096}, r"'last_piece_bytes'.* must be >= 0, got -4096"),
+    ({"pull_batch_bytes": -1}, r"'pull_batch_bytes'.* must be >= 0, got -1"),
     ({"heartbeat_s": 30, "deadline_s": 10}, r"'heartbeat_s'\]=30 must be below 'deadline_s'=10"),
     ({"heartbeat_s": 5.0, "deadline_s": 5.0}, r"'heartbeat_s'\]=5 must be below 'deadline_s'=5"),
 ])

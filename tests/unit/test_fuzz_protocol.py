@@ -251,9 +251,11 @@ not_a_field = st.text(min_size=1, max_size=8)
 def _struct_damage(draw: st.DrawFn, t: mi.StructType, value: dict) -> dict:  # type: ignore[type-arg]
     """Drop a required field, add an unknown one, or (tagged) give an unknown tag."""
     names = [f.encode_name for f in t.fields] + ([t.tag_field] if t.tag_field else [])
+    # Only a required field: a frame without one that has a default (Announce.piece, .num_layers) is valid.
+    required = [f.encode_name for f in t.fields if f.required] + ([t.tag_field] if t.tag_field else [])
     how = draw(st.sampled_from(["drop", "extra", "tag"] if t.tag_field else ["drop", "extra"]))
     if how == "drop":
-        name = names[draw(st.integers(0, len(names) - 1))]
+        name = required[draw(st.integers(0, len(required) - 1))]
         return {k: v for k, v in value.items() if k != name}
     if how == "extra":
         return {**value, draw(not_a_field.filter(lambda k: k not in names)): draw(JUNK["int"])}

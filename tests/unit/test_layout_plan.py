@@ -517,6 +517,34 @@ def test_route_pieces_are_even_and_as_few_as_max_bytes_allows(num_tokens: int, n
     assert SpanSet(pieces) == SpanSet([route.tokens]) and list(pieces) == sorted(pieces)
 
 
+def test_route_layer_runs_hold_at_most_max_bytes_of_slices() -> None:
+    geometry = KVGeometry(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16")  # 512 B per token and head
+    route = Route(0, 1, Span(8, 18), Span(2, 6), Span(0, 64))  # 10 layers of 4 heads x 64 tokens: 128 KiB each
+    assert route.layer_runs(geometry, 0) == tuple(Span(layer, layer + 1) for layer in range(8, 18))
+    assert route.layer_runs(geometry, 4 << 20) == (Span(8, 18),)  # all ten fit in 4 MiB
+    assert route.layer_runs(geometry, 512 << 10) == (Span(8, 12), Span(12, 15), Span(15, 18))  # 4 at most, even
+    assert [len(r) for r in route.layer_runs(geometry, 640 << 10)] == [5, 5]  # 5 at most: two runs, none short
+    assert route.layer_runs(geometry, 100) == route.layer_runs(geometry, 0)  # a slice over max_bytes goes alone
+    with pytest.raises(ValueError, match="max_bytes must be an int >= 0, got -1"):
+        route.layer_runs(geometry, -1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 64), st.integers(0, 3 << 20))
+def test_route_layer_runs_are_even_ordered_and_as_few_as_max_bytes_allows(num_layers: int, num_tokens: int,
+                                                                          max_bytes: int) -> None:
+    geometry = KVGeometry(num_layers=64, num_kv_heads=4, head_size=64, dtype="bfloat16")
+    route = Route(0, 0, Span(3, 3 + num_layers), Span(0, 4), Span(0, num_tokens))
+    per_layer = num_tokens * 4 * geometry.cell_bytes
+    runs = route.layer_runs(geometry, max_bytes)
+    lengths = [len(r) for r in runs]
+    most = 1 if max_bytes < per_layer else max_bytes // per_layer
+    assert len(runs) == -(-num_layers // most)
+    assert max(lengths) - min(lengths) <= 1 and min(lengths) >= 1
+    assert all(len(r) == 1 or len(r) * per_layer <= max_bytes for r in runs)
+    assert SpanSet(runs) == SpanSet([route.layers]) and list(runs) == sorted(runs)
+
+
 def test_route_hash_is_computed_once_and_follows_equality() -> None:
     a = Route(0, 1, Span(0, 2), Span(0, 4), Span(0, 9))
     b = Route(0, 1, Span(0, 2), Span(0, 4), Span(0, 9))

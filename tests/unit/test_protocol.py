@@ -197,12 +197,20 @@ def test_a_reset_must_name_the_incarnation_it_is_for(mutate, needle: str) -> Non
     assert decode(encode(RESET)).body == Reset("nothing heard for more than deadline_s=3.0s", 0x5EED)
 
 
-def test_the_protocol_version_counts_ordered_incarnations() -> None:
-    """6 added Reset.incarnation, 7 made incarnations grow with their channel's start time (a 6's are random, which
-    a 7 would misorder): each refuses the other's handshakes on the version."""
-    assert PROTOCOL_VERSION == 7
-    with pytest.raises(errors.HandshakeError, match="protocol_version mismatch: local 7, remote 6"):
-        check_compatible(handshake(), msgspec.structs.replace(handshake(role="consumer"), protocol_version=6))
+def test_the_protocol_version_counts_batched_layers() -> None:
+    """7 made incarnations grow with their channel's start time (a 6's are random, which a 7 would misorder), 8
+    added Announce.num_layers (a 7 refuses its field): each refuses the other's handshakes on the version."""
+    assert PROTOCOL_VERSION == 8
+    with pytest.raises(errors.HandshakeError, match="protocol_version mismatch: local 8, remote 7"):
+        check_compatible(handshake(), msgspec.structs.replace(handshake(role="consumer"), protocol_version=7))
+
+
+def test_an_announce_of_several_layers_round_trips_and_counts_at_least_one() -> None:
+    stacked = Announce("r", 2, ROUTE, (3, 2, 4, 1, 8), "bfloat16", 3 * 128, 0, "kv-0", num_layers=3)
+    assert decode(encode(Envelope("a", 1, None, stacked))).body == stacked
+    assert Announce("r", 2, ROUTE, (2, 4, 1, 8), "bfloat16", 128, 0, "kv-0").num_layers == 1  # the default
+    with pytest.raises(errors.ProtocolError):  # the wire bounds it like any model dimension
+        decode(encode(Envelope("a", 1, None, msgspec.structs.replace(stacked, num_layers=0))))
 
 
 def test_a_later_channel_has_a_larger_incarnation() -> None:
