@@ -97,8 +97,9 @@ def _park_push(producer: Proc, ref_p: EngineRef, consumer: Proc, ref_c: EngineRe
 def _two_producers_one_consumer(procs: Pool, tag: str,
                                 cache: CacheLayout = CacheLayout.CPU) -> tuple[EngineRef, EngineRef]:
     """Producers ``{tag}-p`` (the victim, procs[0]) and ``{tag}-h`` (healthy, procs[1]), consumer ``{tag}-d``
-    (procs[2]); returns the producers' refs."""
-    ref_v = _build(procs[0], f"{tag}-p", "producer")
+    (procs[2]); returns the producers' refs. The victim sends a tensor per layer (its faults are staged at a
+    layer's announcement or send)."""
+    ref_v = _build(procs[0], f"{tag}-p", "producer", pull_batch_bytes=0)
     ref_h = _build(procs[1], f"{tag}-h", "producer")
     _build(procs[2], f"{tag}-d", "consumer", cache)
     return ref_v, ref_h
@@ -268,7 +269,7 @@ def test_push_larger_than_staging_is_refused_before_anything_moves(procs: Pool) 
 
 def test_announcement_beyond_the_plan_fails_its_request_and_allocates_nothing(procs: Pool) -> None:
     producer, consumer = procs[0], procs[1]
-    ref_p = _build(producer, "lie-ann-p", "producer")
+    ref_p = _build(producer, "lie-ann-p", "producer", pull_batch_bytes=0)  # a tensor per layer: layer 1's is forged
     _build(consumer, "lie-ann-d", "consumer", staging_bytes=1 << 20)
     huge = (2, 10**9, 4, 32)  # a billion tokens: 1 TB of float32, were it allocated
     lie = _req("lie", 1, 0)

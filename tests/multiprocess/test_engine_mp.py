@@ -129,8 +129,9 @@ def test_two_producer_engines_feed_one_consumer_sixteen_requests_each(procs: Poo
     assert_ok(consumer.call("wait", key="p2-d", reqs=interleaved), "consumer")
     assert_ok(first.call("take_sent", key="p2-a", rids=[r.rid for r in reqs_a]), "producer a")
     assert_ok(second.call("take_sent", key="p2-b", rids=[r.rid for r in reqs_b]), "producer b")
-    # One link per producer carried all 16 requests, 4 layers each, with no sequence gap.
-    assert consumer.call("stats", key="p2-d")["links"] == {"p2-a.r0": 64, "p2-b.r0": 64}
+    # One link per producer carried all 16 requests with no sequence gap, a tensor each: a request's four layers
+    # (under 4 MiB) go in one (pull_batch_bytes).
+    assert consumer.call("stats", key="p2-d")["links"] == {"p2-a.r0": 16, "p2-b.r0": 16}
     report("2P1D, 2 x 16 requests", started)
 
 
@@ -148,7 +149,7 @@ def test_one_producer_engine_feeds_two_consumers_sixteen_requests_each(procs: Po
     _expect_and_wait([(left, "p1-x", reqs_x), (right, "p1-y", reqs_y)], ref)
     assert_ok(producer.call("take_sent", key="p1-p", rids=[r.rid for r in reqs_x + reqs_y]), "producer")
     stats = producer.call("stats", key="p1-p")
-    assert stats["tensors_sent"] == 32 * GQA.num_layers and stats["requests_sent"] == 32
+    assert stats["tensors_sent"] == 32 and stats["requests_sent"] == 32  # a request's layers in one tensor each
     report("1P2D, 2 x 16 requests", started)
 
 
