@@ -35,7 +35,7 @@ from ._caches import RankCaches, torch_dtype
 from ._config import EngineRef, peer_id, split_peer_id
 from ._links import Peer, PeerLinks
 from ._recent import RecentEnds
-from ._push_stage import PushStage, SliceKey, StagedTensor
+from ._push_stage import PushStage, SliceKey, StagedPush, StagedTensor
 from ._staging import BlockTokens, StagingEvent
 from ._stats import EngineStats
 from ._declines import Decliner
@@ -61,6 +61,9 @@ class _Expected:
     nbytes: int = 0
     error: BaseException | None = None
     announced: dict[SliceKey, SpanSet] = field(default_factory=dict)  # tokens of each slice announced so far
+    # Tokens of each slice whose bytes arrived (being scattered, or scattered): a loss of their producer rank
+    # afterwards takes nothing from the request.
+    received: dict[SliceKey, SpanSet] = field(default_factory=dict)
     landed: dict[SliceKey, SpanSet] = field(default_factory=dict)  # tokens of each slice scattered so far
     push: bool = False  # pushed: nothing arrives before the producer's prefill runs
     num_tokens: int = 0  # push: the tokens expected (its offers must say as many)
@@ -96,9 +99,10 @@ def _overlaps(pieces: dict[SliceKey, SpanSet], key: SliceKey, piece: Span) -> bo
     return seen is not None and not seen.intersect(piece).empty
 
 
-def _covers_slice(tokens: SpanSet, key: SliceKey) -> bool:
-    """Whether ``tokens`` (pieces inside the slice's route, checked as announced) are all of the slice's."""
-    return tokens.spans == (key[2].tokens,)
+def _covers_slice(tokens: SpanSet | None, key: SliceKey) -> bool:
+    """Whether ``tokens`` (pieces inside the slice's route, checked as announced; None: none) are all of the
+    slice's."""
+    return tokens is not None and tokens.spans == (key[2].tokens,)
 
 
 class ConsumerSide:
@@ -191,7 +195,10 @@ class ConsumerSide:
             taken = self._stage.take(request_id) if push else None
             if taken is not None:
                 staged, staged_tensors = taken
+                staged.taken_by = req  # what it announced and is still on the way lands here
                 req.announced.update(staged.announced)
+                for key, piece, _ in staged_tensors:  # here already: applied below
+                    _add_piece(req.received, key, piece)
                 if staged.producer_engine_id != producer.engine_id:
                     req.error = ProtocolError(f"request {request_id!r} was pushed by {staged.producer_engine_id!r}, "
                                               f"expected from {producer.engine_id!r}")
@@ -451,7 +458,8 @@ class ConsumerSide:
             except BaseException:
                 self._caches.recycle(out)  # never posted: nothing writes it
                 raise
-            future.add_done_callback(lambda fut: self._landed(ann.request_id, keys, piece, out, fut))
+            owner = req if req is not None else staged  # the tensor is this one's: never another's under its id
+            future.add_done_callback(lambda fut: self._landed(ann.request_id, owner, keys, piece, out, fut))
             return
         assert problem is not None
         log.warning("dropping announced tensor from %s: %s", sender, problem)
@@ -555,8 +563,9 @@ class ConsumerSide:
             self._fail_locked(req, err.to_exception(sender))
 
     def fail_peer(self, peer_id: str, error: NcclKVError) -> None:
-        """Fail every request that still waits for data from ``peer_id``, staged pushes from its engine included
-        (a complete one is kept: it needs nothing more from anyone).
+        """Fail every request that still waits for data from ``peer_id`` (one whose bytes from it all arrived is
+        kept, their scatters running or done), staged pushes from its engine included (a complete one is kept:
+        it needs nothing more from anyone).
 
         For a loss with a ``loss_seq`` (the channel's), a request expected after it was reported, or a pull
         acknowledged under a handshake made after it, is not the lost one's; after a reset
@@ -569,8 +578,8 @@ class ConsumerSide:
             for req in self._requests.values():
                 if req.error is not None or req.producer.engine_id != engine_id:
                     continue
-                if not any(src == rank for src, _, _ in req.pending):
-                    continue
+                if not any(key[0] == rank and not _covers_slice(req.received.get(key), key) for key in req.pending):
+                    continue  # nothing more to come from it (its last bytes may be being scattered)
                 if seq is not None and req.since_seq >= seq:  # expected after the loss was reported
                     continue
                 if not req.push:
@@ -654,8 +663,8 @@ class ConsumerSide:
             raise HandshakeError(f"request {request_id!r}: the reference to {producer.engine_id!r} says layout "
                                  f"{said.spec()}, its rank {peer.peer_id!r} shook hands with {runs.spec()}")
 
-    def _landed(self, request_id: str, keys: tuple[SliceKey, ...], piece: Span, buf: torch.Tensor,
-                fut: Future[torch.Tensor]) -> None:
+    def _landed(self, request_id: str, owner: _Expected | StagedPush | None, keys: tuple[SliceKey, ...],
+                piece: Span, buf: torch.Tensor, fut: Future[torch.Tensor]) -> None:
         """On the link's receive thread (a done-callback of the receive): stage a landed tensor, or scatter it
         unless its request failed.
 
@@ -665,17 +674,16 @@ class ConsumerSide:
         """
         owned = [True]  # buf is still ours: neither in the store nor handed to _apply (which hands it back)
         try:
-            self._land(request_id, keys, piece, buf, fut, owned)
+            self._land(request_id, owner, keys, piece, buf, fut, owned)
         except Exception as err:  # noqa: BLE001 - reported on the request, never lost in a callback's log
-            self._landing_failed(request_id, keys, piece, buf if owned[0] else None, fut, err)
+            self._landing_failed(request_id, owner, keys, piece, buf if owned[0] else None, fut, err)
 
-    def _land(self, request_id: str, keys: tuple[SliceKey, ...], piece: Span, buf: torch.Tensor,
-              fut: Future[torch.Tensor], owned: list[bool]) -> None:
+    def _land(self, request_id: str, owner: _Expected | StagedPush | None, keys: tuple[SliceKey, ...], piece: Span,
+              buf: torch.Tensor, fut: Future[torch.Tensor], owned: list[bool]) -> None:
         error = fut.exception()
         with self._cond:
-            req = self._requests.get(request_id)
+            req, staged = self._owner_now(request_id, owner)
             if req is None:
-                staged = self._stage.get(request_id)
                 if staged is not None and error is not None:
                     self._stage.fail(request_id, staged, error)
                 if staged is not None and staged.error is None and len(keys) == 1:
@@ -686,11 +694,26 @@ class ConsumerSide:
                     owned[0] = False
                     self._caches.hand_back(buf, completed=error is None)
                 return
+            if error is None:  # its bytes are here: a loss of their sender now takes nothing (fail_peer)
+                for key in keys:
+                    _add_piece(req.received, key, piece)
         owned[0] = False
         self._apply(req, keys, piece, buf, error)
 
-    def _landing_failed(self, request_id: str, keys: tuple[SliceKey, ...], piece: Span, buf: torch.Tensor | None,
-                        fut: Future[torch.Tensor], err: Exception) -> None:
+    def _owner_now(self, request_id: str,
+                   owner: _Expected | StagedPush | None) -> tuple[_Expected | None, StagedPush | None]:
+        """What a tensor announced for ``owner`` lands in now (the request, or else the staged push; None: nothing):
+        ``owner`` itself, or the request expect() made of it (a staged push), never a later request or push
+        under the same id: an aborted pull's late tensors would write another producer's KV into it, silently.
+        With the lock held."""
+        req = self._requests.get(request_id)
+        if req is not None and (req is owner or (isinstance(owner, StagedPush) and owner.taken_by is req)):
+            return req, None
+        staged = self._stage.get(request_id)
+        return None, staged if staged is not None and staged is owner else None
+
+    def _landing_failed(self, request_id: str, owner: _Expected | StagedPush | None, keys: tuple[SliceKey, ...],
+                        piece: Span, buf: torch.Tensor | None, fut: Future[torch.Tensor], err: Exception) -> None:
         """A landed tensor could not be taken (staged or scattered): fail its request, or its staged push (which
         gives back its staging), with a TransferError naming it; hand ``buf`` back if it is still ours."""
         src, _, route = keys[0]
@@ -699,8 +722,7 @@ class ConsumerSide:
         log.error("%s", error, exc_info=err)
         try:
             with self._cond:
-                req = self._requests.get(request_id)
-                staged = self._stage.get(request_id) if req is None else None
+                req, staged = self._owner_now(request_id, owner)
                 if req is not None:
                     self._fail_locked(req, error)
                 elif staged is not None and staged.error is None:

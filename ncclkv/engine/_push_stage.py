@@ -48,6 +48,9 @@ class StagedPush:
     num_wanted: int = 0  # slices this rank receives for the push, from every producer rank
     blocks: BlockTokens | None = None  # what the staging events name (None: not reported)
     reported: StagingName | None = None  # set while a "stored" event stands for it
+    # The request expect() made of it (the consumer's, opaque here): its tensors announced while staged and
+    # still on the way land there, and in no other request under its id.
+    taken_by: object | None = None
 
     @property
     def complete(self) -> bool:

@@ -491,3 +491,80 @@ def test_a_batch_of_layers_for_a_staged_push_fails_that_push() -> None:
         with pytest.raises(ShapeMismatchError, match=r"announced layers 0-1 .* in one tensor for push 'p': a push "
                                                      r"sends a layer per tensor"):
             decode[0].engine.wait("p", timeout_s=WAIT_S)
+
+
+def _after_calls(target: Any, name: str, count: int, seen: Callable[..., bool] = lambda *_: True) -> threading.Event:
+    """Wrap ``target.name``: the event is set once ``count`` calls for which ``seen(*args)`` holds have returned."""
+    done, real, calls, lock = threading.Event(), getattr(target, name), [0], threading.Lock()
+
+    def wrapped(*args: Any) -> Any:
+        try:
+            return real(*args)
+        finally:
+            with lock:
+                calls[0] += seen(*args)
+                if calls[0] >= count:
+                    done.set()
+    setattr(target, name, wrapped)
+    return done
+
+
+def test_a_late_tensor_of_an_aborted_pull_never_lands_in_the_next_request_under_its_id() -> None:
+    """A pull from A is aborted after A announced its tensor; the id is then pulled from B. A's tensor, landing
+    after B's, is handed back: before, it was scattered over B's KV and the request reported done (found by
+    review, 2 of 2 runs)."""
+    hub = LoopbackHub()
+    a, b, decode = _sides(hub, "a", "producer"), _sides(hub, "b", "producer"), _sides(hub, "decode", "consumer")
+    try:
+        blocks = [1, 2]
+        for side, seed in ((a, 1), (b, 2)):
+            side[0].fill(seed=seed, block_ids=blocks, num_tokens=20)
+            side[0].engine.finish("x", blocks, 20)
+        gate, real_gather = threading.Event(), a[0].engine._caches.gather  # noqa: SLF001
+
+        def held_gather(*args: Any, **kwargs: Any) -> Any:  # announced, then held before its bytes go
+            assert gate.wait(WAIT_S)
+            return real_gather(*args, **kwargs)
+        a[0].engine._caches.gather = held_gather  # type: ignore[method-assign]  # noqa: SLF001
+        consumer = decode[0].engine._consumer  # noqa: SLF001
+        both_landed = _after_calls(consumer, "_landed", 2)  # a tensor each: their layers in one (pull_batch_bytes)
+        decode[0].engine.expect("x", engine_ref("a", ONE, a), [5, 6], 20)
+        _until(lambda: (req := consumer._requests.get("x")) is not None and req.announced,  # noqa: SLF001
+               "a's announcement")
+        decode[0].engine.abort("x")
+        decode[0].engine.expect("x", engine_ref("b", ONE, b), [5, 6], 20)
+        decode[0].engine.wait("x", timeout_s=WAIT_S)
+        assert decode[0].mismatches(2, [5, 6], 20, Span(0, 20)) == []
+        gate.set()
+        assert both_landed.wait(WAIT_S)
+        assert decode[0].mismatches(2, [5, 6], 20, Span(0, 20)) == []  # still b's
+        assert decode[0].engine.take_finished_receiving() == {"x": None}
+    finally:
+        close_sides(a, b, decode)
+
+
+def test_a_producer_leaving_while_its_last_bytes_are_scattered_fails_nothing() -> None:
+    """Every byte of the request arrived and is being scattered when its producer closes (its Bye): the request
+    completes. Before, the loss failed it, its slices still pending until their scatter ended (found by review:
+    6 of 10 runs of 'serve, then close', 4 with every byte received)."""
+    with _pair() as (prefill, decode):
+        gate, entered = threading.Event(), threading.Event()
+        caches = decode[0].engine._caches  # noqa: SLF001
+        real_scatter = caches.scatter
+
+        def held_scatter(*args: Any, **kwargs: Any) -> None:
+            entered.set()
+            assert gate.wait(WAIT_S)
+            real_scatter(*args, **kwargs)
+        caches.scatter = held_scatter  # type: ignore[method-assign]
+        lost = _after_calls(decode[0].engine._consumer, "fail_peer", 1,  # noqa: SLF001
+                            lambda peer_id, _: peer_id == "prefill.r0")
+        start_pull("r", prefill, decode, 3, [1, 2], [1, 2], 20)
+        assert entered.wait(WAIT_S)
+        assert _sent(prefill[0], "r") is None
+        prefill[0].engine.close()
+        assert lost.wait(WAIT_S)
+        gate.set()
+        decode[0].engine.wait("r", timeout_s=WAIT_S)
+        assert decode[0].mismatches(3, [1, 2], 20, Span(0, 20)) == []
+        assert decode[0].engine.take_finished_receiving() == {"r": None}
