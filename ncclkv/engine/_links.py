@@ -533,16 +533,27 @@ class PeerLinks:
 
     def _stale(self, peer_id: str, control_addr: str, incarnation: int) -> str | None:
         """Under the lock: why a request naming ``peer_id`` at ``control_addr``, life ``incarnation`` (0: not
-        known), names a life of the peer id that another replaced; None when it does not (the current life, one
-        never heard of, i.e. a restart or move we have yet to meet, or nothing to tell by).
+        known), names a life of the peer id that another replaced, or the current life at another address than
+        the one where it is alive; None when it does not (the current life where it is, one never heard of, i.e.
+        a restart or move we have yet to meet, or nothing to tell by).
 
         With an incarnation, only it counts: a replaced one is stale wherever it is named. Without one, a
         replaced life's address is stale while the current life is alive at another address (the channel hears
         it there, under that incarnation): a peer id has one life at a time, so a process restarted at that old
         address would have ended the current one, which the channel tells within ``deadline_s``."""
         lives = self._lives.get(peer_id)
-        if lives is None or incarnation == lives.incarnation:
+        if lives is None:
             return None
+        if incarnation == lives.incarnation:
+            if not incarnation or control_addr == lives.address or not self._hears(peer_id, lives):
+                return None
+            # A life has one address (a channel never moves; a process that does restarts, with a new
+            # incarnation): the reference's address is wrong. Moving there would drop the live peer, and every
+            # transfer on it, for one bad request.
+            return (f"reference to {peer_id!r} names its current life (incarnation {incarnation:#x}) at "
+                    f"{control_addr!r}, but that life is alive at {lives.address!r}, where we reached it: the "
+                    f"reference's address is wrong (edited, or another name of the host); the request is not sent, "
+                    f"and the live peer is left alone")
         if incarnation:
             if incarnation in lives.superseded:
                 was_at = lives.superseded[incarnation]

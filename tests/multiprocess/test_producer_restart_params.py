@@ -168,3 +168,30 @@ def test_params_of_an_earlier_life_the_consumer_never_met_fail_at_once(procs: Po
     kind, message, _ = consumer.call("ensure", key="fx-d", peer_id="fx-p.r0", control_addr=live,
                                      incarnation=inc_new + 1)
     assert kind == "ok", message
+
+
+def test_params_naming_the_live_producer_at_a_wrong_address_fail_at_once_and_leave_it_alone(procs: Pool) -> None:
+    """Params of the producer's current life (its incarnation) with another address (edited, or another name of
+    its host): before, the consumer took the producer as moved, dropped the live peer, and failed the loads in
+    flight from it (found by review: two good requests stalled 10 s). A life has one address: the request fails
+    at once, naming both, and nothing of the live peer is touched."""
+    producer, consumer = procs[0], procs[1]
+    ref = _build(producer, "fx-p", "producer")
+    _build(consumer, "fx-d", "consumer")
+    assert _pull(producer, consumer, ref, _req("warm", 1, 0)).ok
+    in_flight = _req("f1", 2, 1)
+    consumer.call("expect", key="fx-d", producer=ref, reqs=[in_flight])
+    consumer.call("wait_acked", key="fx-d", rid="f1")
+    (live,), wrong = ref.control_addrs, f"tcp://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    bad = _req("bad", 3, 2)
+    consumer.call("expect", key="fx-d", producer=dataclasses.replace(ref, control_addrs=(wrong,)), reqs=[bad])
+    outcome = consumer.call("wait", key="fx-d", reqs=[bad])["bad"]
+    assert outcome.error_type == "PeerLostError" and "the reference's address is wrong" in outcome.message, outcome
+    assert repr(wrong) in outcome.message and repr(live) in outcome.message, outcome
+    assert outcome.at - started < FAST_S, (outcome.at - started, outcome)
+    producer.call("hold", key="fx-p", reqs=[in_flight])
+    assert consumer.call("wait", key="fx-d", reqs=[in_flight])["f1"].ok  # the load in flight was left alone
+    assert _pull(producer, consumer, ref, _req("after", 4, 3)).ok
+    logs = consumer.call("logs")
+    assert [line for line in logs if "now, no longer at" in line] == [], logs  # never taken as moved
