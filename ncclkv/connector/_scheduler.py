@@ -285,6 +285,10 @@ class SchedulerSide:
                 self.num_invalid_params += 1
                 log.error("ncclkv: request %s: bad kv_transfer_params, computing it locally: %s", req_id, err)
                 self._params[req_id] = None
+            if isinstance(self._params[req_id], PrefillIntent) and not self._producer:
+                # Else silent: no params come back, and the decode side computes every prompt itself.
+                log.warning("ncclkv: request %s asks to be prefilled for a remote decode, but this engine is a pure "
+                            "consumer (kv_role=kv_consumer): no KV is kept or sent for it", req_id)
         return self._params[req_id]
 
     def _verify(self, request: Request, remote: RemotePrefill) -> bool:

@@ -454,3 +454,18 @@ def test_a_push_in_a_step_vllm_skipped_the_drafter_still_completes(engines: list
     _settle(prefill, decode)
     assert _bytes(decode, "bytes_received") == sum(LENGTHS) * CELL_BYTES * (NUM_LAYERS + 1)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_a_consumer_asked_to_prefill_for_a_remote_decode_says_so(engines: list[EngineSim], model_dir: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Roles swapped in a deployment: before, a kv_consumer engine answered a prefill request with no params and
+    said nothing, and the decode side computed every prompt (found by review). Now it warns, once a request."""
+    decode = EngineSim.build("decode", model_dir, "kv_consumer", FAST)
+    engines.append(decode)
+    with caplog.at_level(logging.WARNING, logger="ncclkv"):
+        decode.add("p-0", PROMPTS[0], 1, {"do_remote_decode": True})
+        decode.run(lambda: "p-0" in decode.finished)
+    assert decode.finished["p-0"].kv_transfer_params is None
+    said = [r.getMessage() for r in caplog.records if "asks to be prefilled for a remote decode" in r.getMessage()]
+    assert said == ["ncclkv: request p-0 asks to be prefilled for a remote decode, but this engine is a pure consumer "
+                    "(kv_role=kv_consumer): no KV is kept or sent for it"], said
