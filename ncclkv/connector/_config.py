@@ -56,7 +56,8 @@ class NcclKVConfig:
         small in one tensor of at most this many bytes (4 MiB by default), so
         short prompts and TP-split kv heads do not pay a tensor's fixed costs
         (announcement, frame header, thread hand-offs) per layer. 0: a tensor
-        per layer. Slices cut into pieces (``piece_bytes``) go alone.
+        per layer. Slices cut into pieces (``piece_bytes``) go alone, and
+        ``piece_bytes``, when set, bounds a run too.
     async_load
         Consumer: True (default) loads between scheduler steps (the request
         waits in WAITING_FOR_REMOTE_KVS, nothing blocks the forward pass).

@@ -96,7 +96,7 @@ class EngineConfig:
     # push: a route's last layer in pieces of at most this (0: whole), see DEFAULT_LAST_PIECE_BYTES
     last_piece_bytes: int = DEFAULT_LAST_PIECE_BYTES
     # pull: a route's consecutive layers in one tensor of at most this (0: a tensor per layer), see
-    # DEFAULT_PULL_BATCH_BYTES; slices cut into pieces (piece_bytes) go alone
+    # DEFAULT_PULL_BATCH_BYTES; slices cut into pieces (piece_bytes) go alone, and piece_bytes bounds a run too
     pull_batch_bytes: int = DEFAULT_PULL_BATCH_BYTES
     wire_cache_bytes: int | None = None  # free CPU wire buffers kept for reuse (0: none); None: environment
     # The CPUs the engine's threads run on (ncclkv._affinity); None: NCCLKV_CPUS, and unset there, each thread

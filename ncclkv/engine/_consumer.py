@@ -395,7 +395,9 @@ class ConsumerSide:
         if its request takes it (checked against the plan), else into scratch (``_drain``). Raises only if
         nothing was posted."""
         route = Route(ann.route.src, ann.route.dst, *ann.route.spans())
-        keys = tuple((src, layer, route) for layer in range(ann.layer, ann.layer + ann.num_layers))
+        # At most the model's layers (a peer's count sizes this tuple; more can only be refused, see below).
+        stop = ann.layer + min(ann.num_layers, self._geometry.num_layers + 1)
+        keys = tuple((src, layer, route) for layer in range(ann.layer, stop))
         piece = route.tokens if ann.piece is None else Span(*ann.piece)
         shape = self._caches.wire_shape(piece, route.heads, ann.num_layers)
 
@@ -415,11 +417,14 @@ class ConsumerSide:
                 problem = f"{what()} for request {ann.request_id!r}, whose producer is {owner!r}"
             elif piece.empty or not route.tokens.covers(piece):
                 problem = f"{what()}: the piece is empty or outside the route's tokens"
+            elif ann.num_layers > self._geometry.num_layers:
+                problem = f"{what()}: {ann.num_layers} layers in one tensor, the model has {self._geometry.num_layers}"
+            elif len(keys) > 1 and (staged is not None or (req is not None and req.push)):
+                # Only pulls batch layers: a push sends each layer as it is saved (a staged tensor is one slice's).
+                problem = f"{what()} in one tensor for push {ann.request_id!r}: a push sends a layer per tensor"
             elif staged is not None:
                 if staged.error is not None or keys[0] not in staged.keys:
                     problem = f"{what()} which push {ann.request_id!r} did not offer"
-                elif len(keys) > 1:  # only pulls batch layers: a staged tensor is one slice's (see PushStage)
-                    problem = f"{what()} in one tensor for push {ann.request_id!r}: a push sends a layer per tensor"
                 elif tuple(ann.shape) != shape or ann.dtype != self._geometry.dtype:
                     problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
                 elif _overlaps(staged.announced, keys[0], piece):
@@ -743,12 +748,18 @@ class ConsumerSide:
             req.applying += 1  # abort() and take_finished() wait for this scatter
         done = None
         if received:
+            queued = 0  # layers whose scatter was queued (CUDA: kernels the blocks' hand-back must wait for)
             try:
                 for i, (_, layer, route) in enumerate(keys):
                     self._scatter(req, layer, buf if len(keys) == 1 else buf[i], piece, route.heads)
-                done = self._caches.scattered(buf)
+                    queued += 1
             except Exception as err:  # reported on the request
                 error = err
+            if queued:  # also when a later layer's scatter failed: the earlier ones still write the blocks
+                try:
+                    done = self._caches.scattered(buf)
+                except Exception as err:  # noqa: BLE001 - reported on the request
+                    error = error or err
         try:  # read by the scatter if at all: only its shape is read below
             self._caches.hand_back(buf, received)
         except Exception as err:  # noqa: BLE001 - the count below must still drop (abort() waits for it)

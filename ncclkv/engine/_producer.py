@@ -398,12 +398,15 @@ class ProducerSide:
     def _pull_sends(self, routes: Sequence[Route]) -> list[tuple[Span, Route, Span]]:
         """A pull's sends in the order they go out, each (layers, route, tokens): layer-major, so a consumer can
         finish layer 0 first. A route's slices cut into pieces go one piece of one layer each; the others as
-        runs of consecutive layers of at most ``pull_batch_bytes`` in all (one tensor, one announcement)."""
+        runs of consecutive layers of at most ``pull_batch_bytes`` (and ``piece_bytes``, when set) in all (one
+        tensor, one announcement)."""
         sends = []
+        # piece_bytes, when set, bounds every tensor: a run of whole small slices too
+        batch = min(self._pull_batch_bytes, self._piece_bytes) if self._piece_bytes else self._pull_batch_bytes
         for route in routes:
             pieces = route.pieces(self._geometry, self._piece_bytes)
             if len(pieces) == 1:
-                runs = route.layer_runs(self._geometry, self._pull_batch_bytes)
+                runs = route.layer_runs(self._geometry, batch)
                 sends.extend((run, route, pieces[0]) for run in runs)
             else:
                 sends.extend((Span(layer, layer + 1), route, piece) for layer in route.layers for piece in pieces)

@@ -465,29 +465,44 @@ def _forge(producer: RankSide, consumer: RankSide, announce: Callable[[str], Ann
     producer.engine._channel.send(peer_id, announce(peer.link_id))  # noqa: SLF001
 
 
-def test_a_batch_of_layers_the_request_does_not_expect_fails_it_naming_them() -> None:
-    """The producer's own announcement of layers 3-4 in one tensor (GQA has 4: 0-3): the request fails at once,
+@pytest.mark.parametrize(("first", "num_layers", "told"), [
+    (3, 2, r"announced layers 3-4 .* which request 'r' does not expect"),  # GQA has 4 layers: 0-3
+    (0, 5, r"announced layers 0-4 .*: 5 layers in one tensor, the model has 4"),
+])
+def test_a_batch_of_layers_the_request_cannot_take_fails_it_naming_them(first: int, num_layers: int,
+                                                                        told: str) -> None:
+    """The producer's own announcement of layers in one tensor that are not all the request's: it fails at once,
     typed, naming the layers."""
     with _pair() as (prefill, decode):
         decode[0].engine.expect("r", engine_ref("prefill", ONE, prefill), [1, 2], 20)
         _until(lambda: prefill[0].engine._peers.get("decode.r0") is not None, "the pull's handshake")  # noqa: SLF001
         _forge(prefill[0], decode[0], lambda link_id: Announce(
-            "r", 3, RouteMsg(0, 0, (0, 4), (0, 4), (0, 20)), (2, 2, 20, 4, 32), "float32", 2 * 2 * 20 * 4 * 32 * 4,
-            0, link_id, None, num_layers=2))
-        with pytest.raises(ShapeMismatchError, match=r"announced layers 3-4 .* which request 'r' does not expect"):
+            "r", first, RouteMsg(0, 0, (0, 4), (0, 4), (0, 20)), (num_layers, 2, 20, 4, 32), "float32",
+            num_layers * 2 * 20 * 4 * 32 * 4, 0, link_id, None, num_layers=num_layers))
+        with pytest.raises(ShapeMismatchError, match=told):
             decode[0].engine.wait("r", timeout_s=WAIT_S)
 
 
-def test_a_batch_of_layers_for_a_staged_push_fails_that_push() -> None:
-    """Only pulls batch layers; a staged push keeps a tensor per slice: a batch announced for one fails it."""
+@pytest.mark.parametrize("expected", [False, True], ids=["staged", "expected"])
+def test_a_batch_of_layers_for_a_push_fails_that_push(expected: bool) -> None:
+    """Only pulls batch layers (a push sends each as it is saved; a staged tensor is one slice's): a batch
+    announced for a push, staged or expected, fails it."""
     with _pair() as (prefill, decode):
+        if expected:
+            decode[0].engine.expect("p", engine_ref("prefill", ONE, prefill), [1, 2], 20, push=True)
         prefill[0].engine.start_push("p", engine_ref("decode", ONE, decode), [1, 2], 20)
-        _until(lambda: decode[0].engine._consumer._stage.get("p") is not None, "p staged")  # noqa: SLF001
+        consumer = decode[0].engine._consumer  # noqa: SLF001
+
+        def offered() -> bool:
+            push = consumer._requests.get("p") if expected else consumer._stage.get("p")  # noqa: SLF001
+            return push is not None and prefill[0].engine._peers.get("decode.r0") is not None  # noqa: SLF001
+        _until(offered, "p offered")
         _forge(prefill[0], decode[0], lambda link_id: Announce(
             "p", 0, RouteMsg(0, 0, (0, 4), (0, 4), (0, 20)), (2, 2, 20, 4, 32), "float32", 2 * 2 * 20 * 4 * 32 * 4,
             0, link_id, None, num_layers=2))
-        _until(lambda: decode[0].engine._consumer._stage.get("p").error is not None, "p failed")  # noqa: SLF001
-        decode[0].engine.expect("p", engine_ref("prefill", ONE, prefill), [1, 2], 20, push=True)
+        if not expected:
+            _until(lambda: consumer._stage.get("p").error is not None, "p failed")  # noqa: SLF001
+            decode[0].engine.expect("p", engine_ref("prefill", ONE, prefill), [1, 2], 20, push=True)
         with pytest.raises(ShapeMismatchError, match=r"announced layers 0-1 .* in one tensor for push 'p': a push "
                                                      r"sends a layer per tensor"):
             decode[0].engine.wait("p", timeout_s=WAIT_S)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from ncclkv.engine._caches import RankCaches
+from ncclkv.errors import NcclKVError
 from ncclkv.paged import CacheLayout
 
 from .kvsim import build_sides, close_sides, start_pull
@@ -119,5 +120,29 @@ def test_scatters_stuck_on_the_device_are_reported_not_waited_for_forever(
         stuck = [r.getMessage() for r in caplog.records if "still not done on the device" in r.getMessage()]
         count = len(recorded["scattered"])  # one: the pull's layers came in one tensor
         assert count == 1 and stuck and f"{count} of {count} scatter(s)" in stuck[0], caplog.text
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_a_batch_whose_scatter_fails_part_way_still_orders_the_hand_back_after_the_layers_it_queued(
+        recorded: dict[str, list[Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers 0 and 1 of a batch are scattered (CUDA: kernels queued), layer 2's raises: the request fails, and
+    its blocks go back only after an event recorded behind the queued scatters (found by review: no event, so
+    vLLM could reuse the blocks while they were still being written)."""
+    real_scatter = RankCaches.scatter
+
+    def scatter(self: RankCaches, layer: int, *args: Any, **kwargs: Any) -> None:
+        if layer == 2:
+            raise RuntimeError("scatter failed (test)")
+        real_scatter(self, layer, *args, **kwargs)
+    monkeypatch.setattr(RankCaches, "scatter", scatter)
+    prefill = build_sides("prefill", ONE, GQA, CacheLayout.CPU, 16, "producer")  # the four layers in one tensor
+    decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer")
+    try:
+        start_pull("r", prefill, decode, 3, [1, 2, 3], [4, 5, 6], 40)
+        done = _until(lambda: decode[0].engine.take_finished_receiving(), "r reported")
+        assert isinstance(done["r"], NcclKVError) and "scatter failed (test)" in str(done["r"])
+        assert len(recorded["scattered"]) == 1  # after layers 0 and 1
+        assert recorded["wait_done"][-1] == recorded["scattered"]  # waited for before the report
     finally:
         close_sides(prefill, decode)

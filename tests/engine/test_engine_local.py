@@ -73,6 +73,7 @@ def test_pull_byte_exact(src: tuple[int, int], dst: tuple[int, int], geometry: K
     (4 << 20, 0, 1),  # the default: the route's four layers in one
     (50_000, 0, 2),  # two slices fit: two runs of two layers
     (4 << 20, 10_000, 4 * 3),  # slices cut into pieces (3 of 15 tokens) go alone: a piece of a layer each
+    (4 << 20, 50_000, 2),  # slices in one piece are batched, piece_bytes bounding the run: two of two layers
 ])
 def test_a_pull_batches_a_routes_small_layers_into_one_tensor_each_run(batch_bytes: int, piece_bytes: int,
                                                                        tensors_per_route: int) -> None:
