@@ -174,7 +174,7 @@ def test_producer_engine_that_sends_more_than_it_announced(trio: Trio) -> None:
     one, whether its header goes out with this send or ahead of it, with the send before."""
     tag = f"ov{next(_ids)}"
     ref_p = build_engine([trio.s], f"{tag}-p", ParallelLayout(1, 1), GQA, CacheLayout.CPU, 16, "producer",
-                         deadline_s=DEADLINE_S, num_blocks=64)
+                         deadline_s=DEADLINE_S, num_blocks=64, pull_batch_bytes=0)  # layer 1's tensor is oversized
     ref_h = build_engine([trio.h], f"{tag}-h", ParallelLayout(1, 1), GQA, CacheLayout.FLASH_NHD, 16, "producer",
                          deadline_s=DEADLINE_S, num_blocks=64)
     build_engine([trio.r], f"{tag}-d", ParallelLayout(1, 1), GQA, CacheLayout.CPU, 16, "consumer",
