@@ -57,6 +57,9 @@ class RemotePrefill:
     token_hash: str
     hash_block_size: int
     pushed: bool = False
+    # The engine id of the decode engine the KV was pushed to (None: pulled, or params of an older build): any
+    # other decode engine computes the request instead of waiting deadline_s for a push that never comes.
+    pushed_to: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_ids", tuple(self.block_ids))
@@ -72,6 +75,10 @@ class RemotePrefill:
             raise ValueError(f"token_hash must be 64 hex chars, got {self.token_hash!r}")
         if not isinstance(self.pushed, bool):
             raise ValueError(f"pushed must be a bool, got {self.pushed!r}")
+        if self.pushed_to is not None and (not isinstance(self.pushed_to, str) or not self.pushed_to
+                                           or not self.pushed):
+            raise ValueError(f"pushed_to must be a non-empty engine id, and only with pushed, got "
+                             f"{self.pushed_to!r} (pushed={self.pushed!r})")
 
     def to_dict(self) -> dict[str, object]:
         """The prefill output's ``kv_transfer_params`` (JSON-safe; the client forwards it to the decode)."""
@@ -87,6 +94,7 @@ class RemotePrefill:
             "token_hash": self.token_hash,
             "hash_block_size": self.hash_block_size,
             "pushed": self.pushed,
+            **({"pushed_to": self.pushed_to} if self.pushed_to is not None else {}),
         }
 
     @classmethod
@@ -113,6 +121,7 @@ class RemotePrefill:
             token_hash=data["token_hash"],  # type: ignore[arg-type]
             hash_block_size=data["hash_block_size"],  # type: ignore[arg-type]
             pushed=data.get("pushed", False),  # type: ignore[arg-type]
+            pushed_to=data.get("pushed_to"),  # type: ignore[arg-type]
         )
 
 

@@ -133,6 +133,13 @@ class SchedulerSide:
         if not self._consumer:
             log.warning("ncclkv: request %s asks to load remote KV, but this engine is a pure producer", req_id)
             return 0, False
+        own_id = self._engine_id if self._ref is None else self._ref.engine_id  # the workers' wins (set_handshakes)
+        if remote.pushed and remote.pushed_to is not None and remote.pushed_to != own_id:
+            log.warning("ncclkv: request %s: the KV of transfer %s was pushed to decode engine %r, not to this one "
+                        "(%r); computing it locally (send the decode request to the engine named in the prefill "
+                        "request's remote_decode)", req_id, remote.transfer_id, remote.pushed_to, own_id)
+            self._params[req_id] = None  # decided once: later lookups find no remote KV
+            return 0, False
         if not self._verify(request, remote):
             return 0, False
         owner = self._claims.get(remote.transfer_id)
@@ -241,7 +248,7 @@ class SchedulerSide:
         out = None
         if request.status in _SENT_STATUSES:
             out = self._remote_prefill(request, produce.transfer_id, block_ids, request.num_prompt_tokens,
-                                       produce.push_to is not None)
+                                       produce.push_to)
         if out is None and produce.push_to is None:  # no decode will pull: release the hold now
             self._releases.append(produce.transfer_id)
         return True, (out.to_dict() if out is not None else None)
@@ -303,14 +310,15 @@ class SchedulerSide:
         return self._verified[req_id]
 
     def _remote_prefill(self, request: Request, transfer_id: str, block_ids: list[int], num_tokens: int,
-                        pushed: bool) -> RemotePrefill | None:
+                        push_to: EngineRef | None) -> RemotePrefill | None:
         if self._ref is None:
             log.error("ncclkv: request %s wants a remote decode, but the workers' addresses are unknown",
                       request.request_id)
             return None
         tokens = list(request.all_token_ids[:num_tokens])
         digest = token_hash(tokens, self._block_size, extra_keys(request, num_tokens))
-        return RemotePrefill(transfer_id, self._ref, tuple(block_ids), num_tokens, digest, self._block_size, pushed)
+        return RemotePrefill(transfer_id, self._ref, tuple(block_ids), num_tokens, digest, self._block_size,
+                             push_to is not None, None if push_to is None else push_to.engine_id)
 
 
 def _new_transfer_id() -> str:

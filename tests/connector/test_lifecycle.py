@@ -139,6 +139,29 @@ def test_push_streams_during_prefill(engines: list[EngineSim], model_dir: Path) 
     _settle(prefill, decode)
 
 
+def test_pushed_params_brought_to_another_decode_engine_are_computed_there_at_once(
+        engines: list[EngineSim], model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The KV went to the decode engine named in the prefill request; its params reach another decode engine (a
+    proxy's mistake, a stale ref file): before, that one waited deadline_s for a push that never came (found by
+    review: 10 s a request). The params name the push's target, so it computes the request at once; the target
+    still loads them."""
+    expected = _reference(engines, model_dir, PROMPTS)
+    prefill, decode = _pair(engines, model_dir)
+    other = EngineSim.build("other", model_dir, "kv_consumer", FAST)
+    engines.append(other)
+    params = _prefill(prefill, PROMPTS, {"remote_decode": decode.ref})
+    assert {p["pushed_to"] for p in params} == {decode.ref["engine_id"]}
+    with caplog.at_level(logging.WARNING, logger="ncclkv"):
+        ids = _decode(other, PROMPTS, params, also=(prefill,), prefix="o")
+    assert other.outputs(ids) == expected and other.mismatches == [] and other.load_errors == set()
+    assert [other.computed[r] for r in ids] == [n + MAX_TOKENS - 1 for n in LENGTHS]  # computed, nothing waited
+    said = [r.getMessage() for r in caplog.records if "was pushed to decode engine" in r.getMessage()]
+    assert len(said) == len(ids) and f"pushed to decode engine {decode.ref['engine_id']!r}, not to this one" in said[0]
+    ids = _decode(decode, PROMPTS, params, also=(prefill,))  # the target loads what was pushed to it
+    assert decode.outputs(ids) == expected and [decode.computed[r] for r in ids] == [MAX_TOKENS] * len(ids)
+    _settle(prefill, decode, other)
+
+
 def test_producer_gone_load_fails_and_is_recomputed(engines: list[EngineSim], model_dir: Path) -> None:
     expected = _reference(engines, model_dir, PROMPTS)
     prefill, decode = _pair(engines, model_dir)

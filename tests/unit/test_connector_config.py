@@ -75,9 +75,11 @@ def _remote(**overrides: object) -> RemotePrefill:
     return RemotePrefill(**values)
 
 
-def test_remote_prefill_round_trips_through_json() -> None:
-    value = _remote(pushed=True)
+@pytest.mark.parametrize("pushed_to", [None, "decode-a"])
+def test_remote_prefill_round_trips_through_json(pushed_to: str | None) -> None:
+    value = _remote(pushed=True, pushed_to=pushed_to)
     data = json.loads(json.dumps(value.to_dict()))
+    assert data.get("pushed_to") == pushed_to  # absent when unknown, as an older build wrote it
     assert data["do_remote_prefill"] is True and data["do_remote_decode"] is False
     assert data["remote_engine"]["control_addrs"] == list(REF.control_addrs)
     data["remote_prefill_cached_tokens"] = 0  # vLLM adds keys of its own: ignored
@@ -104,6 +106,9 @@ def test_prefill_intent_accepts_proxy_params() -> None:
     ({"remote_engine": {"engine_id": "x"}}, "remote_engine.*missing 'tp_size'"),
     ({"remote_engine": {**REF.to_dict(), "control_addrs": ["tcp://a:1"]}}, "1 control addresses for world_size=2"),
     ({"pushed": "yes"}, "pushed must be a bool"),
+    ({"pushed": False, "pushed_to": "decode-a"}, r"pushed_to must be .*only with pushed, got 'decode-a' \(pushed=False\)"),
+    ({"pushed": True, "pushed_to": ""}, "pushed_to must be a non-empty engine id"),
+    ({"pushed": True, "pushed_to": 7}, "pushed_to must be a non-empty engine id"),
     # JSON's 1e999 is inf: int(inf) raised OverflowError, which nothing caught, in the engine core.
     ({"remote_engine": {**REF.to_dict(), "tp_size": float("inf")}}, "tp_size must be an int, got inf"),
     ({"remote_engine": {**REF.to_dict(), "pp_size": 2.0}}, "pp_size must be an int, got 2.0"),
