@@ -25,7 +25,11 @@ __all__ = ["DataPlane"]
 def _listen(host: str) -> tuple[int, int]:
     """A listening socket on ``host`` and a free port: (fd, port). TCPStore would listen on all interfaces."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, 0), family=family, backlog=128)
+    try:
+        sock = socket.create_server((host, 0), family=family, backlog=128)
+    except OSError as err:  # EADDRNOTAVAIL, a name that does not resolve: name the setting, not only the socket
+        raise ValueError(f"cannot listen on bind_host={host!r} (kv_connector_extra_config, NCCLKV_BIND_HOST or "
+                         f"the engine's config): {err.strerror or err}; it must be an address of this host") from err
     port = sock.getsockname()[1]
     return sock.detach(), port
 

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from ncclkv.engine import EngineConfig
+from ncclkv.engine import EngineConfig, TransferEngine
 from ncclkv.engine._buffers import capacity_class
 from ncclkv.errors import CapacityError, HandshakeError, PeerClosedError, ShapeMismatchError, TransferError
 from ncclkv.layout import KVGeometry, ParallelLayout, Span, SpanSet, plan
@@ -317,6 +317,26 @@ def test_a_deadline_the_store_cannot_keep_or_a_heartbeat_not_below_it_is_refused
     # torch's store rounds its timeout down to whole milliseconds: below one, TransferEngine() failed in torch.
     with pytest.raises(ValueError, match=r"deadline_s=1e-06 must be at least 0.001 s"):
         EngineConfig("bad", 0, layout, GQA, deadline_s=1e-6)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "*", "::", "[::]", " 0.0.0.0 "])
+def test_a_wildcard_bind_host_is_refused_by_the_config(host: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine advertises the address it binds: before, 0.0.0.0 went into the params and peers on other hosts
+    waited deadline_s for every request (found by review). Refused when the config is made, from either source."""
+    layout = ParallelLayout(1, 1)
+    with pytest.raises(ValueError, match=r"bind_host=.* is not an address peers can reach"):
+        EngineConfig("bad", 0, layout, GQA, bind_host=host)
+    monkeypatch.setenv("NCCLKV_BIND_HOST", host)
+    with pytest.raises(ValueError, match=r"NCCLKV_BIND_HOST\) is not an address peers can reach"):
+        EngineConfig("bad", 0, layout, GQA)
+
+
+def test_a_bind_host_that_is_not_this_hosts_is_refused_naming_it() -> None:
+    """Before, the engine failed with the socket's bare OSError ("Cannot assign requested address"), naming
+    neither the setting nor the value (found by review)."""
+    with pytest.raises(ValueError, match=r"cannot listen on bind_host='192.0.2.1' .*: .*; it must be an address "
+                                         r"of this host"):
+        TransferEngine(EngineConfig("elsewhere", 0, ParallelLayout(1, 1), GQA, bind_host="192.0.2.1"))
 
 
 def test_mismatched_geometry_fails_on_both_sides_naming_both_values(caplog: pytest.LogCaptureFixture) -> None:
