@@ -37,9 +37,10 @@ _LAYOUT = ParallelLayout(1, 1)
 _POLL_S = 0.001  # the producer's finished set has no blocking variant; nothing timed waits on this poll
 
 
-def round_request_ids(round_index: int, num_requests: int) -> list[str]:
-    """The request ids of one timed round; both processes count rounds, so both name them alike."""
-    return [f"round{round_index}-req{i}" for i in range(num_requests)]
+def round_request_ids(round_index: int, num_requests: int, kind: str = "round") -> list[str]:
+    """The request ids of one timed round (``kind``: "round" for pushes, "pull" for pulls, so the two never share
+    an id); both processes count rounds, so both name them alike."""
+    return [f"{kind}{round_index}-req{i}" for i in range(num_requests)]
 
 
 def _engine(side: PagedSide, engine_id: str, role: Role, piece_bytes: int, last_piece_bytes: int) -> TransferEngine:
@@ -87,6 +88,11 @@ class EngineSender:
         for request_id in request_ids:
             self.engine.finish(request_id)
 
+    def hold(self, request_ids: Sequence[str]) -> None:
+        """Hold each request's blocks for a pull (what a prefill does when its prompt is done)."""
+        for request_id in request_ids:
+            self.engine.finish(request_id, self.side.block_ids, self.side.case.num_tokens)
+
     def push(self, request_ids: Sequence[str], before_layer: Callable[[int], None] | None = None) -> None:
         """Start, save every layer (after ``before_layer(layer)``: compute) and finish each request."""
         self.start(request_ids)
@@ -114,7 +120,7 @@ class EngineSender:
 
 
 class EngineReceiver:
-    """A consumer engine over ``side``'s cache: expects pushes into the side's blocks."""
+    """A consumer engine over ``side``'s cache: expects pushes, or pulls, into the side's blocks."""
 
     def __init__(self, side: PagedSide, engine_id: str) -> None:
         self.side = side
@@ -125,10 +131,11 @@ class EngineReceiver:
     def address(self) -> str:
         return self.engine.address
 
-    def expect(self, request_ids: Sequence[str], producer_id: str, producer_address: str) -> None:
+    def expect(self, request_ids: Sequence[str], producer_id: str, producer_address: str, push: bool = True) -> None:
+        """Expect each request pushed, or (``push`` False) pull it: its pull requests go out here."""
         producer = EngineRef(producer_id, _LAYOUT, (producer_address,))
         for request_id in request_ids:
-            self.engine.expect(request_id, producer, self.side.block_ids, self.side.case.num_tokens, push=True)
+            self.engine.expect(request_id, producer, self.side.block_ids, self.side.case.num_tokens, push=push)
 
     def wait(self, request_ids: Sequence[str]) -> float:
         """Until every request landed (checked as reported finished); the monotonic time the last one did."""
@@ -139,7 +146,7 @@ class EngineReceiver:
         finished = self.engine.take_finished_receiving()
         bad = {rid: finished.get(rid, "not reported") for rid in request_ids if finished.get(rid, KeyError) is not None}
         if bad:
-            raise RuntimeError(f"pushes landed but were reported as {bad!r}")
+            raise RuntimeError(f"requests landed but were reported as {bad!r}")
         return done
 
     def close(self) -> None:

@@ -16,6 +16,10 @@ with ``src_block_size``; the receiver (a spawned peer) holds one with
   pushes every request of the round (``start_push``, ``save_layer`` per
   layer, ``finish``) to a consumer engine over the receiver's cache that
   expected them all (``benchmarks._engine_path``).
+- ``engine_pull``: the same engines and bytes by pull: the producer holds every
+  request of the round (set-up), the consumer expects them all (its pull
+  requests go out, timed) until every layer landed; the producer sends a
+  route's small layers together (``pull_batch_bytes``).
 
 Two more rounds time the ncclkv path's own copies alone, in one process each:
 ``gather`` (sender) and ``scatter`` (receiver), to account for the CPU they take.
@@ -45,7 +49,7 @@ from ._peer import Endpoint
 __all__ = ["COPIES", "PATHS", "BytesDiffer", "PagedSide", "Receiver", "Sender", "SliceCase", "raw_group",
            "receiver_loop", "round_trips"]
 
-PATHS = ("memcpy", "raw", "link", "ncclkv", "engine")
+PATHS = ("memcpy", "raw", "link", "ncclkv", "engine", "engine_pull")
 COPIES = ("gather", "scatter")
 WAIT_S = 60.0
 
@@ -339,7 +343,7 @@ def receiver_loop(endpoint: Endpoint, store: str, link_id: str, threads: int, co
 
 
 def _receive(endpoint: Endpoint, store: str, link_id: str, in_flight: int | None) -> dict[str, int]:
-    rounds = engine_rounds = 0
+    rounds = engine_rounds = pull_rounds = 0
     with DataPlane() as plane:
         depth = {} if in_flight is None else {"max_in_flight": in_flight}
         link = plane.open_link(link_id, 1, store, "cpu", WAIT_S, **depth)
@@ -368,7 +372,7 @@ def _receive(endpoint: Endpoint, store: str, link_id: str, in_flight: int | None
                     raise ValueError(f"command {tag!r} before any case")
                 if tag == "engine":
                     engine, producer = EngineReceiver(receiver, CONSUMER_ID), (payload[0], payload[1])
-                    engine_rounds = 0  # the sender counts the case's rounds from 0 too
+                    engine_rounds = pull_rounds = 0  # the sender counts the case's rounds from 0 too
                     endpoint.send("engine", engine.address)
                 elif tag == "digests":
                     endpoint.send("digests", receiver.wire_digests() if payload == "wires" else receiver.digests())
@@ -383,6 +387,17 @@ def _receive(endpoint: Endpoint, store: str, link_id: str, in_flight: int | None
                     engine.expect(ids, *producer)
                     endpoint.send("ready")
                     cpu0, start = time.process_time(), time.monotonic()  # expecting is set-up, like posting
+                    end = engine.wait(ids)
+                    endpoint.send("done", (end, time.process_time() - cpu0, end - start))
+                    rounds += 1
+                elif tag == "go" and payload == "engine_pull":
+                    if engine is None:
+                        raise ValueError("go engine_pull before the engine command")
+                    ids = round_request_ids(pull_rounds, receiver.case.num_requests, "pull")
+                    pull_rounds += 1
+                    endpoint.send("ready")
+                    cpu0, start = time.process_time(), time.monotonic()  # the pulls go out in expect: timed
+                    engine.expect(ids, *producer, push=False)
                     end = engine.wait(ids)
                     endpoint.send("done", (end, time.process_time() - cpu0, end - start))
                     rounds += 1

@@ -52,8 +52,9 @@ def test_every_benchmark_writes_json_and_png(quick_run: tuple[Path, str]) -> Non
 def test_tables_have_the_expected_columns(quick_run: tuple[Path, str]) -> None:
     out, printed = quick_run
     expected = {
-        "transfer": ["slice", "tensors sent raw / ncclkv / engine", "raw GB/s", "link GB/s", "ncclkv GB/s",
-                     "engine GB/s", "memcpy GB/s", "ncclkv/raw", "engine/raw", "ncclkv/memcpy"],
+        "transfer": ["slice", "tensors sent raw / ncclkv / engine / engine pull", "raw GB/s", "link GB/s",
+                     "ncclkv GB/s", "engine GB/s", "engine pull GB/s", "memcpy GB/s", "ncclkv/raw", "engine/raw",
+                     "engine pull/raw", "ncclkv/memcpy"],
         "overlap": ["c ms", "x ms", "layer-wise exposed (x)", "after-compute exposed (x)", "compute slowdown"],
         "control": ["what", "p50 us", "p99 us"],
         "paged": ["layout", "op", "GB/s best", "ratio best"],
@@ -75,10 +76,14 @@ def test_transfer_rows_cover_the_sizes_with_finite_ratios(quick_run: tuple[Path,
     rows = json.loads((out / "transfer.json").read_text())["results"]
     assert [r["slice_bytes"] for r in rows] == [64 << 10, 1 << 20, 4 << 20]
     for row in rows:
-        for key in ("ncclkv_raw_median", "ncclkv_memcpy_median", "link_raw_median", "engine_raw_median", "cpu_ceiling"):
+        for key in ("ncclkv_raw_median", "ncclkv_memcpy_median", "link_raw_median", "engine_raw_median",
+                    "engine_pull_raw_median", "cpu_ceiling"):
             assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
         # Whole slices: every path sends one tensor per slice (the engine's count is its own stats')
         assert row["messages"] == row["ncclkv_messages"] == row["engine_messages"] == row["layers"] * row["requests"]
+        # A pull sends a request's layers in runs of at most 4 MiB (pull_batch_bytes), as few as fit
+        most = max(1, (4 << 20) // row["slice_bytes"])
+        assert row["engine_pull_messages"] == row["requests"] * -(-row["layers"] // most), row["msgs"]
 
 
 def test_overlap_times_the_link_and_the_real_engine(quick_run: tuple[Path, str]) -> None:
