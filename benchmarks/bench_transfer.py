@@ -420,12 +420,13 @@ then expected by the consumer, whose pulls go out in the timed interval. A
 pull finds every layer ready, so it sends a route's consecutive small
 layers together, one tensor of at most `pull_batch_bytes` (4 MiB) per run:
 the fixed cost of a tensor above (announcement, header, hops) then comes
-once a run instead of once a layer. In the first run with it (2-core Xeon,
-loaded by other jobs, 2026-11-27, 32 MiB rounds) pulls moved 3.0x the bytes
-per second of pushes at 64 KiB slices (16 tensors a round against 512),
-1.6x at 256 KiB and 1.4x at 1 MiB; from 4 MiB up a layer fills a tensor and
-the two modes send alike. What is left at small slices is per layer, not per
-tensor: a gather and a scatter call each, and the pull's own round trip.
+once a run instead of once a layer. In the full run of 2026-11-27 (2-core
+Xeon) pulls moved 4.2x the bytes per second of pushes at 64 KiB slices (128
+tensors a round against 4096), 2.0x at 256 KiB and 1.2x at 1 MiB (3.0x, 1.6x
+and 1.4x in a shorter run, 32 MiB rounds, on a loaded machine that morning);
+from 4 MiB up a layer fills a tensor and the two modes send alike (0.94-0.99).
+What is left at small slices is per layer, not per tensor: a gather and a
+scatter call each, and the pull's own round trip.
 
 Machines differ from run to run (the findings give this run's copy speeds):
 the EPYC of 2026-11-25 ran memcpy at 9.4-13.3 GB/s and the gather/scatter
