@@ -497,7 +497,8 @@ def plot(result: BenchResult, path: Path) -> bool:
     for p in PATHS:
         left.plot(sizes, [r[f"{p}_gbps_median"] for r in rows], marker="o", label=p)
     left.set(title="throughput (median)", xlabel="slice MiB", ylabel="GB/s", xscale="log", yscale="log")
-    for key, label in (("ncclkv_raw", "ncclkv / raw"), ("engine_raw", "engine / raw"), ("link_raw", "link / raw"),
+    for key, label in (("ncclkv_raw", "ncclkv / raw"), ("engine_raw", "engine / raw"),
+                       ("engine_pull_raw", "engine pull / raw"), ("link_raw", "link / raw"),
                        ("ncclkv_memcpy", "ncclkv / memcpy")):
         right.plot(sizes, [r[f"{key}_median"] for r in rows], marker="o", label=label)
     right.plot(sizes, [r["cpu_ceiling"] for r in rows], linestyle=":", color="tab:blue", label="core-bound ceiling")
