@@ -80,7 +80,7 @@ layer as it is saved (8 here, a slice of up to 512 KiB each), a pull sends a
 route's consecutive small layers together (`pull_batch_bytes`, 4 MiB: one
 tensor a request here). Each tensor costs an announcement, a frame header and
 thread hand-offs on both sides; in an A/B of that setting, in turn on a
-2-core Xeon loaded by other jobs (2026-11-27), a tensor per layer moved 0.46
+2-core EPYC loaded by other jobs (2026-11-27), a tensor per layer moved 0.46
 and 0.48 GB/s (1P1D pull, median) against 0.57 and 0.58 batched, and 0.45
 and 0.60 against 0.78 and 0.82 in 2P2D.
 """

@@ -421,7 +421,7 @@ pull finds every layer ready, so it sends a route's consecutive small
 layers together, one tensor of at most `pull_batch_bytes` (4 MiB) per run:
 the fixed cost of a tensor above (announcement, header, hops) then comes
 once a run instead of once a layer. In the full run of 2026-11-27 (2-core
-Xeon) pulls moved 4.2x the bytes per second of pushes at 64 KiB slices (128
+EPYC) pulls moved 4.2x the bytes per second of pushes at 64 KiB slices (128
 tensors a round against 4096), 2.0x at 256 KiB and 1.2x at 1 MiB (3.0x, 1.6x
 and 1.4x in a shorter run, 32 MiB rounds, on a loaded machine that morning);
 from 4 MiB up a layer fills a tensor and the two modes send alike (0.94-0.99).
