@@ -65,6 +65,7 @@ class _Expected:
     # afterwards takes nothing from the request.
     received: dict[SliceKey, SpanSet] = field(default_factory=dict)
     landed: dict[SliceKey, SpanSet] = field(default_factory=dict)  # tokens of each slice scattered so far
+    links: dict[int, LinkBase] = field(default_factory=dict)  # producer rank -> the link its tensors come on
     push: bool = False  # pushed: nothing arrives before the producer's prefill runs
     num_tokens: int = 0  # push: the tokens expected (its offers must say as many)
     applying: int = 0  # scatters into the request's blocks running right now
@@ -449,6 +450,7 @@ class ConsumerSide:
                 if req is not None:
                     for key in keys:
                         _add_piece(req.announced, key, piece)
+                    req.links[src] = link
                     req.progress = self._clock.now()  # an announcement is progress: its tensor is on the way
                 else:
                     assert staged is not None
@@ -564,6 +566,15 @@ class ConsumerSide:
                 return
             if sender not in {req.producer.peer_id(r) for r in range(req.producer.layout.world_size)}:
                 log.warning("ignored error for %s from %s, not its producer: %s", err.request_id, sender, err.text)
+                return
+            rank = split_peer_id(sender)[1]
+            link = req.links.get(rank)
+            if link is not None and link.broken is not None and _awaits(req, rank):
+                # We broke that link (a tensor other than announced, a receive that failed): the producer's sends
+                # failed with it, and its error may come before ours, which is the cause. The link settles every
+                # receive it had, each failing this request typed (a ShapeMismatchError names both sizes).
+                log.info("error from %s for %s after this side broke their link (%s): %s", sender, err.request_id,
+                         link.broken, err.text)
                 return
             self._fail_locked(req, err.to_exception(sender))
 
@@ -926,6 +937,11 @@ class ConsumerSide:
             req.error = error
             log.warning("request %s failed: %s", req.request_id, error)
         self._cond.notify_all()
+
+
+def _awaits(req: _Expected, rank: int) -> bool:
+    """Whether ``req`` waits for bytes of a tensor producer rank ``rank`` announced (its receive posted)."""
+    return any(key[0] == rank and req.received.get(key) != tokens for key, tokens in req.announced.items())
 
 
 def _layers_text(keys: Sequence[SliceKey]) -> str:

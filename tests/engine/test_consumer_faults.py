@@ -25,7 +25,7 @@ from ncclkv.errors import ClosedError, NcclKVError, ShapeMismatchError, Transfer
 from ncclkv.launch import free_port
 from ncclkv.layout import Span
 from ncclkv.paged import CacheLayout
-from ncclkv.protocol import Announce, RouteMsg
+from ncclkv.protocol import Announce, ErrorCode, ErrorMsg, RouteMsg
 from ncclkv.transport import LoopbackHub
 
 from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull
@@ -583,3 +583,35 @@ def test_a_producer_leaving_while_its_last_bytes_are_scattered_fails_nothing() -
         decode[0].engine.wait("r", timeout_s=WAIT_S)
         assert decode[0].mismatches(3, [1, 2], 20, Span(0, 20)) == []
         assert decode[0].engine.take_finished_receiving() == {"r": None}
+
+
+def test_a_producers_error_after_this_side_broke_their_link_is_left_to_the_links_own_error() -> None:
+    """This side broke the link (a tensor longer than announced): the producer's sends fail with it, and its
+    ErrorMsg ('internal', the send failed) may be handled before the link settles its receives with the typed
+    cause. Before, that error won and the request failed with a TransferError instead of its ShapeMismatchError
+    (the multiprocess oversized-sender test, 1 in 8 runs on two loaded cores). Told apart by the request's link:
+    broken, and a receive of that producer's still in flight."""
+    with _pair() as (prefill, decode):
+        gate, real_gather = threading.Event(), prefill[0].engine._caches.gather  # noqa: SLF001
+
+        def held_gather(*args: Any, **kwargs: Any) -> Any:  # announced, its receive posted, its bytes held
+            assert gate.wait(WAIT_S)
+            return real_gather(*args, **kwargs)
+        prefill[0].engine._caches.gather = held_gather  # type: ignore[method-assign]  # noqa: SLF001
+        start_pull("r", prefill, decode, 3, [1, 2], [1, 2], 20)
+        consumer = decode[0].engine._consumer  # noqa: SLF001
+        _until(lambda: (req := consumer._requests.get("r")) is not None and req.announced,  # noqa: SLF001
+               "r's announcement")
+        req = consumer._requests["r"]  # noqa: SLF001
+        link = req.links[0]
+        failed_send = ErrorMsg("r", ErrorCode.INTERNAL, "send failed: connection closed by peer (test)")
+        try:
+            # As Link._fail records its cause, before it aborts the backend and settles the receives.
+            link._broken = ShapeMismatchError("the peer sends more than announced (test)")  # noqa: SLF001
+            consumer.on_error("prefill.r0", failed_send)
+            assert req.error is None  # left to the link's failure of its receives
+        finally:
+            link._broken = None  # noqa: SLF001
+        consumer.on_error("prefill.r0", failed_send)  # a link not broken here: the producer's error is the news
+        assert isinstance(req.error, TransferError) and "connection closed by peer (test)" in str(req.error)
+        gate.set()
