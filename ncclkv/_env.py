@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from ._affinity import parse_cpu_list
 from ._timeout import check_timeout
 
-__all__ = ["BIND_HOST_VAR", "GLOO_IFNAME_VAR", "MAX_COPY_THREADS", "PAGED_KERNELS", "PP_PARTITION_VAR", "EnvSettings",
-           "env_settings", "take_bind_host_auto"]
+__all__ = ["BIND_HOST_VAR", "GLOO_IFNAME_VAR", "MAX_COPY_THREADS", "PAGED_KERNELS", "PP_PARTITION_VAR",
+           "WILDCARD_HOSTS", "EnvSettings", "env_settings", "take_bind_host_auto"]
 
 
 def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -72,6 +72,10 @@ PP_PARTITION_VAR = "VLLM_PP_LAYER_PARTITION"
 # Gloo's interface between nodes (torch reads it for its own gloo groups). ncclkv's data plane binds to one
 # address it is given; with ``--bind-host auto`` the scenario takes this interface's (ncclkv.scenario._common).
 GLOO_IFNAME_VAR = "GLOO_SOCKET_IFNAME"
+
+
+# Bind hosts that listen on every interface: nothing a peer can be told to connect to.
+WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::"})
 
 
 def take_bind_host_auto(environ: MutableMapping[str, str]) -> bool:

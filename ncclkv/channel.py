@@ -71,7 +71,7 @@ from ._auth import WARNING_BURST, WARNINGS_PER_S
 from ._channel_io import IoLoop, LossKind
 from ._clock import ActiveClock
 from ._dispatch import Dispatcher, MessageHandler, PeerLostHandler, ReplyThen
-from ._env import env_settings
+from ._env import WILDCARD_HOSTS, env_settings
 from ._peers import Budget, Counters, PeerTable
 from ._timeout import check_timeout
 from .auth import ChannelAuth, curve_key, load_channel_auth
@@ -202,7 +202,7 @@ class Channel:
             self._dispatcher.stop(_JOIN_S)
             raise
         log.info("channel %r listening on %s, auth: %s", peer_id, self._address, self.auth.describe())
-        if host in ("*", "0.0.0.0", "::", "") and not self.auth.enabled:
+        if host in WILDCARD_HOSTS and not self.auth.enabled:
             log.warning("channel %r listens on all interfaces (bind_host=%r) without authentication: "
                         "any host that reaches it can talk to it; see docs/SECURITY.md", peer_id, host)
 

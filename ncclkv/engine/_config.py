@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 from .._affinity import cpus_from_setting
-from .._env import env_settings
+from .._env import WILDCARD_HOSTS, env_settings
 from .._timeout import check_timeout
 from ..auth import ChannelAuth, load_channel_auth
 from ..layout import KVGeometry, ParallelLayout
@@ -34,7 +34,6 @@ DEFAULT_LAST_PIECE_BYTES = 0
 DEFAULT_PULL_BATCH_BYTES = 4 << 20
 
 Role = Literal["producer", "consumer", "both"]
-_WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::"})  # bind every interface: nothing a peer can connect to
 _ENGINE_ID = re.compile(r"[A-Za-z0-9._:@+-]{1,128}")
 
 
@@ -152,7 +151,7 @@ class EngineConfig:
             object.__setattr__(self, "wire_cache_bytes", settings.wire_cache_bytes)
         if self.bind_host is None:
             object.__setattr__(self, "bind_host", settings.bind_host)
-        if not isinstance(self.bind_host, str) or self.bind_host.strip().strip("[]") in _WILDCARD_HOSTS:
+        if not isinstance(self.bind_host, str) or self.bind_host.strip().strip("[]") in WILDCARD_HOSTS:
             # An engine advertises the address it binds (handshakes, vLLM's kv_transfer_params): a peer on
             # another host told "0.0.0.0" connects to itself, and waits deadline_s for every request.
             raise ValueError(f"bind_host={self.bind_host!r} (EngineConfig, kv_connector_extra_config or "

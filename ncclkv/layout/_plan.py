@@ -28,6 +28,19 @@ class PlanError(ValueError):
     """A transfer plan that misses, doubles or misplaces a KV cell; the message names the first such cell."""
 
 
+def _check_max_bytes(max_bytes: object) -> None:
+    if not (isinstance(max_bytes, int) and max_bytes >= 0):
+        raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+
+
+def _even_cut(span: Span, unit_bytes: int, max_bytes: int) -> tuple[Span, ...]:
+    """``span`` cut into the fewest runs of at most ``max_bytes`` (``unit_bytes`` an element, at least one element
+    each), their lengths differing by at most one: evening out never lengthens a run (each is at most
+    ceil(n / count) <= the most that fit)."""
+    most = max(1, max_bytes // unit_bytes)
+    return span.split_even(-(-len(span) // most))
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class Route:
     """Source rank ``src`` sends destination rank ``dst`` the box ``tokens x layers x heads``.
@@ -73,24 +86,17 @@ class Route:
         """This route's tokens cut into the fewest pieces of which one layer holds at most ``max_bytes`` (at
         least one token each), their lengths differing by at most one token (a pipeline's fill and drain
         are its largest piece); ``max_bytes`` 0: one piece, all the tokens."""
-        if not (isinstance(max_bytes, int) and max_bytes >= 0):
-            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        _check_max_bytes(max_bytes)
         if max_bytes == 0:
             return (self.tokens,)
-        most = max(1, max_bytes // (len(self.heads) * geometry.cell_bytes))  # tokens per piece at most
-        count = -(-len(self.tokens) // most)
-        # Evening out never lengthens a piece: each is at most ceil(n / count) <= most tokens.
-        return self.tokens.split_even(count)
+        return _even_cut(self.tokens, len(self.heads) * geometry.cell_bytes, max_bytes)
 
     def layer_runs(self, geometry: KVGeometry, max_bytes: int) -> tuple[Span, ...]:
         """This route's layers cut into the fewest runs of consecutive layers whose slices (all the route's
         tokens) hold at most ``max_bytes`` together (at least one layer each), their lengths differing by at most
         one layer; ``max_bytes`` 0: one run per layer."""
-        if not (isinstance(max_bytes, int) and max_bytes >= 0):
-            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
-        per_layer = len(self.tokens) * len(self.heads) * geometry.cell_bytes
-        most = 1 if max_bytes == 0 else max(1, max_bytes // per_layer)  # layers per run at most
-        return self.layers.split_even(-(-len(self.layers) // most))
+        _check_max_bytes(max_bytes)
+        return _even_cut(self.layers, len(self.tokens) * len(self.heads) * geometry.cell_bytes, max_bytes)
 
     def to_json(self) -> dict[str, int | list[int]]:
         return {
