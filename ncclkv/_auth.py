@@ -57,7 +57,7 @@ from zmq.auth import Authenticator
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from ._peers import Budget, Counters
+from ._peers import Budget, Counters, LossKind
 from .auth import AuthenticationError, ChannelAuth, CurveConfig
 from .errors import ProtocolError
 from .protocol import MAX_TEXT_CHARS, Envelope, ErrorCode, ErrorMsg, decode, encode
@@ -237,8 +237,10 @@ _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_
 _PROTOCOL_ERRORS = {getattr(zmq, name): name for name in dir(zmq) if name.startswith("PROTOCOL_ERROR_")}
 # Handshakes ended by the server this many times in a row make our keys a suspect, named if the peer is lost. Not a
 # loss by themselves: a TCP forwarder (docker's proxy, kubectl port-forward, ssh -L, a sidecar) ends them just the
-# same while nothing listens behind it, for as long as a peer takes to start or restart.
+# same while nothing listens behind it, for as long as a peer takes to start or restart. A probe tells the two apart.
 HANDSHAKE_FAILURES_TO_SUSPECT = 3
+# What every ZMTP 3 peer sends first, before it reads a byte: 0xFF, 8 bytes of padding, 0x7F (rfc.zeromq.org/spec/23).
+_ZMTP_SIGNATURE_BYTES = 10
 # What a loss for mismatched settings tells the operator to fix.
 _SAME_SETTINGS = "every rank needs the same NCCLKV_CURVE_* settings"
 _SAME_SECRET = "NCCLKV_SHARED_SECRET or NCCLKV_SHARED_SECRET_FILE must be set alike on every rank"
@@ -246,23 +248,47 @@ _SAME_SECRET = "NCCLKV_SHARED_SECRET or NCCLKV_SHARED_SECRET_FILE must be set al
 
 class HandshakeWatch:
     """The ZMQ handshakes of one of our DEALERs until the first one succeeds, read from its monitor socket (I/O
-    thread only). A refusal that is certain (a ZAP refusal of our CURVE key, one side without CURVE) loses the
-    peer at once (:meth:`read`); a server that keeps ending them is named as a suspect (:attr:`suspect`) should
-    the peer be lost at ``deadline_s``. Closed after the first success, so a healthy peer costs no monitor sockets
-    (two more descriptors each)."""
+    thread only; it registers its sockets with the I/O thread's poller, and unregisters them on close). A refusal
+    that is certain loses the peer at once (:meth:`read`): a ZAP refusal of our CURVE key, one side without CURVE,
+    or handshakes that keep being ended by a server that speaks ZMQ.
 
-    def __init__(self, dealer: zmq.Socket, public_key: bytes | None, server_key: bytes | None) -> None:
-        """``public_key``, ``server_key``: this channel's CURVE keys for that server; None without CURVE."""
+    That last one is how a wrong server key shows: the server cannot open our CURVE hello and drops the connection
+    without a word (its own monitor says ``PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC``; ours only that the other side
+    ended it, EPIPE), and ZMQ reconnects. A TCP forwarder with nothing behind it ends them just the same. So once
+    :data:`HANDSHAKE_FAILURES_TO_SUSPECT` in a row were ended, a probe (a ``ZMQ_STREAM`` socket that only reads)
+    connects to the address: a ZMQ server sends its ZMTP signature first thing, a forwarder with nothing behind
+    closes. After a signature came from there, that many handshakes more ended in a row (none succeeded) are a
+    refusal for certain; without one, the server is a suspect (:attr:`suspect`), named should the peer be lost at
+    ``deadline_s``, and probed again after as many more. Closed after the first success, so a healthy peer costs
+    no monitor or probe sockets (two more descriptors each)."""
+
+    def __init__(self, dealer: zmq.Socket, poller: zmq.Poller, address: str, public_key: bytes | None,
+                 server_key: bytes | None) -> None:
+        """``address``: where ``dealer`` connects; ``public_key``, ``server_key``: this channel's CURVE keys for
+        that server, None without CURVE."""
         self.socket = dealer.get_monitor_socket(_HANDSHAKE_EVENTS)  # before connect(): no event missed
         self._dealer = dealer
+        self._poller = poller
+        self._address = address
         self._public_key = None if public_key is None else public_key.decode("ascii")
         self._server_key = None if server_key is None else server_key.decode("ascii")
-        self._failures = 0  # in a row
+        self._failures = 0  # in a row (since a ZMTP signature was read there, once one was)
+        self._probe: zmq.Socket | None = None  # reads what the address sends first, while the handshakes fail
+        self._probe_heard = b""
+        self._probe_connected = False  # its ZMQ_STREAM notice of the connection came
+        self._zmtp_there = False  # a probe read a ZMTP signature there
         self.suspect: str | None = None  # why the handshakes may keep failing, once they failed often enough
         self.succeeded = False  # a handshake succeeded: the watch can go
+        poller.register(self.socket, zmq.POLLIN)
+
+    @property
+    def sockets(self) -> tuple[zmq.Socket, ...]:
+        """The sockets whose readiness calls for :meth:`read`: the monitor, and the probe while there is one."""
+        return (self.socket,) if self._probe is None else (self.socket, self._probe)
 
     def read(self) -> str | None:
-        """Take the events waiting: why the server refuses us when that is certain, else None."""
+        """Take the events and probe bytes waiting: why the server refuses us when that is certain, else None."""
+        self._read_probe()
         while self.socket.get(zmq.EVENTS) & zmq.POLLIN:  # asked, not zmq.Again: see IoLoop._drain
             event = recv_monitor_message(self.socket, zmq.NOBLOCK)
             kind, value = event["event"], event["value"]
@@ -278,11 +304,24 @@ class HandshakeWatch:
                 if self._server_key is None:
                     return f"uses CURVE while this channel does not ({name}): {_SAME_SETTINGS}"
                 return f"does not use CURVE ({name}): {_SAME_SETTINGS}"
-            else:
+            else:  # ended by the other side (ZMQ reconnects)
                 self._failures += 1
-                if self._failures >= HANDSHAKE_FAILURES_TO_SUSPECT:
-                    self.suspect = self._suspect(value)
+                if self._failures < HANDSHAKE_FAILURES_TO_SUSPECT:
+                    continue
+                if self._zmtp_there:
+                    return self._refused(value)
+                self.suspect = self._suspect(value)
+                if self._probe is None and self._failures % HANDSHAKE_FAILURES_TO_SUSPECT == 0:
+                    self._start_probe()
         return None
+
+    def _refused(self, value: int) -> str:
+        ended = (f"ended our last {self._failures} ZMQ handshakes ({errno.errorcode.get(value, value)}), none "
+                 f"succeeded, while a ZMQ server answers there")
+        if self._server_key is None:
+            return f"{ended}: it uses CURVE while this channel does not ({_SAME_SETTINGS})"
+        return (f"{ended}: it cannot open our CURVE hello, so the server key we were given for it ({self._server_key}) "
+                f"is not its key (NCCLKV_CURVE_SERVER_KEY, or connect()'s server_key; {_SAME_SETTINGS})")
 
     def _suspect(self, value: int) -> str:
         # errno's table, not strerror(): see IoLoop._drain on strerror's lock
@@ -294,7 +333,47 @@ class HandshakeWatch:
         return (f"{ended}: the server key we were given for it ({self._server_key}) may not be its key "
                 f"(NCCLKV_CURVE_SERVER_KEY, or connect()'s server_key), {forwarder}")
 
+    def _start_probe(self) -> None:
+        probe: zmq.Socket | None = None
+        try:
+            probe = self._dealer.context.socket(zmq.STREAM)
+            probe.setsockopt(zmq.LINGER, 0)
+            probe.connect(self._address)
+        except zmq.ZMQError as exc:  # out of sockets, say: it stays a suspect, lost at deadline_s as before
+            log.debug("cannot probe %r for a ZMQ server: %s", self._address, exc)
+            if probe is not None:
+                probe.close(linger=0)
+            return
+        self._poller.register(probe, zmq.POLLIN)
+        self._probe, self._probe_heard, self._probe_connected = probe, b"", False
+
+    def _read_probe(self) -> None:
+        """Whether a ZMTP signature came from there; the probe closed once that is known (it sent one, it sent
+        something else, or it closed: ZMQ_STREAM's second empty message)."""
+        probe = self._probe
+        while probe is not None and probe.get(zmq.EVENTS) & zmq.POLLIN:
+            data = probe.recv_multipart(zmq.NOBLOCK)[-1]  # [connection id, bytes]
+            if not data and not self._probe_connected:
+                self._probe_connected = True
+                continue
+            self._probe_heard += data
+            if data and len(self._probe_heard) < _ZMTP_SIGNATURE_BYTES:
+                continue
+            heard = self._probe_heard
+            if len(heard) >= _ZMTP_SIGNATURE_BYTES and heard[0] == 0xFF and heard[9] == 0x7F:
+                self._zmtp_there, self._failures = True, 0  # count the handshakes ended from now on
+            self._close_probe()
+            return
+
+    def _close_probe(self) -> None:
+        if self._probe is not None:
+            self._poller.unregister(self._probe)
+            self._probe.close(linger=0)
+            self._probe = None
+
     def close(self) -> None:
+        self._close_probe()
+        self._poller.unregister(self.socket)
         self._dealer.disable_monitor()
         self.socket.close(linger=0)
 
@@ -319,11 +398,12 @@ class FrameGate:
         counters: Counters,
         next_msg_id: Callable[[], int],
         peer_keys: Mapping[str, str] | None = None,
-        wrong_answer: Callable[[str, str], None] | None = None,
+        wrong_answer: Callable[[str, str, LossKind], None] | None = None,
     ) -> None:
         self._peer_id = peer_id
-        # (peer id, what answered there): our DEALER to that peer heard from another channel, or from one whose
-        # frames and ours cannot authenticate each other. Nothing sent there will be taken: the peer is lost.
+        # (peer id, what answered there, how): our DEALER to that peer heard from another channel ("lost"), or from
+        # one whose frames and ours cannot authenticate each other ("auth"). Nothing sent there will be taken: the
+        # peer is lost.
         self._wrong_answer = wrong_answer
         # CURVE: peer id -> the Z85 public key it proved as a server (read on the I/O thread only).
         self._peer_keys: Mapping[str, str] = {} if peer_keys is None else peer_keys
@@ -358,13 +438,13 @@ class FrameGate:
             self._counters.auth_failures += 1
             self.reject(sock, routing_id, origin, exc, authentic=False, renamed=_renamed_by_zmq(origin))
             if routing_id is None and self._wrong_answer is not None and not isinstance(exc, _StaleFrame):
-                self._wrong_answer(name, self._unauthenticated_answer(name, exc))
+                self._wrong_answer(name, self._unauthenticated_answer(name, exc), "auth")
             return None
         except ProtocolError as exc:
             self.reject(sock, routing_id, origin, exc, renamed=_renamed_by_zmq(origin))
             if isinstance(exc, _Misaddressed) and self._wrong_answer is not None:
                 self._wrong_answer(name, f"answers as {exc.sender!r}, not as {name!r}: the address given for "
-                                         f"{name!r} is another peer's")
+                                         f"{name!r} is another peer's", "lost")
             return None
         return envelope
 

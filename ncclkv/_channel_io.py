@@ -30,13 +30,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import zmq
 
 from ._auth import FrameGate, HandshakeWatch, ZapGuard, configure_curve_client
 from ._clock import ActiveClock
-from ._peers import MAX_LOST_PEERS, Counters, PeerTable
+from ._peers import MAX_LOST_PEERS, Counters, LossKind, PeerTable
 from .auth import ChannelAuth
 from .errors import ProtocolError, TransferTimeout
 from .protocol import MAX_TEXT_CHARS, Bye, Envelope, Handshake, Heartbeat, Reset, encode
@@ -52,9 +51,6 @@ _BYE_LINGER_MS = 200  # on close: how long the Byes (and frames queued before th
 
 # kind, peer id, address / frame / flush event, server key
 _Command = tuple[str, str, str | bytes | threading.Event, bytes | None]
-# How a peer was lost: it went silent or unreachable ("lost"), said Bye ("closed"), or what it held about us, or
-# we about it, is gone while it is there ("reset": it declared us lost, restarted, or moved to another address).
-LossKind = Literal["lost", "closed", "reset"]
 
 
 @dataclass(slots=True)
@@ -63,7 +59,7 @@ class _Link:
     routing_id: bytes | None = None  # set when the peer connected to us
     client_key: str | None = None  # CURVE: the key (Z85) of the client on that connection
     address: str = ""  # where the dealer connects
-    watch: HandshakeWatch | None = None  # the dealer's ZMQ handshakes, until one succeeded
+    watch: HandshakeWatch | None = None  # the dealer's ZMQ handshakes, until one succeeded (its own sockets)
 
 
 class IoLoop:
@@ -189,7 +185,8 @@ class IoLoop:
     # -- the I/O thread --------------------------------------------------------------
     def _run(self) -> None:
         context = zmq.Context()
-        context.set(zmq.MAX_SOCKETS, _MAX_SOCKETS)  # a DEALER per peer, and a monitor pair while a handshake is due
+        # A DEALER per peer, a monitor pair while a handshake is due, and a probe while they keep failing
+        context.set(zmq.MAX_SOCKETS, _MAX_SOCKETS)
         self._router = context.socket(zmq.ROUTER)
         self._poller = zmq.Poller()
         try:
@@ -269,8 +266,9 @@ class IoLoop:
                 # a link dropped while draining an earlier socket has a closed dealer: skip it
                 if link.dealer is not None and link.dealer in ready and self._links.get(peer_id) is link:
                     self._drain(link.dealer, peer_id)
-                if link.watch is not None and link.watch.socket in ready and self._links.get(peer_id) is link:
-                    self._watch(peer_id, link, link.watch)
+                watch = link.watch
+                if watch is not None and any(s in ready for s in watch.sockets) and self._links.get(peer_id) is link:
+                    self._watch(peer_id, link, watch)
             if turn.now >= next_beat:
                 self._beat()
                 next_beat = turn.now + self._heartbeat_s
@@ -331,7 +329,7 @@ class IoLoop:
             curve = self._auth.curve
             if curve is not None:
                 configure_curve_client(dealer, self._auth, server_key)
-            watch = HandshakeWatch(dealer, None if curve is None else curve.public_key,
+            watch = HandshakeWatch(dealer, self._poller, address, None if curve is None else curve.public_key,
                                    None if curve is None else server_key or curve.server_key)
             dealer.connect(address)
         except Exception as exc:
@@ -342,7 +340,6 @@ class IoLoop:
             self._declare_lost(peer_id, f"cannot connect to {address!r}: {type(exc).__name__}: {exc}")
             return
         self._poller.register(dealer, zmq.POLLIN)
-        self._poller.register(watch.socket, zmq.POLLIN)
         self._links[peer_id] = _Link(dealer=dealer, address=address, watch=watch)
         self._greet(peer_id)
 
@@ -381,6 +378,11 @@ class IoLoop:
                 return
             if exc.errno == zmq.EAGAIN and link.dealer is not None:  # SNDHWM 0: only a dealer with no pipe left
                 # ZMQ gives a connection up for good after a handshake that cannot succeed, or a frame over its limit.
+                # Its monitor may say which for certain, in an event not read yet: that one is the loss to report.
+                refused = link.watch.read() if link.watch is not None else None
+                if refused is not None:
+                    self._wrong_answer(peer_id, refused, "auth")
+                    return
                 handshake = ("a peer without CURVE, or one that refused our key" if self._auth.curve is not None else
                              "a peer that uses CURVE while this channel does not")
                 self._declare_lost(peer_id, f"send failed: ZMQ dropped our connection to {link.address!r} ({exc}) "
@@ -551,25 +553,25 @@ class IoLoop:
         succeeded (what is left to go wrong there shows as for any peer)."""
         refused = watch.read()
         if refused is not None:
-            self._wrong_answer(peer_id, refused)
+            self._wrong_answer(peer_id, refused, "auth")
         elif watch.succeeded:
-            self._poller.unregister(watch.socket)
             watch.close()
             link.watch = None
 
-    def _wrong_answer(self, peer_id: str, what: str) -> None:
-        """Our DEALER to ``peer_id`` heard from another peer's channel (a reference with ranks or engines mixed up),
-        or from one whose frames and ours fail authentication (shared secrets that differ), or its server refuses
-        our handshake for certain: nothing we send there will be taken. Lost now, naming the address and ``what``
-        answered there, not after ``deadline_s``."""
+    def _wrong_answer(self, peer_id: str, what: str, kind: LossKind) -> None:
+        """Our DEALER to ``peer_id`` heard from another peer's channel (a reference with ranks or engines mixed up:
+        ``kind`` "lost"), or from one whose frames and ours fail authentication (shared secrets that differ), or its
+        server refuses our handshake for certain ("auth", :class:`~ncclkv.errors.PeerAuthError`): nothing we send
+        there will be taken. Lost now, naming the address and ``what`` answered there, not after ``deadline_s``."""
         link = self._links.get(peer_id)
         address = repr(link.address) if link is not None and link.address else "its address"
-        self._declare_lost(peer_id, f"{address} {what}")
+        failed = "authentication failed: " if kind == "auth" else ""
+        self._declare_lost(peer_id, f"{failed}{address} {what}", kind)
 
-    def _declare_lost(self, peer_id: str, reason: str) -> None:
+    def _declare_lost(self, peer_id: str, reason: str, kind: LossKind = "lost") -> None:
         """Lose a peer whose send or connect failed (unless it was lost already)."""
-        if self._peers.mark_lost(peer_id, reason):
-            self._lose(peer_id, reason)
+        if self._peers.mark_lost(peer_id, reason, kind):
+            self._lose(peer_id, reason, kind)
         else:
             self._drop_link(peer_id)
 
@@ -592,7 +594,6 @@ class IoLoop:
     def _drop_link(self, peer_id: str, linger_ms: int = 0) -> None:
         link = self._links.pop(peer_id, None)
         if link is not None and link.watch is not None:
-            self._poller.unregister(link.watch.socket)
             link.watch.close()
         if link is not None and link.dealer is not None:
             self._poller.unregister(link.dealer)

@@ -8,12 +8,25 @@ import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Literal
 
-from .errors import PeerLostError
+from .errors import PeerAuthError, PeerClosedError, PeerLostError, PeerResetError
 
-__all__ = ["Budget", "Counters", "PeerTable"]
+__all__ = ["Budget", "Counters", "LossKind", "PeerTable", "loss_error"]
 
 MAX_LOST_PEERS = 4096  # lost peers remembered (to raise PeerLostError, not "unknown"); oldest forgotten first
+
+# How a peer was lost: it went silent or unreachable ("lost"), said Bye ("closed"), what it held about us, or we
+# about it, is gone while it is there ("reset": it declared us lost, restarted, or moved to another address), or it
+# cannot authenticate with us, for certain ("auth": a refused handshake, keys or secrets that differ).
+LossKind = Literal["lost", "closed", "reset", "auth"]
+_LOSS_ERRORS: dict[str, type[PeerLostError]] = {"closed": PeerClosedError, "reset": PeerResetError,
+                                                "auth": PeerAuthError}
+
+
+def loss_error(kind: LossKind) -> type[PeerLostError]:
+    """The error a loss of ``kind`` is reported with."""
+    return _LOSS_ERRORS.get(kind, PeerLostError)
 
 
 @dataclass(slots=True)
@@ -68,6 +81,7 @@ class _PeerState:
     last_echo: float  # the same clock at the last echo of our heartbeats from it, or when it became known
     lost: bool = False
     lost_why: str = ""  # why it was lost (set with ``lost``), for calls that find it so
+    lost_kind: LossKind = "lost"  # how (set with ``lost``): the error those calls raise
     rtt_s: float | None = None
     incarnation: int = 0  # the peer's channel incarnation, from its frames (0: none heard yet, or a raw client)
     # Incarnations this one replaced (the last few): one of them heard again, earlier than this one, is a late
@@ -196,13 +210,14 @@ class PeerTable:
                     f"unknown peer {peer_id!r}: connect() to it first, or wait until it sends a message"
                 )
             if state.lost:
-                raise PeerLostError(f"peer {peer_id!r} is lost: {state.lost_why or 'nothing heard within the deadline'}")
+                raise loss_error(state.lost_kind)(
+                    f"peer {peer_id!r} is lost: {state.lost_why or 'nothing heard within the deadline'}")
 
-    def lost_why(self, peer_id: str) -> str:
-        """Why ``peer_id`` was lost; "" when it is not (or unknown)."""
+    def loss(self, peer_id: str) -> tuple[str, LossKind]:
+        """Why ``peer_id`` was lost, and how (see :meth:`mark_lost`); ``("", "lost")`` when it is not (or unknown)."""
         with self._lock:
             state = self._states.get(peer_id)
-            return state.lost_why if state is not None and state.lost else ""
+            return (state.lost_why, state.lost_kind) if state is not None and state.lost else ("", "lost")
 
     def overdue(self, now: float, deadline_s: float) -> list[tuple[str, str]]:
         """Mark lost, and return with the reason, the alive peers not heard from for more than ``deadline_s``,
@@ -223,19 +238,21 @@ class PeerTable:
                 self._set_lost(peer_id, why)
             return late
 
-    def mark_lost(self, peer_id: str, why: str) -> bool:
-        """Mark ``peer_id`` lost now, for reason ``why``; False if it was unknown or already lost."""
+    def mark_lost(self, peer_id: str, why: str, kind: LossKind = "lost") -> bool:
+        """Mark ``peer_id`` lost now, for reason ``why``; False if it was unknown or already lost. Calls that find
+        it lost raise :func:`loss_error` of ``kind``."""
         with self._lock:
             state = self._states.get(peer_id)
             if state is None or state.lost:
                 return False
-            self._set_lost(peer_id, why)
+            self._set_lost(peer_id, why, kind)
             return True
 
-    def _set_lost(self, peer_id: str, why: str) -> None:
+    def _set_lost(self, peer_id: str, why: str, kind: LossKind = "lost") -> None:
         """Under the lock: mark lost, and forget the oldest lost peers past :data:`MAX_LOST_PEERS`
         (a stream of peers that each say hello once must not grow the table forever)."""
-        self._states[peer_id].lost, self._states[peer_id].lost_why = True, why
+        state = self._states[peer_id]
+        state.lost, state.lost_why, state.lost_kind = True, why, kind
         self._lost[peer_id] = None
         while len(self._lost) > MAX_LOST_PEERS:
             oldest, _ = self._lost.popitem(last=False)

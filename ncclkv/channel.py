@@ -21,6 +21,8 @@ Threads (all named ``ncclkv-channel-*``, all joined by :meth:`Channel.close`):
 * the dispatcher thread calls ``on_message(sender, body)`` for every other
   message, in arrival order, and ``on_peer_lost(peer_id, error)`` (a
   :class:`PeerClosedError` for a peer that closed its channel and said so, a
+  :class:`PeerAuthError` for one whose handshake or frames fail authentication
+  (as soon as that is certain, not at ``deadline_s``), a
   :class:`PeerLostError` for one that went silent); handlers may call
   ``send`` and ``request``. A returned body is sent as the reply; an exception
   is logged and answered with an :class:`ErrorMsg` (never for an incoming
@@ -68,14 +70,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ._auth import WARNING_BURST, WARNINGS_PER_S
-from ._channel_io import IoLoop, LossKind
+from ._channel_io import IoLoop
 from ._clock import ActiveClock
 from ._dispatch import Dispatcher, MessageHandler, PeerLostHandler, ReplyThen
 from ._env import WILDCARD_HOSTS, env_settings
-from ._peers import Budget, Counters, PeerTable
+from ._peers import Budget, Counters, LossKind, PeerTable, loss_error
 from ._timeout import check_timeout
 from .auth import ChannelAuth, curve_key, load_channel_auth
-from .errors import ClosedError, PeerClosedError, PeerLostError, PeerResetError, TransferTimeout
+from .errors import ClosedError, PeerLostError, TransferTimeout
 from .protocol import INCARNATION_RANDOM_BITS, Envelope, ErrorMsg, Message, encode
 
 __all__ = ["THREAD_PREFIX", "Channel", "ChannelStats", "MessageHandler", "PeerLostHandler", "ReplyThen",
@@ -262,7 +264,8 @@ class Channel:
         """Queue ``body`` for ``peer_id`` and return its msg_id; thread-safe, never blocks.
 
         Raises ``ValueError`` for a peer never connected or heard from,
-        :class:`PeerLostError` for a lost one, :class:`ProtocolError` for a
+        :class:`PeerLostError` for a lost one (:class:`PeerAuthError` if it was
+        lost for failing authentication), :class:`ProtocolError` for a
         body the peer would refuse (bad value, frame over ``max_frame_bytes``).
         """
         return self._send(peer_id, body, reply_to, None)
@@ -271,7 +274,9 @@ class Channel:
         """Send ``body`` and wait for the reply to it (``timeout_s`` defaults to ``deadline_s``).
 
         Raises :class:`TransferTimeout` past the deadline, :class:`PeerLostError`
-        if the peer is lost meanwhile, :class:`ClosedError` if the channel
+        if the peer is lost meanwhile (:class:`PeerAuthError` as soon as its
+        ZMQ handshake is refused for certain, naming its address and why; see
+        docs/SECURITY.md), :class:`ClosedError` if the channel
         closes. An :class:`ErrorMsg` reply is raised as
         ``ErrorMsg.to_exception(peer_id)``: the ncclkv error of its code
         (``timeout`` -> TransferTimeout, ``capacity`` -> CapacityError, ...,
@@ -386,8 +391,9 @@ class Channel:
                 # Rechecked under this lock: _on_lost marks the peer lost before it takes this lock to fail
                 # its entries, so a loss since require_alive above is seen either here or by _on_lost.
                 if not self._peers.alive(peer_id):
-                    raise PeerLostError(f"peer {peer_id!r} was lost before {type(body).__name__} could be sent: "
-                                        f"{self._peers.lost_why(peer_id) or 'nothing heard within the deadline'}")
+                    why, how = self._peers.loss(peer_id)
+                    raise loss_error(how)(f"peer {peer_id!r} was lost before {type(body).__name__} could be sent: "
+                                          f"{why or 'nothing heard within the deadline'}")
                 self._pending[msg_id] = pending
             self._io.submit_send(peer_id, frame)
         return msg_id
@@ -456,9 +462,10 @@ class Channel:
     def _on_lost(self, peer_id: str, reason: str, how: LossKind) -> None:
         """On the I/O thread (or in ``connect``, for a peer that moved): fail the requests waiting on ``peer_id``
         and schedule ``on_peer_lost``, with a :class:`PeerClosedError` (``how="closed"``: it said Bye), a
-        :class:`PeerResetError` (``"reset"``: what it held about us, or we about it, is gone while it is there)
-        or a :class:`PeerLostError`, each carrying the loss's ``loss_seq``."""
-        kind = {"closed": PeerClosedError, "reset": PeerResetError}.get(how, PeerLostError)
+        :class:`PeerResetError` (``"reset"``: what it held about us, or we about it, is gone while it is there),
+        a :class:`PeerAuthError` (``"auth"``: it cannot authenticate with us, for certain) or a
+        :class:`PeerLostError`, each carrying the loss's ``loss_seq``."""
+        kind = loss_error(how)
         seq = self._peers.next_loss_seq()
         with self._lock:
             mine = [k for k, v in self._pending.items() if v.peer_id == peer_id]

@@ -12,6 +12,7 @@ __all__ = [
     "ClosedError",
     "HandshakeError",
     "NcclKVError",
+    "PeerAuthError",
     "PeerClosedError",
     "PeerLostError",
     "PeerResetError",
@@ -45,6 +46,13 @@ class PeerLostError(NcclKVError):
 
 class PeerClosedError(PeerLostError):
     """A peer closed its channel (it said Bye): lost, but on purpose."""
+
+
+class PeerAuthError(PeerLostError):
+    """A peer this channel cannot authenticate with, for certain: its server refused our CURVE key, the server key
+    we were given is not its key, one side has no CURVE, or its frames and ours fail the shared secret's MAC. Lost
+    as soon as ZMQ or the peer shows it, not at ``deadline_s``; the message names the address and why. Not
+    transient: asking again fails the same way until the keys or secrets are set alike (docs/SECURITY.md)."""
 
 
 class PeerResetError(PeerLostError):

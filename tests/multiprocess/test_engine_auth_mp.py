@@ -4,7 +4,7 @@ Every engine here has a CURVE key pair and a shared secret (``EngineConfig.auth`
 a deployment sets the NCCLKV_CURVE_* / NCCLKV_SHARED_SECRET* variables instead,
 docs/SECURITY.md). Authenticated engines pull and push byte-exact. An engine
 without the credentials, or with wrong ones, gets no handshake: it loses the
-producer at once, told why (PeerLostError naming the keys or the secret), and
+producer at once, told why (PeerAuthError naming the keys or the secret), and
 the producer counts the refused frames or connection, knows no such peer,
 sent nothing, and goes on serving the engines that belong.
 """
@@ -86,7 +86,7 @@ def test_engine_without_the_credentials_gets_no_handshake_and_no_link(procs: Poo
     producer.call("hold", key="guarded-p", reqs=[lure])
     stranger.call("expect", key="stranger-d", producer=ref_p, reqs=[lure])
     outcome = stranger.call("wait", key="stranger-d", reqs=[lure])["lure"]
-    assert outcome.error_type == "PeerLostError" and TOLD[intruder] in outcome.message, outcome
+    assert outcome.error_type == "PeerAuthError" and TOLD[intruder] in outcome.message, outcome
     print(f"\n[auth] {intruder}: {outcome.error_type}: {outcome.message[:120]}")
     stats = producer.call("stats", key="guarded-p")
     if intruder != "no-auth":  # a client without CURVE fails ZMQ's greeting, before any count is kept

@@ -962,6 +962,7 @@ def test_an_address_that_answers_as_another_peer_loses_the_one_named_at_once(mak
         a.request("c", Ready("to c"), timeout_s=20)
     assert c_lost.wait(WAIT_S) and [p for p, _ in lost] == ["c"], lost
     assert time.monotonic() - started < 10  # not deadline_s (30 s)
+    assert not isinstance(lost[0][1], errors.PeerAuthError)  # a mixed-up reference, not a failed authentication
     # A later call names why it was lost (it said "nothing heard within the deadline" whatever the cause).
     with pytest.raises(errors.PeerLostError, match=r"peer 'c' is lost: .* answers as 'b', not as 'c'"):
         a.request("c", Ready("again"), timeout_s=5)

@@ -161,36 +161,41 @@ def test_curve_refuses_unauthenticated_peers(make: Channels, certs: dict[str, Pa
 
 
 @pytest.mark.parametrize("who", ["key not allowed", "server without CURVE", "no keys", "wrong server key"])
-def test_curve_mismatched_keys_lose_the_peer_naming_why(certs: dict[str, Path], who: str) -> None:
-    """The client's CURVE handshake fails (its monitor says how) or ZMQ drops its connection: the request fails
-    with a PeerLostError naming the key or the setting, at once where the failure is certain (a long deadline,
-    the request's timeout shorter). A server that only keeps ending the handshakes is named as a suspect when the
-    peer is lost at deadline_s: a forwarder with nothing behind it does the same (see the next test). Before, a
-    wrong server key said "no reply" and the others "send failed: Resource temporarily unavailable"."""
+def test_curve_mismatched_keys_fail_typed_naming_address_and_why_long_before_the_deadline(
+        certs: dict[str, Path], who: str) -> None:
+    """The client's CURVE handshake fails (its monitor says how, or a ZMQ server keeps ending it): the request fails
+    with a PeerAuthError naming the address and the key or setting, within seconds of a 30 s deadline. A wrong server
+    key shows to the client only as handshakes the server ends (EPIPE), as a forwarder with nothing behind does (next
+    test): certain once a probe read a ZMTP signature at that address. Before, a wrong server key failed only at
+    deadline_s, a PeerLostError "nothing heard", naming the key as a suspect; the ZAP refusal was a PeerLostError."""
     auth, server_auth, told = {
         "key not allowed": (curve(certs, "intruder"), curve(certs, "server"),
                             r"refused our CURVE key \S+ \(ZAP status 400\): it is not among its allowed clients "
                             r"\(NCCLKV_CURVE_ALLOWED_KEYS"),
         "server without CURVE": (curve(certs, "client"), ChannelAuth(),
-                                 r"does not use CURVE \(PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH\)|for good: its "
-                                 r"handshake failed \(a peer without CURVE, or one that refused our key\)"),
-        # Whichever side sees the mechanisms differ first: at once, or the server ends it and it is a suspect
+                                 r"does not use CURVE \(PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH\)"),
+        # Whichever side sees the mechanisms differ first: our monitor says so, or the server ends it
         "no keys": (ChannelAuth(), curve(certs, "server"),
-                    r"uses CURVE while this channel does not \(PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH\)|ZMQ dropped our "
-                    r"connection to '.*' \(.*\) for good: its handshake failed \(a peer that uses CURVE while this "
-                    r"channel does not\)|nothing heard .*; its last \d+ ZMQ handshakes were ended by the other side "
-                    r"\(\w+\), none succeeded: it may use CURVE while this channel does not"),
+                    r"uses CURVE while this channel does not \(PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH\)|ended our last "
+                    r"\d+ ZMQ handshakes \(\w+\), none succeeded, while a ZMQ server answers there: it uses CURVE "
+                    r"while this channel does not"),
         "wrong server key": (curve(certs, "client", server="intruder"), curve(certs, "server"),
-                             r"nothing heard .*; its last \d+ ZMQ handshakes were ended by the other side \(\w+\), "
-                             r"none succeeded: the server key we were given for it \(\S+\) may not be its key"),
+                             r"ended our last \d+ ZMQ handshakes \(EPIPE\), none succeeded, while a ZMQ server answers "
+                             r"there: it cannot open our CURVE hello, so the server key we were given for it \(\S+\) "
+                             r"is not its key \(NCCLKV_CURVE_SERVER_KEY"),
     }[who]
-    timing = dict(heartbeat_s=0.2, deadline_s=2.0) if who in ("wrong server key", "no keys") else \
-        dict(heartbeat_s=0.5, deadline_s=120.0)
-    with Channel("server", auth=server_auth, **timing) as server, \
-            Channel("decode-0", auth=auth, **timing) as client:  # type: ignore[arg-type]
+    deadline_s = 30.0
+    with Channel("server", auth=server_auth, heartbeat_s=0.5, deadline_s=deadline_s) as server, \
+            Channel("decode-0", auth=auth, heartbeat_s=0.5, deadline_s=deadline_s) as client:
         client.connect("server", server.address)
-        with pytest.raises(errors.PeerLostError, match=told):
-            client.request("server", HELLO, timeout_s=30)
+        started = time.monotonic()
+        with pytest.raises(errors.PeerAuthError, match=told) as failed:
+            client.request("server", HELLO)  # waits up to deadline_s
+        elapsed = time.monotonic() - started
+        assert f"authentication failed: {server.address!r} " in str(failed.value)
+        assert elapsed < deadline_s / 6, f"{who}: PeerAuthError after {elapsed:.1f}s of a {deadline_s}s deadline"
+        with pytest.raises(errors.PeerAuthError, match=told):  # and every later call, until connect() again
+            client.send("server", HELLO)
         assert server.stats.received == 0
 
 
@@ -387,7 +392,7 @@ MISMATCHED = {
 @pytest.mark.parametrize("case", list(MISMATCHED))
 def test_hmac_mismatched_secrets_lose_the_peer_at_once_naming_why(case: str) -> None:
     """Each side dials the other: its first frames are refused there, the refusal (or the other's unauthenticated
-    answer) comes back on the connection it opened, and the request fails with a PeerLostError naming the secrets.
+    answer) comes back on the connection it opened, and the request fails with a PeerAuthError naming the secrets.
     The deadline is long and the request's timeout shorter, so without that answer it would time out instead."""
     server_secret, client_secret, client_told, server_told = MISMATCHED[case]
     timing = dict(heartbeat_s=0.5, deadline_s=120.0)
@@ -398,7 +403,7 @@ def test_hmac_mismatched_secrets_lose_the_peer_at_once_naming_why(case: str) -> 
     try:
         for caller, callee, told in ((client, server, client_told), (server, client, server_told)):
             caller.connect(callee.peer_id, callee.address)
-            with pytest.raises(errors.PeerLostError, match=rf"'{re.escape(callee.address)}' .*{told}") as lost:
+            with pytest.raises(errors.PeerAuthError, match=rf"'{re.escape(callee.address)}' .*{told}") as lost:
                 caller.request(callee.peer_id, HELLO, timeout_s=30)
             assert "NCCLKV_SHARED_SECRET" in str(lost.value)
             assert not caller.peer_alive(callee.peer_id)
@@ -477,7 +482,7 @@ class _Sent:
 def _gate(lost: list[tuple[str, str]]) -> FrameGate:
     return FrameGate(peer_id="server", max_frame_bytes=1 << 20, auth=ChannelAuth(shared_secret=SECRET),
                      counters=Counters(), next_msg_id=iter(range(1, 10**6)).__next__,
-                     wrong_answer=lambda peer, what: lost.append((peer, what)))
+                     wrong_answer=lambda peer, what, kind: lost.append((peer, what)))
 
 
 def test_a_stale_or_replayed_frame_with_a_good_mac_is_neither_noticed_nor_a_loss() -> None:
