@@ -530,8 +530,11 @@ class ConsumerSide:
                 else:
                     self._remember_refusal(offer.request_id, offer.producer_engine_id, refusal)
                 raise refusal
+            wanted: dict[int, int] = {}
+            for route in want:
+                wanted[route.src] = wanted.get(route.src, 0) + len(route.layers)
             self._stage.reserve(offer.request_id, offer.producer_engine_id, self._clock.now(), offer.num_tokens,
-                                sum(len(r.layers) for r in want), blocks, keys, nbytes)
+                                wanted, blocks, keys, nbytes)
             self._plan_slices_locked(routes)
         return Ack(offer.request_id, None)
 
@@ -580,8 +583,8 @@ class ConsumerSide:
 
     def fail_peer(self, peer_id: str, error: NcclKVError) -> None:
         """Fail every request that still waits for data from ``peer_id`` (one whose bytes from it all arrived is
-        kept, their scatters running or done), staged pushes from its engine included (a complete one is kept:
-        it needs nothing more from anyone).
+        kept, their scatters running or done), staged pushes from its engine included (one that owes nothing more
+        from that rank is kept: all its slices from it landed, or the plan gives it none from that rank).
 
         For a loss with a ``loss_seq`` (the channel's), a request expected after it was reported, or a pull
         acknowledged under a handshake made after it, is not the lost one's; after a reset
@@ -605,8 +608,8 @@ class ConsumerSide:
                     if stamp is not None and seq is not None and stamp >= seq:  # pulled after the loss
                         continue
                 self._fail_locked(req, error)
-            for request_id, staged in self._stage.items():
-                if staged.error is None and staged.producer_engine_id == engine_id and not staged.complete:
+            for request_id, staged in self._stage.items():  # only a push that still waits for that rank's bytes
+                if staged.error is None and staged.producer_engine_id == engine_id and staged.owes(rank):
                     self._stage.fail(request_id, staged, error)
 
     # -- internals ------------------------------------------------------------------------

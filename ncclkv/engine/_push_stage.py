@@ -41,11 +41,13 @@ class StagedPush:
     announced: dict[SliceKey, SpanSet] = field(default_factory=dict)
     landed: list[tuple[SliceKey, Span]] = field(default_factory=list)  # (slice, token piece) in the store
     landed_tokens: dict[SliceKey, int] = field(default_factory=dict)  # tokens of each slice in the store
-    covered: int = 0  # slices whose every token landed
+    covered: dict[int, int] = field(default_factory=dict)  # producer rank -> its slices whose every token landed
     reserved: int = 0
     error: BaseException | None = None
     num_tokens: int = 0  # the tokens its offers say the push carries
-    num_wanted: int = 0  # slices this rank receives for the push, from every producer rank
+    # Producer rank -> the slices this rank receives from it for the push (the plan's, known at the first offer):
+    # a loss of a producer rank fails the push only while that rank still owes it some (see owes).
+    wanted: dict[int, int] = field(default_factory=dict)
     blocks: BlockTokens | None = None  # what the staging events name (None: not reported)
     reported: StagingName | None = None  # set while a "stored" event stands for it
     # The request expect() made of it (the consumer's, opaque here): its tensors announced while staged and
@@ -55,7 +57,11 @@ class StagedPush:
     @property
     def complete(self) -> bool:
         """Every slice this rank receives for the push landed: it needs nothing more from anyone."""
-        return self.covered >= self.num_wanted
+        return not any(self.owes(src) for src in self.wanted)
+
+    def owes(self, src: int) -> bool:
+        """Whether producer rank ``src`` has slices of the push still to land here."""
+        return self.covered.get(src, 0) < self.wanted.get(src, 0)
 
 
 def _store_key(request_id: str, key: SliceKey, piece: Span) -> str:
@@ -87,14 +93,14 @@ class PushStage:
     def reserved_bytes(self) -> int:
         return self._reserved
 
-    def reserve(self, request_id: str, producer_engine_id: str, now: float, num_tokens: int, num_wanted: int,
+    def reserve(self, request_id: str, producer_engine_id: str, now: float, num_tokens: int, wanted: dict[int, int],
                 blocks: BlockTokens | None, keys: set[SliceKey], nbytes: int) -> None:
-        """Stage one producer rank's offer of ``request_id`` (the first one stages the push); the caller checked
-        that ``nbytes`` fit."""
+        """Stage one producer rank's offer of ``request_id`` (the first one stages the push; ``wanted``: the slices
+        this rank receives from each producer rank); the caller checked that ``nbytes`` fit."""
         staged = self._pushes.get(request_id)
         if staged is None:
             staged = self._pushes[request_id] = StagedPush(producer_engine_id, now, num_tokens=num_tokens,
-                                                           num_wanted=num_wanted, blocks=blocks)
+                                                           wanted=wanted, blocks=blocks)
         elif staged.blocks != blocks:  # producer ranks disagree on what they push: report nothing
             staged.blocks = None
         staged.keys |= keys
@@ -112,7 +118,8 @@ class PushStage:
         staged.landed.append((key, piece))
         # Announced pieces of a slice lie inside its route and never overlap: a count suffices.
         count = staged.landed_tokens[key] = staged.landed_tokens.get(key, 0) + len(piece)
-        staged.covered += int(count == len(key[2].tokens))
+        if count == len(key[2].tokens):
+            staged.covered[key[0]] = staged.covered.get(key[0], 0) + 1
         if staged.reported is None and staged.blocks is not None and staged.error is None and staged.complete:
             staged.reported = self._log.stored(request_id, staged.blocks)  # once every tensor landed
 

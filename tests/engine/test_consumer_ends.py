@@ -1,0 +1,77 @@
+"""What a consumer rank keeps about transfers that ended, and about producer ranks it lost.
+
+A loss of one producer rank fails only what still waits for that rank's bytes; what ended here (a pull
+served, failed or declined, a push failed) shapes a later transfer under the same id only as far as it
+must. Real ZMQ channels, every rank in this process; order comes from the engines' own state (a loss
+handled, an error received, a push reported), never sleeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from ncclkv.errors import PeerLostError
+from ncclkv.layout import ParallelLayout, Span
+from ncclkv.paged import CacheLayout
+from ncclkv.transport import LoopbackHub, LoopbackTransport
+
+from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull
+from .test_consumer_faults import _after_calls, _outcomes
+from .test_engine_failures import GQA, WAIT_S, _push, _sent, _staging, _until
+
+TWO = ParallelLayout(2, 1)  # 4 kv heads: consumer rank r needs producer rank r's heads only
+
+
+@pytest.fixture
+def tp2() -> Iterator[tuple[list[RankSide], list[RankSide]]]:
+    """A producer and a consumer of two TP ranks each on one loopback hub; consumer rank r takes its bytes from
+    producer rank r only (it still pulls nothing from the other: that rank learns it may free the blocks)."""
+    hub = LoopbackHub()
+    prefill = build_sides("prefill", TWO, GQA, CacheLayout.CPU, 16, "producer", deadline_s=2.0,
+                          transports=[LoopbackTransport(hub), LoopbackTransport(hub)])
+    decode = build_sides("decode", TWO, GQA, CacheLayout.CPU, 16, "consumer", hold_s=600.0,
+                         transports=[LoopbackTransport(hub), LoopbackTransport(hub)])
+    try:
+        yield prefill, decode
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_losing_a_producer_rank_keeps_a_staged_push_that_owes_nothing_from_it(
+        tp2: tuple[list[RankSide], list[RankSide]]) -> None:
+    """Consumer rank 0 stages a push whose bytes all come from producer rank 0 when producer rank 1 closes.
+    Before, the loss failed every unfinished push staged from that engine, so the push's expect() failed with
+    rank 1's loss although rank 1 owed it nothing. Consumer rank 1's part, owed by rank 1, still fails."""
+    prefill, decode = tp2
+    start_pull("warm", prefill, decode, 1, [1, 2], [1, 2], 20)  # consumer rank 0 now knows producer rank 1
+    for side in decode:
+        side.engine.wait("warm", timeout_s=WAIT_S)
+    consumer = decode[0].engine._consumer  # noqa: SLF001
+    ref, producer = engine_ref("decode", TWO, decode), engine_ref("prefill", TWO, prefill)
+    for side in prefill:
+        side.fill(seed=2, block_ids=[3, 4], num_tokens=32)
+        side.engine.start_push("p", ref, [3, 4], 32)
+        for layer in (0, 1):
+            side.engine.save_layer("p", layer)
+    for side in decode:
+        stage = side.engine._consumer._stage  # noqa: SLF001
+        _until(lambda: (staged := stage.get("p")) is not None and len(staged.landed) == 2,
+               f"p's first two layers staged on consumer rank {side.engine.config.rank}")
+    lost = [_after_calls(side.engine._consumer, "fail_peer", 1, lambda peer_id, _: peer_id == "prefill.r1")  # noqa: SLF001
+            for side in decode]
+    prefill[1].engine.close()
+    assert all(event.wait(WAIT_S) for event in lost)
+    decode[1].engine.expect("p", producer, [5, 6], 32, push=True)  # rank 1 owed it two layers: failed at once
+    with pytest.raises(PeerLostError, match="'prefill.r1' lost: it closed its channel"):
+        decode[1].engine.wait("p", timeout_s=WAIT_S)
+    staged = consumer._stage.get("p")  # noqa: SLF001
+    assert staged is not None and staged.error is None, staged and staged.error
+    for layer in (2, 3):
+        prefill[0].engine.save_layer("p", layer)
+    prefill[0].engine.finish("p")
+    assert _sent(prefill[0], "p") is None
+    decode[0].engine.expect("p", producer, [5, 6], 32, push=True)
+    decode[0].engine.wait("p", timeout_s=WAIT_S)
+    assert decode[0].mismatches(2, [5, 6], 32, Span(0, 32)) == []
