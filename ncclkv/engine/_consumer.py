@@ -504,6 +504,8 @@ class ConsumerSide:
                 if req.producer.engine_id != offer.producer_engine_id:
                     raise ProtocolError(f"push of {offer.request_id!r} from engine {offer.producer_engine_id!r}, "
                                         f"expected from {req.producer.engine_id!r}")
+                if req.error is not None:  # not yet reported: its tensors would only cross the link to be drained
+                    raise _refused_offer(offer, sender, req.error)
                 mismatch = ("expected here as a pull, not a push" if not req.push else
                             f"expected here with {req.num_tokens} tokens, pushed with {offer.num_tokens}"
                             if offer.num_tokens != req.num_tokens else None)
@@ -519,8 +521,7 @@ class ConsumerSide:
             refused = self._refusal(offer.request_id, offer.producer_engine_id)
             failed = staged.error if staged is not None else refused[1] if refused is not None else None
             if failed is not None:  # another rank's part failed, or it was refused or expired: nothing to stage
-                raise type(_as_ncclkv(failed))(f"push of {offer.request_id!r} from {sender!r} refused: "
-                                                f"it already failed here: {failed}")
+                raise _refused_offer(offer, sender, failed)
             if nbytes > self._stage.capacity_bytes - self._stage.reserved_bytes:
                 refusal = CapacityError(
                     f"push of {offer.request_id!r} from {sender!r} needs {nbytes} B of staging; capacity "
@@ -956,6 +957,12 @@ def _layers_text(keys: Sequence[SliceKey]) -> str:
 def _as_ncclkv(error: BaseException) -> NcclKVError:
     """``error`` as one of ours (its type kept when it is one)."""
     return error if isinstance(error, NcclKVError) else TransferError(f"{type(error).__name__}: {error}")
+
+
+def _refused_offer(offer: PushOffer, sender: str, failed: BaseException) -> NcclKVError:
+    """What an offer for a push that already failed here is refused with: ``failed``'s type, naming it."""
+    return type(_as_ncclkv(failed))(f"push of {offer.request_id!r} from {sender!r} refused: it already failed "
+                                    f"here: {failed}")
 
 
 def _offered_blocks(offer: PushOffer, sender: str) -> BlockTokens | None:

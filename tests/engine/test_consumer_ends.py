@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ncclkv.errors import PeerLostError
+from ncclkv.errors import PeerLostError, TransferError
 from ncclkv.layout import ParallelLayout, Span
 from ncclkv.paged import CacheLayout
 from ncclkv.transport import LoopbackHub, LoopbackTransport
@@ -21,6 +21,7 @@ from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull
 from .test_consumer_faults import _after_calls, _outcomes
 from .test_engine_failures import GQA, WAIT_S, _push, _sent, _staging, _until
 
+ONE = ParallelLayout(1, 1)
 TWO = ParallelLayout(2, 1)  # 4 kv heads: consumer rank r needs producer rank r's heads only
 
 
@@ -75,3 +76,31 @@ def test_losing_a_producer_rank_keeps_a_staged_push_that_owes_nothing_from_it(
     decode[0].engine.expect("p", producer, [5, 6], 32, push=True)
     decode[0].engine.wait("p", timeout_s=WAIT_S)
     assert decode[0].mismatches(2, [5, 6], 32, Span(0, 32)) == []
+
+
+def test_an_offer_for_an_expected_push_that_already_failed_is_refused_at_once() -> None:
+    """Producer rank 0 finishes its push with layers unsaved: its ErrorMsg fails the expected request here. Rank
+    1's offer comes after, before the request is reported. Before, it was acknowledged, and every tensor of it
+    crossed the link only to be drained, the producer told its push succeeded."""
+    hub = LoopbackHub()
+    prefill = build_sides("prefill", TWO, GQA, CacheLayout.CPU, 16, "producer",
+                          transports=[LoopbackTransport(hub), LoopbackTransport(hub)])
+    decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer", hold_s=600.0,
+                         transports=[LoopbackTransport(hub)])
+    try:
+        ref = engine_ref("decode", ONE, decode)
+        decode[0].engine.expect("p", engine_ref("prefill", TWO, prefill), [0, 1], 32, push=True)
+        _push(prefill[0], "p", ref, [0, 1], 32, range(2))  # half its layers: it fails, and tells the consumer
+        assert isinstance(_sent(prefill[0], "p"), TransferError)
+        req = decode[0].engine._consumer._requests["p"]  # noqa: SLF001 - not reported yet: no take_finished
+        _until(lambda: req.error is not None, "p failed by rank 0's error")
+        received_before = decode[0].engine.stats().tensors_received
+        _push(prefill[1], "p", ref, [0, 1], 32)
+        error = _sent(prefill[1], "p")
+        assert isinstance(error, TransferError) and "already failed here" in str(error), error
+        assert "layers [2, 3] were saved" in str(error) or "were not saved" in str(error), error
+        assert prefill[1].engine.stats().tensors_sent == 0  # nothing crossed the link for nothing
+        assert decode[0].engine.stats().tensors_received == received_before
+        assert isinstance(_outcomes(decode[0], "p")["p"], TransferError)
+    finally:
+        close_sides(prefill, decode)
