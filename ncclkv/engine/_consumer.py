@@ -46,6 +46,7 @@ __all__ = ["ConsumerSide"]
 log = logging.getLogger("ncclkv.engine")
 
 _MAX_REFUSALS = 4096  # failed pushes remembered for a later expect(), each at most hold_s
+_MAX_ENDED_PULLS = 4096  # pulls (and pull declines) that ended here, remembered at most hold_s (see _pulled)
 
 
 @dataclass(slots=True)
@@ -127,6 +128,10 @@ class ConsumerSide:
         # hold_s for tensors that never come; a pull again under the id is refused (ValueError), since the
         # ended one's tensors may still be on the way. Each kept hold_s, at most _MAX_REFUSALS.
         self._refused: RecentEnds[tuple[str, NcclKVError]] = RecentEnds(hold_s, _MAX_REFUSALS)
+        # Pulls that ended here (served, failed, aborted) and pulls declined, by request id: the producer engine id.
+        # A producer rank may answer one long after (a pull of nothing parked until its deadline_s): that error is
+        # the pull's, not a push's failing before it was expected, and refuses nothing (see on_error).
+        self._pulled: RecentEnds[str] = RecentEnds(hold_s, _MAX_ENDED_PULLS)
         self._cpus = cpus
         self._decliner = Decliner(f"ncclkv-decline[{peer_id(engine_id, rank)}]", self._send_decline, self._lost,
                                   self._alive, cpus)
@@ -235,6 +240,7 @@ class ConsumerSide:
                 self._fail_unexpected_push_locked(request_id, producer.engine_id, TransferError(
                     f"push of {request_id!r} was declined here (its request ended unloaded)"))
                 return
+            self._pulled.note(request_id, self._clock.now(), producer.engine_id)
         self._decliner.queue(request_id, producer, range(producer.layout.world_size))
 
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
@@ -278,9 +284,11 @@ class ConsumerSide:
                     scattered += req.all_scattered()
                     del self._requests[request_id]
                     self._stats.record_request(req.error is not None)
+                    self._note_ended_pull(req, now)
                     if req.error is not None:  # a late offer for it is refused, a pull of it again too
                         self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error))
             self._refused.expire(now)
+            self._pulled.expire(now)
             for request_id, staged in self._stage.expire(now, self._hold_s):  # pushed, never expected here
                 if staged.error is None:
                     log.warning("dropping pushed request %s: not expected within %ss", request_id, self._hold_s)
@@ -304,6 +312,7 @@ class ConsumerSide:
                 req.error = TransferError(f"request {request_id!r} aborted")
             if req is not None:  # a later offer for it is refused, not staged for no one; a pull of it again too
                 self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error))
+                self._note_ended_pull(req, self._clock.now())
             self._cond.notify_all()
             limit = time.monotonic() + self._deadline_s
             while req is not None and req.applying and time.monotonic() < limit:
@@ -330,6 +339,7 @@ class ConsumerSide:
                                             f"{request_id!r} was expected")
             self._stage.clear()
             self._refused.clear()
+            self._pulled.clear()
             self._cond.notify_all()
         self._decliner.close()
         self._stage.close()
@@ -563,6 +573,9 @@ class ConsumerSide:
         peer = self._peers.known(sender)
         with self._cond:
             req = self._requests.get(err.request_id)
+            if req is None and peer is not None and self._late_for_pull(err.request_id, peer.remote.engine_id):
+                log.info("error from %s for %s, a pull that ended here: %s", sender, err.request_id, err.text)
+                return
             if req is None and peer is not None:  # a push that failed before it was expected here
                 self._fail_unexpected_push_locked(err.request_id, peer.remote.engine_id, err.to_exception(sender))
                 return
@@ -879,6 +892,18 @@ class ConsumerSide:
         at once with it, a pull of it again is refused (see ``_refused``)."""
         # Its type and text, not the error itself: a traceback would keep its frames' buffers alive for hold_s.
         self._refused.note(request_id, self._clock.now(), (producer_engine_id, type(error)(str(error))))
+
+    def _note_ended_pull(self, req: _Expected, now: float) -> None:
+        """Under ``self._cond``: ``req`` ended here (reported or aborted); if it was a pull, a producer's error for
+        it from now on is a late answer to it (see ``_pulled``)."""
+        if not req.push:
+            self._pulled.note(req.request_id, now, req.producer.engine_id)
+
+    def _late_for_pull(self, request_id: str, producer_engine_id: str) -> bool:
+        """Under ``self._cond``: whether an error from ``producer_engine_id`` for ``request_id``, neither expected
+        nor staged here, answers a pull of it that ended here (or its decline), rather than telling of a push."""
+        entry = self._pulled.get(request_id)
+        return entry is not None and entry[1] == producer_engine_id and self._stage.get(request_id) is None
 
     def _refusal(self, request_id: str, producer_engine_id: str) -> tuple[float, NcclKVError] | None:
         """Under ``self._cond``: (when, error) if ``request_id`` from ``producer_engine_id`` ended here (see

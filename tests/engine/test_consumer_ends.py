@@ -17,7 +17,7 @@ from ncclkv.layout import ParallelLayout, Span
 from ncclkv.paged import CacheLayout
 from ncclkv.transport import LoopbackHub, LoopbackTransport
 
-from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull
+from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull, wait_sent
 from .test_consumer_faults import _after_calls, _outcomes
 from .test_engine_failures import GQA, WAIT_S, _push, _sent, _staging, _until
 
@@ -104,3 +104,31 @@ def test_an_offer_for_an_expected_push_that_already_failed_is_refused_at_once() 
         assert isinstance(_outcomes(decode[0], "p")["p"], TransferError)
     finally:
         close_sides(prefill, decode)
+
+
+def test_a_late_error_for_a_pull_that_ended_here_refuses_nothing_later(
+        tp2: tuple[list[RankSide], list[RankSide]]) -> None:
+    """Consumer rank 0 pulls X, all of it from producer rank 0; its pull of nothing to rank 1, which never holds
+    X, waits there until rank 1's deadline_s and is answered then with an ErrorMsg, long after X landed. Before,
+    that error was taken for a push of X failing before it was expected here: X from that producer was
+    remembered as refused, and pulling X again once the producer held it anew raised ValueError (a push of X
+    would have been refused too)."""
+    prefill, decode = tp2
+    producer = engine_ref("prefill", TWO, prefill)
+    prefill[0].fill(seed=3, block_ids=[1, 2], num_tokens=20)
+    prefill[0].engine.finish("X", [1, 2], 20)  # rank 1 never holds this X
+    late = _after_calls(decode[0].engine._consumer, "on_error", 1, lambda sender, err: err.request_id == "X")  # noqa: SLF001
+    decode[0].engine.expect("X", producer, [1, 2], 20)
+    decode[1].engine.decline("X", producer)  # rank 0's hold ends once both consumer ranks answered
+    decode[0].engine.wait("X", timeout_s=WAIT_S)
+    assert _outcomes(decode[0], "X") == {"X": None}
+    assert wait_sent(prefill[0], "X")["X"] is None
+    # Rank 1 answers the parked pulls of nothing once its deadline_s passed (its take_finished expires them).
+    _until(lambda: prefill[1].engine.take_finished_sending() == {} and late.is_set(), "rank 1's late ErrorMsg")
+
+    for side in prefill:  # the id held anew (the engine allows it: a served hold is no refusal)
+        side.fill(seed=4, block_ids=[3, 4], num_tokens=20)
+        side.engine.finish("X", [3, 4], 20)
+    decode[0].engine.expect("X", producer, [5, 6], 20)
+    decode[0].engine.wait("X", timeout_s=WAIT_S)
+    assert decode[0].mismatches(4, [5, 6], 20, Span(0, 20)) == []
