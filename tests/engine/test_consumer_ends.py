@@ -132,3 +132,35 @@ def test_a_late_error_for_a_pull_that_ended_here_refuses_nothing_later(
     decode[0].engine.expect("X", producer, [5, 6], 20)
     decode[0].engine.wait("X", timeout_s=WAIT_S)
     assert decode[0].mismatches(4, [5, 6], 20, Span(0, 20)) == []
+
+
+def test_a_push_under_the_id_of_a_pull_that_failed_here_is_refused_like_a_pull_again() -> None:
+    """A pull of X fails here (its producer released X: refused at once); the producer then pushes X. A pull
+    again under X is refused (ValueError): the failed pull's tensors may still come for hold_s. A push under X
+    would take them the same way (they are announced for X from that producer), so it is refused as well:
+    its expect() fails at once with the pull's cause, and its offer is refused, instead of landing late pull
+    tensors over the push's KV or failing on them later. By design; this guards it."""
+    hub = LoopbackHub()
+    prefill = build_sides("prefill", ONE, GQA, CacheLayout.CPU, 16, "producer", hold_s=30.0,
+                          transports=[LoopbackTransport(hub)])
+    decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer", hold_s=600.0,
+                         transports=[LoopbackTransport(hub)])
+    try:
+        ref, producer = engine_ref("decode", ONE, decode), engine_ref("prefill", ONE, prefill)
+        prefill[0].engine.finish("X", [1, 2], 20)
+        assert prefill[0].engine.release("X")
+        assert isinstance(wait_sent(prefill[0], "X")["X"], TransferError)
+        decode[0].engine.expect("X", producer, [1, 2], 20)
+        assert "is no longer held" in str(_outcomes(decode[0], "X")["X"])
+        with pytest.raises(ValueError, match="'X' from 'prefill' ended here unloaded"):
+            decode[0].engine.expect("X", producer, [1, 2], 20)
+        prefill[0].fill(seed=5, block_ids=[3, 4], num_tokens=32)
+        _push(prefill[0], "X", ref, [3, 4], 32)
+        refused = _sent(prefill[0], "X")
+        assert isinstance(refused, TransferError) and "already failed here" in str(refused), refused
+        assert "is no longer held" in str(refused) and prefill[0].engine.stats().tensors_sent == 0, refused
+        decode[0].engine.expect("X", producer, [5, 6], 32, push=True)
+        with pytest.raises(TransferError, match="its push failed before it was expected: .*is no longer held"):
+            decode[0].engine.wait("X", timeout_s=WAIT_S)
+    finally:
+        close_sides(prefill, decode)
