@@ -164,3 +164,37 @@ def test_a_push_under_the_id_of_a_pull_that_failed_here_is_refused_like_a_pull_a
             decode[0].engine.wait("X", timeout_s=WAIT_S)
     finally:
         close_sides(prefill, decode)
+
+
+def test_many_link_drops_leave_nothing_kept_for_gone_links() -> None:
+    """60 pulls, the link dropped after each by the consumer, the producer or both (a lost peer, a reset: the
+    next pull shakes hands anew, after a peer_reset answer where only the producer dropped it). What either
+    side keeps per link or per peer holds the live link's entries only, not one per link ever."""
+    hub = LoopbackHub()
+    prefill = build_sides("prefill", ONE, GQA, CacheLayout.CPU, 16, "producer", transports=[LoopbackTransport(hub)])
+    decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer", transports=[LoopbackTransport(hub)])
+    try:
+        p_engine, d_engine = prefill[0].engine, decode[0].engine
+        links_made = set()
+        for i in range(60):
+            start_pull(f"r{i}", prefill, decode, i, [1, 2], [1, 2], 20)
+            d_engine.wait(f"r{i}", timeout_s=WAIT_S)
+            assert wait_sent(prefill[0], f"r{i}")[f"r{i}"] is None
+            assert _outcomes(decode[0], f"r{i}") == {f"r{i}": None}
+            links_made.add(d_engine._peers.get("prefill.r0").link_id)  # noqa: SLF001
+            if i % 3 != 1:
+                d_engine._peers.drop("prefill.r0", "test: the consumer drops the link")  # noqa: SLF001
+            if i % 3 != 0:
+                p_engine._peers.drop("decode.r0", "test: the producer drops the link")  # noqa: SLF001
+        assert len(links_made) > 40  # the drops made new links
+        for engine in (p_engine, d_engine):
+            peers = engine._peers  # noqa: SLF001
+            live = set(peers._links)  # noqa: SLF001
+            assert len(live) <= 1 and not peers._waiting and not peers._connecting, (live, peers._waiting)  # noqa: SLF001
+            assert set(engine._consumer._recv_seq) <= live and set(engine._producer._seq) <= live  # noqa: SLF001
+        consumer, producer = d_engine._consumer, p_engine._producer  # noqa: SLF001
+        assert not consumer._requests and consumer._stage.items() == [] and not producer._held  # noqa: SLF001
+        assert not producer._early and not producer._parked_by and consumer._decliner.queued == 0  # noqa: SLF001
+        assert len(consumer._pulled) == 60 and len(consumer._refused) == 0  # noqa: SLF001 - bounded, expire after hold_s
+    finally:
+        close_sides(prefill, decode)
