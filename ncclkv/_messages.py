@@ -16,6 +16,7 @@ from .layout import KVGeometry, ParallelLayout, Span
 __all__ = [
     "INCARNATION_RANDOM_BITS",
     "MAX_EXTRA_KEYS",
+    "MAX_HOLD",
     "MAX_ID_CHARS",
     "MAX_MODEL_DIM",
     "MAX_PUSH_TOKENS",
@@ -47,8 +48,9 @@ __all__ = [
 # 2: PushOffer.blocks; gloo links carry frame headers (ncclkv.transport._framing); 3: Announce.piece; 4: Bye;
 # 5: Heartbeat.incarnation, Handshake.incarnation, Reset, ErrorCode.PEER_RESET; 6: Reset.incarnation;
 # 7: incarnations grow with their channel's start time (INCARNATION_RANDOM_BITS), so lives can be ordered;
-# 8: Announce.num_layers (a pull sends a route's consecutive small layers in one tensor)
-PROTOCOL_VERSION = 8
+# 8: Announce.num_layers (a pull sends a route's consecutive small layers in one tensor); 9: PullRequest.hold (the
+# hold of a request id a pull or decline is for: a late one is no longer taken for the id's next hold)
+PROTOCOL_VERSION = 9
 # The low bits of an incarnation that are random; above them, the channel's start time in ms since the epoch.
 INCARNATION_RANDOM_BITS = 20
 MAX_SHAPE_DIMS = 8
@@ -74,6 +76,10 @@ Pair = tuple[NonNeg, NonNeg]
 Incarnation = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 # The one life a Reset is for: always named (a Reset for whichever life answers is what went wrong before).
 LostIncarnation = Annotated[int, Meta(ge=1, le=2**63 - 1)]
+# Which hold of a request id (the producer's finish(..., hold=h)) a pull or decline is for: chosen by the caller per
+# hold, given alike to the consumer; 0: not named, a pull is then taken for whichever hold of the id is there.
+MAX_HOLD = 2**63 - 1
+HoldNumber = Annotated[int, Meta(ge=0, le=MAX_HOLD)]
 Role = Literal["producer", "consumer", "both"]
 
 
@@ -219,13 +225,17 @@ class HandshakeAck(_Tagged, frozen=True, forbid_unknown_fields=True, tag="hs_ack
 
 
 class PullRequest(_Tagged, frozen=True, forbid_unknown_fields=True, tag="pull"):
-    """A consumer rank asks a producer rank to send it ``routes`` of one request."""
+    """A consumer rank asks a producer rank to send it ``routes`` of one request (none: a decline, or a rank the
+    plan gives nothing from this one). ``hold``: the hold of the request id it is for (the number the producer's
+    ``finish`` was given); a pull for another hold than the one there is refused, a decline for one is not
+    counted. 0: not named (either side), taken for the hold there."""
 
     request_id: Id
     dst_rank: NonNeg
     consumer_engine_id: Id
     routes: Routes
     num_tokens: NonNeg
+    hold: HoldNumber = 0
 
 
 ExtraKeyMsg = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)] | Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None

@@ -33,6 +33,7 @@ class LoadJob:
     num_tokens: int
     push: bool = False
     sync: bool = False
+    hold: int = 0  # pull: the producer's number of the hold (RemotePrefill.hold); 0: not named
 
     def token_set(self) -> SpanSet:
         return SpanSet(self.tokens)
@@ -48,6 +49,7 @@ class HoldJob:
     transfer_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    hold: int = 0  # the hold's number (TransferEngine.finish(..., hold=)), chosen by the scheduler for the params
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,7 @@ class DeclineJob:
     transfer_id: str
     producer: EngineRef
     push: bool = False
+    hold: int = 0  # pull: the number of the hold declined (RemotePrefill.hold); 0: not named
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from ..engine import EngineRef
 from ..engine._config import is_int
 from ..hashing import BlockHash, ExtraKeys, hash_block_tokens, hash_request_tokens
+from ..protocol import MAX_HOLD
 
 __all__ = ["PARAMS_VERSION", "PrefillIntent", "RemotePrefill", "parse_params", "token_hash"]
 
 PARAMS_VERSION = 1
 _HEX_64 = re.compile(r"[0-9a-f]{64}")  # token_hash: BlockHash.hex() of a sha256 digest
+_HEX_HOLD = re.compile(r"0x[0-9a-f]{1,16}")  # hold: as EngineRef writes incarnations (63 bits pass JSON's doubles)
 
 
 def token_hash(token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys | None = None) -> str:
@@ -60,6 +62,9 @@ class RemotePrefill:
     # The engine id of the decode engine the KV was pushed to (None: pulled, or params of an older build): any
     # other decode engine computes the request instead of waiting deadline_s for a push that never comes.
     pushed_to: str | None = None
+    # The number the producer held the transfer under (TransferEngine.finish(..., hold=)), which the decode side's
+    # pull and decline name; 0: not named (pushed, or params of an older build).
+    hold: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_ids", tuple(self.block_ids))
@@ -79,6 +84,9 @@ class RemotePrefill:
                                            or not self.pushed):
             raise ValueError(f"pushed_to must be a non-empty engine id, and only with pushed, got "
                              f"{self.pushed_to!r} (pushed={self.pushed!r})")
+        if not is_int(self.hold) or not 0 <= self.hold <= MAX_HOLD or (self.hold and self.pushed):
+            raise ValueError(f"hold must be an int in [0, 2**63), and 0 with pushed, got {self.hold!r} "
+                             f"(pushed={self.pushed!r})")
 
     def to_dict(self) -> dict[str, object]:
         """The prefill output's ``kv_transfer_params`` (JSON-safe; the client forwards it to the decode)."""
@@ -95,6 +103,7 @@ class RemotePrefill:
             "hash_block_size": self.hash_block_size,
             "pushed": self.pushed,
             **({"pushed_to": self.pushed_to} if self.pushed_to is not None else {}),
+            **({"hold": f"{self.hold:#x}"} if self.hold else {}),
         }
 
     @classmethod
@@ -122,6 +131,7 @@ class RemotePrefill:
             hash_block_size=data["hash_block_size"],  # type: ignore[arg-type]
             pushed=data.get("pushed", False),  # type: ignore[arg-type]
             pushed_to=data.get("pushed_to"),  # type: ignore[arg-type]
+            hold=_hold(data.get("hold")),
         )
 
 
@@ -150,6 +160,18 @@ def parse_params(params: Mapping[str, object] | None) -> PrefillIntent | RemoteP
             raise ValueError(f"kv_transfer_params['remote_decode'] must be an EngineRef dict, got {target!r}")
         return PrefillIntent(_engine_ref(target, "remote_decode"))
     return None
+
+
+def _hold(value: object) -> int:
+    """The params' ``hold`` as :meth:`RemotePrefill.to_dict` writes it (a ``"0x..."`` string; an int taken too);
+    absent or null: 0. ValueError naming anything else (RemotePrefill bounds the number)."""
+    if value is None:
+        return 0
+    if isinstance(value, str) and _HEX_HOLD.fullmatch(value):
+        return int(value, 16)
+    if is_int(value):
+        return value  # type: ignore[return-value]
+    raise ValueError(f"hold must be a '0x...' hex string, got {value!r}")
 
 
 def _engine_ref(data: Mapping[str, object], key: str) -> EngineRef:

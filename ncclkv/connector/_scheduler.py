@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import tempfile
 import uuid
 from collections import OrderedDict
@@ -40,6 +41,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from ..engine import BlockTokens, EngineRef
 from ..hashing import ExtraKey, ExtraKeys
+from ..protocol import MAX_HOLD
 from ._config import NcclKVConfig
 from ._events import EventGatherer, NcclKVEvents
 from ._metadata import DeclineJob, HoldJob, LoadJob, NcclKVMetadata, PushJob, engine_ref_from_handshakes
@@ -58,6 +60,7 @@ class _Produce:
     request: Request
     push_to: EngineRef | None
     transfer_id: str | None = None  # set in the step that completes the prompt (hold or push issued)
+    hold: int = 0  # pull: the number the workers hold it under, named in its params (0 for a push)
     preemptions: int = 0  # the request's num_preemptions when that hold or push was issued
 
 
@@ -174,7 +177,7 @@ class SchedulerSide:
         # A push brings every token, but only those past this engine's own prefix hit are loaded (see LoadJob).
         tokens = ((start, params.num_tokens),) if params.pushed else ((start, start + num_external_tokens),)
         self._loads.append(LoadJob(req_id, params.transfer_id, params.producer, tuple(block_ids), tokens,
-                                   params.num_tokens, params.pushed, sync))
+                                   params.num_tokens, params.pushed, sync, params.hold))
         self._issued.add(req_id)
         self._claims[params.transfer_id] = req_id
         self._spend(params.transfer_id)
@@ -200,7 +203,11 @@ class SchedulerSide:
             produce.transfer_id, produce.preemptions = _new_transfer_id(), request.num_preemptions
             (block_ids, *_) = block_ids_of(req_id)
             if produce.push_to is None:
-                holds.append(HoldJob(req_id, produce.transfer_id, tuple(block_ids), request.num_prompt_tokens))
+                # Chosen here, not by the workers: request_finished writes it into the params before the
+                # workers' finish() runs, and every worker must hold under the same number.
+                produce.hold = _new_hold()
+                holds.append(HoldJob(req_id, produce.transfer_id, tuple(block_ids), request.num_prompt_tokens,
+                                     produce.hold))
             else:
                 num = request.num_prompt_tokens
                 blocks = BlockTokens.of_prompt(request.all_token_ids[:num], self._block_size, extra_keys(request, num))
@@ -229,7 +236,7 @@ class SchedulerSide:
             if self._claims.get(params.transfer_id) == req_id:
                 del self._claims[params.transfer_id]
             elif self._declining(request, params):
-                self._declines.append(DeclineJob(params.transfer_id, params.producer, params.pushed))
+                self._declines.append(DeclineJob(params.transfer_id, params.producer, params.pushed, params.hold))
                 self._spend(params.transfer_id)
         for table in (self._params, self._verified, self._asked):
             table.pop(req_id, None)
@@ -247,8 +254,7 @@ class SchedulerSide:
         self._held.add(req_id)
         out = None
         if request.status in _SENT_STATUSES:
-            out = self._remote_prefill(request, produce.transfer_id, block_ids, request.num_prompt_tokens,
-                                       produce.push_to)
+            out = self._remote_prefill(request, produce, block_ids, request.num_prompt_tokens)
         if out is None and produce.push_to is None:  # no decode will pull: release the hold now
             self._releases.append(produce.transfer_id)
         return True, (out.to_dict() if out is not None else None)
@@ -309,20 +315,28 @@ class SchedulerSide:
             self._verified[req_id] = same
         return self._verified[req_id]
 
-    def _remote_prefill(self, request: Request, transfer_id: str, block_ids: list[int], num_tokens: int,
-                        push_to: EngineRef | None) -> RemotePrefill | None:
+    def _remote_prefill(self, request: Request, produce: _Produce, block_ids: list[int],
+                        num_tokens: int) -> RemotePrefill | None:
         if self._ref is None:
             log.error("ncclkv: request %s wants a remote decode, but the workers' addresses are unknown",
                       request.request_id)
             return None
         tokens = list(request.all_token_ids[:num_tokens])
         digest = token_hash(tokens, self._block_size, extra_keys(request, num_tokens))
-        return RemotePrefill(transfer_id, self._ref, tuple(block_ids), num_tokens, digest, self._block_size,
-                             push_to is not None, None if push_to is None else push_to.engine_id)
+        push_to = produce.push_to
+        assert produce.transfer_id is not None
+        return RemotePrefill(produce.transfer_id, self._ref, tuple(block_ids), num_tokens, digest, self._block_size,
+                             push_to is not None, None if push_to is None else push_to.engine_id, produce.hold)
 
 
 def _new_transfer_id() -> str:
     return f"xfer-{uuid.uuid4().hex}"
+
+
+def _new_hold() -> int:
+    """A hold's number in [1, MAX_HOLD]: unrelated to any other hold's of its id (the connector's ids are fresh
+    anyway), so a late pull or decline can never be taken for another hold."""
+    return 1 + secrets.randbelow(MAX_HOLD)
 
 
 def _write_json(path: str, data: dict[str, object]) -> None:

@@ -194,7 +194,7 @@ class WorkerSide:
             engine.release(transfer_id)  # False: already reported (pulled or expired)
         for decline in meta.declines:
             try:
-                engine.decline(decline.transfer_id, decline.producer, push=decline.push)
+                engine.decline(decline.transfer_id, decline.producer, push=decline.push, hold=decline.hold)
             except Exception as err:  # the producer frees the blocks after its hold_s anyway
                 log.warning("ncclkv: cannot decline transfer %s of %s: %s", decline.transfer_id,
                             decline.producer.engine_id, err)
@@ -210,7 +210,7 @@ class WorkerSide:
                 # (blocks other requests share): they land but are not written.
                 engine.expect(job.transfer_id, job.producer, self._cache_blocks(job.block_ids),
                               job.num_tokens if job.push else job.token_set(), push=job.push,
-                              keep_tokens=job.token_set().bounds.start if job.push else 0)
+                              keep_tokens=job.token_set().bounds.start if job.push else 0, hold=job.hold)
             except Exception as err:
                 self._fail(load, err)
 
@@ -267,7 +267,8 @@ class WorkerSide:
         already: nothing computes behind that layer."""
         for hold in meta.holds:  # after the forward: every layer of the prompt is in the blocks now
             try:
-                self.engine.finish(hold.transfer_id, self._cache_blocks(hold.block_ids), hold.num_tokens)
+                self.engine.finish(hold.transfer_id, self._cache_blocks(hold.block_ids), hold.num_tokens,
+                                   hold=hold.hold)
                 self._sends[hold.transfer_id] = hold.req_id
             except Exception as err:  # nothing held: the decode side's pull fails and it recomputes
                 log.error("ncclkv: cannot hold %s (%s): %s", hold.req_id, hold.transfer_id, err)

@@ -75,6 +75,7 @@ class _Expected:
     # Producer rank -> the loss_seq stamp of the handshake its pull was acknowledged under (see fail_peer).
     acked: dict[int, int] = field(default_factory=dict)
     since_seq: int = 0  # the channel's loss_seq when it was expected: a loss reported up to it came before it
+    hold: int = 0  # pull: the producer's number of the hold pulled (expect(..., hold=)); 0: not named
     # CUDA: per layer, an event after each scatter into the request's blocks (the landing threads' streams are
     # not the forward's): waited for by the forward's stream (wait_layer) or the host (take_finished, abort).
     scattered: dict[int, list[torch.cuda.Event]] = field(default_factory=dict)
@@ -140,7 +141,7 @@ class ConsumerSide:
         self._largest_slice = 0
 
     def expect(self, request_id: str, producer: EngineRef, block_ids: Sequence[int], tokens: SpanSet | int,
-               push: bool = False, keep_tokens: int = 0) -> None:
+               push: bool = False, keep_tokens: int = 0, hold: int = 0) -> None:
         """Start receiving ``tokens`` of ``request_id`` from ``producer`` into ``block_ids``; returns at once.
 
         Pull (default): ask every producer rank. Push: the producer streams on
@@ -171,7 +172,7 @@ class ConsumerSide:
         req = _Expected(request_id, producer, slots, pending, per_src, remaining, time.monotonic(), now, push=push,
                         num_tokens=token_set.bounds.stop if push else 0, keep=keep_tokens,
                         unsent=0 if push else sum(1 for src_routes in by_src.values() if src_routes),
-                        since_seq=self._channel.loss_seq)
+                        since_seq=self._channel.loss_seq, hold=hold)
         staged_tensors: list[StagedTensor] = []
         with self._cond:
             if request_id in self._requests:
@@ -226,7 +227,7 @@ class ConsumerSide:
                         partial(self._pull_failed, req, src) if src_routes else None,
                         self._pull, req, src, src_routes, token_set, peer=producer.peer_id(src))
 
-    def decline(self, request_id: str, producer: EngineRef, push: bool = False) -> None:
+    def decline(self, request_id: str, producer: EngineRef, push: bool = False, hold: int = 0) -> None:
         """This rank will not take ``request_id``; returns at once.
 
         Pull: tell every rank of ``producer`` (a pull of nothing, what a rank the plan gives nothing
@@ -241,7 +242,7 @@ class ConsumerSide:
                     f"push of {request_id!r} was declined here (its request ended unloaded)"))
                 return
             self._pulled.note(request_id, self._clock.now(), producer.engine_id)
-        self._decliner.queue(request_id, producer, range(producer.layout.world_size))
+        self._decliner.queue(request_id, producer, range(producer.layout.world_size), hold)
 
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
         """Block until ``layer`` of ``request_id`` has landed; raise the request's error if it failed."""
@@ -627,9 +628,10 @@ class ConsumerSide:
                     self._stage.fail(request_id, staged, error)
 
     # -- internals ------------------------------------------------------------------------
-    def _send_decline(self, request_id: str, producer: EngineRef, src: int) -> None:
-        """On the decline threads (see ``_declines``): a pull of nothing to producer rank ``src``."""
-        self._send_pull(request_id, producer, src, [], SpanSet(()))
+    def _send_decline(self, request_id: str, producer: EngineRef, src: int, hold: int) -> None:
+        """On the decline threads (see ``_declines``): a pull of nothing (of hold ``hold``) to producer rank
+        ``src``."""
+        self._send_pull(request_id, producer, src, [], SpanSet(()), hold)
 
     def _alive(self, peer_id: str) -> bool:
         return self._channel.peer_alive(peer_id)
@@ -650,10 +652,10 @@ class ConsumerSide:
         with self._cond:
             ended = self._requests.get(request_id) is not req or req.error is not None
         if ended:
-            self._decliner.queue(request_id, producer, (src,))
+            self._decliner.queue(request_id, producer, (src,), req.hold)
             return
         try:
-            peer = self._send_pull(request_id, producer, src, routes, tokens)
+            peer = self._send_pull(request_id, producer, src, routes, tokens, req.hold)
         except Exception as err:  # the request fails; the error names the producer rank
             log.log(logging.ERROR if routes else logging.WARNING, "%s of %s from %s failed: %s",
                     "pull" if routes else "empty pull (nothing to receive)", request_id, producer.peer_id(src), err)
@@ -673,14 +675,15 @@ class ConsumerSide:
         self._fail(req, _as_ncclkv(error))
         if not isinstance(error, (HandshakeError, ClosedError)):  # it may hold the request (a restarted producer,
             # a lost acknowledgement): tell it we will not take it, so it frees the blocks now, not after hold_s
-            self._decliner.queue(req.request_id, req.producer, (src,))
+            self._decliner.queue(req.request_id, req.producer, (src,), req.hold)
 
     def _send_pull(self, request_id: str, producer: EngineRef, src: int, routes: list[Route],
-                   tokens: SpanSet) -> Peer:
-        """Shake hands with producer rank ``src`` if needed and send it the pull; returns once it is acknowledged,
-        the handshake it went under (once more under a new one after a reset: :meth:`PeerLinks.request`)."""
+                   tokens: SpanSet, hold: int) -> Peer:
+        """Shake hands with producer rank ``src`` if needed and send it the pull (for hold ``hold`` of the id);
+        returns once it is acknowledged, the handshake it went under (once more under a new one after a reset:
+        :meth:`PeerLinks.request`)."""
         pull = PullRequest(request_id, self._rank, self._engine_id, tuple(RouteMsg.from_route(r) for r in routes),
-                           tokens.bounds.stop)
+                           tokens.bounds.stop, hold)
         return self._peers.request(producer.peer_id(src), producer.control_addrs[src], pull, bool(routes),
                                    f"pull of {request_id}", incarnation=producer.incarnation(src),
                                    check=partial(self._check_layout, request_id, producer))

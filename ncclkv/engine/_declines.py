@@ -30,12 +30,12 @@ _DECLINE_THREADS = 8  # declines to this many producer ranks at once; past it, t
 class Decliner:
     """Sends declines in a lane per producer rank, at most ``MAX_DECLINES_QUEUED`` queued.
 
-    ``send(request_id, producer, src)`` sends producer rank ``src`` a pull of nothing and returns once it is
-    acknowledged; ``lost(peer_id)``: the channel gave that peer up (its decline is skipped); ``alive(peer_id)``:
-    the channel hears it (see ``fail_fast``).
+    ``send(request_id, producer, src, hold)`` sends producer rank ``src`` a pull of nothing (for the hold of
+    the id numbered ``hold``, 0: not named) and returns once it is acknowledged; ``lost(peer_id)``: the channel
+    gave that peer up (its decline is skipped); ``alive(peer_id)``: the channel hears it (see ``fail_fast``).
     """
 
-    def __init__(self, name: str, send: Callable[[str, EngineRef, int], object], lost: Callable[[str], bool],
+    def __init__(self, name: str, send: Callable[[str, EngineRef, int, int], object], lost: Callable[[str], bool],
                  alive: Callable[[str], bool], cpus: frozenset[int] | None = None) -> None:
         self._send, self._lost, self._alive = send, lost, alive
         self._lanes = PeerTasks(_DECLINE_THREADS, name, initializer=pin_this_thread, initargs=(cpus,))
@@ -48,9 +48,9 @@ class Decliner:
         with self._lock:
             return self._queued
 
-    def queue(self, request_id: str, producer: EngineRef, srcs: Sequence[int]) -> None:
-        """Queue a decline of ``request_id`` to each of ``srcs`` (ranks of ``producer``), in that rank's lane;
-        all of them, or none when the queue has no room for them."""
+    def queue(self, request_id: str, producer: EngineRef, srcs: Sequence[int], hold: int = 0) -> None:
+        """Queue a decline of ``request_id`` (its hold numbered ``hold``) to each of ``srcs`` (ranks of
+        ``producer``), in that rank's lane; all of them, or none when the queue has no room for them."""
         with self._lock:
             if self._queued + len(srcs) > MAX_DECLINES_QUEUED:
                 log.info("not declining %s: %d declines already queued (its producer frees it after hold_s)",
@@ -60,7 +60,7 @@ class Decliner:
         for src in srcs:
             # on_error: a decline its lane fails before it runs (its producer found lost, or closing) is not queued
             submit_task(self._lanes, f"decline of {request_id} to {producer.peer_id(src)}", self._unqueue,
-                        self._decline, request_id, producer, src, peer=producer.peer_id(src))
+                        self._decline, request_id, producer, src, hold, peer=producer.peer_id(src))
 
     def close(self) -> None:
         """Drop the declines not started; wait for those running (they end with the channel's close)."""
@@ -71,14 +71,14 @@ class Decliner:
         with self._lock:
             self._queued -= 1
 
-    def _decline(self, request_id: str, producer: EngineRef, src: int) -> None:
+    def _decline(self, request_id: str, producer: EngineRef, src: int, hold: int) -> None:
         """In producer rank ``src``'s lane: decline to it, best effort; a lost one is skipped."""
         peer_id = producer.peer_id(src)
         try:
             if self._lost(peer_id):
                 log.info("not declining %s to %s: it was lost (it frees the blocks after hold_s)", request_id, peer_id)
                 return
-            self._send(request_id, producer, src)
+            self._send(request_id, producer, src, hold)
         except Exception as err:
             log.warning("empty pull (declined) of %s from %s failed: %s", request_id, peer_id, err)
             # The declines queued behind it for a producer that does not answer are dropped, not each waited on.

@@ -14,7 +14,7 @@ from ..channel import Channel, ReplyThen
 from ..errors import ClosedError, HandshakeError, PeerLostError, PeerResetError, ProtocolError
 from ..layout import SpanSet
 from ..paged import CacheLayout
-from ..protocol import MAX_ID_CHARS, Announce, Done, ErrorMsg, Handshake, Message, PullRequest, PushOffer
+from ..protocol import MAX_HOLD, MAX_ID_CHARS, Announce, Done, ErrorMsg, Handshake, Message, PullRequest, PushOffer
 from ..transport import DataPlane, LinkFactory
 from ._caches import RankCaches
 from ._config import EngineConfig, EngineRef, is_int, parse_peer_id
@@ -139,14 +139,22 @@ class TransferEngine:
         self._check_open()
         self._producer.save_layer(request_id, layer)
 
-    def finish(self, request_id: str, block_ids: Sequence[int] | None = None, num_tokens: int | None = None) -> None:
+    def finish(self, request_id: str, block_ids: Sequence[int] | None = None, num_tokens: int | None = None, *,
+               hold: int = 0) -> None:
         """Push mode: no more layers. Pull mode: hold the request's blocks until every consumer rank
-        pulled them (or ``hold_s`` passes). Either way :meth:`take_finished_sending` reports it."""
+        pulled them (or ``hold_s`` passes). Either way :meth:`take_finished_sending` reports it.
+
+        ``hold`` (pull mode): a number naming this hold of the id, any int in [1, 2**63) that differs from the
+        id's other holds; give the consumers the same one (``expect(..., hold=)``, ``decline(..., hold=)``),
+        and a late pull or decline for another hold of the id (an id held again within ``hold_s``) is refused
+        or counts for nothing, instead of being taken for this one. 0 (default): not named; a pull or decline
+        is then taken for whichever hold of the id is here."""
         self._check_open()
         _check_request_id(request_id)
         if num_tokens is not None:
             _check_num_tokens(request_id, num_tokens)
-        self._producer.finish(request_id, block_ids, num_tokens)
+        _check_hold(request_id, hold)
+        self._producer.finish(request_id, block_ids, num_tokens, hold)
 
     def release(self, request_id: str) -> bool:
         """Pull mode: stop holding ``request_id`` (its consumers' pulls fail). :meth:`take_finished_sending`
@@ -159,7 +167,7 @@ class TransferEngine:
 
     # -- consumer ---------------------------------------------------------------------
     def expect(self, request_id: str, producer: EngineRef, block_ids: Sequence[int], tokens: SpanSet | int,
-               *, push: bool = False, keep_tokens: int = 0) -> None:
+               *, push: bool = False, keep_tokens: int = 0, hold: int = 0) -> None:
         """Receive ``request_id`` into ``block_ids``; returns at once.
 
         Pull (default): ask the producer for ``tokens`` (all, or a set that
@@ -167,6 +175,9 @@ class TransferEngine:
         every token on its own; ``tokens`` is their count, and the first
         ``keep_tokens`` of them, already in this engine's blocks (a local
         prefix hit, blocks other requests share), land but are not written.
+        ``hold`` (pull): the number the producer's ``finish`` named this hold
+        of the id with (0: not named); the producer refuses the pull if it
+        holds the id under another number.
         A pull under the id of one from the same producer that failed or was
         aborted here within ``hold_s`` is refused (ValueError): that pull's
         tensors may still arrive.
@@ -177,15 +188,18 @@ class TransferEngine:
             _check_num_tokens(request_id, tokens, "tokens (a count, or a SpanSet)")
         if producer.engine_id == self.config.engine_id:
             raise ValueError(f"request {request_id!r}: producer engine {producer.engine_id!r} is this engine")
-        self._consumer.expect(request_id, producer, block_ids, tokens, push, keep_tokens)
+        _check_hold(request_id, hold, push)
+        self._consumer.expect(request_id, producer, block_ids, tokens, push, keep_tokens, hold)
 
-    def decline(self, request_id: str, producer: EngineRef, *, push: bool = False) -> None:
+    def decline(self, request_id: str, producer: EngineRef, *, push: bool = False, hold: int = 0) -> None:
         """This rank will not take ``request_id``. Pull: tell ``producer``'s ranks, which free its blocks once
-        every consumer rank pulled or declined, instead of holding them ``hold_s``. Push: give back what is
-        staged for it now and refuse the rest. Returns at once."""
+        every consumer rank pulled or declined, instead of holding them ``hold_s`` (``hold``: the number of the
+        hold declined, as for :meth:`expect`: a decline that reaches a later hold of the id counts for nothing
+        there). Push: give back what is staged for it now and refuse the rest. Returns at once."""
         self._check_open()
         _check_request_id(request_id)
-        self._consumer.decline(request_id, producer, push)
+        _check_hold(request_id, hold, push)
+        self._consumer.decline(request_id, producer, push, hold)
 
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
         """Block until ``layer`` of ``request_id`` is in this rank's cache (that layer only).
@@ -299,6 +313,14 @@ def _check_request_id(request_id: object) -> None:
 def _check_num_tokens(request_id: str, num_tokens: object, what: str = "num_tokens") -> None:
     if not (is_int(num_tokens) and num_tokens >= 1):  # type: ignore[operator]
         raise ValueError(f"request {request_id!r}: {what} must be an int >= 1, got {num_tokens!r}")
+
+
+def _check_hold(request_id: str, hold: object, push: bool = False) -> None:
+    """A hold number (``finish``, ``expect``, ``decline``): an int in [0, 2**63), 0 for a push (not held)."""
+    if not (is_int(hold) and 0 <= hold <= MAX_HOLD):  # type: ignore[operator]
+        raise ValueError(f"request {request_id!r}: hold must be an int in [0, 2**63) (0: not named), got {hold!r}")
+    if push and hold:
+        raise ValueError(f"request {request_id!r}: hold={hold} names a hold for pulling; a push has none")
 
 
 def _wait_timeout(timeout_s: object) -> float:

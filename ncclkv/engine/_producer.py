@@ -70,6 +70,7 @@ class _Held:
     serving: int = 0  # pulls whose sends from these blocks are still running
     released: bool = False  # no new pulls; reported once ``serving`` is 0
     ready: torch.cuda.Event | None = None  # CUDA: recorded by finish() on the caller's stream; gathers wait for it
+    hold: int = 0  # which hold of the id this is (finish(..., hold=)); 0: not named
 
 
 class ProducerSide:
@@ -88,8 +89,8 @@ class ProducerSide:
         self._early: dict[str, list[tuple[str, PullRequest, float]]] = {}  # pulls before finish()
         self._parked_by: dict[str, int] = {}  # sender -> its pulls in _early (MAX_PARKED_PULLS)
         self._finished: dict[str, BaseException | None] = {}
-        # Held requests reported since at most hold_s, by id: why each ended.
-        self._ended: RecentEnds[str] = RecentEnds(hold_s, MAX_ENDED_HOLDS)
+        # Held requests reported since at most hold_s, by id: (its hold number, why it ended).
+        self._ended: RecentEnds[tuple[int, str]] = RecentEnds(hold_s, MAX_ENDED_HOLDS)
         self._seq: dict[str, int] = {}  # per link id: the seq the next announce carries
         peers.on_link_gone(lambda link_id: self._seq.pop(link_id, None))
         self._pusher = Pusher(rank, layout, geometry, caches, channel, peers, executor, self._announcer,
@@ -104,9 +105,13 @@ class ProducerSide:
             raise ValueError(f"layer {layer} is not on this rank (layers {self._caches.shard.layers!r})")
         self._pusher.save_layer(request_id, layer)
 
-    def finish(self, request_id: str, block_ids: Sequence[int] | None = None, num_tokens: int | None = None) -> None:
-        """End a pushed request (no more layers), or hold a request's blocks for the consumers to pull."""
+    def finish(self, request_id: str, block_ids: Sequence[int] | None = None, num_tokens: int | None = None,
+               hold: int = 0) -> None:
+        """End a pushed request (no more layers), or hold a request's blocks for the consumers to pull (``hold``:
+        this hold's number, which the consumers' pulls and declines name; 0: not named)."""
         if self._pusher.pushing(request_id):
+            if hold:
+                raise ValueError(f"request {request_id!r} is being pushed: hold={hold} names a hold for pulling")
             with pinned(self._cpus):  # its last sends are posted, gathers included, on this thread
                 self._pusher.finish(request_id)
             return
@@ -120,22 +125,33 @@ class ProducerSide:
                 raise ValueError(f"request {request_id!r} is already held for pulling")
             self._ended.pop(request_id)  # held anew: pulls for it are this hold's
             self._held[request_id] = _Held(request_id, slots, num_tokens, self._channel.clock.now() + self._hold_s,
-                                           ready=self._caches.ready_event())
+                                           ready=self._caches.ready_event(), hold=hold)
             early = self._early.pop(request_id, [])
             self._unpark_locked(early)
         for sender, pull, _ in early:
-            self._serve_or_refuse(sender, pull)
+            other = _other_hold(pull, hold)
+            if other is None:
+                self._serve_or_refuse(sender, pull)
+            elif pull.routes:  # parked for another hold of the id: refused, as it would be now (on_pull)
+                log.info("refused parked pull %s from %s: %s", request_id, sender, other)
+                tell(self._channel, sender, ErrorMsg(request_id, ErrorCode.UNKNOWN_REQUEST, other[:MAX_TEXT_CHARS]))
+            else:  # a decline for another hold, acknowledged when it was parked: it counts for nothing
+                log.info("parked decline of %s from %s counts for nothing: %s", request_id, sender, other)
 
     def on_pull(self, sender: str, pull: PullRequest) -> Ack | ErrorMsg:
         """Dispatcher thread: check the pull against our own plan, then serve it, or park it when the request is
-        not held yet. A pull for a request whose hold ended here (reported within ``hold_s``) is answered at once
-        with why (``unknown_request``); a pull of nothing for it (a decline) is acknowledged: nothing to free."""
+        not held yet. A pull for a request whose hold ended here (reported within ``hold_s``), or for another
+        hold of the id than the one held (both named), is answered at once with why (``unknown_request``); a
+        pull of nothing for it (a decline) is acknowledged and counts for nothing."""
         routes = self._check_pull(sender, pull)
         with self._lock:
             held = self._held.get(pull.request_id)
-            ended = self._ended_reason_locked(pull.request_id, held)
+            ended = self._ended_reason_locked(pull.request_id, held, pull.hold)
+            if ended is None and held is not None:
+                ended = _other_hold(pull, held.hold)
             if ended is not None:
                 if not pull.routes:
+                    log.info("decline of %s from %s counts for nothing: %s", pull.request_id, sender, ended)
                     return Ack(pull.request_id, None)
                 log.info("refused pull %s from %s: %s", pull.request_id, sender, ended)
                 return ErrorMsg(pull.request_id, ErrorCode.UNKNOWN_REQUEST, ended[:MAX_TEXT_CHARS])
@@ -176,7 +192,7 @@ class ProducerSide:
                 else:
                     continue
                 del self._held[request_id]
-                self._ended.note(request_id, now, why[:_MAX_REASON_CHARS])
+                self._ended.note(request_id, now, (held.hold, why[:_MAX_REASON_CHARS]))
             self._ended.expire(now)  # remembered hold_s: a pull later than that may be for a hold to come
             for request_id, parked in list(self._early.items()):
                 keep = [p for p in parked if p[2] >= now]
@@ -244,12 +260,12 @@ class ProducerSide:
             return len(self._held) + len(self._early)
 
     # -- internals --------------------------------------------------------------------
-    def _ended_reason_locked(self, request_id: str, held: _Held | None) -> str | None:
-        """Why a pull for ``request_id`` cannot be served here, when its hold ended (reported within ``hold_s``,
-        or released and about to be); None when it is held, or never was (a pull may come before the hold).
-        Lock held."""
+    def _ended_reason_locked(self, request_id: str, held: _Held | None, hold: int) -> str | None:
+        """Why a pull for hold ``hold`` of ``request_id`` cannot be served here, when that hold ended (reported
+        within ``hold_s``, or released and about to be); None when it is held, or never was (a pull may come
+        before the hold), or the hold that ended is another one (both named). Lock held."""
         if held is not None:
-            if not held.released:
+            if not held.released or _differ(hold, held.hold):
                 return None
             return (f"request {request_id!r} is no longer held by producer rank {self._channel.peer_id!r}: "
                     f"{_ended_with(held.error) if held.error is not None else 'it was released'}")
@@ -257,7 +273,9 @@ class ProducerSide:
         ended = self._ended.get(request_id, now)  # past hold_s: a pull now may be for a hold to come
         if ended is None:
             return None
-        since, why = ended
+        since, (ended_hold, why) = ended
+        if _differ(hold, ended_hold):  # the pull is for a hold to come (another number): parked for it
+            return None
         age = now - since
         return (f"request {request_id!r} is no longer held by producer rank {self._channel.peer_id!r}: its hold "
                 f"ended {max(0.0, age):.3g}s ago: {why}")
@@ -450,6 +468,20 @@ class ProducerSide:
 
     def _send_error(self, sender: str, error: BaseException, request_id: str) -> None:
         tell(self._channel, sender, ErrorMsg.from_exception(error, request_id))
+
+
+def _differ(pulled: int, held: int) -> bool:
+    """Whether a pull for hold number ``pulled`` is for another hold than ``held``: both named (0: not named)."""
+    return bool(pulled and held and pulled != held)
+
+
+def _other_hold(pull: PullRequest, hold: int) -> str | None:
+    """Why ``pull`` is not for hold number ``hold`` of its request id held here; None when it may be."""
+    if not _differ(pull.hold, hold):
+        return None
+    what = "pull" if pull.routes else "decline"
+    return (f"request {pull.request_id!r} is held here as hold {hold}, the {what} is for hold {pull.hold} (an "
+            f"earlier or later hold of the id)")
 
 
 def _ended_with(error: BaseException) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm.v1.core.sched.interface import PauseState
@@ -425,6 +426,35 @@ def test_decode_requests_that_never_load_free_the_prefill_blocks_at_once(engines
     # locally and declines nothing (test_wrong_prompt_or_bad_params_are_computed_locally pulls it after).
     _settle(prefill, decode)
     assert _bytes(prefill, "bytes_sent") == 0
+
+
+def test_the_hold_number_travels_in_the_params_to_the_decodes_pull_and_decline(engines: list[EngineSim],
+                                                                               model_dir: Path) -> None:
+    """The prefill scheduler numbers each hold (TransferEngine.finish(..., hold=)) and writes the number into the
+    params before its workers hold; the decode side's pull (a load) and decline (a request aborted before it was
+    scheduled) name it, so a late one could never be taken for another hold of the transfer id."""
+    prefill, decode = _pair(engines, model_dir, prefill_extra={"hold_s": 600.0})
+    params = _prefill(prefill, PROMPTS[:2])
+    values = [RemotePrefill.from_dict(p) for p in params]
+    assert all(isinstance(p["hold"], str) and int(p["hold"], 16) == v.hold > 0 for p, v in zip(params, values))
+    assert values[0].hold != values[1].hold
+    producer = prefill.worker._work().engine._producer
+    assert {v.transfer_id: producer._held[v.transfer_id].hold for v in values} == {
+        v.transfer_id: v.hold for v in values}
+    seen: list[tuple[str, bool, int]] = []  # (transfer id, routes asked, hold named) of each pull the producer got
+    on_pull = producer.on_pull
+
+    def noting(sender: str, pull: Any) -> Any:
+        seen.append((pull.request_id, bool(pull.routes), pull.hold))
+        return on_pull(sender, pull)
+    producer.on_pull = noting  # type: ignore[method-assign]
+    decode.add("d-1", PROMPTS[1], MAX_TOKENS, params[1])
+    decode.abort("d-1")  # never scheduled: declined
+    ids = _decode(decode, PROMPTS[:1], params[:1], also=(prefill,))
+    assert decode.mismatches == [] and decode.load_errors == set() and ids == ["d-0"]
+    _settle(prefill, decode)  # hold_s=600: only the pull and the decline could end the holds
+    assert sorted(seen) == sorted([(values[0].transfer_id, True, values[0].hold),
+                                   (values[1].transfer_id, False, values[1].hold)])
 
 
 def test_a_pushed_decode_request_that_never_loads_gives_its_staging_back(engines: list[EngineSim],

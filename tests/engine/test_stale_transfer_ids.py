@@ -10,6 +10,14 @@ failed after ``deadline_s``. Now the producer remembers the holds it reported,
 for ``hold_s`` (at most ``MAX_ENDED_HOLDS``), and answers a pull for one at once
 with why it ended; the consumer fails the request at once with that reason.
 
+A pull or decline that comes after the id was held again cannot be told from
+one for the new hold by the id alone: a late decline counted as the new hold's
+consumer declining it (the hold was reported done, its real consumer's pull
+then refused), a late pull was served from it. A hold may be numbered
+(``finish(..., hold=h)``, the consumer's ``expect`` / ``decline`` given the
+same ``h``): a decline for another number counts for nothing, a pull for one
+is refused naming both, a pull for a number to come waits for its hold.
+
 Real ZMQ channels and gloo links, every rank in this process; order comes from
 the engines' own state (a request reported, a decline answered), never sleeps.
 """
@@ -153,3 +161,104 @@ def test_ended_holds_are_remembered_within_a_bound(monkeypatch: pytest.MonkeyPat
     assert list(p.engine._producer._ended) == ["r2", "r3", "r4"]  # the oldest forgotten first
     p.engine.finish("r3", [3], 8)  # held anew: no longer an ended hold
     assert list(p.engine._producer._ended) == ["r2", "r4"]
+
+
+def _declines_answered(consumer: RankSide) -> None:
+    _until("the consumer's declines answered", lambda: consumer.engine._consumer._decliner.queued == 0)
+
+
+def _still_held_unpulled(producer: RankSide, rid: str, hold: int) -> None:
+    """``rid`` is held on ``producer`` under ``hold``, not reported, and no consumer counted for it."""
+    assert rid not in producer.engine.take_finished_sending()
+    held = producer.engine._producer._held[rid]
+    assert (held.hold, held.expected, held.served) == (hold, None, set()), (held.hold, held.expected, held.served)
+
+
+def test_a_late_decline_counts_for_nothing_toward_the_next_hold_of_the_id(sides: dict[str, RankSide]) -> None:
+    """X held as hold 1 and released; held again as hold 2 for D1; then D1's decline of hold 1 comes. Before,
+    the producer took it for hold 2's: D1 counted as having declined, hold 2 reported done (its blocks freed)
+    and D1's pull of it refused. Now it is acknowledged and counts for nothing; D1 pulls hold 2 whole."""
+    p, d1 = sides["P"], sides["D1"]
+    ref = engine_ref("P", ONE, [p])
+    p.engine.finish("X", [0, 1, 2, 3], TOKENS, hold=1)
+    assert p.engine.release("X")
+    assert isinstance(wait_sent(p, "X")["X"], TransferError)
+    p.fill(6, [8, 9, 10, 11], TOKENS)
+    p.engine.finish("X", [8, 9, 10, 11], TOKENS, hold=2)
+
+    d1.engine.decline("X", ref, hold=1)  # late: hold 1 ended before it came
+    _declines_answered(d1)
+    _still_held_unpulled(p, "X", 2)
+
+    d1.engine.expect("X", ref, [0, 1, 2, 3], TOKENS, hold=2)
+    d1.engine.wait("X", WAIT_S)
+    assert d1.mismatches(6, [0, 1, 2, 3], TOKENS, Span(0, TOKENS)) == []
+    assert _until("X reported by D1", lambda: "X" in (got := d1.engine.take_finished_receiving()) and got)["X"] is None
+    assert wait_sent(p, "X")["X"] is None  # D1 pulled it: served to every consumer rank
+
+
+def test_a_late_pull_for_another_hold_is_refused_naming_both_and_serves_nothing(sides: dict[str, RankSide]) -> None:
+    """X held as hold 2; D2's pull of hold 1 comes late. Before, it was served from hold 2, whose consumer D2
+    became (hold 2 reported done without D1). Now it fails at once naming both holds, its decline (after the
+    failure) counts for nothing, and hold 2 serves D1."""
+    p, d1, d2 = sides["P"], sides["D1"], sides["D2"]
+    ref = engine_ref("P", ONE, [p])
+    p.fill(7, [0, 1, 2, 3], TOKENS)
+    p.engine.finish("X", [0, 1, 2, 3], TOKENS, hold=2)
+
+    started = time.monotonic()
+    d2.engine.expect("X", ref, [0, 1], TOKENS, hold=1)
+    with pytest.raises(TransferError) as raised:
+        d2.engine.wait("X", WAIT_S)
+    assert time.monotonic() - started < FAST_S, raised.value
+    text = str(raised.value)
+    assert "'unknown_request'" in text and "is held here as hold 2, the pull is for hold 1" in text, text
+    _declines_answered(d2)
+    _still_held_unpulled(p, "X", 2)
+
+    d1.engine.expect("X", ref, [4, 5, 6, 7], TOKENS, hold=2)
+    d1.engine.wait("X", WAIT_S)
+    assert d1.mismatches(7, [4, 5, 6, 7], TOKENS, Span(0, TOKENS)) == []
+    assert wait_sent(p, "X")["X"] is None
+    assert p.engine._producer._held == {} and d2.engine.stats().tensors_received == 0
+
+
+def test_a_pull_for_the_next_hold_waits_for_it_and_one_parked_for_another_is_refused_then(
+        sides: dict[str, RankSide]) -> None:
+    """X's hold 1 ended (released). D1 pulls hold 2 and D2 hold 3, neither held yet: both wait (before, hold
+    numbers unknown, both were refused as pulls of the hold that ended). finish(X, hold=2) serves D1 and refuses
+    D2's at once, naming both holds."""
+    p, d1, d2 = sides["P"], sides["D1"], sides["D2"]
+    ref = engine_ref("P", ONE, [p])
+    p.engine.finish("X", [0, 1, 2, 3], TOKENS, hold=1)
+    assert p.engine.release("X")
+    assert isinstance(wait_sent(p, "X")["X"], TransferError)
+
+    d1.engine.expect("X", ref, [0, 1, 2, 3], TOKENS, hold=2)
+    d2.engine.expect("X", ref, [0, 1], TOKENS, hold=3)
+    _until("both pulls parked", lambda: len(p.engine._producer._early.get("X", ())) == 2)
+    assert sorted(pull.hold for _, pull, _ in p.engine._producer._early["X"]) == [2, 3]
+
+    p.fill(8, [8, 9, 10, 11], TOKENS)
+    p.engine.finish("X", [8, 9, 10, 11], TOKENS, hold=2)
+    d1.engine.wait("X", WAIT_S)
+    assert d1.mismatches(8, [0, 1, 2, 3], TOKENS, Span(0, TOKENS)) == []
+    with pytest.raises(TransferError, match="is held here as hold 2, the pull is for hold 3"):
+        d2.engine.wait("X", WAIT_S)
+    assert wait_sent(p, "X")["X"] is None  # D1 was its consumer; D2's refused pull counted for nothing
+    assert not p.engine._producer._early and not p.engine._producer._parked_by
+
+
+@pytest.mark.parametrize("bad", [-1, 2**63, True, 1.0, "1"])
+def test_a_hold_number_is_an_int_below_2_63_and_only_for_pulls(sides: dict[str, RankSide], bad: object) -> None:
+    p, d1 = sides["P"], sides["D1"]
+    ref = engine_ref("P", ONE, [p])
+    for call in (lambda: p.engine.finish("X", [0], 8, hold=bad), lambda: d1.engine.expect("X", ref, [0], 8, hold=bad),
+                 lambda: d1.engine.decline("X", ref, hold=bad)):
+        with pytest.raises(ValueError, match=r"request 'X': hold must be an int in \[0, 2\*\*63\)"):
+            call()
+    with pytest.raises(ValueError, match="a push has none"):
+        d1.engine.expect("X", ref, [0], 8, push=True, hold=5)
+    with pytest.raises(ValueError, match="a push has none"):
+        d1.engine.decline("X", ref, push=True, hold=5)
+    assert p.engine.num_in_flight == 0 and d1.engine.num_in_flight == 0

@@ -86,6 +86,16 @@ def test_remote_prefill_round_trips_through_json(pushed_to: str | None) -> None:
     assert parse_params(data) == value
 
 
+def test_a_pulled_transfers_hold_number_round_trips_as_hex() -> None:
+    """The number its producer holds it under, as a hex string (63 bits pass JSON clients that read doubles);
+    absent when not named (0), as an older build wrote it."""
+    value = _remote(hold=2**63 - 1)
+    data = json.loads(json.dumps(value.to_dict()))
+    assert data["hold"] == "0x7fffffffffffffff" and parse_params(data) == value
+    assert "hold" not in _remote().to_dict() and parse_params(_remote().to_dict()).hold == 0  # type: ignore[union-attr]
+    assert parse_params({**_remote().to_dict(), "hold": 12}).hold == 12  # type: ignore[union-attr]
+
+
 def test_prefill_intent_accepts_proxy_params() -> None:
     # What vLLM's example P/D proxies send the prefill engine.
     proxy = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -109,6 +119,11 @@ def test_prefill_intent_accepts_proxy_params() -> None:
     ({"pushed": False, "pushed_to": "decode-a"}, r"pushed_to must be .*only with pushed, got 'decode-a' \(pushed=False\)"),
     ({"pushed": True, "pushed_to": ""}, "pushed_to must be a non-empty engine id"),
     ({"pushed": True, "pushed_to": 7}, "pushed_to must be a non-empty engine id"),
+    ({"hold": "12"}, "hold must be a '0x...' hex string, got '12'"),
+    ({"hold": 1.5}, "hold must be a '0x...' hex string, got 1.5"),
+    ({"hold": -1}, r"hold must be an int in \[0, 2\*\*63\)"),
+    ({"hold": "0x8000000000000000"}, r"hold must be an int in \[0, 2\*\*63\)"),
+    ({"pushed": True, "hold": "0x5"}, r"and 0 with pushed, got 5 \(pushed=True\)"),
     # JSON's 1e999 is inf: int(inf) raised OverflowError, which nothing caught, in the engine core.
     ({"remote_engine": {**REF.to_dict(), "tp_size": float("inf")}}, "tp_size must be an int, got inf"),
     ({"remote_engine": {**REF.to_dict(), "pp_size": 2.0}}, "pp_size must be an int, got 2.0"),

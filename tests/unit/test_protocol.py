@@ -15,6 +15,7 @@ from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.layout._plan import plan
 from ncclkv.protocol import (
     INCARNATION_RANDOM_BITS,
+    MAX_HOLD,
     MAX_SHAPE_DIMS,
     PROTOCOL_VERSION,
     Ack,
@@ -61,6 +62,7 @@ EXAMPLES = [
     HandshakeAck("decode-0", 0, True, ""),
     HandshakeAck("decode-0", 3, False, "num_kv_heads mismatch"),
     PullRequest("req-1", 0, "decode-0", (ROUTE, RouteMsg(1, 0, (16, 32), (0, 2), (5, 5))), 128),
+    PullRequest("req-1", 0, "decode-0", (), 128, 2**63 - 1),
     Announce("req-1", 3, ROUTE, (2, 128, 2, 128), "bfloat16", 2 * 128 * 2 * 128 * 2, 42, "kv-0123"),
     Ack("req-1", 42),
     Ack("req-1", None),
@@ -88,6 +90,7 @@ ids = st.text(min_size=1, max_size=12)
 nonneg = st.integers(min_value=0, max_value=2**63)
 positive = st.integers(min_value=1, max_value=4096)
 incarnations = st.integers(min_value=0, max_value=2**63 - 1)
+holds = st.integers(min_value=0, max_value=MAX_HOLD)
 pairs = st.tuples(nonneg, nonneg).map(lambda p: (min(p), max(p)))
 routes = st.builds(RouteMsg, nonneg, nonneg, pairs, pairs, pairs)
 layouts = st.builds(LayoutMsg, positive, positive, st.none() | st.lists(positive, max_size=4).map(tuple))
@@ -96,7 +99,7 @@ bodies = st.one_of(
     st.builds(Handshake, ids, st.sampled_from(["producer", "consumer", "both"]), nonneg, layouts, geometries, ids, nonneg, ids, ids,
               incarnation=incarnations),
     st.builds(HandshakeAck, ids, nonneg, st.booleans(), st.text(max_size=40)),
-    st.builds(PullRequest, ids, nonneg, ids, st.lists(routes, max_size=4).map(tuple), nonneg),
+    st.builds(PullRequest, ids, nonneg, ids, st.lists(routes, max_size=4).map(tuple), nonneg, holds),
     st.builds(Announce, ids, nonneg, routes, st.lists(nonneg, max_size=MAX_SHAPE_DIMS).map(tuple), ids, nonneg, nonneg, ids,
               st.none() | pairs),
     st.builds(Ack, ids, st.none() | nonneg),
@@ -197,12 +200,30 @@ def test_a_reset_must_name_the_incarnation_it_is_for(mutate, needle: str) -> Non
     assert decode(encode(RESET)).body == Reset("nothing heard for more than deadline_s=3.0s", 0x5EED)
 
 
-def test_the_protocol_version_counts_batched_layers() -> None:
+def test_the_protocol_version_counts_batched_layers_and_hold_numbers() -> None:
     """7 made incarnations grow with their channel's start time (a 6's are random, which a 7 would misorder), 8
-    added Announce.num_layers (a 7 refuses its field): each refuses the other's handshakes on the version."""
-    assert PROTOCOL_VERSION == 8
-    with pytest.raises(errors.HandshakeError, match="protocol_version mismatch: local 8, remote 7"):
-        check_compatible(handshake(), msgspec.structs.replace(handshake(role="consumer"), protocol_version=7))
+    added Announce.num_layers (a 7 refuses its field), 9 PullRequest.hold (an 8 refuses its field): each refuses
+    the other's handshakes on the version."""
+    assert PROTOCOL_VERSION == 9
+    for older in (7, 8):
+        with pytest.raises(errors.HandshakeError, match=f"protocol_version mismatch: local 9, remote {older}"):
+            check_compatible(handshake(), msgspec.structs.replace(handshake(role="consumer"), protocol_version=older))
+
+
+def test_a_pulls_hold_number_round_trips_defaults_to_0_and_is_bounded() -> None:
+    """PullRequest.hold: the hold of the request id a pull or decline is for (0: not named)."""
+    assert [f.name for f in msgspec.structs.fields(PullRequest)] == [
+        "request_id", "dst_rank", "consumer_engine_id", "routes", "num_tokens", "hold"]
+    pull = PullRequest("r", 0, "d", (ROUTE,), 32, hold=7)
+    assert decode(encode(Envelope("a", 1, None, pull))).body == pull
+    assert PullRequest("r", 0, "d", (), 32).hold == 0  # the default: not named
+    raw = msgspec.to_builtins(Envelope("a", 1, None, pull))
+    del raw["body"]["hold"]  # absent on the wire: 0
+    assert decode(msgspec.msgpack.encode(raw)).body.hold == 0
+    for bad in (-1, MAX_HOLD + 1, True, "7"):
+        raw["body"]["hold"] = bad
+        with pytest.raises(errors.ProtocolError):
+            decode(msgspec.msgpack.encode(raw))
 
 
 def test_an_announce_of_several_layers_round_trips_and_counts_at_least_one() -> None:
