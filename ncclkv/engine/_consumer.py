@@ -124,11 +124,12 @@ class ConsumerSide:
         # Pushes landed before they are expected; recycling looked up at each call, like the other hand-backs
         self._stage = PushStage(staging_bytes, lambda tensor: self._caches.recycle(tensor))
         # Pushes that failed before this rank expected them (refused here for room, or the producer's error),
-        # and expected requests that failed or were aborted, by request id: (when, producer engine id, why).
+        # and expected requests that failed or were aborted, by request id: (when, (producer engine id, why, whether
+        # it was a pull expected here)).
         # The producer gave up, so an expect() of a push from that producer fails at once instead of waiting
         # hold_s for tensors that never come; a pull again under the id is refused (ValueError), since the
         # ended one's tensors may still be on the way. Each kept hold_s, at most _MAX_REFUSALS.
-        self._refused: RecentEnds[tuple[str, NcclKVError]] = RecentEnds(hold_s, _MAX_REFUSALS)
+        self._refused: RecentEnds[tuple[str, NcclKVError, bool]] = RecentEnds(hold_s, _MAX_REFUSALS)
         # Pulls that ended here (served, failed, aborted) and pulls declined, by request id: the producer engine id.
         # A producer rank may answer one long after (a pull of nothing parked until its deadline_s): that error is
         # the pull's, not a push's failing before it was expected, and refuses nothing (see on_error).
@@ -181,7 +182,7 @@ class ConsumerSide:
             if ended is not None:
                 # The producer may still be sending the ended pull's tensors: a new pull under the same id would
                 # take them (and its own again), and its Done would count for the other.
-                since, why = ended
+                since, why, _ = ended
                 raise ValueError(f"request {request_id!r} from {producer.engine_id!r} ended here unloaded "
                                  f"{max(0.0, self._clock.now() - since):.3g}s ago ({why}); its late tensors "
                                  f"may still come for hold_s={self._hold_s:g}s: pull it under a new request id")
@@ -197,8 +198,10 @@ class ConsumerSide:
             if push:
                 self._refused.pop(request_id)
             if refused is not None:
-                error = refused[1]
-                req.error = type(error)(f"request {request_id!r}: its push failed before it was expected: {error}")
+                since, error, pulled = refused
+                what = (self._pull_ended(request_id, producer.engine_id, since) if pulled
+                        else "its push failed before it was expected")
+                req.error = type(error)(f"request {request_id!r}: {what}: {error}")
             taken = self._stage.take(request_id) if push else None
             if taken is not None:
                 staged, staged_tensors = taken
@@ -287,7 +290,8 @@ class ConsumerSide:
                     self._stats.record_request(req.error is not None)
                     self._note_ended_pull(req, now)
                     if req.error is not None:  # a late offer for it is refused, a pull of it again too
-                        self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error))
+                        self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error),
+                                               pulled=not req.push)
             self._refused.expire(now)
             self._pulled.expire(now)
             for request_id, staged in self._stage.expire(now, self._hold_s):  # pushed, never expected here
@@ -312,7 +316,8 @@ class ConsumerSide:
             if req is not None and req.error is None:
                 req.error = TransferError(f"request {request_id!r} aborted")
             if req is not None:  # a later offer for it is refused, not staged for no one; a pull of it again too
-                self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error))
+                self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error),
+                                       pulled=not req.push)
                 self._note_ended_pull(req, self._clock.now())
             self._cond.notify_all()
             limit = time.monotonic() + self._deadline_s
@@ -530,6 +535,9 @@ class ConsumerSide:
                 raise ProtocolError(f"push of {offer.request_id!r} from engine {offer.producer_engine_id!r}: "
                                     f"staged here from {staged.producer_engine_id!r}")  # never another's to fail
             refused = self._refusal(offer.request_id, offer.producer_engine_id)
+            if staged is None and refused is not None and refused[2]:  # no push failed: a pull of the id did
+                raise _refused_offer(offer, sender, refused[1],
+                                     self._pull_ended(offer.request_id, offer.producer_engine_id, refused[0]))
             failed = staged.error if staged is not None else refused[1] if refused is not None else None
             if failed is not None:  # another rank's part failed, or it was refused or expired: nothing to stage
                 raise _refused_offer(offer, sender, failed)
@@ -889,12 +897,13 @@ class ConsumerSide:
         elif staged.producer_engine_id == producer_engine_id and staged.error is None:  # else failed already
             self._stage.fail(request_id, staged, error)
 
-    def _remember_refusal(self, request_id: str, producer_engine_id: str, error: NcclKVError) -> None:
+    def _remember_refusal(self, request_id: str, producer_engine_id: str, error: NcclKVError,
+                          pulled: bool = False) -> None:
         """Under ``self._cond``: record that ``request_id`` from ``producer_engine_id`` ended with ``error`` (a push
-        refused, failed or expired here; an expected request failed or aborted): an expect() of its push fails
-        at once with it, a pull of it again is refused (see ``_refused``)."""
+        refused, failed or expired here; an expected request failed or aborted, ``pulled`` if it was a pull): an
+        expect() of its push fails at once with it, a pull of it again is refused (see ``_refused``)."""
         # Its type and text, not the error itself: a traceback would keep its frames' buffers alive for hold_s.
-        self._refused.note(request_id, self._clock.now(), (producer_engine_id, type(error)(str(error))))
+        self._refused.note(request_id, self._clock.now(), (producer_engine_id, type(error)(str(error)), pulled))
 
     def _note_ended_pull(self, req: _Expected, now: float) -> None:
         """Under ``self._cond``: ``req`` ended here (reported or aborted); if it was a pull, a producer's error for
@@ -908,13 +917,20 @@ class ConsumerSide:
         entry = self._pulled.get(request_id)
         return entry is not None and entry[1] == producer_engine_id and self._stage.get(request_id) is None
 
-    def _refusal(self, request_id: str, producer_engine_id: str) -> tuple[float, NcclKVError] | None:
-        """Under ``self._cond``: (when, error) if ``request_id`` from ``producer_engine_id`` ended here (see
-        ``_remember_refusal``); None if not, or from another producer."""
+    def _refusal(self, request_id: str, producer_engine_id: str) -> tuple[float, NcclKVError, bool] | None:
+        """Under ``self._cond``: (when, error, whether it was a pull expected here) if ``request_id`` from
+        ``producer_engine_id`` ended here (see ``_remember_refusal``); None if not, or from another producer."""
         entry = self._refused.get(request_id)
         if entry is None or entry[1][0] != producer_engine_id:
             return None
-        return entry[0], entry[1][1]
+        return entry[0], entry[1][1], entry[1][2]
+
+    def _pull_ended(self, request_id: str, producer_engine_id: str, since: float) -> str:
+        """Why a push of ``request_id`` from ``producer_engine_id`` is refused when a pull of it ended here
+        unloaded at ``since`` (no push failed): the pull's tensors, announced for that id, would land in it."""
+        return (f"a pull of it from {producer_engine_id!r} failed or was aborted here "
+                f"{max(0.0, self._clock.now() - since):.3g}s ago; its tensors may still arrive, so the id from that "
+                f"producer is refused until hold_s={self._hold_s:g}s have passed; the pull's cause")
 
     def _stall_at(self, req: _Expected) -> float:
         """When ``req`` counts as stalled (see ``_stall_limit``)."""
@@ -987,10 +1003,11 @@ def _as_ncclkv(error: BaseException) -> NcclKVError:
     return error if isinstance(error, NcclKVError) else TransferError(f"{type(error).__name__}: {error}")
 
 
-def _refused_offer(offer: PushOffer, sender: str, failed: BaseException) -> NcclKVError:
-    """What an offer for a push that already failed here is refused with: ``failed``'s type, naming it."""
-    return type(_as_ncclkv(failed))(f"push of {offer.request_id!r} from {sender!r} refused: it already failed "
-                                    f"here: {failed}")
+def _refused_offer(offer: PushOffer, sender: str, failed: BaseException,
+                   why: str = "it already failed here") -> NcclKVError:
+    """What an offer for a push that already failed here (or, ``why`` says, whose id is refused here for
+    another reason) is refused with: ``failed``'s type, naming it."""
+    return type(_as_ncclkv(failed))(f"push of {offer.request_id!r} from {sender!r} refused: {why}: {failed}")
 
 
 def _offered_blocks(offer: PushOffer, sender: str) -> BlockTokens | None:

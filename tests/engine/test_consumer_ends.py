@@ -139,7 +139,8 @@ def test_a_push_under_the_id_of_a_pull_that_failed_here_is_refused_like_a_pull_a
     again under X is refused (ValueError): the failed pull's tensors may still come for hold_s. A push under X
     would take them the same way (they are announced for X from that producer), so it is refused as well:
     its expect() fails at once with the pull's cause, and its offer is refused, instead of landing late pull
-    tensors over the push's KV or failing on them later. By design; this guards it."""
+    tensors over the push's KV or failing on them later. By design; this guards it. The refusal says so: no
+    push failed (it used to say "its push failed before it was expected" and "it already failed here")."""
     hub = LoopbackHub()
     prefill = build_sides("prefill", ONE, GQA, CacheLayout.CPU, 16, "producer", hold_s=30.0,
                           transports=[LoopbackTransport(hub)])
@@ -157,11 +158,20 @@ def test_a_push_under_the_id_of_a_pull_that_failed_here_is_refused_like_a_pull_a
         prefill[0].fill(seed=5, block_ids=[3, 4], num_tokens=32)
         _push(prefill[0], "X", ref, [3, 4], 32)
         refused = _sent(prefill[0], "X")
-        assert isinstance(refused, TransferError) and "already failed here" in str(refused), refused
+        # The words say what happened (no push failed; before, "it already failed here" and "its push failed
+        # before it was expected" said one did).
+        said = "a pull of it from 'prefill' failed or was aborted here "
+        assert isinstance(refused, TransferError) and said in str(refused), refused
+        assert "its tensors may still arrive, so the id from that producer is refused until hold_s=600s have " \
+               "passed; the pull's cause: " in str(refused), refused
         assert "is no longer held" in str(refused) and prefill[0].engine.stats().tensors_sent == 0, refused
+        assert "already failed" not in str(refused), refused
         decode[0].engine.expect("X", producer, [5, 6], 32, push=True)
-        with pytest.raises(TransferError, match="its push failed before it was expected: .*is no longer held"):
+        with pytest.raises(TransferError) as raised:
             decode[0].engine.wait("X", timeout_s=WAIT_S)
+        text = str(raised.value)
+        assert text.startswith(f"request 'X': {said}") and "its tensors may still arrive" in text, text
+        assert "is no longer held" in text and "push failed" not in text, text
     finally:
         close_sides(prefill, decode)
 

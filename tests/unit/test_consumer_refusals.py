@@ -133,6 +133,6 @@ def test_a_push_declined_before_it_was_staged_is_remembered(
     consumer, _, _ = side
     producer: Any = SimpleNamespace(engine_id="prefill")
     consumer.decline("d", producer, push=True)
-    _, (engine_id, error) = consumer._refused.get("d")  # noqa: SLF001
-    assert engine_id == "prefill" and isinstance(error, TransferError)
+    _, (engine_id, error, pulled) = consumer._refused.get("d")  # noqa: SLF001
+    assert engine_id == "prefill" and isinstance(error, TransferError) and not pulled
     assert str(error) == "push of 'd' was declined here (its request ended unloaded)"
