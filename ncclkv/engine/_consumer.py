@@ -118,8 +118,6 @@ class ConsumerSide:
         self._stats, self._deadline_s = stats, deadline_s
         self._cond = threading.Condition()
         self._requests: dict[str, _Expected] = {}
-        self._recv_seq: dict[str, int] = {}  # link id -> seq the next announcement must carry
-        peers.on_link_gone(lambda link_id: self._recv_seq.pop(link_id, None))
         self._hold_s = hold_s
         # Pushes landed before they are expected; recycling looked up at each call, like the other hand-backs
         self._stage = PushStage(staging_bytes, lambda tensor: self._caches.recycle(tensor))
@@ -377,12 +375,12 @@ class ConsumerSide:
                         sender, ann.link, error)
             self._fail_announced(peer.remote.engine_id, ann.request_id, _as_ncclkv(error))
             return
-        want_seq = self._recv_seq.get(link.link_id, 0)
+        want_seq = peer.heard_seq  # the link's: when_open runs one announcement of a link at a time, in order
         if ann.seq != want_seq:
             self._peers.drop(sender, f"announcement seq {ann.seq}, expected {want_seq}")
             self.fail_peer(sender, ProtocolError(f"{sender!r} announced seq {ann.seq}, expected {want_seq}"))
             return
-        self._recv_seq[link.link_id] = want_seq + 1
+        peer.heard_seq = want_seq + 1
         # The tensor is on its way whatever we make of it: one receive must be posted for it (its wire buffer, or
         # scratch), or the link's next receive takes its bytes and every later request lands wrong KV silently.
         try:

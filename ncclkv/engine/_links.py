@@ -73,6 +73,11 @@ class Peer:
     # The channel's loss_seq it was made under (-1: as the responder, older than every loss reported after it):
     # a loss reported with a higher count ends it, one with a count up to this came before it.
     stamp: int = -1
+    # Announcement sequence numbers on its link (see "The ordering rule"): the next one our producer side sends,
+    # and the next one our consumer side must hear. Here, not in maps by link id, so they go with the link: a
+    # map's entry removed when the link went could be written again by an announcement racing the removal.
+    sent_seq: int = 0
+    heard_seq: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -124,7 +129,6 @@ class PeerLinks:
         # may send on a different one, so a receiver finds the link an
         # announcement names, not just the newest.
         self._links: dict[str, Peer] = {}
-        self._gone_hooks: list[Callable[[str], None]] = []  # told each link id that leaves _links
         self._connecting: dict[str, _Gate] = {}  # only peers with an ensure() in progress
         self._waiting: dict[str, _Waiting] = {}  # link id -> what waits for that link to open (when_open)
         self._lives: OrderedDict[str, _Lives] = OrderedDict()  # peer id -> its lives we shook hands with
@@ -293,6 +297,11 @@ class PeerLinks:
             raise ProtocolError(f"{peer_id!r} names link {link_id!r}, which is not open between us")
         return peer
 
+    def kept(self, link_id: str) -> Peer | None:
+        """The handshake whose link ``link_id`` is kept here (open or opening); None once it was dropped."""
+        with self._lock:
+            return self._links.get(link_id)
+
     def when_open(self, peer: Peer, then: OnOpen) -> None:
         """Call ``then(link, None)`` once ``peer``'s link is open, or ``then(None, error)`` once it cannot be: it
         failed to open (its error: a TransferTimeout naming the link after the open's deadline_s), or it was
@@ -327,15 +336,9 @@ class PeerLinks:
             else:  # on the thread that settles it (ensure()'s, or the link opener's), or here if it just did
                 peer.link.add_done_callback(lambda _: self._run_waiting(waiting))
 
-    def on_link_gone(self, hook: Callable[[str], None]) -> None:
-        """Call ``hook(link_id)`` for every link forgotten from now on (dropped, replaced, failed to open), so
-        what others keep per link id (announcement sequence numbers) goes with it."""
-        self._gone_hooks.append(hook)
-
     def _retire(self, peers: Sequence[Peer], reason: BaseException | str | None = None) -> None:
         """Close the links of ``peers``, already out of ``_links`` (one still opening once it opens), fail what
-        waits for them to open (``when_open``: at once, not when the open ends), and tell the ``on_link_gone``
-        hooks."""
+        waits for them to open (``when_open``: at once, not when the open ends)."""
         for peer in peers:
             with self._lock:
                 waiting = self._waiting.get(peer.link_id) if peer.link_id is not None else None
@@ -344,9 +347,6 @@ class PeerLinks:
             if waiting is not None:
                 self._run_waiting(waiting)
             _close_link(peer)
-            if peer.link_id is not None:
-                for hook in self._gone_hooks:
-                    hook(peer.link_id)
 
     def drop(self, peer_id: str, reason: BaseException | str, before: int | None = None) -> None:
         """Forget ``peer_id`` and close every link to it, a link still opening once it opens; the next ``ensure``

@@ -91,8 +91,6 @@ class ProducerSide:
         self._finished: dict[str, BaseException | None] = {}
         # Held requests reported since at most hold_s, by id: (its hold number, why it ended).
         self._ended: RecentEnds[tuple[int, str]] = RecentEnds(hold_s, MAX_ENDED_HOLDS)
-        self._seq: dict[str, int] = {}  # per link id: the seq the next announce carries
-        peers.on_link_gone(lambda link_id: self._seq.pop(link_id, None))
         self._pusher = Pusher(rank, layout, geometry, caches, channel, peers, executor, self._announcer,
                               self._pushed, stats, piece_bytes, last_piece_bytes)
 
@@ -442,13 +440,17 @@ class ProducerSide:
         piece_msg = None if piece == route.tokens else (piece.start, piece.stop)
 
         def take_and_announce() -> torch.Tensor:  # on the link's send thread, in send order, as it posts
+            peer = self._peers.kept(link.link_id)  # the link's counter is on its handshake (Peer.sent_seq)
+            if peer is None:  # dropped meanwhile (closed: this send would fail at its post anyway)
+                raise PeerLostError(f"link {link.link_id!r} to {sender!r} was dropped before {request_id!r} layer "
+                                    f"{layer} was announced on it")
             buf = lease.take(piece, route.heads, num_layers)
-            seq = self._seq.get(link.link_id, 0)
+            seq = peer.sent_seq
             self._channel.send(sender, Announce(
                 request_id, layer, RouteMsg.from_route(route), tuple(buf.shape), self._geometry.dtype,
                 buf.numel() * buf.element_size(), seq, link.link_id, piece_msg, num_layers,
             ))
-            self._seq[link.link_id] = seq + 1  # only once announced: a send that failed leaves no gap
+            peer.sent_seq = seq + 1  # only once announced: a send that failed leaves no gap
             return buf
 
         def gather(buf: torch.Tensor) -> None:

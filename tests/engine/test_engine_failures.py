@@ -436,11 +436,16 @@ def test_what_is_kept_per_link_goes_with_the_link() -> None:
     with _pair() as (prefill, decode):
         start_pull("r", prefill, decode, 8, [1, 2], [1, 2], 20)
         decode[0].engine.wait("r", timeout_s=WAIT_S)
-        producer, consumer = prefill[0].engine._producer, decode[0].engine._consumer  # noqa: SLF001
-        assert len(producer._seq) == len(consumer._recv_seq) == 1  # noqa: SLF001 - the link's next seq
-        prefill[0].engine._peers.drop("decode.r0", "test: the consumer went away")  # noqa: SLF001
-        decode[0].engine._peers.drop("prefill.r0", "test: the producer went away")  # noqa: SLF001
-        assert producer._seq == {} and consumer._recv_seq == {}  # noqa: SLF001 - one entry per link ever, before
+        assert wait_sent(prefill[0], "r")["r"] is None  # its sends ended, and were counted, before it is reported
+        p_peers, d_peers = prefill[0].engine._peers, decode[0].engine._peers  # noqa: SLF001
+        sent, heard = p_peers.get("decode.r0"), d_peers.get("prefill.r0")
+        assert sent is not None and heard is not None and sent.link_id == heard.link_id
+        # The link's announcement counters are on its record at each end, and agree: every tensor announced.
+        assert sent.sent_seq == heard.heard_seq == prefill[0].engine.stats().tensors_sent > 0
+        p_peers.drop("decode.r0", "test: the consumer went away")
+        d_peers.drop("prefill.r0", "test: the producer went away")
+        # Nothing of the link is kept (its counters went with its record; before, maps by link id kept them).
+        assert p_peers.kept(sent.link_id) is None and d_peers.kept(heard.link_id) is None
 
 
 def _staging(side: RankSide) -> tuple[int, int]:

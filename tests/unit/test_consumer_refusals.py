@@ -35,7 +35,7 @@ def side() -> Iterator[tuple[ConsumerSide, FakeTime, ActiveClock]]:
     time = FakeTime()
     clock = ActiveClock(TICK_S, monotonic=time)
     channel: Any = SimpleNamespace(clock=clock)
-    peers: Any = SimpleNamespace(on_link_gone=lambda _: None)
+    peers: Any = SimpleNamespace()
     with ThreadPoolExecutor(max_workers=1) as executor:
         consumer = ConsumerSide("decode", 0, ONE, GEOMETRY, RankCaches(ONE, GEOMETRY, 0, 0), channel, peers,
                                 executor, EngineStats(), deadline_s=5.0, staging_bytes=1024, hold_s=HOLD_S)
