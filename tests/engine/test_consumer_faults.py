@@ -215,6 +215,9 @@ def test_close_fails_expected_requests_and_wakes_their_waiters() -> None:
         decode[0].engine.expect("r", engine_ref("prefill", ONE, prefill), [1, 2], 20)  # its pull waits: not held
         early = prefill[0].engine._producer._early  # noqa: SLF001
         _until(lambda: "r" in early, "the pull parked at the producer")
+        # and acknowledged here: else the close can fail it first, as the pull's ("... while waiting for a reply")
+        req = decode[0].engine._consumer._requests["r"]  # noqa: SLF001
+        _until(lambda: req.unsent == 0, "the pull's acknowledgement")
         got: dict[str, BaseException | bool] = {}
         waiting = threading.Barrier(3, timeout=WAIT_S)
 
