@@ -1004,8 +1004,13 @@ def _as_ncclkv(error: BaseException) -> NcclKVError:
 def _refused_offer(offer: PushOffer, sender: str, failed: BaseException,
                    why: str = "it already failed here") -> NcclKVError:
     """What an offer for a push that already failed here (or, ``why`` says, whose id is refused here for
-    another reason) is refused with: ``failed``'s type, naming it."""
-    return type(_as_ncclkv(failed))(f"push of {offer.request_id!r} from {sender!r} refused: {why}: {failed}")
+    another reason) is refused with: ``failed``'s type, naming it. Not a :class:`PeerResetError`: that answer
+    (``peer_reset``) tells the offering rank that we hold no handshake with it, and it would drop its link to
+    us and offer once more, for another rank's reset; a :class:`PeerLostError` says the same words."""
+    kind = type(_as_ncclkv(failed))
+    if issubclass(kind, PeerResetError):
+        kind = PeerLostError
+    return kind(f"push of {offer.request_id!r} from {sender!r} refused: {why}: {failed}")
 
 
 def _offered_blocks(offer: PushOffer, sender: str) -> BlockTokens | None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ncclkv.errors import PeerLostError, TransferError
+from ncclkv.errors import PeerLostError, PeerResetError, TransferError
 from ncclkv.layout import ParallelLayout, Span
 from ncclkv.paged import CacheLayout
 from ncclkv.transport import LoopbackHub, LoopbackTransport
@@ -207,5 +207,40 @@ def test_many_link_drops_leave_nothing_kept_for_gone_links() -> None:
         assert not consumer._requests and consumer._stage.items() == [] and not producer._held  # noqa: SLF001
         assert not producer._early and not producer._parked_by and consumer._decliner.queued == 0  # noqa: SLF001
         assert len(consumer._pulled) == 60 and len(consumer._refused) == 0  # noqa: SLF001 - bounded, expire after hold_s
+    finally:
+        close_sides(prefill, decode)
+
+
+def test_an_offer_refused_for_another_ranks_reset_does_not_reset_the_offering_rank() -> None:
+    """An expected push fails here with producer rank 1's PeerResetError (it restarted); producer rank 0's offer
+    comes after and is refused. The refusal carried the failure's own type, so it reached rank 0 as a
+    ``peer_reset`` answer, which means "this consumer holds no handshake with you": rank 0 forgot its handshake
+    with this consumer, closing its data link (and whatever else was on it), shook hands again, offered once
+    more and was refused the same way, its push failing with a PeerResetError about a reset it never had. It is
+    refused as a PeerLostError now (the same words), and rank 0 keeps its link."""
+    hub = LoopbackHub()
+    prefill = build_sides("prefill", TWO, GQA, CacheLayout.CPU, 16, "producer",
+                          transports=[LoopbackTransport(hub), LoopbackTransport(hub)])
+    decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer", hold_s=600.0,
+                         transports=[LoopbackTransport(hub)])
+    try:
+        start_pull("warm", prefill, decode, 1, [2, 3], [2, 3], 20)  # both producer ranks shake hands with it
+        decode[0].engine.wait("warm", timeout_s=WAIT_S)
+        for side in prefill:
+            assert wait_sent(side, "warm")["warm"] is None
+        link_before = prefill[0].engine._peers.get("decode.r0").link_id  # noqa: SLF001
+        ref, producer = engine_ref("decode", ONE, decode), engine_ref("prefill", TWO, prefill)
+        decode[0].engine.expect("p", producer, [0, 1], 32, push=True)
+        # What the channel reports when producer rank 1 restarted under its peer id (on the dispatcher).
+        decode[0].engine._on_peer_lost("prefill.r1", PeerResetError("test: 'prefill.r1' restarted"))  # noqa: SLF001
+        req = decode[0].engine._consumer._requests["p"]  # noqa: SLF001 - not reported yet
+        assert isinstance(req.error, PeerResetError), req.error
+        prefill[0].fill(seed=2, block_ids=[0, 1], num_tokens=32)
+        _push(prefill[0], "p", ref, [0, 1], 32)
+        error = _sent(prefill[0], "p")
+        assert isinstance(error, PeerLostError) and "already failed here" in str(error), error
+        assert not isinstance(error, PeerResetError), error  # rank 0's handshake was never reset
+        assert "'prefill.r1' restarted" in str(error), error
+        assert prefill[0].engine._peers.get("decode.r0").link_id == link_before  # noqa: SLF001 - its link kept
     finally:
         close_sides(prefill, decode)
