@@ -145,7 +145,7 @@ class ProducerSide:
         with self._lock:
             held = self._held.get(pull.request_id)
             ended = self._ended_reason_locked(pull.request_id, held, pull.hold)
-            if ended is None and held is not None:
+            if ended is None and held is not None and not held.released:
                 ended = _other_hold(pull, held.hold)
             if ended is not None:
                 if not pull.routes:
@@ -153,7 +153,9 @@ class ProducerSide:
                     return Ack(pull.request_id, None)
                 log.info("refused pull %s from %s: %s", pull.request_id, sender, ended)
                 return ErrorMsg(pull.request_id, ErrorCode.UNKNOWN_REQUEST, ended[:MAX_TEXT_CHARS])
-            if held is None:
+            # Not held yet; or released, not yet reported, and the pull is for another hold (one to come): it
+            # waits for that hold, as it would once this one is reported (_ended_reason_locked).
+            if held is None or held.released:
                 self._check_room_to_park(sender, pull.request_id)
                 parked = (sender, pull, self._channel.clock.now() + self._deadline_s)
                 self._early.setdefault(pull.request_id, []).append(parked)

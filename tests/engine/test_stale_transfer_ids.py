@@ -262,3 +262,29 @@ def test_a_hold_number_is_an_int_below_2_63_and_only_for_pulls(sides: dict[str, 
     with pytest.raises(ValueError, match="a push has none"):
         d1.engine.decline("X", ref, push=True, hold=5)
     assert p.engine.num_in_flight == 0 and d1.engine.num_in_flight == 0
+
+
+def test_a_pull_for_the_next_hold_waits_while_the_hold_before_is_released_but_not_yet_reported(
+        sides: dict[str, RankSide]) -> None:
+    """X's hold 1 is released; before take_finished_sending reports it, D1's pull of hold 2 comes (the producer
+    is about to hold X again; its caller learns hold 1 ended at its next poll). A pull of hold 1 then would be
+    answered with why it ended, as after the report, and a pull of another number after the report waits for
+    its hold; this one was refused instead ("held here as hold 1, the pull is for hold 2"), D1 failing at once.
+    It waits now, and hold 2 serves it."""
+    p, d1 = sides["P"], sides["D1"]
+    ref = engine_ref("P", ONE, [p])
+    p.engine.finish("X", [0, 1, 2, 3], TOKENS, hold=1)
+    assert p.engine.release("X")  # not reported yet: no take_finished_sending
+
+    d1.engine.expect("X", ref, [0, 1, 2, 3], TOKENS, hold=2)
+    req = d1.engine._consumer._requests["X"]  # noqa: SLF001
+    _until("D1's pull answered", lambda: not req.unsent or req.error is not None)
+    assert req.error is None, req.error
+    assert [pull.hold for _, pull, _ in p.engine._producer._early.get("X", ())] == [2]  # noqa: SLF001
+
+    assert isinstance(wait_sent(p, "X")["X"], TransferError)  # hold 1 reported
+    p.fill(9, [8, 9, 10, 11], TOKENS)
+    p.engine.finish("X", [8, 9, 10, 11], TOKENS, hold=2)
+    d1.engine.wait("X", WAIT_S)
+    assert d1.mismatches(9, [0, 1, 2, 3], TOKENS, Span(0, TOKENS)) == []
+    assert wait_sent(p, "X")["X"] is None
