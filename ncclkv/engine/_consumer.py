@@ -592,6 +592,11 @@ class ConsumerSide:
                 log.warning("ignored error for %s from %s, not its producer: %s", err.request_id, sender, err.text)
                 return
             rank = split_peer_id(sender)[1]
+            if not req.push and not req.per_src.get(rank):
+                # A rank this pull takes nothing from (its pull of nothing, or an earlier one under the id, parked
+                # there until that rank's deadline_s): only logged, as when sending that pull of nothing failed.
+                log.info("error from %s for %s, which takes nothing from it: %s", sender, err.request_id, err.text)
+                return
             link = req.links.get(rank)
             if link is not None and link.broken is not None and _awaits(req, rank):
                 # We broke that link (a tensor other than announced, a receive that failed): the producer's sends

@@ -244,3 +244,38 @@ def test_an_offer_refused_for_another_ranks_reset_does_not_reset_the_offering_ra
         assert prefill[0].engine._peers.get("decode.r0").link_id == link_before  # noqa: SLF001 - its link kept
     finally:
         close_sides(prefill, decode)
+
+
+def test_a_late_error_for_an_earlier_pull_of_nothing_does_not_fail_the_ids_next_hold(
+        tp2: tuple[list[RankSide], list[RankSide]]) -> None:
+    """As above, but the id is held again (hold 2) and pulled by consumer rank 0 before producer rank 1 answers hold
+    1's pull of nothing: hold 2 lands whole from rank 0, rank 1 holds it too and takes hold 2's pull of nothing.
+    Rank 1's late timeout for hold 1's pull (an ErrorMsg naming only the id) failed hold 2 here, although that
+    rank owes it nothing; a failure sending a pull of nothing was only logged. Such an error from a rank the pull
+    takes nothing from is only logged now."""
+    prefill, decode = tp2
+    producer = engine_ref("prefill", TWO, prefill)
+    prefill[0].fill(seed=3, block_ids=[1, 2], num_tokens=20)
+    prefill[0].engine.finish("X", [1, 2], 20, hold=1)  # rank 1 never holds hold 1
+    late = _after_calls(decode[0].engine._consumer, "on_error", 1, lambda sender, err: err.request_id == "X")  # noqa: SLF001
+    decode[0].engine.expect("X", producer, [1, 2], 20, hold=1)
+    decode[1].engine.decline("X", producer, hold=1)
+    decode[0].engine.wait("X", timeout_s=WAIT_S)
+    assert _outcomes(decode[0], "X") == {"X": None}
+    assert wait_sent(prefill[0], "X")["X"] is None
+    parked = prefill[1].engine._producer._early  # noqa: SLF001
+    _until(lambda: len(parked.get("X", ())) == 2, "hold 1's pull of nothing and decline parked on rank 1")
+    clock = prefill[1].engine._channel.clock  # noqa: SLF001 - hold 2's pull parks a second after hold 1's
+    first = max(deadline for _, _, deadline in parked["X"])
+    _until(lambda: clock.now() > first - 1.0, "a second on rank 1's clock")
+
+    prefill[0].fill(seed=4, block_ids=[3, 4], num_tokens=20)
+    prefill[0].engine.finish("X", [3, 4], 20, hold=2)
+    decode[0].engine.expect("X", producer, [5, 6], 20, hold=2)
+    decode[0].engine.wait("X", timeout_s=WAIT_S)  # landed whole from rank 0, not reported yet
+    _until(lambda: prefill[1].engine.take_finished_sending() == {} and late.is_set(), "rank 1's late ErrorMsg")
+    assert [pull.hold for _, pull, _ in parked["X"]] == [2]  # hold 2's pull of nothing still waits there
+    prefill[1].fill(seed=4, block_ids=[3, 4], num_tokens=20)
+    prefill[1].engine.finish("X", [3, 4], 20, hold=2)  # and is served
+    assert decode[0].mismatches(4, [5, 6], 20, Span(0, 20)) == []
+    assert _outcomes(decode[0], "X") == {"X": None}
