@@ -201,12 +201,18 @@ def test_many_link_drops_leave_nothing_kept_for_gone_links() -> None:
             peers = engine._peers  # noqa: SLF001
             live = set(peers._links)  # noqa: SLF001
             assert len(live) <= 1 and not peers._waiting and not peers._connecting, (live, peers._waiting)  # noqa: SLF001
-            # The announcement counters live on each link's Peer (sent_seq, heard_seq): no map by link id is kept.
-            assert not hasattr(engine._consumer, "_recv_seq") and not hasattr(engine._producer, "_seq")  # noqa: SLF001
+            # The announcement counters live on each link's Peer (sent_seq, heard_seq): only a live link's are kept.
+        # A link made after all those drops counts from 0 at both ends: what one end sent, the other heard.
+        start_pull("last", prefill, decode, 60, [1, 2], [1, 2], 20)
+        d_engine.wait("last", timeout_s=WAIT_S)
+        assert wait_sent(prefill[0], "last")["last"] is None
+        assert _outcomes(decode[0], "last") == {"last": None}
+        sent, heard = p_engine._peers.get("decode.r0"), d_engine._peers.get("prefill.r0")  # noqa: SLF001
+        assert sent.link_id == heard.link_id and sent.sent_seq == heard.heard_seq > 0, (sent, heard)
         consumer, producer = d_engine._consumer, p_engine._producer  # noqa: SLF001
         assert not consumer._requests and consumer._stage.items() == [] and not producer._held  # noqa: SLF001
         assert not producer._early and not producer._parked_by and consumer._decliner.queued == 0  # noqa: SLF001
-        assert len(consumer._pulled) == 60 and len(consumer._refused) == 0  # noqa: SLF001 - bounded, expire after hold_s
+        assert len(consumer._pulled) == 61 and len(consumer._refused) == 0  # noqa: SLF001 - bounded, expire after hold_s
     finally:
         close_sides(prefill, decode)
 
