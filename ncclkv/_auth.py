@@ -320,8 +320,11 @@ class HandshakeWatch:
                  f"succeeded, while a ZMQ server answers there")
         if self._server_key is None:
             return f"{ended}: it uses CURVE while this channel does not ({_SAME_SETTINGS})"
+        # A server without CURVE ends them the same way when it reads our greeting before we read its (which
+        # would name the mechanism mismatch): both stay possible here.
         return (f"{ended}: it cannot open our CURVE hello, so the server key we were given for it ({self._server_key}) "
-                f"is not its key (NCCLKV_CURVE_SERVER_KEY, or connect()'s server_key; {_SAME_SETTINGS})")
+                f"is not its key, or it does not use CURVE (NCCLKV_CURVE_SERVER_KEY, or connect()'s server_key; "
+                f"{_SAME_SETTINGS})")
 
     def _suspect(self, value: int) -> str:
         # errno's table, not strerror(): see IoLoop._drain on strerror's lock
