@@ -40,6 +40,20 @@ def tp2() -> Iterator[tuple[list[RankSide], list[RankSide]]]:
         close_sides(prefill, decode)
 
 
+@pytest.fixture
+def tp2_to_one() -> Iterator[tuple[list[RankSide], list[RankSide]]]:
+    """A producer of two TP ranks and a consumer of one on one loopback hub: the consumer takes bytes from both."""
+    hub = LoopbackHub()
+    prefill = build_sides("prefill", TWO, GQA, CacheLayout.CPU, 16, "producer",
+                          transports=[LoopbackTransport(hub), LoopbackTransport(hub)])
+    decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer", hold_s=600.0,
+                         transports=[LoopbackTransport(hub)])
+    try:
+        yield prefill, decode
+    finally:
+        close_sides(prefill, decode)
+
+
 def test_losing_a_producer_rank_keeps_a_staged_push_that_owes_nothing_from_it(
         tp2: tuple[list[RankSide], list[RankSide]]) -> None:
     """Consumer rank 0 stages a push whose bytes all come from producer rank 0 when producer rank 1 closes.
@@ -78,32 +92,26 @@ def test_losing_a_producer_rank_keeps_a_staged_push_that_owes_nothing_from_it(
     assert decode[0].mismatches(2, [5, 6], 32, Span(0, 32)) == []
 
 
-def test_an_offer_for_an_expected_push_that_already_failed_is_refused_at_once() -> None:
+def test_an_offer_for_an_expected_push_that_already_failed_is_refused_at_once(
+        tp2_to_one: tuple[list[RankSide], list[RankSide]]) -> None:
     """Producer rank 0 finishes its push with layers unsaved: its ErrorMsg fails the expected request here. Rank
     1's offer comes after, before the request is reported. Before, it was acknowledged, and every tensor of it
     crossed the link only to be drained, the producer told its push succeeded."""
-    hub = LoopbackHub()
-    prefill = build_sides("prefill", TWO, GQA, CacheLayout.CPU, 16, "producer",
-                          transports=[LoopbackTransport(hub), LoopbackTransport(hub)])
-    decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer", hold_s=600.0,
-                         transports=[LoopbackTransport(hub)])
-    try:
-        ref = engine_ref("decode", ONE, decode)
-        decode[0].engine.expect("p", engine_ref("prefill", TWO, prefill), [0, 1], 32, push=True)
-        _push(prefill[0], "p", ref, [0, 1], 32, range(2))  # half its layers: it fails, and tells the consumer
-        assert isinstance(_sent(prefill[0], "p"), TransferError)
-        req = decode[0].engine._consumer._requests["p"]  # noqa: SLF001 - not reported yet: no take_finished
-        _until(lambda: req.error is not None, "p failed by rank 0's error")
-        received_before = decode[0].engine.stats().tensors_received
-        _push(prefill[1], "p", ref, [0, 1], 32)
-        error = _sent(prefill[1], "p")
-        assert isinstance(error, TransferError) and "already failed here" in str(error), error
-        assert "layers [2, 3] were saved" in str(error) or "were not saved" in str(error), error
-        assert prefill[1].engine.stats().tensors_sent == 0  # nothing crossed the link for nothing
-        assert decode[0].engine.stats().tensors_received == received_before
-        assert isinstance(_outcomes(decode[0], "p")["p"], TransferError)
-    finally:
-        close_sides(prefill, decode)
+    prefill, decode = tp2_to_one
+    ref = engine_ref("decode", ONE, decode)
+    decode[0].engine.expect("p", engine_ref("prefill", TWO, prefill), [0, 1], 32, push=True)
+    _push(prefill[0], "p", ref, [0, 1], 32, range(2))  # half its layers: it fails, and tells the consumer
+    assert isinstance(_sent(prefill[0], "p"), TransferError)
+    req = decode[0].engine._consumer._requests["p"]  # noqa: SLF001 - not reported yet: no take_finished
+    _until(lambda: req.error is not None, "p failed by rank 0's error")
+    received_before = decode[0].engine.stats().tensors_received
+    _push(prefill[1], "p", ref, [0, 1], 32)
+    error = _sent(prefill[1], "p")
+    assert isinstance(error, TransferError) and "already failed here" in str(error), error
+    assert "layers [2, 3] were saved" in str(error) or "were not saved" in str(error), error
+    assert prefill[1].engine.stats().tensors_sent == 0  # nothing crossed the link for nothing
+    assert decode[0].engine.stats().tensors_received == received_before
+    assert isinstance(_outcomes(decode[0], "p")["p"], TransferError)
 
 
 def test_a_late_error_for_a_pull_that_ended_here_refuses_nothing_later(
@@ -217,39 +225,33 @@ def test_many_link_drops_leave_nothing_kept_for_gone_links() -> None:
         close_sides(prefill, decode)
 
 
-def test_an_offer_refused_for_another_ranks_reset_does_not_reset_the_offering_rank() -> None:
+def test_an_offer_refused_for_another_ranks_reset_does_not_reset_the_offering_rank(
+        tp2_to_one: tuple[list[RankSide], list[RankSide]]) -> None:
     """An expected push fails here with producer rank 1's PeerResetError (it restarted); producer rank 0's offer
     comes after and is refused. The refusal carried the failure's own type, so it reached rank 0 as a
     ``peer_reset`` answer, which means "this consumer holds no handshake with you": rank 0 forgot its handshake
     with this consumer, closing its data link (and whatever else was on it), shook hands again, offered once
     more and was refused the same way, its push failing with a PeerResetError about a reset it never had. It is
     refused as a PeerLostError now (the same words), and rank 0 keeps its link."""
-    hub = LoopbackHub()
-    prefill = build_sides("prefill", TWO, GQA, CacheLayout.CPU, 16, "producer",
-                          transports=[LoopbackTransport(hub), LoopbackTransport(hub)])
-    decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer", hold_s=600.0,
-                         transports=[LoopbackTransport(hub)])
-    try:
-        start_pull("warm", prefill, decode, 1, [2, 3], [2, 3], 20)  # both producer ranks shake hands with it
-        decode[0].engine.wait("warm", timeout_s=WAIT_S)
-        for side in prefill:
-            assert wait_sent(side, "warm")["warm"] is None
-        link_before = prefill[0].engine._peers.get("decode.r0").link_id  # noqa: SLF001
-        ref, producer = engine_ref("decode", ONE, decode), engine_ref("prefill", TWO, prefill)
-        decode[0].engine.expect("p", producer, [0, 1], 32, push=True)
-        # What the channel reports when producer rank 1 restarted under its peer id (on the dispatcher).
-        decode[0].engine._on_peer_lost("prefill.r1", PeerResetError("test: 'prefill.r1' restarted"))  # noqa: SLF001
-        req = decode[0].engine._consumer._requests["p"]  # noqa: SLF001 - not reported yet
-        assert isinstance(req.error, PeerResetError), req.error
-        prefill[0].fill(seed=2, block_ids=[0, 1], num_tokens=32)
-        _push(prefill[0], "p", ref, [0, 1], 32)
-        error = _sent(prefill[0], "p")
-        assert isinstance(error, PeerLostError) and "already failed here" in str(error), error
-        assert not isinstance(error, PeerResetError), error  # rank 0's handshake was never reset
-        assert "'prefill.r1' restarted" in str(error), error
-        assert prefill[0].engine._peers.get("decode.r0").link_id == link_before  # noqa: SLF001 - its link kept
-    finally:
-        close_sides(prefill, decode)
+    prefill, decode = tp2_to_one
+    start_pull("warm", prefill, decode, 1, [2, 3], [2, 3], 20)  # both producer ranks shake hands with it
+    decode[0].engine.wait("warm", timeout_s=WAIT_S)
+    for side in prefill:
+        assert wait_sent(side, "warm")["warm"] is None
+    link_before = prefill[0].engine._peers.get("decode.r0").link_id  # noqa: SLF001
+    ref, producer = engine_ref("decode", ONE, decode), engine_ref("prefill", TWO, prefill)
+    decode[0].engine.expect("p", producer, [0, 1], 32, push=True)
+    # What the channel reports when producer rank 1 restarted under its peer id (on the dispatcher).
+    decode[0].engine._on_peer_lost("prefill.r1", PeerResetError("test: 'prefill.r1' restarted"))  # noqa: SLF001
+    req = decode[0].engine._consumer._requests["p"]  # noqa: SLF001 - not reported yet
+    assert isinstance(req.error, PeerResetError), req.error
+    prefill[0].fill(seed=2, block_ids=[0, 1], num_tokens=32)
+    _push(prefill[0], "p", ref, [0, 1], 32)
+    error = _sent(prefill[0], "p")
+    assert isinstance(error, PeerLostError) and "already failed here" in str(error), error
+    assert not isinstance(error, PeerResetError), error  # rank 0's handshake was never reset
+    assert "'prefill.r1' restarted" in str(error), error
+    assert prefill[0].engine._peers.get("decode.r0").link_id == link_before  # noqa: SLF001 - its link kept
 
 
 def test_a_late_error_for_an_earlier_pull_of_nothing_does_not_fail_the_ids_next_hold(
