@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..engine import EngineRef
-from ..engine._config import is_int
+from ..engine._config import hex_int, is_int
 from ..hashing import BlockHash, ExtraKeys, hash_block_tokens, hash_request_tokens
 from ..protocol import MAX_HOLD
 
@@ -25,7 +25,6 @@ __all__ = ["PARAMS_VERSION", "PrefillIntent", "RemotePrefill", "parse_params", "
 
 PARAMS_VERSION = 1
 _HEX_64 = re.compile(r"[0-9a-f]{64}")  # token_hash: BlockHash.hex() of a sha256 digest
-_HEX_HOLD = re.compile(r"0x[0-9a-f]{1,16}")  # hold: as EngineRef writes incarnations (63 bits pass JSON's doubles)
 
 
 def token_hash(token_ids: Sequence[int], block_size: int, extra_keys: ExtraKeys | None = None) -> str:
@@ -165,13 +164,7 @@ def parse_params(params: Mapping[str, object] | None) -> PrefillIntent | RemoteP
 def _hold(value: object) -> int:
     """The params' ``hold`` as :meth:`RemotePrefill.to_dict` writes it (a ``"0x..."`` string; an int taken too);
     absent or null: 0. ValueError naming anything else (RemotePrefill bounds the number)."""
-    if value is None:
-        return 0
-    if isinstance(value, str) and _HEX_HOLD.fullmatch(value):
-        return int(value, 16)
-    if is_int(value):
-        return value  # type: ignore[return-value]
-    raise ValueError(f"hold must be a '0x...' hex string, got {value!r}")
+    return 0 if value is None else hex_int(value, "hold must be a '0x...' hex string")
 
 
 def _engine_ref(data: Mapping[str, object], key: str) -> EngineRef:

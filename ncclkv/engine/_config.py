@@ -252,7 +252,18 @@ class EngineRef:
 
 _MIN_DEADLINE_S = 0.001
 _MAX_INCARNATION = 2**63 - 1  # a channel's incarnation fits 63 bits (ncclkv.channel.new_incarnation)
-_HEX_INCARNATION = re.compile(r"0x[0-9a-f]{1,16}")
+_HEX_63 = re.compile(r"0x[0-9a-f]{1,16}")  # a 63-bit number as references and params write it (JSON's doubles
+# would round it as a number)
+
+
+def hex_int(value: object, refused: str) -> int:
+    """A number as :meth:`EngineRef.to_dict` and the connector's params write it (``"0x..."``; an int taken too);
+    ValueError ``"<refused>, got <value>"`` for anything else. Bounds are the caller's."""
+    if isinstance(value, str) and _HEX_63.fullmatch(value):
+        return int(value, 16)
+    if is_int(value):
+        return value  # type: ignore[return-value]
+    raise ValueError(f"{refused}, got {value!r}")
 
 
 def _incarnations(value: object) -> tuple[int, ...]:
@@ -262,12 +273,4 @@ def _incarnations(value: object) -> tuple[int, ...]:
         return ()
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"engine reference incarnations must be a list, got {value!r}")
-    out = []
-    for item in value:
-        if isinstance(item, str) and _HEX_INCARNATION.fullmatch(item):
-            out.append(int(item, 16))
-        elif is_int(item):
-            out.append(item)
-        else:
-            raise ValueError(f"engine reference incarnations must be '0x...' hex strings, got {item!r}")
-    return tuple(out)
+    return tuple(hex_int(item, "engine reference incarnations must be '0x...' hex strings") for item in value)
