@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -28,84 +27,24 @@ from ..channel import Channel
 from ..errors import (CapacityError, ClosedError, HandshakeError, NcclKVError, PeerLostError, PeerResetError,
                       ProtocolError, ShapeMismatchError, TransferError, TransferTimeout)
 from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, Route, Span, SpanSet, cached_plan, pp_layer_spans
-from ..paged import SlotMap
 from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, PushOffer, RouteMsg
 from ..transport import LinkBase
 from ._caches import RankCaches, torch_dtype
 from ._config import EngineRef, peer_id, split_peer_id
 from ._links import Peer, PeerLinks
-from ._recent import RecentEnds
 from ._push_stage import PushStage, SliceKey, StagedPush, StagedTensor
-from ._staging import BlockTokens, StagingEvent
+from ._staging import StagingEvent
 from ._stats import EngineStats
 from ._declines import Decliner
+from ._ended import EndedTransfers
+from ._expected import Expected, add_piece, as_ncclkv, awaits, covers_slice, layers_text, overlaps
+from ._offers import check_offer, refused_offer
 from ._tasks import fail_fast, submit_task
 
 __all__ = ["ConsumerSide"]
 
 log = logging.getLogger("ncclkv.engine")
 
-_MAX_REFUSALS = 4096  # failed pushes remembered for a later expect(), each at most hold_s
-_MAX_ENDED_PULLS = 4096  # pulls (and pull declines) that ended here, remembered at most hold_s (see _pulled)
-
-
-@dataclass(slots=True)
-class _Expected:
-    request_id: str
-    producer: EngineRef
-    slots: SlotMap
-    pending: set[SliceKey]
-    per_src: dict[int, int]  # (layer, route) slices each producer rank will send us (what its Done counts)
-    remaining: dict[int, int]  # layer -> (layer, route) slices still to land (each in one piece or several)
-    started: float  # time.monotonic(): latencies are wall time
-    progress: float  # the channel clock: the no-progress deadline leaves out our own pauses
-    nbytes: int = 0
-    error: BaseException | None = None
-    announced: dict[SliceKey, SpanSet] = field(default_factory=dict)  # tokens of each slice announced so far
-    # Tokens of each slice whose bytes arrived (being scattered, or scattered): a loss of their producer rank
-    # afterwards takes nothing from the request.
-    received: dict[SliceKey, SpanSet] = field(default_factory=dict)
-    landed: dict[SliceKey, SpanSet] = field(default_factory=dict)  # tokens of each slice scattered so far
-    links: dict[int, LinkBase] = field(default_factory=dict)  # producer rank -> the link its tensors come on
-    push: bool = False  # pushed: nothing arrives before the producer's prefill runs
-    num_tokens: int = 0  # push: the tokens expected (its offers must say as many)
-    applying: int = 0  # scatters into the request's blocks running right now
-    keep: int = 0  # tokens below this are already in the blocks (shared with other requests): never written
-    unsent: int = 0  # pulls with routes not yet acknowledged by their producer rank (see _stall_at)
-    # Producer rank -> the loss_seq stamp of the handshake its pull was acknowledged under (see fail_peer).
-    acked: dict[int, int] = field(default_factory=dict)
-    since_seq: int = 0  # the channel's loss_seq when it was expected: a loss reported up to it came before it
-    hold: int = 0  # pull: the producer's number of the hold pulled (expect(..., hold=)); 0: not named
-    # CUDA: per layer, an event after each scatter into the request's blocks (the landing threads' streams are
-    # not the forward's): waited for by the forward's stream (wait_layer) or the host (take_finished, abort).
-    scattered: dict[int, list[torch.cuda.Event]] = field(default_factory=dict)
-
-    def all_scattered(self) -> list[torch.cuda.Event]:
-        """The events after every scatter into the request's blocks, every layer's, each once (a tensor of
-        several layers has one event for them all) (CUDA; else none)."""
-        return list(dict.fromkeys(event for events in self.scattered.values() for event in events))
-
-
-def _add_piece(pieces: dict[SliceKey, SpanSet], key: SliceKey, piece: Span) -> SpanSet | None:
-    """Record ``piece`` of slice ``key`` and return the slice's tokens recorded so far; None if it overlaps
-    a piece recorded before (nothing recorded)."""
-    seen = pieces.get(key)  # None: the first piece, and for whole slices the only one (no set arithmetic)
-    if seen is not None and not seen.intersect(piece).empty:
-        return None
-    merged = pieces[key] = SpanSet((piece,)) if seen is None else seen.union(SpanSet((piece,)))
-    return merged
-
-
-def _overlaps(pieces: dict[SliceKey, SpanSet], key: SliceKey, piece: Span) -> bool:
-    """Whether ``piece`` overlaps a piece of slice ``key`` recorded before (what ``_add_piece`` refuses)."""
-    seen = pieces.get(key)
-    return seen is not None and not seen.intersect(piece).empty
-
-
-def _covers_slice(tokens: SpanSet | None, key: SliceKey) -> bool:
-    """Whether ``tokens`` (pieces inside the slice's route, checked as announced; None: none) are all of the
-    slice's."""
-    return tokens is not None and tokens.spans == (key[2].tokens,)
 
 
 class ConsumerSide:
@@ -117,21 +56,13 @@ class ConsumerSide:
         self._clock = channel.clock  # deadlines leave out pauses of this process (ncclkv._clock)
         self._stats, self._deadline_s = stats, deadline_s
         self._cond = threading.Condition()
-        self._requests: dict[str, _Expected] = {}
+        self._requests: dict[str, Expected] = {}
         self._hold_s = hold_s
         # Pushes landed before they are expected; recycling looked up at each call, like the other hand-backs
         self._stage = PushStage(staging_bytes, lambda tensor: self._caches.recycle(tensor))
-        # Pushes that failed before this rank expected them (refused here for room, or the producer's error),
-        # and expected requests that failed or were aborted, by request id: (when, (producer engine id, why, whether
-        # it was a pull expected here)).
-        # The producer gave up, so an expect() of a push from that producer fails at once instead of waiting
-        # hold_s for tensors that never come; a pull again under the id is refused (ValueError), since the
-        # ended one's tensors may still be on the way. Each kept hold_s, at most _MAX_REFUSALS.
-        self._refused: RecentEnds[tuple[str, NcclKVError, bool]] = RecentEnds(hold_s, _MAX_REFUSALS)
-        # Pulls that ended here (served, failed, aborted) and pulls declined, by request id: the producer engine id.
-        # A producer rank may answer one long after (a pull of nothing parked until its deadline_s): that error is
-        # the pull's, not a push's failing before it was expected, and refuses nothing (see on_error).
-        self._pulled: RecentEnds[str] = RecentEnds(hold_s, _MAX_ENDED_PULLS)
+        # Refusals (pushes that failed before this rank expected them, expected requests that failed or were
+        # aborted) and pulls that ended here, each kept hold_s: see _ended.
+        self._ended = EndedTransfers(hold_s)
         self._cpus = cpus
         self._decliner = Decliner(f"ncclkv-decline[{peer_id(engine_id, rank)}]", self._send_decline, self._lost,
                                   self._alive, cpus)
@@ -168,7 +99,7 @@ class ConsumerSide:
             per_src[src] = per_src.get(src, 0) + 1
             remaining[layer] += 1
         now = self._clock.now()
-        req = _Expected(request_id, producer, slots, pending, per_src, remaining, time.monotonic(), now, push=push,
+        req = Expected(request_id, producer, slots, pending, per_src, remaining, time.monotonic(), now, push=push,
                         num_tokens=token_set.bounds.stop if push else 0, keep=keep_tokens,
                         unsent=0 if push else sum(1 for src_routes in by_src.values() if src_routes),
                         since_seq=self._channel.loss_seq, hold=hold)
@@ -176,14 +107,13 @@ class ConsumerSide:
         with self._cond:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected")
-            ended = None if push else self._refusal(request_id, producer.engine_id)
+            ended = None if push else self._ended.refusal(request_id, producer.engine_id)
             if ended is not None:
                 # The producer may still be sending the ended pull's tensors: a new pull under the same id would
                 # take them (and its own again), and its Done would count for the other.
-                since, why, _ = ended
                 raise ValueError(f"request {request_id!r} from {producer.engine_id!r} ended here unloaded "
-                                 f"{max(0.0, self._clock.now() - since):.3g}s ago ({why}); its late tensors "
-                                 f"may still come for hold_s={self._hold_s:g}s: pull it under a new request id")
+                                 f"{max(0.0, self._clock.now() - ended.since):.3g}s ago ({ended.error}); its late "
+                                 f"tensors may still come for hold_s={self._hold_s:g}s: pull it under a new request id")
             pushed = None if push else self._stage.get(request_id)
             if pushed is not None and pushed.producer_engine_id == producer.engine_id:
                 # Its tensors come unasked and wait in staging: a pull would wait deadline_s for an answer to it
@@ -192,21 +122,20 @@ class ConsumerSide:
                                  f"tensors wait in staging): expect it with push=True")
             self._requests[request_id] = req
             self._plan_slices_locked(routes)
-            refused = self._refusal(request_id, producer.engine_id) if push else None
+            refused = self._ended.refusal(request_id, producer.engine_id) if push else None
             if push:
-                self._refused.pop(request_id)
+                self._ended.forget_refusal(request_id)
             if refused is not None:
-                since, error, pulled = refused
-                what = (self._pull_ended(request_id, producer.engine_id, since) if pulled
-                        else "its push failed before it was expected")
-                req.error = type(error)(f"request {request_id!r}: {what}: {error}")
+                what = (self._ended.pull_ended_text(request_id, producer.engine_id, refused.since, self._clock.now())
+                        if refused.pulled else "its push failed before it was expected")
+                req.error = type(refused.error)(f"request {request_id!r}: {what}: {refused.error}")
             taken = self._stage.take(request_id) if push else None
             if taken is not None:
                 staged, staged_tensors = taken
                 staged.taken_by = req  # what it announced and is still on the way lands here
                 req.announced.update(staged.announced)
                 for key, piece, _ in staged_tensors:  # here already: applied below
-                    _add_piece(req.received, key, piece)
+                    add_piece(req.received, key, piece)
                 if staged.producer_engine_id != producer.engine_id:
                     req.error = ProtocolError(f"request {request_id!r} was pushed by {staged.producer_engine_id!r}, "
                                               f"expected from {producer.engine_id!r}")
@@ -242,7 +171,7 @@ class ConsumerSide:
                 self._fail_unexpected_push_locked(request_id, producer.engine_id, TransferError(
                     f"push of {request_id!r} was declined here (its request ended unloaded)"))
                 return
-            self._pulled.note(request_id, self._clock.now(), producer.engine_id)
+            self._ended.note_pull(request_id, producer.engine_id, self._clock.now())
         self._decliner.queue(request_id, producer, range(producer.layout.world_size), hold)
 
     def wait_layer(self, request_id: str, layer: int, timeout_s: float | None = None) -> None:
@@ -255,7 +184,7 @@ class ConsumerSide:
 
     def wait_all(self, request_id: str, timeout_s: float | None = None) -> None:
         events = self._wait(request_id, lambda req: not req.pending, timeout_s, "all layers",
-                            _Expected.all_scattered)
+                            Expected.all_scattered)
         self._caches.order_after(events)
 
     def wait_finished(self, timeout_s: float) -> bool:
@@ -288,15 +217,14 @@ class ConsumerSide:
                     self._stats.record_request(req.error is not None)
                     self._note_ended_pull(req, now)
                     if req.error is not None:  # a late offer for it is refused, a pull of it again too
-                        self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error),
+                        self._remember_refusal(request_id, req.producer.engine_id, as_ncclkv(req.error),
                                                pulled=not req.push)
-            self._refused.expire(now)
-            self._pulled.expire(now)
+            self._ended.expire(now)
             for request_id, staged in self._stage.expire(now, self._hold_s):  # pushed, never expected here
                 if staged.error is None:
                     log.warning("dropping pushed request %s: not expected within %ss", request_id, self._hold_s)
                 # An expect() after this fails at once (it would wait hold_s for tensors that never come).
-                self._remember_refusal(request_id, staged.producer_engine_id, _as_ncclkv(
+                self._remember_refusal(request_id, staged.producer_engine_id, as_ncclkv(
                     staged.error or TransferTimeout(f"push of {request_id!r} expired in staging after "
                                                     f"{self._hold_s:g}s, not expected here")))
         # CUDA: reported done (or failed: recomputed) once on the device too
@@ -314,7 +242,7 @@ class ConsumerSide:
             if req is not None and req.error is None:
                 req.error = TransferError(f"request {request_id!r} aborted")
             if req is not None:  # a later offer for it is refused, not staged for no one; a pull of it again too
-                self._remember_refusal(request_id, req.producer.engine_id, _as_ncclkv(req.error),
+                self._remember_refusal(request_id, req.producer.engine_id, as_ncclkv(req.error),
                                        pulled=not req.push)
                 self._note_ended_pull(req, self._clock.now())
             self._cond.notify_all()
@@ -342,8 +270,7 @@ class ConsumerSide:
                     req.error = ClosedError(f"engine rank {peer_id(self._engine_id, self._rank)} closed while request "
                                             f"{request_id!r} was expected")
             self._stage.clear()
-            self._refused.clear()
-            self._pulled.clear()
+            self._ended.clear()
             self._cond.notify_all()
         self._decliner.close()
         self._stage.close()
@@ -373,7 +300,7 @@ class ConsumerSide:
             assert error is not None
             log.warning("announcement seq %d of %r from %s: link %s never opened: %s", ann.seq, ann.request_id,
                         sender, ann.link, error)
-            self._fail_announced(peer.remote.engine_id, ann.request_id, _as_ncclkv(error))
+            self._fail_announced(peer.remote.engine_id, ann.request_id, as_ncclkv(error))
             return
         want_seq = peer.heard_seq  # the link's: when_open runs one announcement of a link at a time, in order
         if ann.seq != want_seq:
@@ -389,8 +316,8 @@ class ConsumerSide:
             # A link a tensor broke (its header did not match its receive) fails what waits on it with that cause's
             # type: the request whose tensor it was may hear of it here first, before its own receive's error lands.
             cause = link.broken if isinstance(err, ClosedError) and link.broken is not None else err
-            error = _as_ncclkv(cause)
-            reason = f"no receive posted for announcement seq {ann.seq} of {ann.request_id!r}: {_as_ncclkv(err)}"
+            error = as_ncclkv(cause)
+            reason = f"no receive posted for announcement seq {ann.seq} of {ann.request_id!r}: {as_ncclkv(err)}"
             self.fail_peer(sender, type(error)(f"{sender!r}: {reason}; link closed"))
             self._peers.drop(sender, reason)
 
@@ -417,7 +344,7 @@ class ConsumerSide:
         shape = self._caches.wire_shape(piece, route.heads, ann.num_layers)
 
         def what() -> str:  # built only for a problem: formatting spans costs more than the checks
-            return f"{sender!r} announced {_layers_text(keys)} {route}" + (
+            return f"{sender!r} announced {layers_text(keys)} {route}" + (
                 "" if ann.piece is None else f" tokens {piece!r}")
         problem = None
         failure: type[NcclKVError] = ShapeMismatchError  # what the request fails with, for a problem of its own
@@ -442,7 +369,7 @@ class ConsumerSide:
                     problem = f"{what()} which push {ann.request_id!r} did not offer"
                 elif tuple(ann.shape) != shape or ann.dtype != self._geometry.dtype:
                     problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
-                elif _overlaps(staged.announced, keys[0], piece):
+                elif overlaps(staged.announced, keys[0], piece):
                     problem = f"{what()} of push {ann.request_id!r} again"
             elif req is None or req.error is not None:
                 problem = f"request {ann.request_id!r} is not expected (finished, failed or aborted)"
@@ -450,7 +377,7 @@ class ConsumerSide:
                 problem = f"{what()} which request {ann.request_id!r} does not expect"
             elif tuple(ann.shape) != shape or ann.dtype != self._geometry.dtype:
                 problem = f"announced {tuple(ann.shape)} {ann.dtype}, the plan says {shape} {self._geometry.dtype}"
-            elif any(_overlaps(req.announced, key, piece) for key in keys):
+            elif any(overlaps(req.announced, key, piece) for key in keys):
                 problem = f"{what()} of request {ann.request_id!r} again"
             if problem is None:
                 # Taken before anything is recorded: if it fails (out of memory), the request fails alone and
@@ -463,12 +390,12 @@ class ConsumerSide:
             if buf is not None:
                 if req is not None:
                     for key in keys:
-                        _add_piece(req.announced, key, piece)
+                        add_piece(req.announced, key, piece)
                     req.links[src] = link
                     req.progress = self._clock.now()  # an announcement is progress: its tensor is on the way
                 else:
                     assert staged is not None
-                    _add_piece(staged.announced, keys[0], piece)
+                    add_piece(staged.announced, keys[0], piece)
             elif own and staged is not None and staged.error is None:
                 # Its expect() fails at once, not after a stall.
                 self._stage.fail(ann.request_id, staged, failure(problem))
@@ -496,22 +423,7 @@ class ConsumerSide:
                                  f"held here: it was lost, or this process restarted)")
         if not self._caches.registered:  # its tensors could not be received: refuse it now
             raise TransferError(f"push of {offer.request_id!r} from {sender!r}: this rank has no KV caches registered")
-        src = peer.remote.rank
-        if offer.producer_engine_id != peer.remote.engine_id or offer.src_rank != src:
-            raise ProtocolError(f"push offer for {offer.request_id!r} from {sender!r} names engine "
-                                f"{offer.producer_engine_id!r} rank {offer.src_rank}, but it shook hands as engine "
-                                f"{peer.remote.engine_id!r} rank {src}")
-        routes = sorted(Route(m.src, m.dst, *m.spans()) for m in offer.routes)
-        want = cached_plan(peer.remote.layout.to_layout(), self._layout, self._geometry,
-                            SpanSet.range(0, offer.num_tokens)).routes_to(self._rank)
-        mine = sorted(r for r in want if r.src == src)
-        if routes != mine:
-            raise ProtocolError(f"push of {offer.request_id!r} from {sender!r} offers {routes}, our plan gives {mine}")
-        nbytes = sum(r.nbytes(self._geometry) for r in routes)
-        if offer.nbytes != nbytes:
-            raise ProtocolError(f"push of {offer.request_id!r} from {sender!r} says {offer.nbytes} B, routes hold {nbytes} B")
-        keys = {(src, layer, r) for r in routes for layer in r.layers}
-        blocks = _offered_blocks(offer, sender)
+        checked = check_offer(offer, sender, peer.remote, self._layout, self._geometry, self._rank)
         with self._cond:
             req = self._requests.get(offer.request_id)
             if req is not None:
@@ -519,7 +431,7 @@ class ConsumerSide:
                     raise ProtocolError(f"push of {offer.request_id!r} from engine {offer.producer_engine_id!r}, "
                                         f"expected from {req.producer.engine_id!r}")
                 if req.error is not None:  # not yet reported: its tensors would only cross the link to be drained
-                    raise _refused_offer(offer, sender, req.error)
+                    raise refused_offer(offer, sender, req.error)
                 mismatch = ("expected here as a pull, not a push" if not req.push else
                             f"expected here with {req.num_tokens} tokens, pushed with {offer.num_tokens}"
                             if offer.num_tokens != req.num_tokens else None)
@@ -532,28 +444,25 @@ class ConsumerSide:
             if staged is not None and staged.producer_engine_id != offer.producer_engine_id:
                 raise ProtocolError(f"push of {offer.request_id!r} from engine {offer.producer_engine_id!r}: "
                                     f"staged here from {staged.producer_engine_id!r}")  # never another's to fail
-            refused = self._refusal(offer.request_id, offer.producer_engine_id)
-            if staged is None and refused is not None and refused[2]:  # no push failed: a pull of the id did
-                raise _refused_offer(offer, sender, refused[1],
-                                     self._pull_ended(offer.request_id, offer.producer_engine_id, refused[0]))
-            failed = staged.error if staged is not None else refused[1] if refused is not None else None
+            refused = self._ended.refusal(offer.request_id, offer.producer_engine_id)
+            if staged is None and refused is not None and refused.pulled:  # no push failed: a pull of the id did
+                raise refused_offer(offer, sender, refused.error, self._ended.pull_ended_text(
+                    offer.request_id, offer.producer_engine_id, refused.since, self._clock.now()))
+            failed = staged.error if staged is not None else refused.error if refused is not None else None
             if failed is not None:  # another rank's part failed, or it was refused or expired: nothing to stage
-                raise _refused_offer(offer, sender, failed)
-            if nbytes > self._stage.capacity_bytes - self._stage.reserved_bytes:
+                raise refused_offer(offer, sender, failed)
+            if checked.nbytes > self._stage.capacity_bytes - self._stage.reserved_bytes:
                 refusal = CapacityError(
-                    f"push of {offer.request_id!r} from {sender!r} needs {nbytes} B of staging; capacity "
+                    f"push of {offer.request_id!r} from {sender!r} needs {checked.nbytes} B of staging; capacity "
                     f"{self._stage.capacity_bytes} B, {self._stage.reserved_bytes} B already reserved")
                 if staged is not None:  # the parts other ranks staged are of no use now: give them back
                     self._stage.fail(offer.request_id, staged, refusal)
                 else:
                     self._remember_refusal(offer.request_id, offer.producer_engine_id, refusal)
                 raise refusal
-            wanted: dict[int, int] = {}
-            for route in want:
-                wanted[route.src] = wanted.get(route.src, 0) + len(route.layers)
             self._stage.reserve(offer.request_id, offer.producer_engine_id, self._clock.now(), offer.num_tokens,
-                                wanted, blocks, keys, nbytes)
-            self._plan_slices_locked(routes)
+                                checked.wanted, checked.blocks, checked.keys, checked.nbytes)
+            self._plan_slices_locked(checked.routes)
         return Ack(offer.request_id, None)
 
     def on_done(self, sender: str, done: Done) -> None:
@@ -598,7 +507,7 @@ class ConsumerSide:
                 log.info("error from %s for %s, which takes nothing from it: %s", sender, err.request_id, err.text)
                 return
             link = req.links.get(rank)
-            if link is not None and link.broken is not None and _awaits(req, rank):
+            if link is not None and link.broken is not None and awaits(req, rank):
                 # We broke that link (a tensor other than announced, a receive that failed): the producer's sends
                 # failed with it, and its error may come before ours, which is the cause. The link settles every
                 # receive it had, each failing this request typed (a ShapeMismatchError names both sizes).
@@ -623,7 +532,7 @@ class ConsumerSide:
             for req in self._requests.values():
                 if req.error is not None or req.producer.engine_id != engine_id:
                     continue
-                if not any(key[0] == rank and not _covers_slice(req.received.get(key), key) for key in req.pending):
+                if not any(key[0] == rank and not covers_slice(req.received.get(key), key) for key in req.pending):
                     continue  # nothing more to come from it (its last bytes may be being scattered)
                 if seq is not None and req.since_seq >= seq:  # expected after the loss was reported
                     continue
@@ -651,7 +560,7 @@ class ConsumerSide:
         """Whether the channel gave up a peer we shook hands with (a decline to it is skipped)."""
         return self._peers.known(peer_id) is not None and not self._channel.peer_alive(peer_id)
 
-    def _pull(self, req: _Expected, src: int, routes: list[Route], tokens: SpanSet) -> None:
+    def _pull(self, req: Expected, src: int, routes: list[Route], tokens: SpanSet) -> None:
         """On the executor, in producer rank ``src``'s lane: ask it for ``routes`` of ``req``.
 
         A request that ended while this waited its turn (aborted, or failed: a lost producer fails
@@ -681,9 +590,9 @@ class ConsumerSide:
                 req.progress = self._clock.now()  # its no-progress deadline counts from here (see _stall_at)
                 self._cond.notify_all()  # a waiter's stall limit may have dropped from hold_s to deadline_s
 
-    def _pull_failed(self, req: _Expected, src: int, error: BaseException) -> None:
+    def _pull_failed(self, req: Expected, src: int, error: BaseException) -> None:
         """The pull of ``req``'s routes from producer rank ``src`` failed: the request fails (once) with ``error``."""
-        self._fail(req, _as_ncclkv(error))
+        self._fail(req, as_ncclkv(error))
         if not isinstance(error, (HandshakeError, ClosedError)):  # it may hold the request (a restarted producer,
             # a lost acknowledgement): tell it we will not take it, so it frees the blocks now, not after hold_s
             self._decliner.queue(req.request_id, req.producer, (src,), req.hold)
@@ -710,7 +619,7 @@ class ConsumerSide:
             raise HandshakeError(f"request {request_id!r}: the reference to {producer.engine_id!r} says layout "
                                  f"{said.spec()}, its rank {peer.peer_id!r} shook hands with {runs.spec()}")
 
-    def _landed(self, request_id: str, owner: _Expected | StagedPush | None, keys: tuple[SliceKey, ...],
+    def _landed(self, request_id: str, owner: Expected | StagedPush | None, keys: tuple[SliceKey, ...],
                 piece: Span, buf: torch.Tensor, fut: Future[torch.Tensor]) -> None:
         """On the link's receive thread (a done-callback of the receive): stage a landed tensor, or scatter it
         unless its request failed.
@@ -725,7 +634,7 @@ class ConsumerSide:
         except Exception as err:  # noqa: BLE001 - reported on the request, never lost in a callback's log
             self._landing_failed(request_id, owner, keys, piece, buf if owned[0] else None, fut, err)
 
-    def _land(self, request_id: str, owner: _Expected | StagedPush | None, keys: tuple[SliceKey, ...], piece: Span,
+    def _land(self, request_id: str, owner: Expected | StagedPush | None, keys: tuple[SliceKey, ...], piece: Span,
               buf: torch.Tensor, fut: Future[torch.Tensor], owned: list[bool]) -> None:
         error = fut.exception()
         with self._cond:
@@ -743,12 +652,12 @@ class ConsumerSide:
                 return
             if error is None:  # its bytes are here: a loss of their sender now takes nothing (fail_peer)
                 for key in keys:
-                    _add_piece(req.received, key, piece)
+                    add_piece(req.received, key, piece)
         owned[0] = False
         self._apply(req, keys, piece, buf, error)
 
     def _owner_now(self, request_id: str,
-                   owner: _Expected | StagedPush | None) -> tuple[_Expected | None, StagedPush | None]:
+                   owner: Expected | StagedPush | None) -> tuple[Expected | None, StagedPush | None]:
         """What a tensor announced for ``owner`` lands in now (the request, or else the staged push; None: nothing):
         ``owner`` itself, or the request expect() made of it (a staged push), never a later request or push
         under the same id: an aborted pull's late tensors would write another producer's KV into it, silently.
@@ -759,12 +668,12 @@ class ConsumerSide:
         staged = self._stage.get(request_id)
         return None, staged if staged is not None and staged is owner else None
 
-    def _landing_failed(self, request_id: str, owner: _Expected | StagedPush | None, keys: tuple[SliceKey, ...],
+    def _landing_failed(self, request_id: str, owner: Expected | StagedPush | None, keys: tuple[SliceKey, ...],
                         piece: Span, buf: torch.Tensor | None, fut: Future[torch.Tensor], err: Exception) -> None:
         """A landed tensor could not be taken (staged or scattered): fail its request, or its staged push (which
         gives back its staging), with a TransferError naming it; hand ``buf`` back if it is still ours."""
         src, _, route = keys[0]
-        error = TransferError(f"request {request_id!r}: the tensor of {_layers_text(keys)} from rank {src} (tokens "
+        error = TransferError(f"request {request_id!r}: the tensor of {layers_text(keys)} from rank {src} (tokens "
                               f"{piece!r} of {route!r}) landed but could not be taken: {type(err).__name__}: {err}")
         log.error("%s", error, exc_info=err)
         try:
@@ -778,7 +687,7 @@ class ConsumerSide:
             if buf is not None:
                 self._caches.hand_back(buf, completed=not fut.cancelled() and fut.exception() is None)
 
-    def _apply(self, req: _Expected, keys: tuple[SliceKey, ...], piece: Span, buf: torch.Tensor,
+    def _apply(self, req: Expected, keys: tuple[SliceKey, ...], piece: Span, buf: torch.Tensor,
                error: BaseException | None) -> None:
         """Scatter one landed tensor (``piece`` of the slices ``keys``: one, or several layers' stacked) into the
         request's blocks and count it."""
@@ -821,12 +730,12 @@ class ConsumerSide:
             for key in keys:
                 if key not in req.pending:
                     continue
-                landed = _add_piece(req.landed, key, piece)
+                landed = add_piece(req.landed, key, piece)
                 if landed is None:
                     continue
                 req.progress = self._clock.now()
                 req.nbytes += slice_bytes
-                if _covers_slice(landed, key):  # else more pieces of this slice are to come
+                if covers_slice(landed, key):  # else more pieces of this slice are to come
                     req.pending.discard(key)
                     layer = key[1]
                     req.remaining[layer] -= 1
@@ -835,8 +744,8 @@ class ConsumerSide:
             self._cond.notify_all()
         self._stats.record_tensor(buf.numel() * buf.element_size())
 
-    def _scatter(self, req: _Expected, layer: int, buf: torch.Tensor, piece: Span, heads: Span) -> None:
-        """Write a landed piece into the request's blocks, leaving out the tokens it keeps (``_Expected.keep``)."""
+    def _scatter(self, req: Expected, layer: int, buf: torch.Tensor, piece: Span, heads: Span) -> None:
+        """Write a landed piece into the request's blocks, leaving out the tokens it keeps (``Expected.keep``)."""
         if piece.start >= req.keep:
             self._caches.scatter(layer, buf, req.slots, piece, heads)
         elif piece.stop > req.keep:  # straddles: its tail only, copied out (the wire dim 1 is the token)
@@ -859,8 +768,8 @@ class ConsumerSide:
             return
         link.recv(tuple(ann.shape), torch_dtype(ann.dtype))
 
-    def _wait(self, request_id: str, ready: Callable[[_Expected], bool], timeout_s: float | None, what: str,
-              events: Callable[[_Expected], Iterable[torch.cuda.Event]]) -> list[torch.cuda.Event]:
+    def _wait(self, request_id: str, ready: Callable[[Expected], bool], timeout_s: float | None, what: str,
+              events: Callable[[Expected], Iterable[torch.cuda.Event]]) -> list[torch.cuda.Event]:
         """Block until ``ready(req)``; the request's ``events`` then (taken under the lock)."""
         limit = None if timeout_s is None else self._clock.now() + timeout_s
         settled_for: float | None = None  # the stall time last checked against a settled clock
@@ -902,44 +811,26 @@ class ConsumerSide:
 
     def _remember_refusal(self, request_id: str, producer_engine_id: str, error: NcclKVError,
                           pulled: bool = False) -> None:
-        """Under ``self._cond``: record that ``request_id`` from ``producer_engine_id`` ended with ``error`` (a push
-        refused, failed or expired here; an expected request failed or aborted, ``pulled`` if it was a pull): an
-        expect() of its push fails at once with it, a pull of it again is refused (see ``_refused``)."""
-        # Its type and text, not the error itself: a traceback would keep its frames' buffers alive for hold_s.
-        self._refused.note(request_id, self._clock.now(), (producer_engine_id, type(error)(str(error)), pulled))
+        """Under ``self._cond``: ``request_id`` from ``producer_engine_id`` ended here with ``error`` (a push
+        refused, failed or expired here; an expected request failed or aborted, ``pulled`` if it was a pull)."""
+        self._ended.refuse(request_id, producer_engine_id, error, self._clock.now(), pulled)
 
-    def _note_ended_pull(self, req: _Expected, now: float) -> None:
+    def _note_ended_pull(self, req: Expected, now: float) -> None:
         """Under ``self._cond``: ``req`` ended here (reported or aborted); if it was a pull, a producer's error for
-        it from now on is a late answer to it (see ``_pulled``)."""
+        it from now on is a late answer to it."""
         if not req.push:
-            self._pulled.note(req.request_id, now, req.producer.engine_id)
+            self._ended.note_pull(req.request_id, req.producer.engine_id, now)
 
     def _late_for_pull(self, request_id: str, producer_engine_id: str) -> bool:
         """Under ``self._cond``: whether an error from ``producer_engine_id`` for ``request_id``, neither expected
         nor staged here, answers a pull of it that ended here (or its decline), rather than telling of a push."""
-        entry = self._pulled.get(request_id)
-        return entry is not None and entry[1] == producer_engine_id and self._stage.get(request_id) is None
+        return self._ended.pulled_from(request_id, producer_engine_id) and self._stage.get(request_id) is None
 
-    def _refusal(self, request_id: str, producer_engine_id: str) -> tuple[float, NcclKVError, bool] | None:
-        """Under ``self._cond``: (when, error, whether it was a pull expected here) if ``request_id`` from
-        ``producer_engine_id`` ended here (see ``_remember_refusal``); None if not, or from another producer."""
-        entry = self._refused.get(request_id)
-        if entry is None or entry[1][0] != producer_engine_id:
-            return None
-        return entry[0], entry[1][1], entry[1][2]
-
-    def _pull_ended(self, request_id: str, producer_engine_id: str, since: float) -> str:
-        """Why a push of ``request_id`` from ``producer_engine_id`` is refused when a pull of it ended here
-        unloaded at ``since`` (no push failed): the pull's tensors, announced for that id, would land in it."""
-        return (f"a pull of it from {producer_engine_id!r} failed or was aborted here "
-                f"{max(0.0, self._clock.now() - since):.3g}s ago; its tensors may still arrive, so the id from that "
-                f"producer is refused until hold_s={self._hold_s:g}s have passed; the pull's cause")
-
-    def _stall_at(self, req: _Expected) -> float:
+    def _stall_at(self, req: Expected) -> float:
         """When ``req`` counts as stalled (see ``_stall_limit``)."""
         return req.progress + self._stall_limit(req)[0]
 
-    def _stall_limit(self, req: _Expected) -> tuple[float, str]:
+    def _stall_limit(self, req: Expected) -> tuple[float, str]:
         """How long ``req`` may go without progress, and which limit that is: ``deadline_s``.
 
         A pushed request whose first announcement has not come yet may wait
@@ -968,7 +859,7 @@ class ConsumerSide:
             nbytes = math.prod(self._caches.wire_shape(route.tokens, route.heads)) * self._caches.wire_dtype.itemsize
             self._largest_slice = max(self._largest_slice, nbytes)
 
-    def _stall_error(self, req: _Expected) -> TransferTimeout:
+    def _stall_error(self, req: Expected) -> TransferTimeout:
         missing = sorted({(src, layer) for src, layer, _ in req.pending})[:8]
         limit, which = self._stall_limit(req)
         # A push never announced is most often one its producer never started: it holds it for a pull instead
@@ -979,55 +870,12 @@ class ConsumerSide:
             f"request {req.request_id!r}: no progress for {limit:g}s ({which}); still missing "
             f"{len(req.pending)} (layer, route) slices, e.g. (src rank, layer) {missing}{hint}")
 
-    def _fail(self, req: _Expected, error: BaseException) -> None:
+    def _fail(self, req: Expected, error: BaseException) -> None:
         with self._cond:
             self._fail_locked(req, error)
 
-    def _fail_locked(self, req: _Expected, error: BaseException) -> None:
+    def _fail_locked(self, req: Expected, error: BaseException) -> None:
         if req.error is None:
             req.error = error
             log.warning("request %s failed: %s", req.request_id, error)
         self._cond.notify_all()
-
-
-def _awaits(req: _Expected, rank: int) -> bool:
-    """Whether ``req`` waits for bytes of a tensor producer rank ``rank`` announced (its receive posted)."""
-    return any(key[0] == rank and req.received.get(key) != tokens for key, tokens in req.announced.items())
-
-
-def _layers_text(keys: Sequence[SliceKey]) -> str:
-    """``layer 3``, or ``layers 3-5`` for a tensor of several layers' slices (consecutive, in order)."""
-    first, last = keys[0][1], keys[-1][1]
-    return f"layer {first}" if first == last else f"layers {first}-{last}"
-
-
-def _as_ncclkv(error: BaseException) -> NcclKVError:
-    """``error`` as one of ours (its type kept when it is one)."""
-    return error if isinstance(error, NcclKVError) else TransferError(f"{type(error).__name__}: {error}")
-
-
-def _refused_offer(offer: PushOffer, sender: str, failed: BaseException,
-                   why: str = "it already failed here") -> NcclKVError:
-    """What an offer for a push that already failed here (or, ``why`` says, whose id is refused here for
-    another reason) is refused with: ``failed``'s type, naming it. Not a :class:`PeerResetError`: that answer
-    (``peer_reset``) tells the offering rank that we hold no handshake with it, and it would drop its link to
-    us and offer once more, for another rank's reset; a :class:`PeerLostError` says the same words."""
-    kind = type(_as_ncclkv(failed))
-    if issubclass(kind, PeerResetError):
-        kind = PeerLostError
-    return kind(f"push of {offer.request_id!r} from {sender!r} refused: {why}: {failed}")
-
-
-def _offered_blocks(offer: PushOffer, sender: str) -> BlockTokens | None:
-    """The offer's named blocks, checked against its token count (ProtocolError if they disagree)."""
-    if offer.blocks is None:
-        return None
-    msg = offer.blocks
-    full = offer.num_tokens // msg.block_size * msg.block_size
-    if len(msg.token_ids) != full:
-        raise ProtocolError(f"push of {offer.request_id!r} from {sender!r} names {len(msg.token_ids)} tokens of "
-                            f"blocks of {msg.block_size}; its {offer.num_tokens} tokens hold {full} in full blocks")
-    try:
-        return BlockTokens(msg.token_ids, msg.block_size, msg.extra_keys)
-    except (TypeError, ValueError) as err:
-        raise ProtocolError(f"push of {offer.request_id!r} from {sender!r}: bad blocks: {err}") from None

@@ -220,7 +220,7 @@ def test_many_link_drops_leave_nothing_kept_for_gone_links() -> None:
         consumer, producer = d_engine._consumer, p_engine._producer  # noqa: SLF001
         assert not consumer._requests and consumer._stage.items() == [] and not producer._held  # noqa: SLF001
         assert not producer._early and not producer._parked_by and consumer._decliner.queued == 0  # noqa: SLF001
-        assert len(consumer._pulled) == 61 and len(consumer._refused) == 0  # noqa: SLF001 - bounded, expire after hold_s
+        assert consumer._ended.num_pulled == 61 and consumer._ended.num_refused == 0  # noqa: SLF001 - bounded, expire after hold_s
     finally:
         close_sides(prefill, decode)
 

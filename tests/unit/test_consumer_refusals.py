@@ -1,4 +1,4 @@
-"""Refused pushes a consumer rank remembers (``ConsumerSide._refused``): expiry after ``hold_s``, in time order.
+"""Refused pushes a consumer rank remembers (``ConsumerSide._ended``, an ``EndedTransfers``): expiry after ``hold_s``, in time order.
 
 Expiry stops at the first entry still held, so the entries must stay in time
 order: a refreshed entry moves to the end, and an entry made after the clock
@@ -18,7 +18,8 @@ import pytest
 from fake_time import FakeTime
 from ncclkv._clock import ActiveClock
 from ncclkv.engine._caches import RankCaches
-from ncclkv.engine._consumer import _MAX_REFUSALS, ConsumerSide
+from ncclkv.engine._consumer import ConsumerSide
+from ncclkv.engine._ended import MAX_REFUSALS
 from ncclkv.engine._stats import EngineStats
 from ncclkv.errors import CapacityError, TransferError
 from ncclkv.layout import KVGeometry, ParallelLayout
@@ -52,7 +53,7 @@ def _refuse(consumer: ConsumerSide, request_id: str, producer: str = "prefill") 
 
 def _refused(consumer: ConsumerSide) -> list[tuple[str, float]]:
     """(request id, when) of each remembered refusal, oldest first."""
-    refused = consumer._refused  # noqa: SLF001
+    refused = consumer._ended._refused  # noqa: SLF001
     return [(request_id, refused.get(request_id)[0]) for request_id in refused]
 
 
@@ -86,7 +87,7 @@ def test_a_refreshed_refusal_moves_to_the_end_and_is_held_from_its_refresh(
     time.t += 0.3
     _refuse(consumer, "a", producer="other")  # refreshed: e.g. a second producer's offer refused for room
     assert [r for r, _ in _refused(consumer)] == ["b", "a"] and _in_time_order(_refused(consumer))
-    assert consumer._refused.get("a")[1][0] == "other"  # noqa: SLF001 - the latest refusal is what an expect() meets
+    assert consumer._ended.refusal("a", "other") is not None and consumer._ended.refusal("a", "prefill") is None  # noqa: SLF001 - the latest refusal is what an expect() meets
     time.t += 0.8  # b is 1.1 s old, a 0.8 s since its refresh
     consumer.take_finished()
     assert [r for r, _ in _refused(consumer)] == ["a"]  # before a, b would have hidden behind a's first place
@@ -103,11 +104,11 @@ def test_a_refusal_after_the_clock_stepped_back_is_not_older_than_the_one_before
     _refuse(consumer, "during")
     clock.tick()  # the pause is counted: now() steps back by it
     _refuse(consumer, "after")
-    assert clock.now() < consumer._refused.get("during")[0]  # noqa: SLF001 - the step back this test is about
+    assert clock.now() < consumer._ended.refusal("during", "prefill").since  # noqa: SLF001 - the step back this test is about
     assert [r for r, _ in _refused(consumer)] == ["during", "after"] and _in_time_order(_refused(consumer))
     # "during" holds the uncounted pause in its time (as it always did); "after" is held as long, not
     # hold_s from its own now(): at most that pause longer, so that expiry may stop at the first entry held.
-    stamp = consumer._refused.get("during")[0]  # noqa: SLF001
+    stamp = consumer._ended.refusal("during", "prefill").since  # noqa: SLF001
     time.t += stamp + HOLD_S - 0.01 - clock.now()
     consumer.take_finished()
     assert [r for r, _ in _refused(consumer)] == ["during", "after"]
@@ -118,14 +119,14 @@ def test_a_refusal_after_the_clock_stepped_back_is_not_older_than_the_one_before
 
 def test_past_the_bound_the_oldest_refusal_is_dropped(side: tuple[ConsumerSide, FakeTime, ActiveClock]) -> None:
     consumer, time, _ = side
-    for i in range(_MAX_REFUSALS):
+    for i in range(MAX_REFUSALS):
         _refuse(consumer, f"r{i}")
     time.t += 0.1
     _refuse(consumer, "r0")  # refreshed, not added: nothing dropped, r1 is now the oldest
-    assert len(consumer._refused) == _MAX_REFUSALS  # noqa: SLF001
+    assert consumer._ended.num_refused == MAX_REFUSALS  # noqa: SLF001
     _refuse(consumer, "new")
     ids = [r for r, _ in _refused(consumer)]
-    assert len(ids) == _MAX_REFUSALS and "r1" not in ids and ids[-2:] == ["r0", "new"]
+    assert len(ids) == MAX_REFUSALS and "r1" not in ids and ids[-2:] == ["r0", "new"]
 
 
 def test_a_push_declined_before_it_was_staged_is_remembered(
@@ -133,6 +134,6 @@ def test_a_push_declined_before_it_was_staged_is_remembered(
     consumer, _, _ = side
     producer: Any = SimpleNamespace(engine_id="prefill")
     consumer.decline("d", producer, push=True)
-    _, (engine_id, error, pulled) = consumer._refused.get("d")  # noqa: SLF001
-    assert engine_id == "prefill" and isinstance(error, TransferError) and not pulled
-    assert str(error) == "push of 'd' was declined here (its request ended unloaded)"
+    refusal = consumer._ended.refusal("d", "prefill")  # noqa: SLF001
+    assert refusal is not None and isinstance(refusal.error, TransferError) and not refusal.pulled
+    assert str(refusal.error) == "push of 'd' was declined here (its request ended unloaded)"
