@@ -470,9 +470,17 @@ class Link:
             self._closed = True
             if first:
                 self._broken = error
-        if not first:
-            settle(op.future, error=ClosedError(f"{op.label}: the link was closed"))
-            return  # already closed or broken: the error is a consequence of that
+            broken = self._broken
+        if not first:  # already closed or broken: the error is a consequence of that
+            # An op being posted when the link broke (neither queued nor in flight, so not among the ops the
+            # break failed) fails as they did, naming the cause; ClosedError only when the link was closed.
+            if broken is not None:
+                settle(op.future, error=TransferError(f"{op.label}: the link broke: {broken}"))
+            elif isinstance(exc, ClosedError):
+                settle(op.future, error=exc)
+            else:
+                settle(op.future, error=ClosedError(f"{op.label}: the link was closed"))
+            return
         _log.warning("%s", error)
         others = self._stop_pipes()  # before any callback runs: one may close the link and join its threads
         self._abort_backend()

@@ -326,8 +326,9 @@ class Pipe:
                 self._in_flight.append(op)
                 self._bytes_in_flight += op.nbytes
                 self._reaping.notify()
-        if stopped:  # settled after the lock: its callbacks may call into the link (stats, send)
-            settle(op.future, error=ClosedError(f"{op.label}: the link is closed"))
+        if stopped:  # failed after the lock: its callbacks may call into the link (stats, send)
+            # Through fail, not settled here: the link knows whether it broke (the cause) or was closed.
+            self._fail(op, ClosedError(f"{op.label}: the link is closed"))
         return not stopped
 
     def _idle(self, full: bool) -> float | None:

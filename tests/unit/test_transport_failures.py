@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ncclkv._env import env_settings
 from ncclkv._timeout import MAX_TIMEOUT_S
-from ncclkv.errors import CapacityError, ClosedError, HandshakeError, ShapeMismatchError, TransferError
+from ncclkv.errors import CapacityError, ClosedError, HandshakeError, ShapeMismatchError, TransferError, TransferTimeout
 from ncclkv.transport import DataPlane, Link, LoopbackHub, LoopbackTransport, loopback_pair
 from ncclkv.transport import _opener
 from ncclkv.transport._base import split_address
@@ -318,3 +318,60 @@ def test_a_gloo_link_leaves_only_its_joined_keys_of_ours_in_the_store() -> None:
             assert store.check([f"ncclkv/keys/joined/{rank}"])
         l0.send(torch.ones(2))
         assert l1.recv((2,), torch.float32).result(WAIT_S).tolist() == [1.0, 1.0]
+
+
+def test_the_receive_being_posted_when_another_op_breaks_the_link_fails_with_the_cause() -> None:
+    """A framed receive's poster waits for the next header while the receive before it is in flight; that one
+    passes its deadline and breaks the link, whose abort then ends the header wait. The receive being posted was
+    neither queued nor in flight when the pipes stopped: it failed with ClosedError("the link was closed"),
+    naming no cause, as if this end had been closed on purpose, where every other pending op gets a
+    TransferError naming what broke the link."""
+    a, b = loopback_pair("posting-when-broken", timeout_s=WAIT_S, framed=True)
+    with a, b:
+        filling, release = threading.Event(), threading.Event()
+
+        def slow_fill(out: torch.Tensor) -> None:  # its header is out (nothing in flight: at once), its bytes never
+            filling.set()
+            release.wait(WAIT_S)
+
+        first = b.recv((2,), torch.float32, timeout_s=0.5)  # posted once its header lands, then times out
+        second = b.recv((2,), torch.float32)  # its poster waits for its header when the first breaks the link
+        behind = b.recv((2,), torch.float32)  # queued behind it
+        a.send(torch.empty(2), fill=slow_fill)
+        assert filling.wait(WAIT_S)
+        try:
+            with pytest.raises(TransferTimeout, match=r"recv seq 0.*within 0\.5 s"):
+                first.result(WAIT_S)
+            with pytest.raises(TransferError, match=r"recv seq 2.*the link broke: .*recv seq 0"):
+                behind.result(WAIT_S)
+            error = second.exception(WAIT_S)
+            assert isinstance(error, TransferError) and not isinstance(error, ClosedError), repr(error)
+            assert re.search(r"recv seq 1.*the link broke: .*recv seq 0.*within 0\.5 s", str(error)), error
+        finally:
+            release.set()
+
+
+def test_a_send_posted_after_another_send_broke_a_gloo_link_fails_with_the_cause() -> None:
+    """The poster is inside a send's fill when the send before it, in flight, passes its deadline and breaks the
+    link. The fill returns, the post goes to the stopped send thread, and the pipe found itself stopped: the send
+    failed with ClosedError("the link is closed"), naming no cause, as if this end had been closed on purpose."""
+    with DataPlane() as p0, DataPlane() as p1:
+        a, b = open_both(p0, p1, "posted-after-break", p0.address)
+        with a, b:
+            filling, release = threading.Event(), threading.Event()
+
+            def slow_fill(out: torch.Tensor) -> None:
+                filling.set()
+                release.wait(WAIT_S)
+
+            first = a.send(torch.ones(2), timeout_s=0.5)  # the peer posts no receive: it times out
+            second = a.send(torch.empty(2), fill=slow_fill)  # the poster holds it in its fill meanwhile
+            assert filling.wait(WAIT_S)
+            try:
+                with pytest.raises(TransferTimeout, match=r"send seq 0.*within 0\.5 s"):
+                    first.result(WAIT_S)
+            finally:
+                release.set()
+            error = second.exception(WAIT_S)
+            assert isinstance(error, TransferError) and not isinstance(error, ClosedError), repr(error)
+            assert re.search(r"send seq 1.*the link broke: .*send seq 0.*within 0\.5 s", str(error)), error
