@@ -376,7 +376,7 @@ class Pipe:
             return False
         except Exception as exc:
             settle(op.future, error=_not_sent(op, exc))
-            _log.warning("%s: before_send failed: %r", op.label, exc)
+            _log.warning("%s: before_send failed: %s", op.label, _text(exc))
             return False
         if op.tensor.device.type == "meta":
             if not isinstance(sent, torch.Tensor) or sent.device.type == "meta":
@@ -414,7 +414,16 @@ class Pipe:
 def _not_sent(op: Op, exc: Exception) -> NcclKVError:
     """The error of an op whose hook raised: ours keep their type (a CapacityError stays one), others are
     TransferErrors."""
-    text = f"{op.label}: before_send failed, not sent: {exc!r}"
+    text = f"{op.label}: before_send failed, not sent: {_text(exc)}"
     error = type(exc)(text) if isinstance(exc, NcclKVError) else TransferError(text)
     error.__cause__ = exc
     return error
+
+
+def _text(exc: Exception) -> str:
+    """``repr(exc)``, or its type's name when its text cannot be rendered: rendering it raised on the poster,
+    which ended there, leaving that send and every later one unsettled."""
+    try:
+        return repr(exc)
+    except Exception:  # noqa: BLE001 - a hook's error whose __repr__ (or __str__) raises
+        return f"{type(exc).__name__} (its text could not be rendered)"

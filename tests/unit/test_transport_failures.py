@@ -140,15 +140,27 @@ def test_a_hook_run_ahead_whose_result_is_refused_breaks_the_link(framed: bool) 
         assert isinstance(a.broken, ShapeMismatchError)
 
 
+class _Unrenderable(Exception):
+    """An exception whose text cannot be rendered: its __str__ and __repr__ raise."""
+
+    def __str__(self) -> str:
+        raise ValueError("no text for you")
+
+    __repr__ = __str__
+
+
 @pytest.mark.parametrize(("error", "kind", "message"), [
     (OSError("control channel down"), TransferError, "seq 1.*before_send failed.*control channel down"),
     # A wire buffer refused (CapacityError) is still a CapacityError to whoever waits for the send.
     (CapacityError("wire buffers: 8 bytes asked, 0 free"), CapacityError,
      "seq 1.*before_send failed, not sent.*8 bytes asked, 0 free"),
-], ids=["foreign", "ours"])
+    # Rendering its text raised on the poster: the thread ended, this send never failed and no later one was posted.
+    (_Unrenderable(), TransferError, r"seq 1.*before_send failed, not sent: _Unrenderable \(its text could not be"),
+], ids=["foreign", "ours", "unrenderable"])
 def test_a_hook_that_raises_fails_its_send_alone_typed(error: Exception, kind: type[Exception], message: str) -> None:
     """The sends around it land and the link stays whole; the send's error keeps the hook's type when it is
-    one of ours, and is a TransferError otherwise."""
+    one of ours, and is a TransferError otherwise (naming only the type of an error whose text cannot be
+    rendered)."""
     a, b = loopback_pair(f"typed-hook-{type(error).__name__}", timeout_s=WAIT_S)
     with a, b:
         def refuse() -> None:
