@@ -143,6 +143,13 @@ class SchedulerSide:
                         "request's remote_decode)", req_id, remote.transfer_id, remote.pushed_to, own_id)
             self._params[req_id] = None  # decided once: later lookups find no remote KV
             return 0, False
+        if remote.producer.engine_id == own_id:
+            # A kv_both engine given back its own prefill's params: the prompt's full blocks are in its prefix
+            # cache (held), and its transfer engine refuses to pull from itself. It computes the rest; the
+            # request, never loading, declines the hold when it ends (see _declining).
+            log.debug("ncclkv: request %s names transfer %s, prefilled by this engine: computing the rest here",
+                      req_id, remote.transfer_id)
+            return 0, False
         if not self._verify(request, remote):
             return 0, False
         owner = self._claims.get(remote.transfer_id)

@@ -163,6 +163,22 @@ def test_pushed_params_brought_to_another_decode_engine_are_computed_there_at_on
     _settle(prefill, decode, other)
 
 
+def test_a_kv_both_engine_given_its_own_prefill_params_computes_the_rest_and_frees_the_hold(
+        engines: list[EngineSim], model_dir: Path) -> None:
+    # A proxy picking kv_both servers per request may send the decode to the server that prefilled it: the
+    # prompt's full blocks are in its own prefix cache, and its transfer engine refuses to pull from itself.
+    expected = _reference(engines, model_dir, PROMPTS[:1])
+    both = EngineSim.build("both", model_dir, "kv_both", {**FAST, "hold_s": 600.0}, policy="fail")
+    engines.append(both)
+    (params,) = _prefill(both, PROMPTS[:1])
+    both.add("d-0", PROMPTS[0], MAX_TOKENS, params)
+    both.run(lambda: "d-0" in both.finished)
+    assert both.finished["d-0"].finish_reason == "length" and both.load_errors == set()
+    assert both.outputs(["d-0"]) == expected and both.mismatches == []
+    assert both.computed["d-0"] == LENGTHS[0] - BLOCK_SIZE + MAX_TOKENS - 1  # past its own cached block
+    both.run(lambda: both.idle, timeout_s=10.0)  # hold_s=600: only the decline frees the held prompt
+
+
 def test_producer_gone_load_fails_and_is_recomputed(engines: list[EngineSim], model_dir: Path) -> None:
     expected = _reference(engines, model_dir, PROMPTS)
     prefill, decode = _pair(engines, model_dir)
