@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..engine import EngineRef
 from ..engine._config import hex_int, is_int
 from ..hashing import BlockHash, ExtraKeys, hash_block_tokens, hash_request_tokens
-from ..protocol import MAX_HOLD
+from ..protocol import MAX_HOLD, MAX_ID_CHARS
 
 __all__ = ["PARAMS_VERSION", "PrefillIntent", "RemotePrefill", "parse_params", "token_hash"]
 
@@ -67,8 +67,11 @@ class RemotePrefill:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_ids", tuple(self.block_ids))
-        if not isinstance(self.transfer_id, str) or not self.transfer_id:
-            raise ValueError(f"transfer_id must be a non-empty str, got {self.transfer_id!r}")
+        if not isinstance(self.transfer_id, str) or not 1 <= len(self.transfer_id) <= MAX_ID_CHARS:
+            what = f"{len(self.transfer_id)} chars" if isinstance(self.transfer_id, str) else \
+                type(self.transfer_id).__name__
+            raise ValueError(f"transfer_id must be a str of 1-{MAX_ID_CHARS} chars (what the protocol carries), "
+                             f"got {what}: {self.transfer_id!r:.80}")
         if not is_int(self.num_tokens) or self.num_tokens < 1:
             raise ValueError(f"remote_num_tokens must be an int >= 1, got {self.num_tokens!r}")
         if not is_int(self.hash_block_size) or self.hash_block_size < 1:

@@ -261,9 +261,11 @@ def test_wrong_prompt_or_bad_params_are_computed_locally(engines: list[EngineSim
     other[5] += 1  # one token differs: the block hash does not match
     decode.add("wrong", other, 1, params)
     decode.add("bad", PROMPTS[0], 1, {**params, "remote_num_tokens": "45"})
-    decode.run(lambda: {"wrong", "bad"} <= set(decode.finished))
-    assert decode.computed == {"wrong": 45, "bad": 45} and decode.mismatches == []
-    assert decode.connector._sched().num_invalid_params == 1
+    decode.add("long", PROMPTS[0], 1, {**params, "transfer_id": "x" * 513})  # more than the protocol carries
+    decode.run(lambda: {"wrong", "bad", "long"} <= set(decode.finished))
+    # "long" finds the full block "bad" computed in the same step in the prefix cache.
+    assert decode.computed == {"wrong": 45, "bad": 45, "long": 45 - BLOCK_SIZE} and decode.mismatches == []
+    assert decode.connector._sched().num_invalid_params == 2 and decode.load_errors == set()
     (req,) = _decode(decode, PROMPTS[:1], [params], also=(prefill,))  # the right prompt still loads
     assert decode.computed[req] == MAX_TOKENS
     _settle(prefill, decode)

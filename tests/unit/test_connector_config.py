@@ -12,6 +12,7 @@ from ncclkv.connector._params import token_hash
 from ncclkv.engine import EngineRef
 from ncclkv.layout import ParallelLayout
 from ncclkv.paged import CacheLayout
+from ncclkv.protocol import MAX_ID_CHARS
 
 REF = EngineRef("prefill-a", ParallelLayout(2, 1), ("tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"))
 
@@ -115,6 +116,10 @@ def test_prefill_intent_accepts_proxy_params() -> None:
     ({"token_hash": "AB" * 32}, "token_hash must be 64 hex chars"),  # .hex() writes lower case
     ({"remote_engine": {"engine_id": "x"}}, "remote_engine.*missing 'tp_size'"),
     ({"remote_engine": {**REF.to_dict(), "control_addrs": ["tcp://a:1"]}}, "1 control addresses for world_size=2"),
+    # The protocol carries ids of at most MAX_ID_CHARS: before, a longer one was taken, blocks were allocated for
+    # it and the engine's expect() refused it, a load failure instead of a request computed at once.
+    ({"transfer_id": "x" * (MAX_ID_CHARS + 1)}, r"transfer_id must be a str of 1-512 chars.*got 513 chars: 'xxx"),
+    ({"transfer_id": ""}, "transfer_id must be a str of 1-512 chars.*got 0 chars"),
     ({"pushed": "yes"}, "pushed must be a bool"),
     ({"pushed": False, "pushed_to": "decode-a"}, r"pushed_to must be .*only with pushed, got 'decode-a' \(pushed=False\)"),
     ({"pushed": True, "pushed_to": ""}, "pushed_to must be a non-empty engine id"),
