@@ -110,6 +110,13 @@ class EventGatherer:
 
     def add(self, events: Iterable[KVCacheEvent], num_workers: int) -> None:
         now = time.monotonic()
+        # Dropped before these are counted: an old report is not counted with a new push's.
+        stale = [event for event, (_, since) in self._seen.items() if now - since > self._horizon_s]
+        for event in stale:
+            del self._seen[event]
+        if stale:
+            log.debug("ncclkv: %d staging events not reported by every worker within %ss: dropped",
+                      len(stale), self._horizon_s)
         for event in events:
             count, since = self._seen.get(event, (0, now))
             if count + 1 >= num_workers:
@@ -117,12 +124,6 @@ class EventGatherer:
                 self._ready.append(event)
             else:
                 self._seen[event] = (count + 1, since)
-        stale = [event for event, (_, since) in self._seen.items() if now - since > self._horizon_s]
-        for event in stale:
-            del self._seen[event]
-        if stale:
-            log.debug("ncclkv: %d staging events not reported by every worker within %ss: dropped",
-                      len(stale), self._horizon_s)
 
     def take(self) -> list[KVCacheEvent]:
         ready, self._ready = self._ready, []

@@ -124,6 +124,25 @@ def test_reports_that_never_reach_every_worker_are_forgotten() -> None:
     assert gather.num_pending == 0 and gather.take() == []
 
 
+def test_a_report_past_the_horizon_is_not_counted_with_a_new_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker 0 reported a push's blocks stored, worker 1 never did (it took the push straight into its blocks);
+    no event came for longer than the horizon. A later push of the same prompt, reported by worker 0 only, is
+    not every worker's: the old report was dropped, not counted with the new one."""
+    from ncclkv.connector import _events
+
+    now = [100.0]
+    monkeypatch.setattr(_events, "time", type("Clock", (), {"monotonic": staticmethod(lambda: now[0])}))
+    stored = BlockStored(block_hashes=[b"c" * 32], parent_block_hash=None, token_ids=[3] * 4, block_size=4,
+                         lora_id=None, medium=MEDIUM, lora_name=None)
+    gather = EventGatherer(horizon_s=5.0)
+    gather.add([stored], num_workers=2)  # worker 0, first push
+    now[0] += 6.0  # past the horizon, no event meanwhile
+    gather.add([stored], num_workers=2)  # worker 0, second push
+    assert gather.take() == [] and gather.num_pending == 1
+    gather.add([stored], num_workers=2)  # worker 1, second push: now every worker reported it
+    assert gather.take() == [stored] and gather.num_pending == 0
+
+
 def test_aggregate_keeps_what_every_worker_reported() -> None:
     a = BlockRemoved(block_hashes=[b"a" * 32], medium=MEDIUM)
     b = BlockRemoved(block_hashes=[b"b" * 32], medium=MEDIUM)
