@@ -50,7 +50,7 @@ __all__ = [
 # 7: incarnations grow with their channel's start time (INCARNATION_RANDOM_BITS), so lives can be ordered;
 # 8: Announce.num_layers (a pull sends a route's consecutive small layers in one tensor); 9: PullRequest.hold (the
 # hold of a request id a pull or decline is for: a late one is no longer taken for the id's next hold)
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 # The low bits of an incarnation that are random; above them, the channel's start time in ms since the epoch.
 INCARNATION_RANDOM_BITS = 20
 MAX_SHAPE_DIMS = 8
@@ -288,6 +288,7 @@ class Announce(_Tagged, frozen=True, forbid_unknown_fields=True, tag="ann"):
     # other: ``shape`` is then ``(num_layers, *slice shape)`` (a pull batches small layers, see the producer; the
     # consumer checks the shape against its plan, as any announced shape).
     num_layers: Annotated[int, Meta(ge=1, le=MAX_MODEL_DIM)] = 1
+    hold: HoldNumber = 0  # the pull's hold number (PullRequest.hold) the tensor serves; 0: a push, or not named
 
     def __post_init__(self) -> None:
         if self.piece is not None and self.piece[0] > self.piece[1]:
@@ -313,6 +314,7 @@ class Done(_Tagged, frozen=True, forbid_unknown_fields=True, tag="done"):
     request_id: Id
     num_tensors: NonNeg
     nbytes: NonNeg
+    hold: HoldNumber = 0  # the pull's hold number (PullRequest.hold); 0: a push, or not named
 
 
 class ErrorCode(str, enum.Enum):
@@ -350,15 +352,16 @@ class ErrorMsg(_Tagged, frozen=True, forbid_unknown_fields=True, tag="err"):
     request_id: Id | None
     code: ErrorCode
     text: Text
+    hold: HoldNumber = 0  # for a pull: its hold number (PullRequest.hold); 0: a push, or not named
 
     @classmethod
-    def from_exception(cls, exc: BaseException, request_id: str | None = None) -> ErrorMsg:
+    def from_exception(cls, exc: BaseException, request_id: str | None = None, hold: int = 0) -> ErrorMsg:
         """The error reply for ``exc``: typed ncclkv errors keep their kind, anything else is ``internal``."""
         code = next((c for kind, c in _CODE_OF if isinstance(exc, kind)), ErrorCode.INTERNAL)
         text = f"{type(exc).__name__}: {exc}"
         if len(text) > MAX_TEXT_CHARS:
             text = text[: MAX_TEXT_CHARS - 3] + "..."
-        return cls(request_id, code, text)
+        return cls(request_id, code, text, hold)
 
     def to_exception(self, peer_id: str) -> errors.NcclKVError:
         """The local exception for this reply from ``peer_id`` (``TransferError`` for codes without a class)."""

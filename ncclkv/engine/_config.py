@@ -17,7 +17,7 @@ from ..protocol import MAX_ID_CHARS
 
 __all__ = [
     "DEFAULT_LAST_PIECE_BYTES", "DEFAULT_PULL_BATCH_BYTES", "EngineConfig", "EngineRef", "Role", "is_int",
-    "parse_peer_id", "peer_id", "split_peer_id",
+    "holds_differ", "parse_peer_id", "peer_id", "split_peer_id",
 ]
 
 # A push may send a route's last layer in token pieces (last_piece_bytes): only that layer's latency is left after
@@ -254,6 +254,12 @@ _MIN_DEADLINE_S = 0.001
 _MAX_INCARNATION = 2**63 - 1  # a channel's incarnation fits 63 bits (ncclkv.channel.new_incarnation)
 _HEX_63 = re.compile(r"0x[0-9a-f]{1,16}")  # a 63-bit number as references and params write it (JSON's doubles
 # would round it as a number)
+
+
+def holds_differ(one: int, other: int) -> bool:
+    """Whether hold numbers ``one`` and ``other`` name different holds of a request id: both named (0: not
+    named, which matches any)."""
+    return bool(one and other and one != other)
 
 
 def hex_int(value: object, refused: str) -> int:

@@ -30,7 +30,7 @@ from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, Route, Span, SpanS
 from ..protocol import Ack, Announce, Done, ErrorMsg, PullRequest, PushOffer, RouteMsg
 from ..transport import LinkBase
 from ._caches import RankCaches, torch_dtype
-from ._config import EngineRef, peer_id, split_peer_id
+from ._config import EngineRef, holds_differ, peer_id, split_peer_id
 from ._links import Peer, PeerLinks
 from ._push_stage import PushStage, SliceKey, StagedPush, StagedTensor
 from ._staging import StagingEvent
@@ -108,12 +108,14 @@ class ConsumerSide:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected")
             ended = None if push else self._ended.refusal(request_id, producer.engine_id)
-            if ended is not None:
+            if ended is not None and not (ended.pulled and holds_differ(hold, ended.hold)):
                 # The producer may still be sending the ended pull's tensors: a new pull under the same id would
-                # take them (and its own again), and its Done would count for the other.
+                # take them (and its own again), and its Done would count for the other. Unless both pulls name
+                # their holds: the ended one's announcements, Done and errors name its hold, and are not this one's.
                 raise ValueError(f"request {request_id!r} from {producer.engine_id!r} ended here unloaded "
                                  f"{max(0.0, self._clock.now() - ended.since):.3g}s ago ({ended.error}); its late "
-                                 f"tensors may still come for hold_s={self._hold_s:g}s: pull it under a new request id")
+                                 f"tensors may still come for hold_s={self._hold_s:g}s: pull it under a new request id"
+                                 f" (or both pulls under hold numbers)")
             pushed = None if push else self._stage.get(request_id)
             if pushed is not None and pushed.producer_engine_id == producer.engine_id:
                 # Its tensors come unasked and wait in staging: a pull would wait deadline_s for an answer to it
@@ -218,7 +220,7 @@ class ConsumerSide:
                     self._note_ended_pull(req, now)
                     if req.error is not None:  # a late offer for it is refused, a pull of it again too
                         self._remember_refusal(request_id, req.producer.engine_id, as_ncclkv(req.error),
-                                               pulled=not req.push)
+                                               pulled=not req.push, hold=req.hold)
             self._ended.expire(now)
             for request_id, staged in self._stage.expire(now, self._hold_s):  # pushed, never expected here
                 if staged.error is None:
@@ -243,7 +245,7 @@ class ConsumerSide:
                 req.error = TransferError(f"request {request_id!r} aborted")
             if req is not None:  # a later offer for it is refused, not staged for no one; a pull of it again too
                 self._remember_refusal(request_id, req.producer.engine_id, as_ncclkv(req.error),
-                                       pulled=not req.push)
+                                       pulled=not req.push, hold=req.hold)
                 self._note_ended_pull(req, self._clock.now())
             self._cond.notify_all()
             limit = time.monotonic() + self._deadline_s
@@ -357,6 +359,9 @@ class ConsumerSide:
             own = owner == engine_id
             if owner is not None and not own:
                 problem = f"{what()} for request {ann.request_id!r}, whose producer is {owner!r}"
+            elif req is not None and holds_differ(ann.hold, req.hold):  # a late one of an ended pull of the id
+                problem = f"{what()} for hold {ann.hold} of {ann.request_id!r}, expected here for hold {req.hold}"
+                own = False  # drained: the request expected here is not failed for it
             elif piece.empty or not route.tokens.covers(piece):
                 problem = f"{what()}: the piece is empty or outside the route's tokens"
             elif ann.num_layers > self._geometry.num_layers:
@@ -477,6 +482,10 @@ class ConsumerSide:
             if req.producer.engine_id != peer.remote.engine_id:
                 raise ProtocolError(f"Done for {done.request_id!r} from {sender!r}, which is not its producer "
                                     f"{req.producer.engine_id!r}")
+            if holds_differ(done.hold, req.hold):  # an ended pull's of the id: it counts nothing of this one's
+                log.info("Done from %s for hold %d of %s, expected here for hold %d: ignored", sender, done.hold,
+                         done.request_id, req.hold)
+                return
             want = req.per_src.get(src, 0)
             if done.num_tensors != want:
                 self._fail_locked(req, ProtocolError(
@@ -489,6 +498,11 @@ class ConsumerSide:
         peer = self._peers.known(sender)
         with self._cond:
             req = self._requests.get(err.request_id)
+            if err.hold and (req is None or holds_differ(err.hold, req.hold)):
+                # A pull's (a push names no hold), not the one expected here: an ended pull's late answer.
+                log.info("error from %s for hold %d of %s, %s: %s", sender, err.hold, err.request_id,
+                         "not expected here" if req is None else f"expected here for hold {req.hold}", err.text)
+                return
             if req is None and peer is not None and self._late_for_pull(err.request_id, peer.remote.engine_id):
                 log.info("error from %s for %s, a pull that ended here: %s", sender, err.request_id, err.text)
                 return
@@ -810,10 +824,11 @@ class ConsumerSide:
             self._stage.fail(request_id, staged, error)
 
     def _remember_refusal(self, request_id: str, producer_engine_id: str, error: NcclKVError,
-                          pulled: bool = False) -> None:
+                          pulled: bool = False, hold: int = 0) -> None:
         """Under ``self._cond``: ``request_id`` from ``producer_engine_id`` ended here with ``error`` (a push
-        refused, failed or expired here; an expected request failed or aborted, ``pulled`` if it was a pull)."""
-        self._ended.refuse(request_id, producer_engine_id, error, self._clock.now(), pulled)
+        refused, failed or expired here; an expected request failed or aborted, ``pulled`` if it was a pull, of
+        hold number ``hold``)."""
+        self._ended.refuse(request_id, producer_engine_id, error, self._clock.now(), pulled, hold)
 
     def _note_ended_pull(self, req: Expected, now: float) -> None:
         """Under ``self._cond``: ``req`` ended here (reported or aborted); if it was a pull, a producer's error for

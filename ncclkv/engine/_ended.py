@@ -10,7 +10,8 @@ consumer keeps, by request id, for ``hold_s`` and at most a fixed number each:
   that failed or was aborted (and whether it was a pull). An expect() of its
   push fails at once instead of waiting ``hold_s`` for tensors that never
   come; a pull of it again is refused, since the ended one's tensors would
-  land in it.
+  land in it, unless both pulls name their holds (``hold``), which the
+  producer's announcements, Done and errors for a pull carry.
 - ended pulls: pulls that ended here (served, failed, aborted) and pulls
   declined. A producer's error for one is the pull's late answer, not a push
   failing before it was expected, and refuses nothing.
@@ -37,6 +38,7 @@ class Refusal(NamedTuple):
     since: float
     error: NcclKVError
     pulled: bool  # a pull expected here ended unloaded (no push failed)
+    hold: int  # that pull's hold number (0: not named, or a push)
 
 
 class EndedTransfers:
@@ -44,14 +46,15 @@ class EndedTransfers:
 
     def __init__(self, hold_s: float) -> None:
         self._hold_s = hold_s
-        self._refused: RecentEnds[tuple[str, NcclKVError, bool]] = RecentEnds(hold_s, MAX_REFUSALS)
+        self._refused: RecentEnds[tuple[str, NcclKVError, bool, int]] = RecentEnds(hold_s, MAX_REFUSALS)
         self._pulled: RecentEnds[str] = RecentEnds(hold_s, MAX_ENDED_PULLS)
 
     def refuse(self, request_id: str, producer_engine_id: str, error: NcclKVError, now: float,
-               pulled: bool = False) -> None:
-        """``request_id`` from ``producer_engine_id`` ended here with ``error`` (``pulled``: it was a pull)."""
+               pulled: bool = False, hold: int = 0) -> None:
+        """``request_id`` from ``producer_engine_id`` ended here with ``error`` (``pulled``: it was a pull, of
+        hold number ``hold``)."""
         # Its type and text, not the error itself: a traceback would keep its frames' buffers alive for hold_s.
-        self._refused.note(request_id, now, (producer_engine_id, type(error)(str(error)), pulled))
+        self._refused.note(request_id, now, (producer_engine_id, type(error)(str(error)), pulled, hold))
 
     def refusal(self, request_id: str, producer_engine_id: str) -> Refusal | None:
         """Why ``request_id`` from ``producer_engine_id`` is refused here; None if it is not, or only from
@@ -59,8 +62,8 @@ class EndedTransfers:
         entry = self._refused.get(request_id)
         if entry is None or entry[1][0] != producer_engine_id:
             return None
-        since, (_, error, pulled) = entry
-        return Refusal(since, error, pulled)
+        since, (_, error, pulled, hold) = entry
+        return Refusal(since, error, pulled, hold)
 
     def forget_refusal(self, request_id: str) -> None:
         """An expect() of the id's push took its refusal (it failed with it)."""

@@ -35,7 +35,7 @@ from ..paged import SlotMap
 from ..protocol import MAX_TEXT_CHARS, Ack, Announce, Done, ErrorCode, ErrorMsg, PullRequest, RouteMsg
 from ..transport import LinkBase
 from ._caches import RankCaches, WireLease
-from ._config import EngineRef, peer_id
+from ._config import EngineRef, holds_differ, peer_id
 from ._links import Peer, PeerLinks
 from ._push import Pusher, SliceHooks, tell
 from ._recent import RecentEnds
@@ -132,7 +132,8 @@ class ProducerSide:
                 self._serve_or_refuse(sender, pull)
             elif pull.routes:  # parked for another hold of the id: refused, as it would be now (on_pull)
                 log.info("refused parked pull %s from %s: %s", request_id, sender, other)
-                tell(self._channel, sender, ErrorMsg(request_id, ErrorCode.UNKNOWN_REQUEST, other[:MAX_TEXT_CHARS]))
+                tell(self._channel, sender, ErrorMsg(request_id, ErrorCode.UNKNOWN_REQUEST, other[:MAX_TEXT_CHARS],
+                                                     pull.hold))
             else:  # a decline for another hold, acknowledged when it was parked: it counts for nothing
                 log.info("parked decline of %s from %s counts for nothing: %s", request_id, sender, other)
 
@@ -152,7 +153,7 @@ class ProducerSide:
                     log.info("decline of %s from %s counts for nothing: %s", pull.request_id, sender, ended)
                     return Ack(pull.request_id, None)
                 log.info("refused pull %s from %s: %s", pull.request_id, sender, ended)
-                return ErrorMsg(pull.request_id, ErrorCode.UNKNOWN_REQUEST, ended[:MAX_TEXT_CHARS])
+                return ErrorMsg(pull.request_id, ErrorCode.UNKNOWN_REQUEST, ended[:MAX_TEXT_CHARS], pull.hold)
             # Not held yet; or released, not yet reported, and the pull is for another hold (one to come): it
             # waits for that hold, as it would once this one is reported (_ended_reason_locked).
             if held is None or held.released:
@@ -208,7 +209,7 @@ class ProducerSide:
             self._send_error(sender, TransferTimeout(
                 f"request {pull.request_id!r} was not held by producer rank {self._channel.peer_id!r} within "
                 f"deadline_s={self._deadline_s:g}s of its pull (never held here: its prefill has not finished, or "
-                f"the id is unknown)"), pull.request_id)
+                f"the id is unknown)"), pull)
         return done
 
     def release(self, request_id: str) -> bool:
@@ -265,7 +266,7 @@ class ProducerSide:
         within ``hold_s``, or released and about to be); None when it is held, or never was (a pull may come
         before the hold), or the hold that ended is another one (both named). Lock held."""
         if held is not None:
-            if not held.released or _differ(hold, held.hold):
+            if not held.released or holds_differ(hold, held.hold):
                 return None
             return (f"request {request_id!r} is no longer held by producer rank {self._channel.peer_id!r}: "
                     f"{_ended_with(held.error) if held.error is not None else 'it was released'}")
@@ -274,7 +275,7 @@ class ProducerSide:
         if ended is None:
             return None
         since, (ended_hold, why) = ended
-        if _differ(hold, ended_hold):  # the pull is for a hold to come (another number): parked for it
+        if holds_differ(hold, ended_hold):  # the pull is for a hold to come (another number): parked for it
             return None
         age = now - since
         return (f"request {request_id!r} is no longer held by producer rank {self._channel.peer_id!r}: its hold "
@@ -323,7 +324,7 @@ class ProducerSide:
             self._serve(sender, pull, held, routes)
         except Exception as err:  # reported to the consumer; never silent
             log.error("cannot serve pull %s from %s: %s", pull.request_id, sender, err)
-            self._send_error(sender, err, pull.request_id)
+            self._send_error(sender, err, pull)
 
     def _serve(self, sender: str, pull: PullRequest, held: _Held, routes: list[Route]) -> None:
         peer = self._peers.get(sender)
@@ -374,7 +375,7 @@ class ProducerSide:
                 lease = self._caches.lease()
                 nbytes += placeholder.nbytes  # a placeholder: see Pusher._queue_layer
                 hooks = self._announcer(link, sender, pull.request_id, layers.start, route, held.slots, piece, lease,
-                                        len(layers))
+                                        len(layers), pull.hold)
                 futures.append(link.send(placeholder, before_send=hooks.announce, fill=hooks.gather,
                                          ready_event=held.ready))
                 futures[-1].add_done_callback(lease.end)
@@ -388,9 +389,9 @@ class ProducerSide:
             try:
                 if error is None:
                     self._stats.record_send(nbytes, len(futures), time.monotonic() - started)
-                    tell(self._channel, sender, Done(pull.request_id, slices, nbytes))
+                    tell(self._channel, sender, Done(pull.request_id, slices, nbytes, pull.hold))
                 else:
-                    self._send_error(sender, error, pull.request_id)
+                    self._send_error(sender, error, pull)
             except Exception as err:  # noqa: BLE001 - on a send's done-callback, where it would only be logged
                 log.error("pull %s from %s: ending its sends failed: %s: %s", pull.request_id, sender,
                           type(err).__name__, err, exc_info=err)
@@ -432,9 +433,10 @@ class ProducerSide:
         return sends
 
     def _announcer(self, link: LinkBase, sender: str, request_id: str, layer: int, route: Route, slots: SlotMap,
-                   piece: Span, lease: WireLease, num_layers: int = 1) -> SliceHooks:
+                   piece: Span, lease: WireLease, num_layers: int = 1, hold: int = 0) -> SliceHooks:
         """The hook and the fill of one piece's send: announce, then gather (see ``Link.send``); ``num_layers``
-        > 1: the slices of that many layers from ``layer`` on, stacked in one tensor.
+        > 1: the slices of that many layers from ``layer`` on, stacked in one tensor; ``hold``: the number of
+        the hold the pull named, in its announcement.
 
         The Announce goes out before the gather, so the consumer's receive is
         posted while the bytes are gathered, not a control round trip after.
@@ -450,7 +452,7 @@ class ProducerSide:
             seq = peer.sent_seq
             self._channel.send(sender, Announce(
                 request_id, layer, RouteMsg.from_route(route), tuple(buf.shape), self._geometry.dtype,
-                buf.numel() * buf.element_size(), seq, link.link_id, piece_msg, num_layers,
+                buf.numel() * buf.element_size(), seq, link.link_id, piece_msg, num_layers, hold,
             ))
             peer.sent_seq = seq + 1  # only once announced: a send that failed leaves no gap
             return buf
@@ -470,18 +472,14 @@ class ProducerSide:
             if error is not None and held.error is None:
                 held.error = error
 
-    def _send_error(self, sender: str, error: BaseException, request_id: str) -> None:
-        tell(self._channel, sender, ErrorMsg.from_exception(error, request_id))
-
-
-def _differ(pulled: int, held: int) -> bool:
-    """Whether a pull for hold number ``pulled`` is for another hold than ``held``: both named (0: not named)."""
-    return bool(pulled and held and pulled != held)
+    def _send_error(self, sender: str, error: BaseException, pull: PullRequest) -> None:
+        """Tell ``sender`` that ``pull`` failed, naming its hold (a late answer is then told from the next hold's)."""
+        tell(self._channel, sender, ErrorMsg.from_exception(error, pull.request_id, pull.hold))
 
 
 def _other_hold(pull: PullRequest, hold: int) -> str | None:
     """Why ``pull`` is not for hold number ``hold`` of its request id held here; None when it may be."""
-    if not _differ(pull.hold, hold):
+    if not holds_differ(pull.hold, hold):
         return None
     what = "pull" if pull.routes else "decline"
     return (f"request {pull.request_id!r} is held here as hold {hold}, the {what} is for hold {pull.hold} (an "

@@ -35,6 +35,7 @@ from ncclkv.engine._recent import RecentEnds
 from ncclkv.errors import TransferError
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.paged import CacheLayout
+from ncclkv.protocol import Done, ErrorCode, ErrorMsg
 
 from .kvsim import RankSide, build_sides, close_sides, engine_ref, wait_sent
 
@@ -288,3 +289,57 @@ def test_a_pull_for_the_next_hold_waits_while_the_hold_before_is_released_but_no
     d1.engine.wait("X", WAIT_S)
     assert d1.mismatches(9, [0, 1, 2, 3], TOKENS, Span(0, TOKENS)) == []
     assert wait_sent(p, "X")["X"] is None
+
+
+def test_a_pull_again_under_another_hold_number_is_taken_and_the_ended_pulls_late_tensors_are_drained(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """D1 pulls X (hold 1) and aborts it while P still sends it; X is then held again (hold 2) and D1 pulls it.
+    Before, the consumer refused that pull for hold_s ("pull it under a new request id"): hold 1's tensors could
+    still come, announced for X, and would land in it. Now P's announcements, Done and errors name the pull's
+    hold: hold 1's late tensors (announced once hold 2 is expected here) are drained, its late Done and error
+    count for nothing, and hold 2 lands whole, its own bytes."""
+    p = build_sides("P", ONE, GQA, CacheLayout.CPU, 16, "producer", num_blocks=32, deadline_s=DEADLINE_S,
+                    hold_s=4.0, pull_batch_bytes=0)[0]  # a tensor per layer: several of hold 1's come late
+    d1 = build_sides("D1", ONE, GQA, CacheLayout.CPU, 16, "consumer", num_blocks=32, deadline_s=DEADLINE_S,
+                     hold_s=600.0)[0]  # its refusal of X outlives the test: only the hold numbers let it pull again
+    entered, go = threading.Event(), threading.Event()
+    try:
+        ref = engine_ref("P", ONE, [p])
+        producer = p.engine._producer  # noqa: SLF001
+        gather = producer._caches.gather  # noqa: SLF001
+
+        def held_gather(*args: Any, **kwargs: Any) -> None:  # hold 1's first layer waits for the test
+            entered.set()
+            assert go.wait(WAIT_S), "the test never let hold 1's gather go"
+            gather(*args, **kwargs)
+        producer._caches.gather = held_gather  # noqa: SLF001
+        p.fill(1, [0, 1, 2, 3], TOKENS)
+        p.engine.finish("X", [0, 1, 2, 3], TOKENS, hold=1)
+        d1.engine.expect("X", ref, [0, 1, 2, 3], TOKENS, hold=1)
+        assert entered.wait(WAIT_S), "hold 1 never served"
+        producer._caches.gather = gather  # noqa: SLF001
+        d1.engine.abort("X")
+        assert p.engine.release("X")  # its sends run on; a pull of another hold waits for that hold
+
+        d1.engine.expect("X", ref, [4, 5, 6, 7], TOKENS, hold=2)  # before: ValueError, for hold_s
+        with caplog.at_level("INFO", logger="ncclkv.engine"):
+            go.set()  # hold 1's other layers are announced now, to D1 expecting hold 2
+            assert isinstance(wait_sent(p, "X")["X"], TransferError)  # released: hold 1's sends all ended
+            # What a late answer to hold 1 looks like, on P's own channel, ahead of anything of hold 2's.
+            p.engine._channel.send("D1.r0", Done("X", 99, 0, hold=1))  # noqa: SLF001
+            p.engine._channel.send("D1.r0", ErrorMsg("X", ErrorCode.TIMEOUT, "hold 1 timed out", hold=1))  # noqa: SLF001
+            p.fill(2, [8, 9, 10, 11], TOKENS)
+            p.engine.finish("X", [8, 9, 10, 11], TOKENS, hold=2)
+            d1.engine.wait("X", WAIT_S)
+        assert d1.mismatches(2, [4, 5, 6, 7], TOKENS, Span(0, TOKENS)) == []
+        assert _until("X reported by D1", lambda: "X" in (got := d1.engine.take_finished_receiving()) and got)["X"] \
+            is None
+        assert wait_sent(p, "X")["X"] is None
+        drained = [r.getMessage() for r in caplog.records if "for hold 1 of 'X', expected here for hold 2" in
+                   r.getMessage()]
+        assert drained, "no tensor of hold 1 came once hold 2 was expected"
+        told = [r.getMessage() for r in caplog.records if "for hold 1 of X" in r.getMessage()]
+        assert any(m.startswith("Done from") for m in told) and any(m.startswith("error from") for m in told), told
+    finally:
+        go.set()  # never left waiting, whatever failed
+        close_sides([p], [d1])

@@ -202,11 +202,11 @@ def test_a_reset_must_name_the_incarnation_it_is_for(mutate, needle: str) -> Non
 
 def test_the_protocol_version_counts_batched_layers_and_hold_numbers() -> None:
     """7 made incarnations grow with their channel's start time (a 6's are random, which a 7 would misorder), 8
-    added Announce.num_layers (a 7 refuses its field), 9 PullRequest.hold (an 8 refuses its field): each refuses
-    the other's handshakes on the version."""
-    assert PROTOCOL_VERSION == 9
-    for older in (7, 8):
-        with pytest.raises(errors.HandshakeError, match=f"protocol_version mismatch: local 9, remote {older}"):
+    added Announce.num_layers (a 7 refuses its field), 9 PullRequest.hold (an 8 refuses its field), 10 the hold in
+    Announce, Done and ErrorMsg (a 9 refuses their field): each refuses the other's handshakes on the version."""
+    assert PROTOCOL_VERSION == 10
+    for older in (7, 8, 9):
+        with pytest.raises(errors.HandshakeError, match=f"protocol_version mismatch: local 10, remote {older}"):
             check_compatible(handshake(), msgspec.structs.replace(handshake(role="consumer"), protocol_version=older))
 
 
@@ -224,6 +224,27 @@ def test_a_pulls_hold_number_round_trips_defaults_to_0_and_is_bounded() -> None:
         raw["body"]["hold"] = bad
         with pytest.raises(errors.ProtocolError):
             decode(msgspec.msgpack.encode(raw))
+
+
+@pytest.mark.parametrize("body", [
+    Announce("r", 0, ROUTE, (2, 4, 1, 8), "bfloat16", 128, 0, "kv-0", hold=7),
+    Done("r", 3, 384, hold=7),
+    ErrorMsg("r", ErrorCode.TIMEOUT, "late", hold=7),
+], ids=["Announce", "Done", "ErrorMsg"])
+def test_what_a_producer_says_of_a_pull_names_its_hold(body: Announce | Done | ErrorMsg) -> None:
+    """Announce, Done and ErrorMsg carry the hold number of the pull they answer (0: a push, or not named), so a
+    consumer tells an ended pull's late ones from those of the next hold of the id."""
+    assert decode(encode(Envelope("a", 1, None, body))).body == body
+    assert msgspec.structs.replace(body, hold=0) == type(body)(*[getattr(body, f) for f in body.__struct_fields__
+                                                                 if f != "hold"])  # the default: not named
+    raw = msgspec.to_builtins(Envelope("a", 1, None, body))
+    del raw["body"]["hold"]  # absent on the wire (a push's): 0
+    assert decode(msgspec.msgpack.encode(raw)).body.hold == 0
+    for bad in (-1, MAX_HOLD + 1, True, "7"):
+        raw["body"]["hold"] = bad
+        with pytest.raises(errors.ProtocolError):
+            decode(msgspec.msgpack.encode(raw))
+    assert ErrorMsg.from_exception(errors.TransferTimeout("late"), "r", 7).hold == 7
 
 
 def test_an_announce_of_several_layers_round_trips_and_counts_at_least_one() -> None:
