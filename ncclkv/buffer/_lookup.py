@@ -106,6 +106,11 @@ class KVLookupBuffer(LockedLRU[int, _Record]):
         if hidden is not None and not isinstance(hidden, torch.Tensor):
             raise TypeError(f"insert: hidden must be a torch.Tensor or None, got {type(hidden).__name__}")
         token_ids = to_token_ids(input_tokens, "insert")
+        # drop_select returns the ids as an int64 tensor: one it could not hold would be lost with its entry there
+        if token_ids and max(token_ids) >= 2**63:
+            too_large = next(i for i, token in enumerate(token_ids) if token >= 2**63)
+            raise ValueError(f"insert: input_tokens[{too_large}]={token_ids[too_large]} does not fit in int64, "
+                             "which drop_select returns the token ids as")
         roi = to_roi(roi, len(token_ids), self._geometry, "insert")
         entry = LookupEntry(token_ids, roi, key, value, hidden)
         nbytes = entry.nbytes

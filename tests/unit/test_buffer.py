@@ -295,6 +295,19 @@ def test_drop_select_returns_tokens_and_the_roi_the_entry_holds_in_vllms_order()
     assert len(buf) == 0
 
 
+def test_insert_refuses_token_ids_drop_select_cannot_return_as_int64() -> None:
+    """drop_select returns the token ids as an int64 tensor (vLLM's order): an id of 2**63 or more, which the
+    hashing takes, cannot be returned, so insert refuses it naming it; before, insert took it and drop_select
+    removed the entry, then failed converting the ids ("Overflow when unpacking long long"): the entry lost."""
+    buf = KVLookupBuffer(1000)
+    with pytest.raises(ValueError, match=re.escape(f"insert: input_tokens[1]={2**63} does not fit in int64")):
+        buf.insert([1, 2**63], box(0, 2), blob(4), blob(4))
+    assert len(buf) == 0 and buf.used_bytes == 0
+    buf.insert([1, 2**63 - 1], box(0, 2), blob(4, 7), blob(4))
+    got_tokens, _, key, _, _ = buf.drop_select([1, 2**63 - 1], box(0, 2))
+    assert got_tokens.tolist() == [1, 2**63 - 1] and int(key[0]) == 7  # type: ignore[union-attr, index]
+
+
 def test_capacity_counts_the_storage_a_view_keeps_alive() -> None:
     base = torch.zeros(4096, dtype=torch.uint8)
     store = KVStoreBuffer(1024)
