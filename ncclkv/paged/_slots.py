@@ -68,6 +68,8 @@ class SlotMap:
         negative = [b for b in ids if b < 0]
         if negative:
             raise ValueError(f"block ids must be >= 0, got {negative[:8]}")
+        if max(ids, default=0) >= 2**63:  # the native kernel reads the table as int64
+            raise ValueError(f"block ids must be < 2**63, got {[b for b in ids if b >= 2**63][:8]}")
         self._block_ids = ids
         self._block_size = block_size
         self._ids_cpu: torch.Tensor | None = None

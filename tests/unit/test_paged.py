@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 
 import pytest
 import torch
@@ -388,6 +389,19 @@ def test_errors_name_the_values(nhd) -> None:
         SlotMap(torch.zeros(2, 2), 16)
     with pytest.raises(TypeError, match=r"tokens and heads must be Span"):
         gather(cache, spec, [0, 1], (0, 32), Span(0, 4), out)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_block_ids_past_int64_are_refused_naming_them(nhd, kernel: str) -> None:
+    """The native kernel reads the block table as int64: an id it cannot hold, even one the span does not use,
+    is refused when the SlotMap is made, under both kernels; before, the torch ops moved the span and the native
+    kernel failed with "Overflow when unpacking long long", naming nothing."""
+    cache, spec = nhd
+    out = torch.empty(spec.wire_shape(16, 4))
+    with pytest.raises(ValueError, match=re.escape(f"block ids must be < 2**63, got [{2**63}]")):
+        gather(cache, spec, [0, 2**63], Span(0, 16), Span(0, 4), out, kernel=kernel)
+    with pytest.raises(ValueError, match=re.escape(f"block ids must be < 2**63, got [{2**70}]")):
+        SlotMap([2**70, 1], 16)
 
 
 def test_spec_and_wire_shape_validation() -> None:
