@@ -27,6 +27,10 @@ class Roi:
             object.__setattr__(self, "tokens", SpanSet([self.tokens]))
         elif not isinstance(self.tokens, SpanSet):
             raise TypeError(f"Roi.tokens must be a SpanSet or Span, got {type(self.tokens).__name__}")
+        for name in ("layers", "heads"):
+            value = getattr(self, name)
+            if not isinstance(value, Span):
+                raise TypeError(f"Roi.{name} must be a Span, got {type(value).__name__} {value!r}")
 
     @classmethod
     def full(cls, geometry: KVGeometry, num_tokens: int) -> Roi:

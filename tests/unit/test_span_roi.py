@@ -93,6 +93,16 @@ def test_roi_values() -> None:
         Roi([0, 1], Span(0, 1), Span(0, 1))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("field", ["layers", "heads"])
+@pytest.mark.parametrize("bad", [(0, 4), range(0, 4), [0, 4]], ids=["tuple", "range", "list"])
+def test_roi_refuses_layers_or_heads_that_are_not_spans(field: str, bad: object) -> None:
+    """Layers and heads are checked as tokens are: before, Roi(tokens, (0, 4), heads) was made, and the
+    lookup buffer's insert of it failed with "AttributeError: 'tuple' object has no attribute 'empty'"."""
+    spans = {"layers": Span(0, 4), "heads": Span(0, 2), field: bad}
+    with pytest.raises(TypeError, match=rf"^Roi\.{field} must be a Span, got {type(bad).__name__} "):
+        Roi(SpanSet.range(0, 3), spans["layers"], spans["heads"])  # type: ignore[arg-type]
+
+
 def test_geometry() -> None:
     g = KVGeometry(32, 8, 128)
     assert (g.dtype, g.itemsize, g.kv_parts, g.cell_bytes) == ("bfloat16", 2, 2, 512)
