@@ -120,7 +120,12 @@ class ParallelLayout:
             raise ValueError(f"ParallelLayout tp_size={self.tp_size} x pp_size={self.pp_size} is more than "
                              f"{MAX_WORLD_SIZE} ranks")
         if self.layer_partition is not None:
-            object.__setattr__(self, "layer_partition", tuple(self.layer_partition))
+            partition = self.layer_partition
+            sizes = None if isinstance(partition, (str, bytes)) or not hasattr(partition, "__iter__") else tuple(partition)
+            if sizes is None or any(isinstance(size, bool) or not isinstance(size, int) for size in sizes):
+                raise ValueError(f"ParallelLayout.layer_partition must be a sequence of ints (layers per stage), "
+                                 f"got {partition!r}")
+            object.__setattr__(self, "layer_partition", sizes)
             if len(self.layer_partition) != self.pp_size:
                 raise ValueError(
                     f"layer_partition {self.layer_partition} has {len(self.layer_partition)} stages, pp_size is {self.pp_size}"

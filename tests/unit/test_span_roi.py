@@ -139,6 +139,16 @@ def test_parallel_layout() -> None:
     assert layout.layer_span(KVGeometry(7, 4, 64), 1) == Span(4, 7)
 
 
+@pytest.mark.parametrize("partition", [("8", "8"), (8.0, 8.0), (True, 15), 16], ids=["str", "float", "bool", "int"])
+def test_parallel_layout_refuses_a_partition_of_other_than_ints(partition: object) -> None:
+    """As tp_size and pp_size are: before, ("8", "8") was taken and check() failed with "'<' not supported
+    between instances of 'str' and 'int'", (8.0, 8.0) with a Span error naming neither the partition nor the
+    stage, (True, 15) was read as (1, 15), and 16 failed with "'int' object is not iterable"."""
+    with pytest.raises(ValueError, match=r"^ParallelLayout\.layer_partition must be a sequence of ints \(layers per "
+                                         r"stage\), got "):
+        ParallelLayout(1, 2, partition)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("num_layers", "pp_size", "sizes"),
     [(32, 1, [32]), (32, 4, [8, 8, 8, 8]), (32, 3, [11, 11, 10]), (5, 4, [1, 1, 2, 1]), (61, 8, [7, 7, 8, 8, 8, 8, 8, 7])],
