@@ -81,7 +81,7 @@ from .errors import ClosedError, PeerLostError, TransferTimeout
 from .protocol import INCARNATION_RANDOM_BITS, Envelope, ErrorMsg, Message, encode
 
 __all__ = ["THREAD_PREFIX", "Channel", "ChannelStats", "MessageHandler", "PeerLostHandler", "ReplyThen",
-           "new_incarnation"]
+           "check_address", "new_incarnation"]
 
 log = logging.getLogger("ncclkv.channel")
 
@@ -241,7 +241,7 @@ class Channel:
         """
         self._check_open()
         _check_peer_id(peer_id)
-        _check_address(address)
+        check_address(address)
         key = curve_key(server_key, "server_key") if server_key is not None else None
         if key is not None and self.auth.curve is None:
             raise ValueError(f"server_key given for peer {peer_id!r} but this channel has no CURVE auth")
@@ -490,7 +490,7 @@ def _stamped(error: PeerLostError, seq: int) -> PeerLostError:
     return error
 
 
-def _check_address(address: object) -> None:
+def check_address(address: object) -> None:
     """``tcp://host:port`` or ``ipc://path``, encodable for ZMQ; ValueError naming it (addresses come from
     other engines' kv_transfer_params: a bad one must fail its caller, not the channel's I/O thread)."""
     if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):

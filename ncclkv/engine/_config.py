@@ -12,6 +12,7 @@ from .._affinity import cpus_from_setting
 from .._env import WILDCARD_HOSTS, env_settings
 from .._timeout import check_timeout
 from ..auth import ChannelAuth, load_channel_auth
+from ..channel import check_address
 from ..layout import KVGeometry, ParallelLayout
 from ..protocol import MAX_ID_CHARS
 
@@ -194,6 +195,11 @@ class EngineRef:
         if bad:
             raise ValueError(f"engine {self.engine_id!r}: control addresses must be strs like 'tcp://host:port', "
                              f"got {bad[:4]!r:.200}")
+        for rank, address in enumerate(self.control_addrs):  # here, not at the first pull: params are checked whole
+            try:
+                check_address(address)
+            except ValueError as err:
+                raise ValueError(f"engine {self.engine_id!r}: control address of rank {rank}: {err}") from None
         object.__setattr__(self, "incarnations", tuple(self.incarnations))
         if len(self.control_addrs) != self.layout.world_size:
             raise ValueError(

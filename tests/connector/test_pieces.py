@@ -68,14 +68,14 @@ def test_prometheus_metrics_observe() -> None:
 
 def _handshake(tp: int, pp: int, tp_size: int = 2, pp_size: int = 2) -> NcclKVHandshake:
     layout = ParallelLayout(tp_size, pp_size, (1, 1))
-    return NcclKVHandshake("eng", layout.rank(tp, pp), tp, pp, tp_size, pp_size, (1, 1), f"tcp://h:{tp}{pp}")
+    return NcclKVHandshake("eng", layout.rank(tp, pp), tp, pp, tp_size, pp_size, (1, 1), f"tcp://h:1{tp}{pp}")
 
 
 def test_handshakes_make_one_engine_ref() -> None:
     shakes = {(pp, tp): _handshake(tp, pp) for tp in range(2) for pp in range(2)}
     ref = engine_ref_from_handshakes(pickle.loads(pickle.dumps(shakes)))
     assert ref.layout == ParallelLayout(2, 2, (1, 1))
-    assert ref.control_addrs == ("tcp://h:00", "tcp://h:10", "tcp://h:01", "tcp://h:11")  # rank = pp * tp_size + tp
+    assert ref.control_addrs == ("tcp://h:100", "tcp://h:110", "tcp://h:101", "tcp://h:111")  # rank = pp * tp_size + tp
     del shakes[(1, 0)]
     with pytest.raises(ValueError, match=r"no handshake from ranks \[2\]"):
         engine_ref_from_handshakes(shakes)

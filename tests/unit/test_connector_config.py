@@ -139,6 +139,11 @@ def test_prefill_intent_accepts_proxy_params() -> None:
     ({"remote_engine": {**REF.to_dict(), "engine_id": 5}}, "engine_id must be 1-128 chars.*got 5"),
     ({"remote_engine": {**REF.to_dict(), "control_addrs": [5001, 5002]}}, r"control addresses must be strs .*\[5001, 5002\]"),
     ({"remote_engine": {**REF.to_dict(), "control_addrs": None}}, "control_addrs must be a list of addresses, got None"),
+    # Before, these were taken, and the pull failed at the channel's connect (a load error, not bad params).
+    ({"remote_engine": {**REF.to_dict(), "control_addrs": ["tcp://a:1", "not a url"]}},
+     r"control address of rank 1: address must be tcp://host:port or ipc://path, got 'not a url'"),
+    ({"remote_engine": {**REF.to_dict(), "control_addrs": ["tcp://a:70000", "tcp://a:1"]}},
+     r"control address of rank 0: address must be tcp://host:port with a port 1-65535, got 'tcp://a:70000'"),
     ({"remote_engine": {**REF.to_dict(), "control_addrs": "tcp://a:1"}}, "control_addrs must be a list of addresses"),
     ({"remote_engine": [REF.to_dict()]}, "remote_engine must be an EngineRef dict"),
     ({"do_remote_decode": True}, "both do_remote_decode and do_remote_prefill"),
