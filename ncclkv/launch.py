@@ -61,8 +61,10 @@ class LaunchInfo:
     attempt: int = 0
     # Slurm's SLURM_STEP_ID (0 elsewhere): steps of one job given the same MASTER_PORT keep their keys apart.
     step_id: int = 0
-    # Slurm's SLURM_JOB_ID (None elsewhere): in the rendezvous keys and the identity the hosting rank publishes,
-    # so that a rank of another job that meets this job's store (derived ports collide) is refused at once.
+    # Slurm's SLURM_JOB_ID; under Open MPI its PMIx namespace (PMIX_NAMESPACE, one per mpiexec run); None elsewhere:
+    # in the rendezvous keys and the identity the hosting rank publishes, so that a rank of another job or run that
+    # meets this job's store (derived ports collide; two mpiexec runs of one batch script derive one) is refused
+    # at once.
     job_id: str | None = None
 
     @property
@@ -484,5 +486,7 @@ def discover(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     gpus_per_task = _slurm_gpus_per_task(env) if launcher == "slurm" else None
     step_id = _slurm_step_id(env) if launcher == "slurm" else 0
     job_id = str(_int_var(env, "SLURM_JOB_ID")) if launcher == "slurm" and env.get("SLURM_JOB_ID") else None
+    if launcher == "openmpi":  # every mpiexec run its own, shared by its ranks: runs on one port tell each other apart
+        job_id = env.get("PMIX_NAMESPACE") or None
     return LaunchInfo(launcher, rank, world_size, local_rank, local_size, addr, port, store_hosted, gpus_per_task,
                       attempt, step_id, job_id)

@@ -163,6 +163,41 @@ def test_the_entry_point_exits_2_on_a_foreign_store(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr, done.stderr
 
 
+def open_mpi_rank(rank: int, namespace: str, world: int = 2) -> dict[str, str]:
+    """Rank ``rank`` of ``mpiexec -n world`` started by a one-node batch script, as Open MPI 5 sets it (PMIx names
+    each mpiexec run: prterun-<host>-<pid>@1)."""
+    return {**BATCH_STEP, "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(world),
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": str(world),
+            "PMIX_RANK": str(rank), "PMIX_NAMESPACE": namespace}
+
+
+def test_two_mpiexec_runs_on_one_port_are_refused_not_mixed() -> None:
+    """Two mpiexec runs of one batch script derive one MASTER_PORT from SLURM_JOB_ID (two runs given one exported
+    port do too): the second run's rank 1 met the first run's store under the same identity ('openmpi no job id
+    world_size 2'), joined its exchange and its link ring.0-1, and reported its failure there: the first run, healthy,
+    exited 3 ('rank 1 failed: ... link rank 1 already joined')."""
+    first = discover(open_mpi_rank(0, "prterun-vm-27999@1"))
+    second = discover(open_mpi_rank(1, "prterun-vm-29658@1"))
+    assert (first.launcher, first.master_port) == ("openmpi", second.master_port)  # derived from SLURM_JOB_ID=1
+    port = free_port()
+    on_port = {"master_addr": "127.0.0.1", "master_port": port}
+    host = StoreRendezvous(LaunchInfo(**{**_fields(first), **on_port}), prefix="p", deadline_s=WAIT_S)
+    with pytest.raises(ForeignStoreError) as err:
+        StoreRendezvous(LaunchInfo(**{**_fields(second), **on_port}), prefix="p", deadline_s=WAIT_S)
+    text = str(err.value)
+    assert "prterun-vm-27999@1" in text and "prterun-vm-29658@1" in text and "MASTER_PORT" in text, text
+    # The first run is untouched: its own rank 1 joins, and both finish.
+    own = discover(open_mpi_rank(1, "prterun-vm-27999@1"))
+    results: dict[int, list[str]] = {}
+    thread = threading.Thread(target=lambda: (results.setdefault(0, host.exchange("a0")), host.finish()))
+    thread.start()
+    peer = StoreRendezvous(LaunchInfo(**{**_fields(own), **on_port}), prefix="p", deadline_s=WAIT_S)
+    results[1] = peer.exchange("a1")
+    peer.finish()
+    thread.join(WAIT_S)
+    assert results == {0: ["a0", "a1"], 1: ["a0", "a1"]}
+
+
 _LAUNCHER_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_",
                       "MASTER_ADDR", "MASTER_PORT", "OMPI_", "PMI", "MPI_LOCAL", "SLURM", "NCCLKV_", "GLOO_")
 
