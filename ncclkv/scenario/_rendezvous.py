@@ -135,9 +135,11 @@ class StoreRendezvous:
         deadline = time.monotonic() + self._deadline_s
         size = self._info.world_size
         with self._typed("finish", deadline):
+            # One key per rank beside the count: a deadline names the ranks that never came, not the outcome's key.
+            self._store.set(f"finished/{self._info.rank}", _OK)
             if self._store.add("done", 1) == size:
                 self._store.compare_set("outcome", "", _OK)
-            self._wait(["outcome"], deadline, "finish")
+            self._wait(["outcome"], deadline, "finish", ranks_key="finished")
             outcome = self._store.get("outcome").decode()
             self._leave(strict=outcome == _OK)
             if outcome != _OK:
@@ -158,12 +160,18 @@ class StoreRendezvous:
         # A rank that died never leaves; the failure is raised by the caller either way.
         self._poll(["all_left"], time.monotonic() + min(_FAILURE_GRACE_S, self._deadline_s))
 
-    def _wait(self, keys: list[str], deadline: float, what: str, poll_max_s: float = _POLL_MAX_S) -> None:
-        """Return once every key is set; raise PeerLostError as soon as a rank reports a failure."""
+    def _wait(self, keys: list[str], deadline: float, what: str, poll_max_s: float = _POLL_MAX_S, *,
+              ranks_key: str | None = None) -> None:
+        """Return once every key is set; raise PeerLostError as soon as a rank reports a failure.
+
+        ``ranks_key``: the keys wait for a count; the deadline's error names the ranks that set no
+        ``ranks_key/<rank>``."""
         if self._poll(keys, deadline, watch_failure=True, poll_max_s=poll_max_s):
             return
         if failure := self._failure():
             raise PeerLostError(f"{self._where}: waiting for every rank to {what}: {failure}")
+        if ranks_key is not None:
+            keys = [f"{ranks_key}/{rank}" for rank in range(self._info.world_size)]
         missing = [key for key in keys if not self._store.check([key])]
         raise TransferTimeout(
             f"{self._where}: not every rank did {what} within {self._deadline_s:g} s (missing {missing})")

@@ -263,6 +263,24 @@ def test_rendezvous_missing_rank_is_a_timeout_naming_it() -> None:
     assert all(isinstance(exc, TransferTimeout) and "missing ['value/2']" in str(exc) for exc in outcomes), outcomes
 
 
+def test_rendezvous_finish_timeout_names_the_rank_that_never_finished() -> None:
+    """Rank 2 of 3 publishes its value, then never finishes (it died, it hangs): the others' finish said
+    "missing ['outcome']", a key of the store, not who they waited for."""
+    port = free_port()
+
+    def body(rank: int) -> None:
+        rendezvous = StoreRendezvous(info(rank, 3, port), prefix="t", deadline_s=2.0)
+        rendezvous.exchange(str(rank))
+        if rank != 2:
+            rendezvous.finish()
+
+    outcomes = on_ranks(3, body)
+    assert outcomes[2] is None, outcomes
+    for rank in (0, 1):
+        assert isinstance(outcomes[rank], TransferTimeout), outcomes
+        assert f"rank {rank}: " in str(outcomes[rank]) and "missing ['finished/2']" in str(outcomes[rank]), outcomes
+
+
 def test_a_restarted_attempt_reads_none_of_the_previous_attempts_keys() -> None:
     """torchrun's agent store outlives its workers: attempt 1 meets in the same store as attempt 0 did.
 
