@@ -381,6 +381,17 @@ def _slurm_master_host(env: Mapping[str, str], rank: int) -> str:
     return host
 
 
+def _own_free_port(addr: str, launcher: str) -> int:
+    """A free port on ``addr`` for a world of one rank, which hosts its own store there (:func:`free_port`); a
+    ValueError naming MASTER_ADDR when ``addr`` is not an address of this host, or no address at all."""
+    try:
+        return free_port(addr if addr != "localhost" else "127.0.0.1")
+    except OSError as exc:
+        raise ValueError(
+            f"{launcher}: MASTER_ADDR={addr!r} is not an address of this host ({exc}), and this one rank would host "
+            f"its own rendezvous store there: unset MASTER_ADDR, or set it to an address of this host") from None
+
+
 def _master(env: Mapping[str, str], launcher: str, rank: int, world_size: int, local_size: int | None,
             local_size_name: str) -> tuple[str, int]:
     addr = env.get("MASTER_ADDR")
@@ -408,7 +419,7 @@ def _master(env: Mapping[str, str], launcher: str, rank: int, world_size: int, l
             raise ValueError(f"MASTER_PORT={port} is not a TCP port")
         return addr, port
     if world_size == 1:
-        return addr, free_port(addr if addr != "localhost" else "127.0.0.1")
+        return addr, _own_free_port(addr, launcher)
     if env.get("SLURM_JOB_ID"):
         # Every rank of the job must agree without talking: derive from the job id.
         return addr, derived_master_port(_int_var(env, "SLURM_JOB_ID"), _slurm_step_id(env))
@@ -425,7 +436,7 @@ def discover(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     launcher = _detect(env)
     if launcher == "single":
         addr = env.get("MASTER_ADDR") or "127.0.0.1"
-        port = _int_var(env, "MASTER_PORT") if env.get("MASTER_PORT") else free_port(addr)
+        port = _int_var(env, "MASTER_PORT") if env.get("MASTER_PORT") else _own_free_port(addr, "single")
         return LaunchInfo("single", 0, 1, 0, 1, addr, port)
 
     rank_var, size_var, local_var, local_size_var = _VARS[launcher]

@@ -238,6 +238,20 @@ def test_single_process_picks_a_free_port() -> None:
         sock.bind(("127.0.0.1", info.master_port))
 
 
+@pytest.mark.parametrize("env", [
+    {"MASTER_ADDR": "192.0.2.7"},  # TEST-NET-1: no host's own address
+    {"MASTER_ADDR": "no-such-host.invalid"},
+    {"SLURM_PROCID": "0", "SLURM_STEP_ID": "3", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0",
+     "SLURM_STEP_NODELIST": "no-such-host.invalid", "SLURM_JOB_ID": "7"},  # srun -n 1 on a node name with no address
+])
+def test_one_rank_on_a_master_addr_not_of_this_host_is_named(env: dict[str, str]) -> None:
+    """The free port it hosts its own store on was taken there: OSError [Errno 99] or socket.gaierror, not a
+    ValueError (python -m ncclkv.scenario: a traceback and exit 1 instead of a usage error)."""
+    with pytest.raises(ValueError, match=r"MASTER_ADDR='(192\.0\.2\.7|no-such-host\.invalid)' is not an "
+                                         r"address of this host .*unset MASTER_ADDR"):
+        discover(env)
+
+
 def test_innermost_launcher_wins() -> None:
     # torchrun inside an srun step: torchrun's per-process rank is the one that counts.
     assert discover({**SLURM, **TORCHRUN}).launcher == "torchrun"

@@ -56,6 +56,12 @@ def use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
     (2, ["--kind", "ring", "--bind-host", "192.0.2.7"], {}, "--bind-host '192.0.2.7' is not an address of this host"),
     (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1"], {"NCCLKV_BIND_HOST": "192.0.2.7"},
      "NCCLKV_BIND_HOST '192.0.2.7' is not an address of this host"),
+    # One rank without MASTER_PORT takes a free port on MASTER_ADDR: one not of this host (a shell's stale export)
+    # or a name that does not resolve ended as OSError [Errno 99] / socket.gaierror from discover(), exit 1.
+    (1, ["--kind", "ring"], {"MASTER_PORT": None, "MASTER_ADDR": "192.0.2.7"},
+     "MASTER_ADDR='192.0.2.7' is not an address of this host"),
+    (1, ["--kind", "ring"], {"MASTER_PORT": None, "MASTER_ADDR": "no-such-host.invalid"},
+     "MASTER_ADDR='no-such-host.invalid' is not an address of this host"),
 ])
 def test_bad_input_is_a_usage_error_before_anything_connects(
     world_size: int, argv: list[str], env: dict[str, str | None], message: str,
