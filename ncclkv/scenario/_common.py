@@ -152,11 +152,18 @@ def interface_ipv4(name: str) -> str:
 
 
 def _route_host(info: LaunchInfo) -> str:
-    """This host's address on the route to MASTER_ADDR."""
-    family, _, _, _, sockaddr = socket.getaddrinfo(info.master_addr, info.master_port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as sock:
-        sock.connect(sockaddr)  # UDP connect picks a route and sends nothing
-        return str(sock.getsockname()[0])
+    """This host's address on the route to MASTER_ADDR; ValueError naming MASTER_ADDR when it does not resolve or
+    no route leads there."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(info.master_addr, info.master_port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect(sockaddr)  # UDP connect picks a route and sends nothing
+            return str(sock.getsockname()[0])
+    except OSError as exc:
+        raise ValueError(
+            f"rank {info.rank}: --bind-host auto: no route from this host to MASTER_ADDR={info.master_addr!r} "
+            f"({exc}): set MASTER_ADDR to the address of rank 0's node, {GLOO_IFNAME_VAR} to the interface between "
+            f"nodes, or give --bind-host (NCCLKV_BIND_HOST) an address") from None
 
 
 def _auto_host(info: LaunchInfo, env: Mapping[str, str]) -> tuple[str, str]:

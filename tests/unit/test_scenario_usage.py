@@ -62,6 +62,10 @@ def use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
      "MASTER_ADDR='192.0.2.7' is not an address of this host"),
     (1, ["--kind", "ring"], {"MASTER_PORT": None, "MASTER_ADDR": "no-such-host.invalid"},
      "MASTER_ADDR='no-such-host.invalid' is not an address of this host"),
+    # --bind-host auto (the launch scripts' default) routes to MASTER_ADDR: a name that does not resolve (a Slurm
+    # node name without an address, derived as MASTER_ADDR) ended as socket.gaierror on every rank, exit 1.
+    (2, ["--kind", "ring", "--bind-host", "auto"], {"MASTER_ADDR": "no-such-host.invalid", "GLOO_SOCKET_IFNAME": None},
+     "rank 0: --bind-host auto: no route from this host to MASTER_ADDR='no-such-host.invalid'"),
 ])
 def test_bad_input_is_a_usage_error_before_anything_connects(
     world_size: int, argv: list[str], env: dict[str, str | None], message: str,
