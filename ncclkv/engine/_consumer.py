@@ -359,9 +359,10 @@ class ConsumerSide:
             own = owner == engine_id
             if owner is not None and not own:
                 problem = f"{what()} for request {ann.request_id!r}, whose producer is {owner!r}"
-            elif req is not None and holds_differ(ann.hold, req.hold):  # a late one of an ended pull of the id
-                problem = f"{what()} for hold {ann.hold} of {ann.request_id!r}, expected here for hold {req.hold}"
-                own = False  # drained: the request expected here is not failed for it
+            elif owner is not None and _not_its(ann.hold, 0 if req is None else req.hold):
+                # A late one of an ended pull of the id (a push, expected or staged, names no hold)
+                problem = f"{what()} for hold {ann.hold} of {ann.request_id!r}, {_taken_as(req)}"
+                own = False  # drained: the request expected here (or the push staged) is not failed for it
             elif piece.empty or not route.tokens.covers(piece):
                 problem = f"{what()}: the piece is empty or outside the route's tokens"
             elif ann.num_layers > self._geometry.num_layers:
@@ -482,9 +483,9 @@ class ConsumerSide:
             if req.producer.engine_id != peer.remote.engine_id:
                 raise ProtocolError(f"Done for {done.request_id!r} from {sender!r}, which is not its producer "
                                     f"{req.producer.engine_id!r}")
-            if holds_differ(done.hold, req.hold):  # an ended pull's of the id: it counts nothing of this one's
-                log.info("Done from %s for hold %d of %s, expected here for hold %d: ignored", sender, done.hold,
-                         done.request_id, req.hold)
+            if _not_its(done.hold, req.hold):  # an ended pull's of the id: it counts nothing of this one's
+                log.info("Done from %s for hold %d of %s, %s: ignored", sender, done.hold, done.request_id,
+                         _taken_as(req))
                 return
             want = req.per_src.get(src, 0)
             if done.num_tensors != want:
@@ -498,10 +499,10 @@ class ConsumerSide:
         peer = self._peers.known(sender)
         with self._cond:
             req = self._requests.get(err.request_id)
-            if err.hold and (req is None or holds_differ(err.hold, req.hold)):
+            if _not_its(err.hold, 0 if req is None else req.hold):
                 # A pull's (a push names no hold), not the one expected here: an ended pull's late answer.
                 log.info("error from %s for hold %d of %s, %s: %s", sender, err.hold, err.request_id,
-                         "not expected here" if req is None else f"expected here for hold {req.hold}", err.text)
+                         "not expected here" if req is None else _taken_as(req), err.text)
                 return
             if req is None and peer is not None and self._late_for_pull(err.request_id, peer.remote.engine_id):
                 log.info("error from %s for %s, a pull that ended here: %s", sender, err.request_id, err.text)
@@ -894,3 +895,19 @@ class ConsumerSide:
             req.error = error
             log.warning("request %s failed: %s", req.request_id, error)
         self._cond.notify_all()
+
+
+def _not_its(hold: int, expected: int) -> bool:
+    """Whether a producer's Announce, Done or ErrorMsg naming hold ``hold`` answers another pull than the one
+    expected here under ``expected``: the producer names the pull's own number, and 0 for a push or a pull that
+    named none, so one naming a number is never a push's, nor an unnamed pull's (``holds_differ`` would take it
+    for them)."""
+    return bool(hold) and hold != expected
+
+
+def _taken_as(req: Expected | None) -> str:
+    """How the id is taken here (``req``; None: a push staged), for a message naming another hold."""
+    if req is None:
+        return "staged here as a push"
+    return (f"expected here for hold {req.hold}" if req.hold else "expected here as a push" if req.push
+            else "expected here as a pull naming no hold")

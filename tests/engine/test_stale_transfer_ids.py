@@ -343,3 +343,43 @@ def test_a_pull_again_under_another_hold_number_is_taken_and_the_ended_pulls_lat
     finally:
         go.set()  # never left waiting, whatever failed
         close_sides([p], [d1])
+
+
+def test_a_late_error_of_a_declined_pull_never_fails_a_push_of_the_id(caplog: pytest.LogCaptureFixture) -> None:
+    """D1 declines X's hold 1 before P holds X (its decline is parked on P); X then comes to D1 as a push from P,
+    which D1 expects. P's parked decline expires (deadline_s) and P tells D1 so, naming hold 1: a pull's error,
+    which a push (hold 0) never is. Before, D1 took it for the expected push's own: the push failed with the
+    decline's TransferTimeout ('not held ... within deadline_s of its pull'), though its bytes were on the way;
+    a late Done naming a hold was counted against the push too. The same error is ignored for a push still
+    staged here."""
+    p = build_sides("P", ONE, GQA, CacheLayout.CPU, 16, "producer", num_blocks=32, deadline_s=2.0, hold_s=4.0)[0]
+    d1 = build_sides("D1", ONE, GQA, CacheLayout.CPU, 16, "consumer", num_blocks=32, deadline_s=DEADLINE_S,
+                     hold_s=600.0)[0]
+    try:
+        ref_p, ref_d = engine_ref("P", ONE, [p]), engine_ref("D1", ONE, [d1])
+        d1.engine.decline("X", ref_p, hold=1)
+        _declines_answered(d1)
+        assert [pull.hold for _, pull, _ in p.engine._producer._early["X"]] == [1]  # noqa: SLF001 - parked
+        d1.engine.expect("X", ref_p, [0, 1, 2, 3], TOKENS, push=True)
+        p.fill(11, [0, 1, 2, 3], TOKENS)
+        p.engine.start_push("X", ref_d, [0, 1, 2, 3], TOKENS)
+        p.engine.save_layer("X", 0)
+        with caplog.at_level("INFO", logger="ncclkv.engine"):
+            # P's poll expires the parked decline (after its deadline_s) and tells D1, naming hold 1.
+            _until("the parked decline expired", lambda: (p.engine.take_finished_sending() is not None
+                                                          and "X" not in p.engine._producer._early))  # noqa: SLF001
+            p.engine._channel.send("D1.r0", Done("X", 99, 0, hold=1))  # noqa: SLF001 - a pull's, late
+            _until("D1 heard the decline's error", lambda: any(
+                "X" in r.getMessage() and "deadline_s=2s of its pull" in r.getMessage() for r in caplog.records))
+            _until("D1 heard the late Done", lambda: any(
+                "Done from" in r.getMessage() and "hold 1 of X" in r.getMessage() for r in caplog.records)
+                or d1.engine._consumer._requests["X"].error is not None)  # noqa: SLF001
+        for layer in (1, 2, 3):
+            p.engine.save_layer("X", layer)
+        p.engine.finish("X")
+        d1.engine.wait("X", WAIT_S)  # before: TransferTimeout "... within deadline_s=2s of its pull ..."
+        assert d1.mismatches(11, [0, 1, 2, 3], TOKENS, Span(0, TOKENS)) == []
+        assert wait_sent(p, "X")["X"] is None
+    finally:
+        close_sides([p], [d1])
+
