@@ -115,7 +115,7 @@ class ConsumerSide:
                 raise ValueError(f"request {request_id!r} from {producer.engine_id!r} ended here unloaded "
                                  f"{max(0.0, self._clock.now() - ended.since):.3g}s ago ({ended.error}); its late "
                                  f"tensors may still come for hold_s={self._hold_s:g}s: pull it under a new request id"
-                                 f" (or both pulls under hold numbers)")
+                                 + (" (or both pulls under hold numbers)" if ended.pulled else ""))
             pushed = None if push else self._stage.get(request_id)
             if pushed is not None and pushed.producer_engine_id == producer.engine_id:
                 # Its tensors come unasked and wait in staging: a pull would wait deadline_s for an answer to it

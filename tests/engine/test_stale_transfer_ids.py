@@ -383,3 +383,19 @@ def test_a_late_error_of_a_declined_pull_never_fails_a_push_of_the_id(caplog: py
     finally:
         close_sides([p], [d1])
 
+
+def test_a_pull_refused_after_a_push_of_the_id_ended_here_does_not_offer_hold_numbers_as_the_way_out(
+        sides: dict[str, RankSide]) -> None:
+    """D1 declined X's push from P (its refusal is remembered hold_s); a pull of X from P is refused then, hold
+    numbers or not: the push's tensors, announced with no hold, may still come. The refusal told the caller to
+    'pull it under a new request id (or both pulls under hold numbers)', though no pull had ended and the second
+    way out is refused too. It names only what works after a push ended."""
+    p, d1 = sides["P"], sides["D1"]
+    ref = engine_ref("P", ONE, [p])
+    d1.engine.decline("X", ref, push=True)
+    with pytest.raises(ValueError, match="push of 'X' was declined here") as raised:
+        d1.engine.expect("X", ref, [0, 1, 2, 3], TOKENS, hold=2)
+    assert "new request id" in str(raised.value) and "hold numbers" not in str(raised.value), raised.value
+    with pytest.raises(ValueError, match="push of 'X' was declined here"):  # the way it did not offer: refused
+        d1.engine.expect("X", ref, [0, 1, 2, 3], TOKENS, hold=3)
+    assert "X" not in d1.engine._consumer._requests  # noqa: SLF001 - nothing registered
