@@ -493,7 +493,7 @@ def _stamped(error: PeerLostError, seq: int) -> PeerLostError:
 def check_address(address: object) -> None:
     """``tcp://host:port`` or ``ipc://path``, encodable for ZMQ; ValueError naming it (addresses come from
     other engines' kv_transfer_params: a bad one must fail its caller, not the channel's I/O thread)."""
-    if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
+    if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")) or address == "ipc://":
         raise ValueError(f"address must be tcp://host:port or ipc://path, got {address!r}")
     try:
         address.encode("utf-8")
@@ -501,8 +501,12 @@ def check_address(address: object) -> None:
         raise ValueError(f"address {address!r} is not valid UTF-8") from None
     if address.startswith("tcp://"):
         host, colon, port = address[len("tcp://"):].rpartition(":")
-        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        # ASCII digits: str.isdigit() takes others ('\u0663', which int() reads, ZMQ refuses; '\u00b2', which
+        # int() refuses, naming only the digit)
+        if not colon or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise ValueError(f"address must be tcp://host:port with a port 1-65535, got {address!r}")
+        if any(c.isspace() for c in host):  # ZMQ's connect refuses it (EINVAL)
+            raise ValueError(f"address {address!r} has a space in its host")
 
 
 def _check_peer_id(peer_id: str) -> None:

@@ -393,6 +393,23 @@ def test_send_checks_before_queueing(make_channel: Callable[..., Channel]) -> No
         Channel("")
 
 
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:\u0663\u0663\u0663\u0663", "tcp://127.0.0.1:\u00b2",
+                                     "tcp://a b:5555", "tcp://a\tb:5555", "ipc://"])
+def test_an_address_zmq_cannot_connect_to_is_refused_by_the_check(address: str) -> None:
+    """What check_address takes, peers' kv_transfer_params included (EngineRef), must be what ZMQ's connect takes:
+    else a pull of such params fails at the I/O thread's connect (the peer declared lost), a load failure, instead
+    of bad params refused at once. Before, these were taken ('\u0663' is a digit to str.isdigit() and int()), or
+    refused by int() naming only the digit ('\u00b2')."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        with pytest.raises(zmq.ZMQError):  # a real socket: the rule is ZMQ's
+            dealer.connect(address)
+    finally:
+        dealer.close(linger=0)
+    with pytest.raises(ValueError, match=re.escape(repr(address))):
+        channel_module.check_address(address)
+
 def test_close_joins_threads_fails_waiters_and_refuses_later_calls(make_channel: Callable[..., Channel]) -> None:
     quiet = make_channel("quiet", on_message=lambda s, b: None)
     with Channel("client") as client:
