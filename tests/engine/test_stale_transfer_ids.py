@@ -30,7 +30,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 
+from ncclkv.engine._push import SliceHooks
 from ncclkv.engine._recent import RecentEnds
 from ncclkv.errors import TransferError
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
@@ -306,24 +308,31 @@ def test_a_pull_again_under_another_hold_number_is_taken_and_the_ended_pulls_lat
     try:
         ref = engine_ref("P", ONE, [p])
         producer = p.engine._producer  # noqa: SLF001
-        gather = producer._caches.gather  # noqa: SLF001
+        announcer = producer._announcer  # noqa: SLF001
 
-        def held_gather(*args: Any, **kwargs: Any) -> None:  # hold 1's first layer waits for the test
-            entered.set()
-            assert go.wait(WAIT_S), "the test never let hold 1's gather go"
-            gather(*args, **kwargs)
-        producer._caches.gather = held_gather  # noqa: SLF001
+        def held_announcer(*args: Any, **kwargs: Any) -> SliceHooks:
+            # Hold 1's announcements wait for the test, the first one and so every one after it (they go in send
+            # order, on the link's send thread). A held gather held only the first: the link runs the hooks of the
+            # sends queued behind it before its fill, so every layer could be announced while hold 1 was expected.
+            hooks = announcer(*args, **kwargs)
+
+            def announce() -> torch.Tensor:
+                entered.set()
+                assert go.wait(WAIT_S), "the test never let hold 1's announcements go"
+                return hooks.announce()
+            return SliceHooks(announce, hooks.gather)
+        producer._announcer = held_announcer  # noqa: SLF001
         p.fill(1, [0, 1, 2, 3], TOKENS)
         p.engine.finish("X", [0, 1, 2, 3], TOKENS, hold=1)
         d1.engine.expect("X", ref, [0, 1, 2, 3], TOKENS, hold=1)
         assert entered.wait(WAIT_S), "hold 1 never served"
-        producer._caches.gather = gather  # noqa: SLF001
+        producer._announcer = announcer  # noqa: SLF001
         d1.engine.abort("X")
         assert p.engine.release("X")  # its sends run on; a pull of another hold waits for that hold
 
         d1.engine.expect("X", ref, [4, 5, 6, 7], TOKENS, hold=2)  # before: ValueError, for hold_s
         with caplog.at_level("INFO", logger="ncclkv.engine"):
-            go.set()  # hold 1's other layers are announced now, to D1 expecting hold 2
+            go.set()  # hold 1's layers are announced now, to D1 expecting hold 2
             assert isinstance(wait_sent(p, "X")["X"], TransferError)  # released: hold 1's sends all ended
             # What a late answer to hold 1 looks like, on P's own channel, ahead of anything of hold 2's.
             p.engine._channel.send("D1.r0", Done("X", 99, 0, hold=1))  # noqa: SLF001
