@@ -159,7 +159,7 @@ def _route_host(info: LaunchInfo) -> str:
         with socket.socket(family, socket.SOCK_DGRAM) as sock:
             sock.connect(sockaddr)  # UDP connect picks a route and sends nothing
             return str(sock.getsockname()[0])
-    except OSError as exc:
+    except (OSError, UnicodeError) as exc:  # UnicodeError: a name idna cannot encode (an empty label, one past 63)
         raise ValueError(
             f"rank {info.rank}: --bind-host auto: no route from this host to MASTER_ADDR={info.master_addr!r} "
             f"({exc}): set MASTER_ADDR to the address of rank 0's node, {GLOO_IFNAME_VAR} to the interface between "

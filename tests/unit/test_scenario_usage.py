@@ -66,6 +66,10 @@ def use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
     # node name without an address, derived as MASTER_ADDR) ended as socket.gaierror on every rank, exit 1.
     (2, ["--kind", "ring", "--bind-host", "auto"], {"MASTER_ADDR": "no-such-host.invalid", "GLOO_SOCKET_IFNAME": None},
      "rank 0: --bind-host auto: no route from this host to MASTER_ADDR='no-such-host.invalid'"),
+    # A name with an empty label (a typo) or one past 63 chars: getaddrinfo's idna encoding raises UnicodeError,
+    # not OSError, and the usage error named neither the rank nor MASTER_ADDR.
+    (2, ["--kind", "ring", "--bind-host", "auto"], {"MASTER_ADDR": "node01..ib", "GLOO_SOCKET_IFNAME": None},
+     "rank 0: --bind-host auto: no route from this host to MASTER_ADDR='node01..ib'"),
 ])
 def test_bad_input_is_a_usage_error_before_anything_connects(
     world_size: int, argv: list[str], env: dict[str, str | None], message: str,
