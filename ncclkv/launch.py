@@ -381,15 +381,18 @@ def _slurm_master_host(env: Mapping[str, str], rank: int) -> str:
     return host
 
 
-def _own_free_port(addr: str, launcher: str) -> int:
+def _own_free_port(addr: str, launcher: str, derived_from: str | None = None) -> int:
     """A free port on ``addr`` for a world of one rank, which hosts its own store there (:func:`free_port`); a
-    ValueError naming MASTER_ADDR when ``addr`` is not an address of this host, or no address at all."""
+    ValueError naming MASTER_ADDR (or, ``derived_from`` given, where ``addr`` came from when MASTER_ADDR is not
+    set) when ``addr`` is not an address of this host, or no address at all."""
     try:
         return free_port(addr if addr != "localhost" else "127.0.0.1")
     except OSError as exc:
-        raise ValueError(
-            f"{launcher}: MASTER_ADDR={addr!r} is not an address of this host ({exc}), and this one rank would host "
-            f"its own rendezvous store there: unset MASTER_ADDR, or set it to an address of this host") from None
+        what, advice = f"MASTER_ADDR={addr!r}", "unset MASTER_ADDR, or set it to an address of this host"
+        if derived_from is not None:  # nobody set MASTER_ADDR: name where the address came from
+            what, advice = f"{addr!r} ({derived_from}; MASTER_ADDR is not set)", "set MASTER_ADDR to an address of this host"
+        raise ValueError(f"{launcher}: {what} is not an address of this host ({exc}), and this one rank would host "
+                         f"its own rendezvous store there: {advice}") from None
 
 
 def _master(env: Mapping[str, str], launcher: str, rank: int, world_size: int, local_size: int | None,
@@ -419,7 +422,9 @@ def _master(env: Mapping[str, str], launcher: str, rank: int, world_size: int, l
             raise ValueError(f"MASTER_PORT={port} is not a TCP port")
         return addr, port
     if world_size == 1:
-        return addr, _own_free_port(addr, launcher)
+        derived = None if env.get("MASTER_ADDR") else (
+            "derived from the Slurm node list" if launcher == "slurm" else "derived: every rank runs on this node")
+        return addr, _own_free_port(addr, launcher, derived)
     if env.get("SLURM_JOB_ID"):
         # Every rank of the job must agree without talking: derive from the job id.
         return addr, derived_master_port(_int_var(env, "SLURM_JOB_ID"), _slurm_step_id(env))

@@ -241,8 +241,6 @@ def test_single_process_picks_a_free_port() -> None:
 @pytest.mark.parametrize("env", [
     {"MASTER_ADDR": "192.0.2.7"},  # TEST-NET-1: no host's own address
     {"MASTER_ADDR": "no-such-host.invalid"},
-    {"SLURM_PROCID": "0", "SLURM_STEP_ID": "3", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0",
-     "SLURM_STEP_NODELIST": "no-such-host.invalid", "SLURM_JOB_ID": "7"},  # srun -n 1 on a node name with no address
 ])
 def test_one_rank_on_a_master_addr_not_of_this_host_is_named(env: dict[str, str]) -> None:
     """The free port it hosts its own store on was taken there: OSError [Errno 99] or socket.gaierror, not a
@@ -250,6 +248,19 @@ def test_one_rank_on_a_master_addr_not_of_this_host_is_named(env: dict[str, str]
     with pytest.raises(ValueError, match=r"MASTER_ADDR='(192\.0\.2\.7|no-such-host\.invalid)' is not an "
                                          r"address of this host .*unset MASTER_ADDR"):
         discover(env)
+
+
+def test_one_rank_on_a_derived_master_addr_not_of_this_host_names_where_it_came_from() -> None:
+    """srun -n 1 on a node name with no address, MASTER_ADDR not set: the address is the step's first node. The
+    error said MASTER_ADDR='no-such-host.invalid' and 'unset MASTER_ADDR', a variable nobody set."""
+    env = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "3", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0",
+           "SLURM_STEP_NODELIST": "no-such-host.invalid", "SLURM_JOB_ID": "7"}
+    with pytest.raises(ValueError) as err:
+        discover(env)
+    text = str(err.value)
+    assert "'no-such-host.invalid' (derived from the Slurm node list; MASTER_ADDR is not set) is not an address " \
+           "of this host" in text, text
+    assert "unset MASTER_ADDR" not in text and "set MASTER_ADDR to an address of this host" in text, text
 
 
 def test_innermost_launcher_wins() -> None:
