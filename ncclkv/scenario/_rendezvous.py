@@ -150,12 +150,13 @@ class StoreRendezvous:
         if self._left:
             return
         self._left = True
+        self._store.set(f"left/{self._info.rank}", _OK)  # as finished/<rank>: a deadline names who never left
         if self._store.add("left", 1) == self._info.world_size:
             self._store.set("all_left", _OK)
         if not self._hosting:
             return
         if strict:
-            self._wait(["all_left"], time.monotonic() + self._deadline_s, "read the outcome")
+            self._wait(["all_left"], time.monotonic() + self._deadline_s, "read the outcome", ranks_key="left")
             return
         # A rank that died never leaves; the failure is raised by the caller either way.
         self._poll(["all_left"], time.monotonic() + min(_FAILURE_GRACE_S, self._deadline_s))

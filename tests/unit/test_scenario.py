@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import types
 from collections.abc import Callable
 from datetime import timedelta
@@ -279,6 +280,52 @@ def test_rendezvous_finish_timeout_names_the_rank_that_never_finished() -> None:
     for rank in (0, 1):
         assert isinstance(outcomes[rank], TransferTimeout), outcomes
         assert f"rank {rank}: " in str(outcomes[rank]) and "missing ['finished/2']" in str(outcomes[rank]), outcomes
+
+
+_FINISHING_RANK = """
+import sys
+from ncclkv.launch import LaunchInfo
+from ncclkv.scenario._rendezvous import StoreRendezvous
+rendezvous = StoreRendezvous(LaunchInfo("env", 2, 3, 2, 3, "127.0.0.1", int(sys.argv[1])), prefix="t", deadline_s=20.0)
+rendezvous.exchange("2")
+rendezvous.finish()  # killed while it waits for the outcome, after it counted itself done
+"""
+
+
+def test_rendezvous_finish_timeout_names_the_rank_that_never_read_the_outcome() -> None:
+    """Rank 2 of 3 finishes (counts itself done) and dies while it waits for the others; the outcome is ok, and
+    the hosting rank waits for every rank to have read it: its deadline said "missing ['all_left']", a key of the
+    store, not the rank it waited for."""
+    port = free_port()
+    killed = threading.Event()
+    prefixes: list[str] = []
+
+    def body(rank: int) -> None:
+        rendezvous = StoreRendezvous(info(rank, 3, port), prefix="t", deadline_s=2.0)
+        prefixes.append(rendezvous.prefix)
+        rendezvous.exchange(str(rank))
+        assert killed.wait(WAIT_S)
+        rendezvous.finish()
+
+    outcomes: list[object] = []
+    ranks = threading.Thread(target=lambda: outcomes.extend(on_ranks(2, body)))
+    ranks.start()
+    child = subprocess.Popen([sys.executable, "-c", _FINISHING_RANK, str(port)])
+    try:
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=WAIT_S))
+        done_by = time.monotonic() + WAIT_S
+        while not (prefixes and client.add(f"{prefixes[0]}/done", 0) == 1):  # rank 2 counted itself done
+            assert time.monotonic() < done_by and child.poll() is None, "rank 2 never finished"
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait(WAIT_S)
+        killed.set()
+    ranks.join(WAIT_S)
+    assert outcomes[1] is None, outcomes
+    assert isinstance(outcomes[0], TransferTimeout), outcomes
+    assert "rank 0: " in str(outcomes[0]) and "read the outcome" in str(outcomes[0]), outcomes
+    assert "missing ['left/2']" in str(outcomes[0]), outcomes
 
 
 def test_a_restarted_attempt_reads_none_of_the_previous_attempts_keys() -> None:
