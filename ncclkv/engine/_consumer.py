@@ -302,7 +302,7 @@ class ConsumerSide:
             assert error is not None
             log.warning("announcement seq %d of %r from %s: link %s never opened: %s", ann.seq, ann.request_id,
                         sender, ann.link, error)
-            self._fail_announced(peer.remote.engine_id, ann.request_id, as_ncclkv(error))
+            self._fail_announced(peer.remote.engine_id, ann.request_id, ann.hold, as_ncclkv(error))
             return
         want_seq = peer.heard_seq  # the link's: when_open runs one announcement of a link at a time, in order
         if ann.seq != want_seq:
@@ -323,12 +323,15 @@ class ConsumerSide:
             self.fail_peer(sender, type(error)(f"{sender!r}: {reason}; link closed"))
             self._peers.drop(sender, reason)
 
-    def _fail_announced(self, engine_id: str, request_id: str, error: NcclKVError) -> None:
-        """The tensor announced for ``request_id`` by engine ``engine_id`` will never come: its request, or its
-        staged push, fails with ``error`` (only that engine's: no one can fail another's request)."""
+    def _fail_announced(self, engine_id: str, request_id: str, hold: int, error: NcclKVError) -> None:
+        """The tensor announced for ``request_id`` (its pull's hold ``hold``) by engine ``engine_id`` will never
+        come: its request, or its staged push, fails with ``error`` (only that engine's: no one can fail another's
+        request; nor a late one of an ended pull the request expected now under the id)."""
         with self._cond:
             req = self._requests.get(request_id)
             staged = self._stage.get(request_id) if req is None else None
+            if _not_its(hold, 0 if req is None else req.hold):
+                return
             if req is not None and req.producer.engine_id == engine_id:
                 self._fail_locked(req, error)
             elif staged is not None and staged.producer_engine_id == engine_id and staged.error is None:

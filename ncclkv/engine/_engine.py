@@ -180,7 +180,9 @@ class TransferEngine:
         holds the id under another number.
         A pull under the id of one from the same producer that failed or was
         aborted here within ``hold_s`` is refused (ValueError): that pull's
-        tensors may still arrive.
+        tensors may still arrive. Unless both pulls name their holds, and the
+        numbers differ: the producer names the pull's hold in what it says of
+        it, and the ended pull's late tensors are drained.
         """
         self._check_open()
         _check_request_id(request_id)

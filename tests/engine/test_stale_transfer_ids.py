@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -34,10 +35,10 @@ import torch
 
 from ncclkv.engine._push import SliceHooks
 from ncclkv.engine._recent import RecentEnds
-from ncclkv.errors import TransferError
+from ncclkv.errors import TransferError, TransferTimeout
 from ncclkv.layout import KVGeometry, ParallelLayout, Span
 from ncclkv.paged import CacheLayout
-from ncclkv.protocol import Done, ErrorCode, ErrorMsg
+from ncclkv.protocol import Announce, Done, ErrorCode, ErrorMsg, RouteMsg
 
 from .kvsim import RankSide, build_sides, close_sides, engine_ref, wait_sent
 
@@ -408,3 +409,23 @@ def test_a_pull_refused_after_a_push_of_the_id_ended_here_does_not_offer_hold_nu
     with pytest.raises(ValueError, match="push of 'X' was declined here"):  # the way it did not offer: refused
         d1.engine.expect("X", ref, [0, 1, 2, 3], TOKENS, hold=3)
     assert "X" not in d1.engine._consumer._requests  # noqa: SLF001 - nothing registered
+
+
+def test_an_announcement_of_another_hold_whose_link_never_opened_fails_nothing(sides: dict[str, RankSide]) -> None:
+    """A tensor announced for hold 1 of X whose link never opens (its peer dropped while it opened) will never
+    come; that failed the request expected under X, although it is hold 2's and hold 1's tensor is none of its
+    own. Only an announcement of its own hold fails it now."""
+    p, d1 = sides["P"], sides["D1"]
+    d1.engine.expect("X", engine_ref("P", ONE, [p]), [0, 1, 2, 3], TOKENS, hold=2)  # parked on P: not held yet
+    consumer = d1.engine._consumer  # noqa: SLF001
+    peer: Any = SimpleNamespace(remote=SimpleNamespace(engine_id="P"))  # what a link's peer says of itself here
+
+    def never_opened(hold: int) -> None:  # what PeerLinks.when_open reports for a link that never opened
+        ann = Announce("X", 0, RouteMsg(0, 0, (0, 4), (0, 4), (0, TOKENS)), (2, TOKENS, 4, 32), "float32",
+                       2 * TOKENS * 4 * 32 * 4, 0, "kv-gone", hold=hold)
+        consumer._on_announce_open("P.r0", peer, ann, None, TransferTimeout("link 'kv-gone' never opened"))  # noqa: SLF001
+
+    never_opened(1)
+    assert consumer._requests["X"].error is None  # noqa: SLF001
+    never_opened(2)
+    assert isinstance(consumer._requests["X"].error, TransferTimeout)  # noqa: SLF001
