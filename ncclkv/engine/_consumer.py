@@ -574,9 +574,13 @@ class ConsumerSide:
     def _alive(self, peer_id: str) -> bool:
         return self._channel.peer_alive(peer_id)
 
-    def _lost(self, peer_id: str) -> bool:
-        """Whether the channel gave up a peer we shook hands with (a decline to it is skipped)."""
-        return self._peers.known(peer_id) is not None and not self._channel.peer_alive(peer_id)
+    def _lost(self, peer_id: str, address: str) -> bool:
+        """Whether the channel gave up ``peer_id``, which we shook hands with or connected to at ``address`` (a
+        decline to it there is skipped). Sent, it would connect to the lost peer anew: the channel would count it
+        alive for another deadline_s, and its loss, reported once more then, would fail the requests expected from
+        the peer id meanwhile (a restarted producer's, at its new address)."""
+        return ((self._channel.connected_address(peer_id) == address or self._peers.known(peer_id) is not None)
+                and not self._channel.peer_alive(peer_id))
 
     def _pull(self, req: Expected, src: int, routes: list[Route], tokens: SpanSet) -> None:
         """On the executor, in producer rank ``src``'s lane: ask it for ``routes`` of ``req``.

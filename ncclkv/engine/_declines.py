@@ -31,11 +31,13 @@ class Decliner:
     """Sends declines in a lane per producer rank, at most ``MAX_DECLINES_QUEUED`` queued.
 
     ``send(request_id, producer, src, hold)`` sends producer rank ``src`` a pull of nothing (for the hold of
-    the id numbered ``hold``, 0: not named) and returns once it is acknowledged; ``lost(peer_id)``: the channel
-    gave that peer up (its decline is skipped); ``alive(peer_id)``: the channel hears it (see ``fail_fast``).
+    the id numbered ``hold``, 0: not named) and returns once it is acknowledged; ``lost(peer_id, address)``: the
+    channel gave that peer up there (its decline is skipped); ``alive(peer_id)``: the channel hears it (see
+    ``fail_fast``).
     """
 
-    def __init__(self, name: str, send: Callable[[str, EngineRef, int, int], object], lost: Callable[[str], bool],
+    def __init__(self, name: str, send: Callable[[str, EngineRef, int, int], object],
+                 lost: Callable[[str, str], bool],
                  alive: Callable[[str], bool], cpus: frozenset[int] | None = None) -> None:
         self._send, self._lost, self._alive = send, lost, alive
         self._lanes = PeerTasks(_DECLINE_THREADS, name, initializer=pin_this_thread, initargs=(cpus,))
@@ -75,7 +77,7 @@ class Decliner:
         """In producer rank ``src``'s lane: decline to it, best effort; a lost one is skipped."""
         peer_id = producer.peer_id(src)
         try:
-            if self._lost(peer_id):
+            if self._lost(peer_id, producer.control_addrs[src]):
                 log.info("not declining %s to %s: it was lost (it frees the blocks after hold_s)", request_id, peer_id)
                 return
             self._send(request_id, producer, src, hold)

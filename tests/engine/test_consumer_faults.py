@@ -21,7 +21,8 @@ import pytest
 
 from ncclkv.engine import BlockTokens, EngineRef
 from ncclkv.engine._engine import _TASKS_PER_PEER as TASKS_PER_PEER
-from ncclkv.errors import ClosedError, NcclKVError, ShapeMismatchError, TransferError, TransferTimeout
+from ncclkv.errors import (ClosedError, NcclKVError, PeerLostError, ShapeMismatchError, TransferError,
+                           TransferTimeout)
 from ncclkv.launch import free_port
 from ncclkv.layout import Span
 from ncclkv.paged import CacheLayout
@@ -459,6 +460,50 @@ def test_declines_to_a_dead_producer_do_not_hold_back_a_decline_to_a_live_one() 
         assert _sent(prefill[0], "ok") is None  # a pull of nothing: freed at once, not after hold_s
         took = time.monotonic() - started
         assert took < deadline_s / 2, f"the live producer heard the decline after {took:.2f}s (deadline_s={deadline_s})"
+
+
+def test_a_decline_to_a_producer_lost_before_its_handshake_leaves_it_lost_and_its_restart_serves() -> None:
+    """A producer rank that died before it answered the handshake is lost by the channel after deadline_s; its
+    pull fails and is declined. The decline skipped only peers we shook hands with, so it connected to the dead
+    address again: the channel held the dead life alive for another deadline_s and then reported it lost once
+    more, and that second loss, reported after the restarted producer's request was expected, failed it
+    ("nothing heard for more than deadline_s")."""
+    deadline_s = 2.0
+    with _pair(consumer=dict(deadline_s=deadline_s)) as (prefill, decode):
+        engine = decode[0].engine
+        channel, decliner = engine._channel, engine._consumer._decliner  # noqa: SLF001
+        dead_at = f"tcp://127.0.0.1:{free_port()}"  # the producer's first life, killed before its handshake reply
+        connects: list[str] = []
+        connect = channel.connect
+
+        def counted_connect(peer_id: str, address: str, **kwargs: Any) -> None:
+            connects.append(address)
+            connect(peer_id, address, **kwargs)
+        channel.connect = counted_connect  # type: ignore[method-assign]
+        # The decline of the failed pull runs once the channel lost the dead life (as after a SIGKILL: the pull
+        # failed by that loss), and the restarted producer's request is expected after the decline went, or is
+        # at its handshake with the dead address.
+        lost = threading.Event()
+        real_lost = decliner._lost  # noqa: SLF001
+
+        def after_the_loss(*args: Any) -> bool:
+            assert lost.wait(WAIT_S)
+            return real_lost(*args)
+        decliner._lost = after_the_loss  # noqa: SLF001
+        engine.expect("doomed", EngineRef("prefill", ONE, (dead_at,)), [1, 2], 20)
+        with pytest.raises((PeerLostError, TransferTimeout)):
+            engine.wait("doomed", timeout_s=WAIT_S)
+        _until(lambda: not channel.peer_alive("prefill.r0") and channel.stats.peers_lost == 1, "the dead life lost")
+        lost.set()
+        _until(lambda: decliner.queued == 0 or "prefill.r0" in engine._peers._connecting,  # noqa: SLF001
+               "the decline of the failed pull went, or is at its handshake")
+        start_pull("again", prefill, decode, 3, [3, 4], [3, 4], 20)  # the restarted producer, at another address
+        engine.wait("again", timeout_s=WAIT_S)  # before: PeerLostError "... nothing heard for more than ..."
+        assert decode[0].mismatches(3, [3, 4], 20, Span(0, 20)) == []
+        _until(lambda: decliner.queued == 0, "the decline gone")
+        # The dead address was connected to once (by the pull), and its life lost once.
+        assert connects.count(dead_at) == 1, connects
+        assert channel.stats.peers_lost == 1, channel.stats
 
 
 def _forge(producer: RankSide, consumer: RankSide, announce: Callable[[str], Announce]) -> None:
