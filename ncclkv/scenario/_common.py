@@ -131,7 +131,7 @@ def _check_bindable(host: str, name: str) -> None:
         family, kind, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind) as sock:
             sock.bind(sockaddr)
-    except OSError as err:
+    except (OSError, UnicodeError) as err:  # UnicodeError: a name IDNA cannot encode ('a..b', a label over 63)
         raise ValueError(f"{name} {host!r} is not an address of this host to bind to: {err}") from None
 
 

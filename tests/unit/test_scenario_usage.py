@@ -54,6 +54,8 @@ def use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
     (2, ["--kind", "ring"], {"MASTER_PORT": None}, "env job of world_size=2 needs MASTER_PORT"),
     # 192.0.2.0/24 is TEST-NET-1: no host's own address. It ended as OSError [Errno 99] in the data plane.
     (2, ["--kind", "ring", "--bind-host", "192.0.2.7"], {}, "--bind-host '192.0.2.7' is not an address of this host"),
+    # A name IDNA cannot encode raised UnicodeError (a ValueError: exit 2) naming neither --bind-host nor the name.
+    (2, ["--kind", "ring", "--bind-host", "node01..ib"], {}, "--bind-host 'node01..ib' is not an address of this host"),
     (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1"], {"NCCLKV_BIND_HOST": "192.0.2.7"},
      "NCCLKV_BIND_HOST '192.0.2.7' is not an address of this host"),
     # One rank without MASTER_PORT takes a free port on MASTER_ADDR: one not of this host (a shell's stale export)
