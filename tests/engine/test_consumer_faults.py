@@ -523,7 +523,10 @@ def test_a_batch_of_layers_the_request_cannot_take_fails_it_naming_them(first: i
     typed, naming the layers."""
     with _pair() as (prefill, decode):
         decode[0].engine.expect("r", engine_ref("prefill", ONE, prefill), [1, 2], 20)
-        _until(lambda: prefill[0].engine._peers.get("decode.r0") is not None, "the pull's handshake")  # noqa: SLF001
+        # At both ends: the consumer installs the handshake once the reply is back (then sends the pull, which
+        # orders a real producer's announcements after it); a forged one before that names an unknown link.
+        _until(lambda: prefill[0].engine._peers.get("decode.r0") is not None  # noqa: SLF001
+               and decode[0].engine._peers.get("prefill.r0") is not None, "the pull's handshake")  # noqa: SLF001
         _forge(prefill[0], decode[0], lambda link_id: Announce(
             "r", first, RouteMsg(0, 0, (0, 4), (0, 4), (0, 20)), (num_layers, 2, 20, 4, 32), "float32",
             num_layers * 2 * 20 * 4 * 32 * 4, 0, link_id, None, num_layers=num_layers))
