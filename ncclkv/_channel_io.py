@@ -76,7 +76,7 @@ class IoLoop:
         peers: PeerTable,
         counters: Counters,
         deliver: Callable[[Envelope], None],
-        lost: Callable[[str, str, LossKind], None],  # peer id, reason, how
+        lost: Callable[[str, str, LossKind, str | None], None],  # peer id, reason, how, address lost at
         auth: ChannelAuth,
         clock: ActiveClock,
         incarnation: int,
@@ -495,7 +495,7 @@ class IoLoop:
             self._counters.peers_lost += 1
             reason = f"it had declared us lost ({body.reason}) and dropped what it held about us"
             log.warning("channel %r: peer %r reset: %s", self._peer_id, sender, reason)
-            self._lost(sender, reason, "reset")
+            self._lost(sender, reason, "reset", self._address(sender))
             return
         if isinstance(body, Heartbeat):
             if envelope.reply_to is None:  # echo (naming us), so the sender can measure the round trip
@@ -537,10 +537,10 @@ class IoLoop:
         self._reset_due.pop(peer_id, None)
         reason = f"it restarted: incarnation {old:#x} is gone, {new:#x} speaks under its id now"
         log.warning("channel %r: peer %r lost: %s", self._peer_id, peer_id, reason)
-        link = self._links.get(peer_id)
+        link, address = self._links.get(peer_id), self._address(peer_id)
         if via_router and link is not None and link.dealer is not None:
             self._drop_link(peer_id)
-        self._lost(peer_id, reason, "reset")
+        self._lost(peer_id, reason, "reset", address)
 
     def _beat(self) -> None:
         beat = self._heartbeat()
@@ -577,6 +577,7 @@ class IoLoop:
 
     def _lose(self, peer_id: str, reason: str, kind: LossKind = "lost") -> None:
         """Tear down a peer already marked lost in the table and report it once (``closed``: it said Bye)."""
+        address = self._address(peer_id)
         self._drop_link(peer_id)
         self._counters.peers_lost += 1
         log.log(logging.INFO if kind == "closed" else logging.WARNING, "channel %r: peer %r lost: %s", self._peer_id,
@@ -589,7 +590,12 @@ class IoLoop:
             self._reset_due[peer_id] = (incarnation, reason)
             while len(self._reset_due) > MAX_LOST_PEERS:
                 self._reset_due.popitem(last=False)
-        self._lost(peer_id, reason, kind)
+        self._lost(peer_id, reason, kind, address)
+
+    def _address(self, peer_id: str) -> str | None:
+        """Where our DEALER reaches ``peer_id`` (the life a loss is of); None when it only reached us."""
+        link = self._links.get(peer_id)
+        return link.address if link is not None and link.dealer is not None and link.address else None
 
     def _drop_link(self, peer_id: str, linger_ms: int = 0) -> None:
         link = self._links.pop(peer_id, None)

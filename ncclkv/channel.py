@@ -118,6 +118,7 @@ class ChannelStats:
 @dataclass(slots=True)
 class _Pending:
     peer_id: str
+    address: str | None = None  # where the request went (None: the peer only reached us)
     done: threading.Event = field(default_factory=threading.Event)
     reply: Message | None = None
     error: BaseException | None = None
@@ -252,7 +253,7 @@ class Channel:
         if previous is not None and previous != address:
             if self._peers.alive(peer_id):  # before the caller's next request: that one goes to the new address
                 self._on_lost(peer_id, f"connect() to it at {address!r}: it moved (restarted?) from {previous!r}",
-                              "reset")
+                              "reset", previous)
             self._peers.add(peer_id, self.clock.now())  # alive for the caller's next request (renewed at the switch)
             self._io.submit_connect(peer_id, address, key, replace=True)
             return
@@ -394,6 +395,7 @@ class Channel:
                     why, how = self._peers.loss(peer_id)
                     raise loss_error(how)(f"peer {peer_id!r} was lost before {type(body).__name__} could be sent: "
                                           f"{why or 'nothing heard within the deadline'}")
+                pending.address = self._addresses.get(peer_id)
                 self._pending[msg_id] = pending
             self._io.submit_send(peer_id, frame)
         return msg_id
@@ -459,21 +461,25 @@ class Channel:
             log.warning("channel %r: dropped a reply from %r to msg_id %s, which no request waits for: %s",
                         self.peer_id, envelope.sender, envelope.reply_to, envelope.body)
 
-    def _on_lost(self, peer_id: str, reason: str, how: LossKind) -> None:
+    def _on_lost(self, peer_id: str, reason: str, how: LossKind, address: str | None = None) -> None:
         """On the I/O thread (or in ``connect``, for a peer that moved): fail the requests waiting on ``peer_id``
         and schedule ``on_peer_lost``, with a :class:`PeerClosedError` (``how="closed"``: it said Bye), a
         :class:`PeerResetError` (``"reset"``: what it held about us, or we about it, is gone while it is there),
         a :class:`PeerAuthError` (``"auth"``: it cannot authenticate with us, for certain) or a
-        :class:`PeerLostError`, each carrying the loss's ``loss_seq``."""
+        :class:`PeerLostError`, each carrying the loss's ``loss_seq`` and the ``address`` the life lost was
+        reached at (None: it only reached us)."""
         kind = loss_error(how)
         seq = self._peers.next_loss_seq()
         with self._lock:
-            mine = [k for k, v in self._pending.items() if v.peer_id == peer_id]
+            # Not a request that went to another address since (connect() to a restarted life): not the lost one's.
+            mine = [k for k, v in self._pending.items()
+                    if v.peer_id == peer_id and (address is None or v.address in (None, address))]
             entries = [self._pending.pop(k) for k in mine]
             self._expire_locked(mine)  # a peer that was only stalled may still answer
         for entry in entries:
-            self._finish(entry, None, _stamped(kind(f"peer {peer_id!r} lost while waiting for a reply: {reason}"), seq))
-        self._dispatcher.put_lost(peer_id, _stamped(kind(f"peer {peer_id!r} lost: {reason}"), seq))
+            self._finish(entry, None, _stamped(kind(f"peer {peer_id!r} lost while waiting for a reply: {reason}"),
+                                               seq, address))
+        self._dispatcher.put_lost(peer_id, _stamped(kind(f"peer {peer_id!r} lost: {reason}"), seq, address))
 
 
 def new_incarnation() -> int:
@@ -485,8 +491,8 @@ def new_incarnation() -> int:
     return (time.time_ns() // 1_000_000) << INCARNATION_RANDOM_BITS | secrets.randbits(INCARNATION_RANDOM_BITS)
 
 
-def _stamped(error: PeerLostError, seq: int) -> PeerLostError:
-    error.loss_seq = seq
+def _stamped(error: PeerLostError, seq: int, address: str | None) -> PeerLostError:
+    error.loss_seq, error.address = seq, address
     return error
 
 

@@ -39,9 +39,12 @@ class PeerLostError(NcclKVError):
     """A peer stopped answering heartbeats or its connection broke.
 
     ``loss_seq``: set by the channel that reported the loss, from its ``Channel.loss_seq`` counter; what was
-    agreed with the peer before (a handshake started at a lower count) is stale, what came after is not."""
+    agreed with the peer before (a handshake started at a lower count) is stale, what came after is not.
+    ``address``: where the channel reached the life it lost (None: it only reached us, or it was never
+    connected to); a request that names the peer id at another address is for another life."""
 
     loss_seq: int | None = None
+    address: str | None = None
 
 
 class PeerClosedError(PeerLostError):

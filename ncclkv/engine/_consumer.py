@@ -157,7 +157,8 @@ class ConsumerSide:
             # rank's lane of the executor: after our earlier tasks for it, never behind another peer's.
             submit_task(self._executor, f"pull of {request_id} from {producer.peer_id(src)}",
                         partial(self._pull_failed, req, src) if src_routes else None,
-                        self._pull, req, src, src_routes, token_set, peer=producer.peer_id(src))
+                        self._pull, req, src, src_routes, token_set, peer=producer.peer_id(src),
+                        at=producer.control_addrs[src])
 
     def decline(self, request_id: str, producer: EngineRef, push: bool = False, hold: int = 0) -> None:
         """This rank will not take ``request_id``; returns at once.
@@ -540,11 +541,13 @@ class ConsumerSide:
         from that rank is kept: all its slices from it landed, or the plan gives it none from that rank).
 
         For a loss with a ``loss_seq`` (the channel's), a request expected after it was reported, or a pull
-        acknowledged under a handshake made after it, is not the lost one's; after a reset
+        acknowledged under a handshake made after it, is not the lost one's, nor is a pull from the rank at
+        another address than the life lost (its ``address``: the producer restarted there); after a reset
         (:class:`PeerResetError`: the producer is there, it only dropped us, restarted or moved), a pull not
         acknowledged yet is left to shake hands again."""
         engine_id, rank = split_peer_id(peer_id)
         seq = error.loss_seq if isinstance(error, PeerLostError) else None
+        lost_at = error.address if isinstance(error, PeerLostError) else None
         reset = isinstance(error, PeerResetError)
         with self._cond:
             for req in self._requests.values():
@@ -555,6 +558,8 @@ class ConsumerSide:
                 if seq is not None and req.since_seq >= seq:  # expected after the loss was reported
                     continue
                 if not req.push:
+                    if lost_at is not None and req.producer.control_addrs[rank] != lost_at:  # another life's
+                        continue
                     stamp = req.acked.get(rank)
                     if stamp is None and reset:  # its pull is still to be (re)sent, under a new handshake
                         continue
@@ -603,7 +608,8 @@ class ConsumerSide:
                     "pull" if routes else "empty pull (nothing to receive)", request_id, producer.peer_id(src), err)
             if routes:
                 self._pull_failed(req, src, err)
-            fail_fast(self._executor, producer.peer_id(src), err, self._channel.peer_alive)
+            fail_fast(self._executor, producer.peer_id(src), err, self._channel.peer_alive,
+                      at=producer.control_addrs[src])
             return
         if routes:
             with self._cond:

@@ -62,7 +62,8 @@ class Decliner:
         for src in srcs:
             # on_error: a decline its lane fails before it runs (its producer found lost, or closing) is not queued
             submit_task(self._lanes, f"decline of {request_id} to {producer.peer_id(src)}", self._unqueue,
-                        self._decline, request_id, producer, src, hold, peer=producer.peer_id(src))
+                        self._decline, request_id, producer, src, hold, peer=producer.peer_id(src),
+                        at=producer.control_addrs[src])
 
     def close(self) -> None:
         """Drop the declines not started; wait for those running (they end with the channel's close)."""
@@ -84,6 +85,6 @@ class Decliner:
         except Exception as err:
             log.warning("empty pull (declined) of %s from %s failed: %s", request_id, peer_id, err)
             # The declines queued behind it for a producer that does not answer are dropped, not each waited on.
-            fail_fast(self._lanes, peer_id, err, self._alive)
+            fail_fast(self._lanes, peer_id, err, self._alive, at=producer.control_addrs[src])
         finally:
             self._unqueue()

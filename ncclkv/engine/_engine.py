@@ -297,7 +297,7 @@ class TransferEngine:
         if parse_peer_id(peer_id) is not None:  # else a raw channel client, no engine rank: no request names it
             self._consumer.fail_peer(peer_id, error)  # first: once its link is closed (what it sees), they failed
             self._producer.peer_lost(peer_id, error)
-        self._peers.drop(peer_id, error, before=error.loss_seq)
+        self._peers.drop(peer_id, error, before=error.loss_seq, at=error.address)
 
     def _check_open(self) -> None:
         if self._closed:

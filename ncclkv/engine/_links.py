@@ -73,6 +73,7 @@ class Peer:
     # The channel's loss_seq it was made under (-1: as the responder, older than every loss reported after it):
     # a loss reported with a higher count ends it, one with a count up to this came before it.
     stamp: int = -1
+    address: str | None = None  # the control address we reached it at (None: as the responder)
     # Announcement sequence numbers on its link (see "The ordering rule"): the next one our producer side sends,
     # and the next one our consumer side must hear. Here, not in maps by link id, so they go with the link: a
     # map's entry removed when the link went could be written again by an announcement racing the removal.
@@ -348,12 +349,15 @@ class PeerLinks:
                 self._run_waiting(waiting)
             _close_link(peer)
 
-    def drop(self, peer_id: str, reason: BaseException | str, before: int | None = None) -> None:
+    def drop(self, peer_id: str, reason: BaseException | str, before: int | None = None,
+             at: str | None = None) -> None:
         """Forget ``peer_id`` and close every link to it, a link still opening once it opens; the next ``ensure``
         shakes hands anew. ``before``: only what was agreed under a lower ``loss_seq`` (a loss reported with
-        that count: a handshake made after it stays)."""
+        that count: a handshake made after it stays); ``at``: only a handshake made with the life at that
+        address, or as the responder (one made with the peer id at another address is another life's)."""
         def stale(peer: Peer) -> bool:
-            return peer.peer_id == peer_id and (before is None or peer.stamp < before)
+            return (peer.peer_id == peer_id and (before is None or peer.stamp < before)
+                    and (at is None or peer.address in (None, at)))
 
         with self._lock:
             current = self._peers.get(peer_id)
@@ -401,7 +405,7 @@ class PeerLinks:
         broken one is closed, and so is one with another incarnation of the
         peer id (that process is gone: nothing will come on it).
         """
-        peer = Peer(peer_id, remote, link, link_id, stamp)
+        peer = Peer(peer_id, remote, link, link_id, stamp, address)
         stale: list[Peer] = []
         with self._lock:
             self._check_open()

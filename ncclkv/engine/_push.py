@@ -112,7 +112,8 @@ class Pusher:
             self._pushes[request_id] = state
         for dst, routes in by_dst.items():  # in dst's lane of the executor: never behind another consumer rank
             submit_task(self._executor, f"push of {request_id} to {dst}", partial(self._fail_dst, state, dst),
-                        self._offer, state, consumer, dst, routes, num_tokens, peer=dst)
+                        self._offer, state, consumer, dst, routes, num_tokens, peer=dst,
+                        at=consumer.control_addrs[split_peer_id(dst)[1]])
 
     def pushing(self, request_id: str) -> bool:
         with self._lock:
@@ -168,9 +169,10 @@ class Pusher:
             log.error("push of %s to %s refused or failed: %s: %s", state.request_id, dst, type(err).__name__, err,
                       exc_info=not isinstance(err, NcclKVError))  # a bug's traceback; a refusal is one line
             self._fail_dst(state, dst, err)
-            # A consumer rank lost (or not answering): the offers queued behind this one for it fail now, instead
-            # of each shaking hands with it anew and waiting deadline_s.
-            fail_fast(self._executor, dst, err, self._channel.peer_alive)
+            # A consumer rank lost (or not answering): the offers queued behind this one for it (at that address)
+            # fail now, instead of each shaking hands with it anew and waiting deadline_s.
+            fail_fast(self._executor, dst, err, self._channel.peer_alive,
+                      at=consumer.control_addrs[split_peer_id(dst)[1]])
             return
         self._maybe_complete(state)
 

@@ -35,39 +35,43 @@ _IDLE_S = 60.0  # a task thread with nothing to run for this long ends (the next
 
 
 def submit_task(executor: Executor, what: str, on_error: Callable[[BaseException], None] | None,
-                fn: Callable[..., None], *args: Any, peer: Hashable | None = None) -> Future[None]:
+                fn: Callable[..., None], *args: Any, peer: Hashable | None = None,
+                at: str | None = None) -> Future[None]:
     """Run ``fn(*args)`` on ``executor``; if it raises, log the error naming ``what`` and call ``on_error(error)``
     (the owner fails or records its request, once), on the thread that ran it.
 
-    ``peer``: on a :class:`PeerTasks`, run it in that peer's lane (started after the peer's earlier tasks).
+    ``peer``: on a :class:`PeerTasks`, run it in that peer's lane (started after the peer's earlier tasks);
+    ``at``: the address it reaches the peer at (see :meth:`PeerTasks.fail_queued`).
     A task the lane fails before it started (its peer found lost by an earlier task, :func:`fail_fast`; or
     the executor shut down: :class:`ClosedError`) never runs: ``on_error`` gets that error instead, logged in
     one line. Without ``peer``, a task cancelled by the executor's shutdown is neither logged nor reported.
     """
     if peer is not None and isinstance(executor, PeerTasks):
-        future: Future[None] = executor.submit_to(peer, fn, *args, on_skip=partial(_skipped, what, on_error))
+        future: Future[None] = executor.submit_to(peer, fn, *args, on_skip=partial(_skipped, what, on_error), at=at)
     else:
         future = executor.submit(fn, *args)
     future.add_done_callback(lambda done: _report(done, what, on_error))
     return future
 
 
-def fail_fast(executor: Executor, peer: str, error: BaseException, alive: Callable[[str], bool]) -> int:
+def fail_fast(executor: Executor, peer: str, error: BaseException, alive: Callable[[str], bool],
+              at: str | None = None) -> int:
     """A task of ``peer``'s lane failed with ``error``: if it waited for a peer that did not answer (the channel
     reported the peer lost meanwhile: a :class:`PeerLostError` carrying its ``loss_seq``, but not a
     :class:`PeerResetError`, which a new handshake cures; or no reply within ``deadline_s``:
     :class:`TransferTimeout`) and the channel no longer hears the peer (``alive``), the tasks queued behind it
     for ``peer`` fail now with an error of the same type instead of each waiting ``deadline_s`` on it; how
-    many. A failure at once (a request naming a life of the peer id since replaced, a peer already lost) or a
-    reply that carried an error (the peer is alive) fails no other task. Tasks submitted after this run as
-    usual: a peer that comes back is used again."""
+    many. ``at``: the address the failed task reached the peer at; a task queued for another address (the peer
+    restarted there) is for another life, and runs. A failure at once (a request naming a life of the peer id
+    since replaced, a peer already lost) or a reply that carried an error (the peer is alive) fails no other
+    task. Tasks submitted after this run as usual: a peer that comes back is used again."""
     if not isinstance(executor, PeerTasks) or not isinstance(error, (PeerLostError, TransferTimeout)):
         return 0
     if isinstance(error, PeerResetError) or (isinstance(error, PeerLostError) and error.loss_seq is None):
         return 0
     if alive(peer):
         return 0
-    return executor.fail_queued(peer, _like(error, f"{peer!r} did not answer an earlier request: {error}"))
+    return executor.fail_queued(peer, _like(error, f"{peer!r} did not answer an earlier request: {error}"), at)
 
 
 def _skipped(what: str, on_error: Callable[[BaseException], None] | None, reason: BaseException) -> None:
@@ -84,7 +88,7 @@ def _like(error: BaseException, text: str) -> BaseException:
     except Exception:  # noqa: BLE001 - a type with another constructor
         copy = TransferError(text)
     if isinstance(error, PeerLostError) and isinstance(copy, PeerLostError):
-        copy.loss_seq = error.loss_seq
+        copy.loss_seq, copy.address = error.loss_seq, error.address
     return copy
 
 
@@ -115,6 +119,7 @@ class _Task:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     on_skip: Callable[[BaseException], None] | None
+    at: str | None = None  # the address it reaches its peer at (None: not said)
     future: Future[Any] = field(default_factory=Future)
 
 
@@ -166,26 +171,29 @@ class PeerTasks(Executor):
         return self._submit(object(), _Task(fn, args, kwargs, None))
 
     def submit_to(self, peer: Hashable, fn: Callable[..., Any], /, *args: Any,
-                  on_skip: Callable[[BaseException], None] | None = None) -> Future[Any]:
+                  on_skip: Callable[[BaseException], None] | None = None, at: str | None = None) -> Future[Any]:
         """Run ``fn(*args)`` in ``peer``'s lane, once its tasks submitted before started (and fewer than ``per_peer``
         of them run). If the lane fails it before it starts (:meth:`fail_queued`, or a shutdown that cancels), ``on_skip(error)`` is called instead, on the
-        thread that failed it, and the future is cancelled."""
-        return self._submit(peer, _Task(fn, args, {}, on_skip))
+        thread that failed it, and the future is cancelled. ``at``: the address it reaches ``peer`` at."""
+        return self._submit(peer, _Task(fn, args, {}, on_skip, at))
 
-    def fail_queued(self, peer: Hashable, error: BaseException) -> int:
+    def fail_queued(self, peer: Hashable, error: BaseException, at: str | None = None) -> int:
         """Fail the tasks queued in ``peer``'s lane now (not those running) with ``error`` (``on_skip``);
-        those submitted later run as usual. Returns how many."""
+        those submitted later run as usual. ``at``: only those that reach ``peer`` there or did not say where
+        (one queued for another address stays queued). Returns how many."""
         with self._cond:
             lane = self._lanes.get(peer)
             if lane is None or not lane.queue:
                 return 0
-            tasks = list(lane.queue)
-            lane.queue.clear()
-            if lane.ready:
-                self._ready.remove(lane)
-                lane.ready = False
-            if not lane.running:  # no thread on it: it ends here
-                del self._lanes[peer]
+            hits = [at is None or task.at in (None, at) for task in lane.queue]
+            tasks = [task for task, hit in zip(lane.queue, hits) if hit]
+            lane.queue = deque(task for task, hit in zip(lane.queue, hits) if not hit)
+            if not lane.queue:
+                if lane.ready:
+                    self._ready.remove(lane)
+                    lane.ready = False
+                if not lane.running:  # no thread on it: it ends here
+                    del self._lanes[peer]
         self._skip(tasks, error)
         return len(tasks)
 

@@ -26,7 +26,7 @@ from ncclkv.errors import (ClosedError, NcclKVError, PeerLostError, ShapeMismatc
 from ncclkv.launch import free_port
 from ncclkv.layout import Span
 from ncclkv.paged import CacheLayout
-from ncclkv.protocol import Announce, ErrorCode, ErrorMsg, RouteMsg
+from ncclkv.protocol import INCARNATION_RANDOM_BITS, Announce, ErrorCode, ErrorMsg, RouteMsg
 from ncclkv.transport import LoopbackHub
 
 from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull
@@ -666,3 +666,45 @@ def test_a_producers_error_after_this_side_broke_their_link_is_left_to_the_links
         consumer.on_error("prefill.r0", failed_send)  # a link not broken here: the producer's error is the news
         assert isinstance(req.error, TransferError) and "connection closed by peer (test)" in str(req.error)
         gate.set()
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["incarnation", "no-incarnation"])
+def test_a_pull_from_a_restarted_producer_is_not_failed_by_the_loss_of_its_dead_life(named: bool) -> None:
+    """A producer rank died (its address silent) while a pull to it waited for its handshake, and came back at
+    another address; the next request names that one, and is pulled while the dead life's loss is on its way
+    (the channel found the dead address silent, and reports it once the new request's handshake went out). The
+    loss is the dead address's: it failed the request expected from the new address (fail_peer), and the
+    handshake's request to the new life (the channel). ``named``: the references name their lives'
+    incarnations (as the connector's do)."""
+    deadline_s = 2.0
+    with _pair(consumer=dict(deadline_s=deadline_s)) as (prefill, decode):
+        engine = decode[0].engine
+        channel = engine._channel  # noqa: SLF001
+        dead_at = f"tcp://127.0.0.1:{free_port()}"  # the producer's first life: nothing answers there
+        live = prefill[0].engine._channel.incarnation  # noqa: SLF001
+        earlier = (live - (60_000 << INCARNATION_RANDOM_BITS),) if named else ()  # a minute before
+        real_lost, found, go = channel._io._lost, threading.Event(), threading.Event()  # noqa: SLF001
+
+        def held(*args: Any) -> None:  # on the I/O thread: the dead life was found silent; reported after `go`
+            found.set()
+            assert go.wait(WAIT_S)
+            real_lost(*args)
+        channel._io._lost = held  # noqa: SLF001
+        engine.expect("doomed", EngineRef("prefill", ONE, (dead_at,), earlier), [1, 2], 20)
+        assert found.wait(WAIT_S)
+        ref = engine_ref("prefill", ONE, prefill)
+        if not named:
+            ref = EngineRef(ref.engine_id, ref.layout, ref.control_addrs)
+        prefill[0].fill(seed=3, block_ids=[3, 4], num_tokens=20)
+        prefill[0].engine.finish("again", [3, 4], 20)
+        engine.expect("again", ref, [3, 4], 20)
+        # Its handshake went to the new address (the doomed one's request ended before, freeing the gate).
+        _until(lambda: channel.connected_address("prefill.r0") == ref.control_addrs[0]
+               and len(channel._pending) == 1, "the new life's handshake")  # noqa: SLF001
+        go.set()
+        with pytest.raises((PeerLostError, TransferTimeout)):
+            engine.wait("doomed", timeout_s=WAIT_S)
+        engine.wait("again", timeout_s=WAIT_S)  # before: PeerLostError "... nothing heard for more than ..."
+        assert decode[0].mismatches(3, [3, 4], 20, Span(0, 20)) == []
+        _until(lambda: engine._consumer._decliner.queued == 0, "the decline gone")  # noqa: SLF001
+        assert channel.connected_address("prefill.r0") == ref.control_addrs[0] and channel.peer_alive("prefill.r0")

@@ -364,6 +364,37 @@ def test_fail_fast_fails_what_is_queued_behind_a_lost_peer_at_once_typed_and_onl
     assert ran[-1] == "c1" and reports.of("c1") == {"c1": []}
 
 
+def test_fail_fast_leaves_the_tasks_queued_for_another_address_of_the_peer_id(tasks: Any) -> None:
+    """A peer restarted at another address: the tasks queued for its new life behind one that waited on the dead
+    address are not the lost life's; they stay queued, in order, and run. Those for the dead address, or that did
+    not say where, fail."""
+    from ncclkv.engine._tasks import fail_fast, submit_task
+
+    reports, ran = _Reports(), []
+    first_runs, lose = threading.Event(), threading.Event()
+    failed: list[int] = []
+
+    def first() -> None:  # a pull to the dead life, lost while it waits
+        first_runs.set()
+        assert lose.wait(WAIT_S)
+        lost = PeerLostError("peer 'a' lost while waiting for a reply: nothing heard (test)")
+        lost.loss_seq, lost.address = 7, "tcp://h:1"
+        failed.append(fail_fast(tasks, "a", lost, alive=lambda peer: False, at="tcp://h:1"))
+
+    submit_task(tasks, "a0", reports.on_error("a0"), first, peer="a", at="tcp://h:1")
+    queued = [submit_task(tasks, name, reports.on_error(name), ran.append, name, peer="a", at=at)
+              for name, at in (("old1", "tcp://h:1"), ("new1", "tcp://h:2"), ("any", None), ("new2", "tcp://h:2"))]
+    assert first_runs.wait(WAIT_S)
+    lose.set()
+    for future in queued:
+        _until(future.done, "each queued task failed or ran")
+    assert failed == [2] and ran == ["new1", "new2"]
+    assert [f.cancelled() for f in queued] == [True, False, True, False]
+    for name, errors in reports.of("old1", "any").items():
+        assert len(errors) == 1 and type(errors[0]) is PeerLostError, (name, errors)
+    assert reports.of("new1", "new2") == {"new1": [], "new2": []}
+
+
 def test_shutdown_fails_what_is_queued_with_closed_error_once_and_joins_every_thread() -> None:
     from ncclkv.engine._tasks import PeerTasks, submit_task
 

@@ -810,6 +810,40 @@ def test_a_peer_restarted_under_its_id_without_a_bye_is_reached_again(make_chann
     assert a.request("B", Ready("to the new one"), timeout_s=5) == Ack("to the new one", None)
 
 
+def test_a_loss_of_a_peers_dead_life_reported_after_a_connect_to_its_new_address_spares_the_new_ones_request(
+        make_channel: Callable[..., Channel]) -> None:
+    """B died without a Bye (its address went silent) and restarted elsewhere. The I/O thread gives the dead life
+    up; before that loss is reported, A connects to B's new address and sends it a request. The loss is the dead
+    address's: it carries that address, and the request to the new life is not failed by it (it was, naming the
+    silence of the dead one)."""
+    from ncclkv.launch import free_port
+
+    lost: list[errors.PeerLostError] = []
+    a = make_channel("A", on_peer_lost=lambda p, e: lost.append(e), heartbeat_s=0.05, deadline_s=0.5)
+    dead_at = f"tcp://127.0.0.1:{free_port()}"
+    real_lost, found, go = a._io._lost, threading.Event(), threading.Event()  # noqa: SLF001
+
+    def held(*args: object) -> None:  # the I/O thread found the dead life silent: its report waits for `go`
+        found.set()
+        assert go.wait(WAIT_S)
+        real_lost(*args)
+    a._io._lost = held  # noqa: SLF001
+    a.connect("B", dead_at)
+    assert found.wait(WAIT_S)
+    new = make_channel("B", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
+    a.connect("B", new.address)  # the dead life was given up already: no loss is reported here
+    outcome: list[object] = []
+    asking = threading.Thread(target=_capture, args=(
+        outcome, lambda: outcome.append(a.request("B", Ready("new"), timeout_s=WAIT_S))))
+    asking.start()
+    wait_until(lambda: len(a._pending) == 1, WAIT_S)  # noqa: SLF001 - sent, waiting for its reply
+    go.set()
+    asking.join(WAIT_S * 2)
+    assert outcome == [Ack("new", None)], outcome
+    wait_until(lambda: len(lost) == 1, WAIT_S)
+    assert lost[0].address == dead_at and "nothing heard" in str(lost[0]), lost
+
+
 def test_a_peer_restarted_at_the_same_address_is_lost_at_its_first_frame(make_channel: Callable[..., Channel]) -> None:
     """B dies without a Bye and a new B binds its port at once: A's DEALER reconnects to it, heartbeats are
     echoed, and nothing ever said the old B was gone; a request the old one never answered waited its whole

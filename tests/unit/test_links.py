@@ -108,6 +108,21 @@ def ensure_in_background(peers: PeerLinks, pool: ThreadPoolExecutor) -> Future[A
     return pool.submit(peers.ensure, PEER, "tcp://remote:1", True)
 
 
+def test_a_loss_of_the_peers_life_at_another_address_leaves_the_handshake_made_at_its_new_one(parts: Any) -> None:
+    """The peer restarted at another address and we shook hands there; the dead life's loss, reported since (its
+    count above the handshake's), names the dead address: the handshake stays. One naming the new address, or
+    none, ends it."""
+    peers, _, _, _ = parts
+    live = peers.ensure(PEER, "tcp://remote:2", need_link=False)
+    peers.drop(PEER, "lost at the dead address (test)", before=live.stamp + 1, at="tcp://remote:1")
+    assert peers.get(PEER) is live
+    peers.drop(PEER, "lost at its address (test)", before=live.stamp + 1, at="tcp://remote:2")
+    assert peers.get(PEER) is None
+    again = peers.ensure(PEER, "tcp://remote:2", need_link=False)
+    peers.drop(PEER, "lost (test)", before=again.stamp + 1)
+    assert peers.get(PEER) is None
+
+
 def test_closing_while_the_initiator_opens_its_link_is_a_closed_error_and_closes_the_link(parts: Any) -> None:
     peers, _, plane, pool = parts
     ensured = ensure_in_background(peers, pool)
