@@ -65,8 +65,10 @@ class _Produce:
 
 
 def _prefilled_for(request: Request, remote: RemotePrefill) -> bool:
-    """Whether the remote KV is for exactly this request's first ``num_tokens`` tokens (block hashes agree)."""
-    tokens = list(request.prompt_token_ids or ())[:remote.num_tokens]
+    """Whether the remote KV is for exactly this request's first ``num_tokens`` tokens (block hashes agree).
+    Its prompt as the prefill side hashed it (``_remote_prefill``): ``all_token_ids``, where vLLM puts 0 at the
+    positions given as embeddings (``prompt_token_ids`` is None for a prompt of embeddings only)."""
+    tokens = list(request.all_token_ids[:min(request.num_prompt_tokens, remote.num_tokens)])
     return len(tokens) == remote.num_tokens and \
         token_hash(tokens, remote.hash_block_size, extra_keys(request, remote.num_tokens)) == remote.token_hash
 

@@ -71,3 +71,43 @@ def test_prompt_embeddings_count() -> None:
 def test_the_lora_name_stays_the_first_key_for_the_kv_events(salt: str | None) -> None:
     keys = extra_keys(request([("image-a", 4, 8)], salt=salt), len(PROMPT))
     assert keys == (None, salt, "image-a", 4, 8)
+
+
+def _produced(prefill: Request) -> RemotePrefill:
+    """The params the prefill scheduler returns for ``prefill`` (its request_finished path)."""
+    from ncclkv.connector import NcclKVConfig
+    from ncclkv.connector._scheduler import SchedulerSide, _Produce
+
+    side = SchedulerSide("prefill", NcclKVConfig(), True, False, BLOCK)
+    side._ref = EngineRef("prefill", ParallelLayout(1, 1), ("tcp://127.0.0.1:1",))  # noqa: SLF001
+    out = side._remote_prefill(prefill, _Produce(prefill, None, "t", 1), [0, 1], prefill.num_prompt_tokens)  # noqa: SLF001
+    assert out is not None
+    return out
+
+
+def test_a_prompt_of_embeddings_only_is_the_prefilled_request() -> None:
+    """vLLM gives such a request no prompt_token_ids (its all_token_ids are placeholders, 0): the prefill hashed
+    those, the decode side hashed an empty list and took every such request for another prompt."""
+    embeds = torch.randn(len(PROMPT), 8, generator=torch.Generator().manual_seed(1))
+
+    def only(e: torch.Tensor) -> Request:
+        return Request("r", prompt_token_ids=None, sampling_params=SamplingParams(max_tokens=1),
+                       pooling_params=None, prompt_embeds=e)
+    remote = _produced(only(embeds))
+    assert _prefilled_for(only(embeds.clone()), remote)
+    other = embeds.clone()
+    other[3, 0] += 1
+    assert not _prefilled_for(only(other), remote)
+
+
+def test_a_prompt_of_tokens_and_embeddings_is_the_prefilled_request() -> None:
+    """Mixed mode: positions given as embeddings hold a sentinel id in prompt_token_ids, 0 in all_token_ids."""
+    embeds = torch.randn(len(PROMPT), 8, generator=torch.Generator().manual_seed(2))
+    is_token = [not 4 <= i < 12 for i in range(len(PROMPT))]
+
+    def mixed(e: torch.Tensor) -> Request:
+        return Request("r", prompt_token_ids=[t if ok else 99999 for t, ok in zip(PROMPT, is_token)],
+                       sampling_params=SamplingParams(max_tokens=1), pooling_params=None, prompt_embeds=e,
+                       prompt_is_token_ids=is_token)
+    remote = _produced(mixed(embeds))
+    assert _prefilled_for(mixed(embeds.clone()), remote)
