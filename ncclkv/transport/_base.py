@@ -145,7 +145,8 @@ def check_link_args(link_id: str, link_rank: int, device: torch.device | str, ti
     """Validate ``open_link`` arguments; return the device as a ``torch.device``."""
     if not isinstance(link_id, str) or not _LINK_ID.fullmatch(link_id):
         raise ValueError(f"link_id must be 1-200 chars of [A-Za-z0-9._:@+-], got {link_id!r}")
-    if link_rank not in (0, 1) or isinstance(link_rank, bool):
+    # An int only: 1.0 == 1, but the rendezvous keys spell the rank ("joined/1.0"), so a float met no peer.
+    if isinstance(link_rank, bool) or not isinstance(link_rank, int) or link_rank not in (0, 1):
         raise ValueError(f"link_rank must be 0 or 1, got {link_rank!r}")
     check_timeout("timeout_s", timeout_s)
     dev = torch.device(device)

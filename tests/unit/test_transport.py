@@ -675,6 +675,12 @@ def test_bad_arguments_are_value_errors(pair: tuple[Link, Link]) -> None:
     with DataPlane() as plane:
         with pytest.raises(ValueError, match="link_rank must be 0 or 1"):
             plane.open_link("x", 2, plane.address, "cpu", 1.0)
+        # 1.0 == 1, but the rendezvous keys spell the rank ("joined/1.0"): taken, it met no peer and both ends
+        # waited out their deadline, the error naming "link rank 0.0" as the peer.
+        for rank in (1.0, 0.0, True):
+            with pytest.raises(ValueError, match=rf"link_rank must be 0 or 1, got {rank!r}"):
+                plane.open_link("x", rank, plane.address, "cpu", 1.0)  # type: ignore[arg-type]
+        assert plane.links() == []
         with pytest.raises(ValueError, match="host:port"):
             plane.open_link("x", 0, "no-port", "cpu", 1.0)
 
