@@ -285,11 +285,13 @@ class WorkerSide:
             self._try(push, lambda tid=push.transfer_id: self.engine.finish(tid))
 
     def handle_preemptions(self, meta: NcclKVMetadata) -> None:
-        """A preempted request's blocks are about to be reused: drop its hold, let running sends finish
-        (bounded). Its recomputed prompt is held again under a new transfer id."""
+        """A preempted request's blocks are about to be reused: drop its hold, fail its sends not announced yet
+        (they would read the next request's KV), let the announced ones finish (bounded; past it, those still
+        to read the blocks fail, breaking their link). Its recomputed prompt is held again under a new
+        transfer id."""
         busy = {tid for tid, req_id in self._sends.items() if req_id in meta.preempted}
         for tid in busy:
-            self.engine.release(tid)
+            self.engine.reclaim(tid)
         self._dropped |= busy
         # An earlier transfer of theirs that completed counts no more: the recomputed prompt is held (or
         # pushed) anew, and a request aborted before that was never returned as held by the scheduler.
@@ -302,7 +304,10 @@ class WorkerSide:
             if busy:
                 time.sleep(0.001)
         if busy:
-            log.error("ncclkv: preempted requests still sending after the deadline: %s", sorted(busy))
+            log.error("ncclkv: preempted requests still sending after the deadline: %s; their blocks are reused "
+                      "now, a send still to read them fails", sorted(busy))
+            for tid in busy:
+                self.engine.reclaim(tid, reused=True)
 
     def get_finished(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str], set[str]]:
         engine = self.engine

@@ -161,6 +161,16 @@ class TransferEngine:
         reports it, with an error, once no send from its blocks is running. False when it is not held."""
         return self._producer.release(request_id)
 
+    def reclaim(self, request_id: str, *, reused: bool = False) -> bool:
+        """The caller takes ``request_id``'s blocks back before its transfers ended (vLLM preempted it, and will
+        write another request's KV there): a hold is released (as :meth:`release`), and a send of its pulls or of
+        its push not announced yet fails instead of reading them (the pull or push fails, typed; its consumer is
+        told). Sends announced already still read them: wait for :meth:`take_finished_sending` to report it, as
+        long as you can, before writing them. ``reused=True``: the caller writes them now, whatever still runs: an
+        announced send not gathered yet fails too, which breaks its link (the consumer waits for its bytes).
+        False when the id is neither held nor being pushed."""
+        return self._producer.reclaim(request_id, reused)
+
     def take_finished_sending(self) -> dict[str, BaseException | None]:
         """Held requests whose blocks may be freed now, with the error if a consumer was not served."""
         return self._producer.take_finished()

@@ -37,7 +37,7 @@ from ..transport import LinkBase
 from ._caches import RankCaches, WireLease
 from ._config import EngineRef, holds_differ, peer_id
 from ._links import Peer, PeerLinks
-from ._push import Pusher, SliceHooks, tell
+from ._push import BlockReads, Pusher, SliceHooks, tell
 from ._recent import RecentEnds
 from ._staging import BlockTokens
 from ._stats import EngineStats
@@ -71,6 +71,7 @@ class _Held:
     released: bool = False  # no new pulls; reported once ``serving`` is 0
     ready: torch.cuda.Event | None = None  # CUDA: recorded by finish() on the caller's stream; gathers wait for it
     hold: int = 0  # which hold of the id this is (finish(..., hold=)); 0: not named
+    reads: BlockReads = field(default_factory=BlockReads)  # reclaimed: its sends read the blocks no more
 
 
 class ProducerSide:
@@ -219,12 +220,29 @@ class ProducerSide:
             held = self._held.get(request_id)
             if held is None:
                 return False
-            held.released = True
-            held.deadline = float("-inf")
-            held.error = held.error or TransferError(
-                f"request {request_id!r} was released by its producer before every consumer rank pulled (pulled by "
-                f"{sorted(held.served)})")
+            self._release_locked(held, "released")
             return True
+
+    def _release_locked(self, held: _Held, how: str) -> None:
+        held.released = True
+        held.deadline = float("-inf")
+        held.error = held.error or TransferError(
+            f"request {held.request_id!r} was {how} by its producer before every consumer rank pulled (pulled by "
+            f"{sorted(held.served)})")
+
+    def reclaim(self, request_id: str, reused: bool = False) -> bool:
+        """The caller takes ``request_id``'s blocks back (see :meth:`TransferEngine.reclaim`): a hold is released,
+        and the sends of its pulls and of its push read them no more once announced (``reused``: at all). False
+        when it is neither held nor pushed."""
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is not None:
+                self._release_locked(held, "reclaimed")
+        reads = [r for r in (None if held is None else held.reads, self._pusher.reads(request_id)) if r is not None]
+        for each in reads:  # plain stores, read by the link's send thread at each announce and gather
+            each.stopped = True
+            each.reused = each.reused or reused
+        return bool(reads)
 
     def peer_lost(self, peer_id: str, error: PeerLostError) -> None:
         """Dispatcher thread: consumer rank ``peer_id`` is lost (gone, restarted, or it dropped us): its parked
@@ -375,7 +393,7 @@ class ProducerSide:
                 lease = self._caches.lease()
                 nbytes += placeholder.nbytes  # a placeholder: see Pusher._queue_layer
                 hooks = self._announcer(link, sender, pull.request_id, layers.start, route, held.slots, piece, lease,
-                                        len(layers), pull.hold)
+                                        held.reads, len(layers), pull.hold)
                 futures.append(link.send(placeholder, before_send=hooks.announce, fill=hooks.gather,
                                          ready_event=held.ready))
                 futures[-1].add_done_callback(lease.end)
@@ -433,10 +451,11 @@ class ProducerSide:
         return sends
 
     def _announcer(self, link: LinkBase, sender: str, request_id: str, layer: int, route: Route, slots: SlotMap,
-                   piece: Span, lease: WireLease, num_layers: int = 1, hold: int = 0) -> SliceHooks:
+                   piece: Span, lease: WireLease, reads: BlockReads, num_layers: int = 1, hold: int = 0) -> SliceHooks:
         """The hook and the fill of one piece's send: announce, then gather (see ``Link.send``); ``num_layers``
         > 1: the slices of that many layers from ``layer`` on, stacked in one tensor; ``hold``: the number of
-        the hold the pull named, in its announcement.
+        the hold the pull named, in its announcement. ``reads``: once the request is reclaimed, the announce
+        fails (nothing is told of the tensor); once its blocks are reused, the gather fails too.
 
         The Announce goes out before the gather, so the consumer's receive is
         posted while the bytes are gathered, not a control round trip after.
@@ -444,6 +463,9 @@ class ProducerSide:
         piece_msg = None if piece == route.tokens else (piece.start, piece.stop)
 
         def take_and_announce() -> torch.Tensor:  # on the link's send thread, in send order, as it posts
+            if reads.stopped:
+                raise TransferError(f"request {request_id!r} was reclaimed by its producer (its blocks are to be "
+                                    f"reused): layer {layer} not sent to {sender!r}")
             peer = self._peers.kept(link.link_id)  # the link's counter is on its handshake (Peer.sent_seq)
             if peer is None:  # dropped meanwhile (closed: this send would fail at its post anyway)
                 raise PeerLostError(f"link {link.link_id!r} to {sender!r} was dropped before {request_id!r} layer "
@@ -458,6 +480,9 @@ class ProducerSide:
             return buf
 
         def gather(buf: torch.Tensor) -> None:
+            if reads.reused:  # announced: the consumer waits for these bytes, and none of the request's are left
+                raise TransferError(f"request {request_id!r}: its blocks were reused before layer {layer} was "
+                                    f"gathered for {sender!r}")
             if num_layers == 1:
                 self._caches.gather(layer, slots, piece, route.heads, buf)
                 return

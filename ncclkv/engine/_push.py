@@ -32,7 +32,7 @@ from ._staging import BlockTokens
 from ._stats import EngineStats
 from ._tasks import fail_fast, submit_task
 
-__all__ = ["PushState", "Pusher", "SliceHooks", "tell"]
+__all__ = ["BlockReads", "PushState", "Pusher", "SliceHooks", "tell"]
 
 log = logging.getLogger("ncclkv.engine")
 
@@ -47,8 +47,18 @@ class SliceHooks:
     gather: Callable[[torch.Tensor], None]
 
 
-# (link, consumer peer id, request id, layer, route, slots, token piece, lease) -> the piece's hooks
-Announcer = Callable[[LinkBase, str, str, int, Route, SlotMap, Span, WireLease], SliceHooks]
+@dataclass(slots=True)
+class BlockReads:
+    """Whether a request's sends may still read its blocks (``TransferEngine.reclaim``): ``stopped``, the caller
+    takes them back (a send not announced yet fails instead, nothing told of it); ``reused``, the caller writes
+    them now (a send announced but not gathered yet fails too, which breaks its link: its tensor was described)."""
+
+    stopped: bool = False
+    reused: bool = False
+
+
+# (link, consumer peer id, request id, layer, route, slots, token piece, lease, reads) -> the piece's hooks
+Announcer = Callable[[LinkBase, str, str, int, Route, SlotMap, Span, WireLease, BlockReads], SliceHooks]
 
 
 @dataclass(slots=True)
@@ -67,6 +77,7 @@ class PushState:
     nbytes: dict[str, int] = field(default_factory=dict)
     slices: dict[str, int] = field(default_factory=dict)  # (layer, route) slices sent per consumer rank: Done's count
     tail_sends: dict[str, int] = field(default_factory=dict)  # sends queued by the latest layer, per consumer rank
+    reads: BlockReads = field(default_factory=BlockReads)  # reclaimed: its sends read the blocks no more
     finishing: bool = False
     completed: bool = False
     started: float = field(default_factory=time.monotonic)
@@ -118,6 +129,12 @@ class Pusher:
     def pushing(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._pushes
+
+    def reads(self, request_id: str) -> BlockReads | None:
+        """What says whether ``request_id``'s push may read its blocks; None when it is not being pushed."""
+        with self._lock:
+            state = self._pushes.get(request_id)
+        return None if state is None else state.reads
 
     def save_layer(self, request_id: str, layer: int) -> None:
         state = self._state(request_id)
@@ -224,7 +241,8 @@ class Pusher:
                 # Queued as a placeholder: the hook takes the buffer when the link posts it, so a backlog of
                 # saved layers holds no memory beyond the link's window.
                 placeholder, lease = self._caches.placeholder(piece, route.heads), self._caches.lease()
-                hooks = self._announcer(link, dst, state.request_id, layer, route, state.slots, piece, lease)
+                hooks = self._announcer(link, dst, state.request_id, layer, route, state.slots, piece, lease,
+                                        state.reads)
                 try:
                     future = link.send(placeholder, before_send=hooks.announce, fill=hooks.gather, ready_event=ready)
                 except ClosedError as err:

@@ -119,3 +119,46 @@ def test_a_request_whose_dropped_transfer_still_sends_is_not_kept_as_finished() 
     worker._sends["t-new"] = "p-1"  # noqa: SLF001 - a live hold of another request still counts
     worker.get_finished({"p-1"})
     assert worker._finished == {"p-1"}  # noqa: SLF001
+
+
+class _Sending:
+    """An engine whose transfers report as sent only once ``done`` names them; records ``reclaim``'s calls."""
+
+    def __init__(self, deadline_s: float) -> None:
+        self.config = type("Config", (), {"deadline_s": deadline_s})()
+        self.reclaimed: list[tuple[str, bool]] = []
+        self.done: set[str] = set()
+
+    def reclaim(self, request_id: str, *, reused: bool = False) -> bool:
+        self.reclaimed.append((request_id, reused))
+        if request_id == "t-quick":
+            self.done.add(request_id)  # its announced sends end soon after
+        return True
+
+    def take_finished_sending(self) -> dict[str, BaseException | None]:
+        done, self.done = self.done, set()
+        return {tid: RuntimeError("reclaimed (test)") for tid in done}
+
+
+def test_preempted_sends_are_reclaimed_and_those_past_the_deadline_are_told_the_blocks_are_reused(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """handle_preemptions used release(), which left the sends not posted yet to read the blocks whenever the link
+    got to them, after vLLM had written the next request's KV there. It reclaims each preempted transfer (sends
+    not announced yet fail), waits for them up to deadline_s, and tells the engine the blocks are reused for those
+    still sending then."""
+    from ncclkv.connector import NcclKVConfig
+    from ncclkv.connector._metadata import NcclKVMetadata
+    from ncclkv.connector._worker import RankInfo, WorkerSide
+    from ncclkv.layout import KVGeometry, ParallelLayout
+
+    worker = WorkerSide(RankInfo("e", 0, 0, ParallelLayout(1, 1), KVGeometry(2, 4, 64, "float32"), 32),
+                        NcclKVConfig(), "producer")
+    engine = _Sending(deadline_s=0.2)
+    worker._engine = engine  # type: ignore[assignment]  # noqa: SLF001
+    worker._sends.update({"t-quick": "p-0", "t-stuck": "p-1", "t-other": "p-2"})  # noqa: SLF001
+    with caplog.at_level("ERROR", logger="ncclkv"):
+        worker.handle_preemptions(NcclKVMetadata(preempted=frozenset({"p-0", "p-1"})))
+    assert sorted(engine.reclaimed[:2]) == [("t-quick", False), ("t-stuck", False)]
+    assert engine.reclaimed[2:] == [("t-stuck", True)]  # still sending after deadline_s: its blocks are reused
+    assert "still sending after the deadline: ['t-stuck']" in caplog.text
+    assert worker._sends == {"t-stuck": "p-1", "t-other": "p-2"}  # noqa: SLF001 - t-other's request runs on

@@ -91,6 +91,58 @@ def test_a_release_while_the_pull_waits_for_its_link_keeps_the_blocks_until_the_
         assert isinstance(_sent(prefill[0], "r"), TransferError)  # released: reported with that error
 
 
+def _held_at_second_announce(side: RankSide) -> tuple[list[int], threading.Event]:
+    """Hold ``side``'s second announcement until the event is set (the link posts its sends in order: the rest
+    wait behind it); the layers announced so far."""
+    from ncclkv.engine._push import SliceHooks
+
+    producer = side.engine._producer  # noqa: SLF001
+    announcer, announced, go = producer._announcer, [], threading.Event()  # noqa: SLF001
+
+    def held_announcer(*args: Any, **kwargs: Any) -> SliceHooks:
+        hooks = announcer(*args, **kwargs)
+
+        def announce() -> Any:
+            announced.append(args[3])
+            if len(announced) == 2:
+                assert go.wait(WAIT_S), "the test never let the second send go"
+            return hooks.announce()
+        return SliceHooks(announce, hooks.gather)
+    producer._announcer = held_announcer  # noqa: SLF001
+    producer._pusher._announcer = held_announcer  # noqa: SLF001
+    return announced, go
+
+
+@pytest.mark.parametrize("reused", [False, True], ids=["reclaimed", "reused"])
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+def test_a_reclaimed_request_reads_its_blocks_no_more_and_fails_its_transfer(push: bool, reused: bool) -> None:
+    """A request preempted while its sends wait in the link's queue: its blocks go back to vLLM, which writes
+    another request's KV there. The sends not announced yet must not read them (``reused``: nor those announced
+    and not gathered yet, whose link breaks): they fail, and so does the transfer, typed, on both sides.
+    Released instead (as before), they gathered the new KV and the consumer took it as the request's,
+    silently. The engines go on: the next request moves."""
+    with _pair(producer=dict(hold_s=30.0, pull_batch_bytes=0)) as (prefill, decode):  # a send per layer
+        announced, go = _held_at_second_announce(prefill[0])
+        if push:
+            decode[0].engine.expect("r", engine_ref("prefill", ONE, prefill), [1, 2], 20, push=True)
+            prefill[0].fill(seed=1, block_ids=[1, 2], num_tokens=20)
+            _push(prefill[0], "r", engine_ref("decode", ONE, decode), [1, 2], 20)
+        else:
+            start_pull("r", prefill, decode, 1, [1, 2], [1, 2], 20)
+        _until(lambda: len(announced) == 2, "the second send at its post")
+        assert prefill[0].engine.reclaim("r", reused=reused)
+        prefill[0].fill(seed=2, block_ids=[1, 2], num_tokens=20)  # vLLM writes another request's KV there
+        go.set()
+        # Reused: the link broke under the announced tensor, which is what the consumer's receive names.
+        with pytest.raises(TransferError, match=r"link .* closed" if reused else r"request 'r' was reclaimed"):
+            decode[0].engine.wait("r", timeout_s=WAIT_S)
+        assert isinstance(wait_sent(prefill[0], "r")["r"], TransferError)
+        assert prefill[0].engine.reclaim("r") is False  # reported: neither held nor pushed under the id now
+        start_pull("next", prefill, decode, 3, [3, 4], [3, 4], 20)
+        decode[0].engine.wait("next", timeout_s=WAIT_S)
+        assert decode[0].mismatches(3, [3, 4], 20, Span(0, 20)) == []
+
+
 def test_a_link_closing_while_a_pull_is_queued_fails_that_request_and_reports_it() -> None:
     with _pair(producer=dict(hold_s=30.0, pull_batch_bytes=0)) as (prefill, decode):  # a send per layer
         peers = prefill[0].engine._peers  # noqa: SLF001 - the link closes after the pull's first send was queued
