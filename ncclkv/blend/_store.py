@@ -110,22 +110,24 @@ class ChunkStore:
             raise CapacityError(f"chunk {key} of {num_tokens} tokens needs {nbytes} bytes, the buffer holds "
                                 f"{self.buffer.capacity_bytes}")
         part = "pos"
-        try:
-            with self.buffer.group_lock:
+        with self.buffer.group_lock:
+            try:
                 self.buffer.put(self._key(key, "pos"), None)  # not findable while half written
                 for layer, tensor in enumerate(kv):
                     part = f"L{layer}"
                     self.buffer.put(self._key(key, part), tensor)
                 part = "pos"
                 self.buffer.put(self._key(key, part), pos)
-        except CapacityError as error:
-            # Without pos the layers already put could never be found, yet they would hold capacity
-            # for good with eviction off: drop them (and any older copy's layers, equally unreachable).
-            self._drop(key)
-            raise CapacityError(
-                f"chunk {key} of {num_tokens} tokens (positions {int(pos.min())}..{int(pos.max())}) did not fit "
-                f"at {part}; nothing of it is stored: {error}"
-            ) from error
+            except CapacityError as error:
+                # Without pos the layers already put could never be found, yet they would hold capacity
+                # for good with eviction off: drop them (and any older copy's layers, equally unreachable).
+                # Under the group lock still: a store of this chunk by another thread, once the lock is free,
+                # must not lose its layers to this take-back.
+                self._drop(key)
+                raise CapacityError(
+                    f"chunk {key} of {num_tokens} tokens (positions {int(pos.min())}..{int(pos.max())}) did not "
+                    f"fit at {part}; nothing of it is stored: {error}"
+                ) from error
         return key
 
     def lookup(self, token_ids: Sequence[int] | torch.Tensor) -> StoredChunk | None:

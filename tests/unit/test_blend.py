@@ -533,6 +533,59 @@ def test_chunk_store_refused_part_way_leaves_nothing_behind() -> None:
     assert store.lookup(range(200, 204)) is not None and store.lookup(range(8)) is not None
 
 
+class _HookedGroupLock:
+    """A group lock that runs ``on_release`` once, right after its outermost release (another thread's turn)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._depth = 0
+        self.on_release: Callable[[], None] | None = None
+
+    def __enter__(self) -> _HookedGroupLock:
+        self._lock.acquire()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        outermost = self._depth == 0
+        self._lock.release()
+        if outermost and self.on_release is not None:
+            hook, self.on_release = self.on_release, None
+            hook()
+
+
+def test_a_refused_store_never_drops_the_chunk_another_thread_stored_meanwhile() -> None:
+    """A store refused part way takes back what it put; another thread that stores the same chunk as soon as
+    the group lock is free (room was made meanwhile) keeps its chunk: the take-back is part of the refused store.
+    Before, it ran after the group lock was released, and dropped the other thread's complete chunk, whose
+    store had returned its key (every later lookup missed it)."""
+    layers, tokens = 2, [5, 6, 7, 8]
+
+    def kv_at(start: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        k = torch.full((4, 1, 8), float(start))  # a layer's K and V: 2 * 4 * 8 * 4 = 256 bytes
+        return [k] * layers, [k] * layers, list(range(start, start + 4))
+
+    buffer = KVStoreBuffer(800, evict=False)
+    lock = buffer.group_lock = _HookedGroupLock()  # type: ignore[assignment]
+    store = ChunkStore(buffer, layers)
+    buffer.put("filler", torch.zeros(100))  # 400 bytes: the chunk's L1 will not fit beside it
+    stored: list[str] = []
+
+    def store_beside() -> None:  # what another thread may do once the refused store let go of the lock
+        buffer.put("filler", None)
+        stored.append(store.store_chunk(tokens, *kv_at(1000)))
+
+    other = threading.Thread(target=store_beside)
+    lock.on_release = lambda: (other.start(), other.join(5.0))
+    with pytest.raises(CapacityError, match="did not fit at L1"):
+        store.store_chunk(tokens, *kv_at(0))
+    assert not other.is_alive() and stored == [store.chunk_key(tokens)]
+    found = store.lookup(tokens)
+    assert found is not None, f"the other thread's chunk is gone: {len(buffer)} entries, {buffer.used_bytes} bytes"
+    assert int(found.positions[0]) == 1000 and all(bool((kv == 1000).all()) for kv in found.kv)
+
+
 # --- executor -------------------------------------------------------------------------------
 
 def _layer(num_tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
