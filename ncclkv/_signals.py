@@ -23,7 +23,7 @@ from contextlib import contextmanager, suppress
 from types import FrameType
 from typing import Any
 
-__all__ = ["STOP_SIGNALS", "Stopped", "kill_and_reap", "signals_deferred", "stop_on_signals"]
+__all__ = ["STOP_SIGNALS", "Stopped", "kill_and_reap", "signals_deferred", "stop_on_signals", "unblock_stop_signals"]
 
 REAP_S = 10.0  # after the kill, how long to wait for the children to be gone (in all)
 
@@ -75,6 +75,15 @@ def signals_deferred() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def unblock_stop_signals() -> None:
+    """Let SIGINT and SIGTERM in again: for the entry point of a child started inside :func:`signals_deferred`.
+
+    A child keeps its parent's signal mask across exec, so a rank or engine started there runs with both signals
+    blocked (and so would every process it starts) unless it unblocks them; one that arrived meanwhile is then
+    delivered."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def kill_and_reap(procs: Sequence[subprocess.Popen[Any]], kill: Callable[[subprocess.Popen[Any]], None]) -> None:

@@ -155,4 +155,9 @@ def _metrics(llm: Any, prefix: str) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    # EngineProcess starts us with SIGINT and SIGTERM blocked (signals_deferred), a mask kept across exec and
+    # passed on to vLLM's workers, which vLLM's shutdown terminates by SIGTERM.
+    from ncclkv._signals import unblock_stop_signals
+
+    unblock_stop_signals()
     sys.exit(main(int(sys.argv[1])))

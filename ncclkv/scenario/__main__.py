@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._env import env_settings, take_bind_host_auto
+from .._signals import unblock_stop_signals
 from ..errors import ClosedError, PeerLostError, TransferError
 from ..launch import LaunchInfo, discover
 from ._common import add_common_arguments, checked_topology
@@ -83,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # run_local starts the ranks with SIGINT and SIGTERM blocked (signals_deferred), a mask kept across exec.
+    unblock_stop_signals()
     # The heap of the imports (torch: about 174K tracked objects) is never garbage: out of the cyclic GC's full
     # collections, which otherwise stop every thread for about 50 ms each (bench transfer's analysis).
     gc.freeze()

@@ -134,3 +134,33 @@ time.sleep(120)
             parent.wait(timeout=WAIT_S)
         if engine_pid is not None and _alive(engine_pid):
             os.killpg(engine_pid, signal.SIGKILL)
+
+
+def test_engine_child_ends_on_sigterm(tmp_path) -> None:
+    """EngineProcess.launch starts the child inside signals_deferred() (no child without its handle kept), and a
+    child keeps its parent's signal mask across exec: the engine child, and every vLLM worker it spawned, ran
+    with SIGINT and SIGTERM blocked (vLLM's shutdown terminates its workers with SIGTERM; kill PID did nothing).
+    A stand-in vLLM holds the child's main thread in ``import vllm``."""
+    from ncclkv.demo._engine_proc import EngineOptions, EngineProcess
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("import time\nprint('importing', flush=True)\ntime.sleep(120)\n")
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__import__("ncclkv").__file__)))
+    options = EngineOptions(model_dir=tmp_path, extra_env={"PYTHONPATH": os.pathsep.join([str(tmp_path), package_parent])})
+    log = tmp_path / "engine.log"
+    engine = EngineProcess(options, log)
+    engine.launch()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while "importing" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the child's own line says its main thread is now held
+        assert "importing" in log.read_text(), log.read_text()
+        assert engine._proc is not None
+        os.kill(engine._proc.pid, signal.SIGTERM)
+        try:
+            code = engine._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code == -signal.SIGTERM, f"the engine child ignored SIGTERM (exit {code})"
+    finally:
+        engine.close(timeout_s=0)

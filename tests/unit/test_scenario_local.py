@@ -6,8 +6,12 @@ and ``ncclkv demo``; these are the paths that must not hang or hide an error.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import signal
+import threading
+import time
 
 import pytest
 
@@ -81,3 +85,42 @@ def test_the_transfer_scenario_runs_mla(mode: str) -> None:
     outcome = run_local(2, ["--prefill", "1", "--decode", "1", "--small", "--mla", "--mode", mode], timeout_s=120)
     assert outcome.ok, outcome.failure_text()
     assert "x 1H x" in outcome.outputs[0] and "every landed byte checked" in outcome.outputs[0], outcome.outputs[0]
+
+
+def _scenario_children() -> list[int]:
+    """Our children (any thread's) that run ``python -m ncclkv.scenario``."""
+    pids = []
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        with open(path) as children:
+            pids += [int(pid) for pid in children.read().split()]
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if b"ncclkv.scenario" in cmdline.read():
+                    found.append(pid)
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def test_ranks_end_on_sigterm() -> None:
+    """run_local starts each rank inside signals_deferred() (no rank without its handle kept), and a child keeps
+    its parent's signal mask across exec: every rank ran with SIGINT and SIGTERM blocked, so a SIGTERM (kill PID,
+    timeout(1), a process-group TERM after the parent was SIGKILLed) or Ctrl-C never ended it; the run went on."""
+    outcome: dict[str, object] = {}
+    runner = threading.Thread(target=lambda: outcome.update(
+        run=run_local(2, ["--small", "--deadline", "60"], timeout_s=60, kind="ring")))
+    runner.start()
+    deadline = time.monotonic() + 30
+    ranks: list[int] = []
+    while len(ranks) < 2 and runner.is_alive() and time.monotonic() < deadline:
+        ranks = _scenario_children()
+        time.sleep(0.005)  # polling /proc for the ranks run_local starts: nothing else tells us their pids
+    assert len(ranks) == 2, ranks
+    for pid in ranks:
+        os.kill(pid, signal.SIGTERM)
+    runner.join(90)
+    run = outcome["run"]
+    assert isinstance(run, LocalRun)
+    assert run.codes == (-signal.SIGTERM, -signal.SIGTERM), run.failure_text()
