@@ -150,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nbytes", type=int, default=None,
                         help=f"bytes per tensor, a multiple of 8 (default {_NBYTES}; --small: {_SMALL_NBYTES})")
     parser.add_argument("--kill-rank", type=int, default=None, help="this rank os._exit(9)s after --kill-at tensors")
-    parser.add_argument("--kill-at", type=int, default=0, help="tensors the killed rank completes first")
+    parser.add_argument("--kill-at", type=int, default=None, help="tensors the killed rank completes first (default 0)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +165,10 @@ class RingRun:
 
 def check(args: argparse.Namespace, info: LaunchInfo) -> RingRun:
     """The run the options describe on this rank, checked before anything connects (ValueError naming the values)."""
+    if args.kill_at is not None and args.kill_rank is None:  # nothing would be injected, and the run pass as if it had
+        raise ValueError(f"--kill-at {args.kill_at} needs --kill-rank (which rank exits after it)")
     config = RingConfig(sized(args, "count", _COUNT, _SMALL_COUNT), sized(args, "nbytes", _NBYTES, _SMALL_NBYTES),
-                        args.deadline, args.kill_rank, args.kill_at)
+                        args.deadline, args.kill_rank, 0 if args.kill_at is None else args.kill_at)
     config.check_world(info.world_size)
     return RingRun(config, checked_topology(args, info), resolve_device(args.device, info),
                    resolve_bind_host(args.bind_host, info))

@@ -50,6 +50,8 @@ def use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
      "argument --device: invalid choice: 'gpu'"),
     (2, ["--kind", "ring", "--nbytes", "10"], {}, "nbytes must be a multiple of 8 and >= 24, got 10"),
     (2, ["--kind", "ring", "--kill-rank", "5"], {}, "kill_rank=5 is outside world_size=2"),
+    # --kill-at without --kill-rank was ignored: nothing injected, and the run passed as if it had been.
+    (2, ["--kind", "ring", "--kill-at", "2"], {}, "--kill-at 2 needs --kill-rank"),
     (2, ["--kind", "ring"], {"NCCLKV_COPY_THREADS": "99"}, "NCCLKV_COPY_THREADS='99' must be <= 16"),
     (2, ["--kind", "ring"], {"MASTER_PORT": None}, "env job of world_size=2 needs MASTER_PORT"),
     # 192.0.2.0/24 is TEST-NET-1: no host's own address. It ended as OSError [Errno 99] in the data plane.
