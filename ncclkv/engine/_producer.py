@@ -485,9 +485,14 @@ class ProducerSide:
                                     f"gathered for {sender!r}")
             if num_layers == 1:
                 self._caches.gather(layer, slots, piece, route.heads, buf)
-                return
-            for i in range(num_layers):  # each layer's slice is a contiguous part of the stack
-                self._caches.gather(layer + i, slots, piece, route.heads, buf[i])
+            else:
+                for i in range(num_layers):  # each layer's slice is a contiguous part of the stack
+                    self._caches.gather(layer + i, slots, piece, route.heads, buf[i])
+            # Reused while it gathered (the caller writes them once reclaim(reused=True) returns): what it read may
+            # be the next request's. Seen unset here, the copy ended before that call did.
+            if reads.reused:
+                raise TransferError(f"request {request_id!r}: its blocks were reused while layers {layer} to "
+                                    f"{layer + num_layers - 1} were gathered for {sender!r}")
         return SliceHooks(take_and_announce, gather)
 
     def _mark_served(self, held: _Held, sender: str, error: BaseException | None, sending: bool = False) -> None:

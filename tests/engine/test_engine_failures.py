@@ -143,6 +143,32 @@ def test_a_reclaimed_request_reads_its_blocks_no_more_and_fails_its_transfer(pus
         assert decode[0].mismatches(3, [3, 4], 20, Span(0, 20)) == []
 
 
+def test_blocks_reused_while_a_send_gathers_them_fail_that_send_not_hand_over_the_next_requests_kv() -> None:
+    """reclaim(reused=True) comes while a send's gather is under way (past its check: a batch of layers, one at a
+    time): the caller writes the next request's KV into the blocks as soon as it returns. The gather's later
+    layers read those bytes; the send must fail (its link breaks), and the consumer with it, not take them as
+    the request's. Before, the consumer's wait returned with the new request's KV in the last layers."""
+    with _pair(producer=dict(hold_s=30.0)) as (prefill, decode):  # every layer in one batched send
+        caches = prefill[0].engine._producer._caches  # noqa: SLF001
+        real_gather, at_layer, go = caches.gather, threading.Event(), threading.Event()
+
+        def gather(layer: int, *args: Any, **kwargs: Any) -> Any:
+            if layer == 2:  # half the batch gathered: the rest waits for the test
+                at_layer.set()
+                assert go.wait(WAIT_S), "the test never let the gather go on"
+            return real_gather(layer, *args, **kwargs)
+        caches.gather = gather
+        start_pull("r", prefill, decode, 1, [1, 2], [1, 2], 20)
+        assert at_layer.wait(WAIT_S)
+        assert prefill[0].engine.reclaim("r")
+        assert prefill[0].engine.reclaim("r", reused=True)  # the connector, deadline_s later: the blocks go now
+        prefill[0].fill(seed=2, block_ids=[1, 2], num_tokens=20)  # vLLM writes another request's KV there
+        go.set()
+        with pytest.raises(TransferError):
+            decode[0].engine.wait("r", timeout_s=WAIT_S)
+        assert isinstance(wait_sent(prefill[0], "r")["r"], TransferError)
+
+
 def test_a_link_closing_while_a_pull_is_queued_fails_that_request_and_reports_it() -> None:
     with _pair(producer=dict(hold_s=30.0, pull_batch_bytes=0)) as (prefill, decode):  # a send per layer
         peers = prefill[0].engine._peers  # noqa: SLF001 - the link closes after the pull's first send was queued
