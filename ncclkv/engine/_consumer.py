@@ -580,12 +580,16 @@ class ConsumerSide:
         return self._channel.peer_alive(peer_id)
 
     def _lost(self, peer_id: str, address: str) -> bool:
-        """Whether the channel gave up ``peer_id``, which we shook hands with or connected to at ``address`` (a
-        decline to it there is skipped). Sent, it would connect to the lost peer anew: the channel would count it
+        """Whether the life of ``peer_id`` at ``address`` is gone (a decline to it there is skipped): the channel
+        gave up the peer, which we shook hands with or connected to there, or reaches it at another address now
+        (it restarted there). Sent, a decline would connect to the lost life anew: the channel would count it
         alive for another deadline_s, and its loss, reported once more then, would fail the requests expected from
-        the peer id meanwhile (a restarted producer's, at its new address)."""
-        return ((self._channel.connected_address(peer_id) == address or self._peers.known(peer_id) is not None)
-                and not self._channel.peer_alive(peer_id))
+        the peer id meanwhile; to a dead address while the peer lives at another one, it would hold the peer's
+        handshake gate for deadline_s, or move the channel back there (a life never met is not told stale)."""
+        at = self._channel.connected_address(peer_id)
+        if self._channel.peer_alive(peer_id):
+            return at is not None and at != address
+        return at == address or self._peers.known(peer_id) is not None
 
     def _pull(self, req: Expected, src: int, routes: list[Route], tokens: SpanSet) -> None:
         """On the executor, in producer rank ``src``'s lane: ask it for ``routes`` of ``req``.

@@ -32,8 +32,8 @@ class Decliner:
 
     ``send(request_id, producer, src, hold)`` sends producer rank ``src`` a pull of nothing (for the hold of
     the id numbered ``hold``, 0: not named) and returns once it is acknowledged; ``lost(peer_id, address)``: the
-    channel gave that peer up there (its decline is skipped); ``alive(peer_id)``: the channel hears it (see
-    ``fail_fast``).
+    peer's life at that address is gone, given up by the channel there or restarted elsewhere (its decline is
+    skipped); ``alive(peer_id)``: the channel hears it (see ``fail_fast``).
     """
 
     def __init__(self, name: str, send: Callable[[str, EngineRef, int, int], object],
