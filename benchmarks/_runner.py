@@ -145,7 +145,8 @@ def write_results_md(path: Path, out: Path, names: Sequence[str] = tuple(BENCHMA
                      lent: Path | None = None) -> Path:
     """(Re)write ``path`` from every ``<out>/<name>.json`` present; figures are copied to ``figures/`` beside it.
 
-    ``redraw`` draws each figure again from its JSON with the module's current ``plot``.
+    ``redraw`` draws each figure again from its JSON with the module's current ``plot``; a figure missing beside
+    its JSON (out/'s PNGs are not committed) is drawn from it either way.
     ``lent``: a folder of per-machine folders (see :data:`LENT_DIR`) presented after
     this machine's sections, each with its own NOTES.md in place of the modules' analysis.
     """
@@ -197,7 +198,9 @@ def _present(figures: Path, out: Path, names: Sequence[str], redraw: bool, prefi
             continue
         figure = None
         png = out / f"{name}.png"
-        if redraw and name in BENCHMARKS:
+        # A result kept without its figure (out/'s JSON is committed, its PNGs are not) gets one drawn from the JSON,
+        # so rerunning one benchmark keeps the other sections' figures.
+        if name in BENCHMARKS and (redraw or (not lent and not png.is_file())):
             load(name).plot(result, png)
         if png.is_file():
             figures.mkdir(parents=True, exist_ok=True)

@@ -103,3 +103,23 @@ def test_transfer_scenario_warm_up_uses_blocks_past_every_request() -> None:
     add_arguments(parser)
     assert config_from_args(parser.parse_args(["--warmup"])).warmup
     assert not config_from_args(parser.parse_args([])).warmup
+
+
+def test_rerunning_one_benchmark_keeps_the_figures_of_the_kept_results(tmp_path: Any) -> None:
+    """In a clone the JSON of out/ is kept (committed) but not its PNGs (ignored): rewriting RESULTS.md after one
+    benchmark ran (its PNG just written) must still show the others' figures, drawn from their kept JSON."""
+    import json
+    import shutil
+
+    from benchmarks._common import DEFAULT_OUT
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("paged", "control"):
+        shutil.copyfile(DEFAULT_OUT / f"{name}.json", out / f"{name}.json")
+    control = BenchResult.from_json(json.loads((out / "control.json").read_text()))
+    assert _runner.load("control").plot(control, out / "control.png")  # the benchmark that was just rerun
+    text = _runner.write_results_md(tmp_path / "RESULTS.md", out, names=["paged", "control"]).read_text()
+    assert "![control](figures/control.png)" in text
+    assert "![paged](figures/paged.png)" in text, "the kept result's section lost its figure"
+    assert (tmp_path / "figures" / "paged.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
