@@ -66,7 +66,8 @@ def rank_info(vllm_config: VllmConfig, cache_dtype: torch.dtype, layer_indices: 
     if not engine_id:
         raise ValueError("kv_transfer_config.engine_id is not set")
     return RankInfo(str(engine_id), tp_rank, pp_rank, ParallelLayout(tp_size, pp_size, partition), geometry,
-                    vllm_config.cache_config.block_size, str(vllm_config.cache_config.cache_dtype), tuple(drafter))
+                    vllm_config.cache_config.block_size, str(vllm_config.cache_config.cache_dtype), tuple(drafter),
+                    str(model.dtype).removeprefix("torch."))
 
 
 def drafter_layers(vllm_config: VllmConfig, num_model_layers: int, layer_indices: Collection[int]) -> list[int]:

@@ -53,6 +53,9 @@ class RankInfo:
     block_size: int
     kv_cache_dtype: str = "auto"
     drafter_layers: tuple[int, ...] = ()  # a speculative drafter's layers, numbered after the model's
+    # The model's dtype (a torch dtype's name), in which vLLM's attention writes the caches; None: the caches'
+    # (they differ with kv_cache_dtype fp8: uint8 caches).
+    model_dtype: str | None = None
 
     @property
     def rank(self) -> int:
@@ -163,7 +166,8 @@ class WorkerSide:
         # CPU, CPU_KT and CPU_AMX share a shape: vLLM's own cache op says which one its kernels write.
         first = by_index[min(by_index)]
         layout = cpu_cache_layout(layout, first, block_size, head_size, info.kv_cache_dtype,
-                                  configured=configured is not None)
+                                  configured=configured is not None,
+                                  model_dtype=None if info.model_dtype is None else getattr(torch, info.model_dtype))
         return layout, block_size
 
     def _cache_blocks(self, block_ids: Sequence[int]) -> Sequence[int]:

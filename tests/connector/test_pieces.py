@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pickle
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm import _custom_ops as ops
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from ncclkv.connector import NcclKVConnector
@@ -21,6 +23,8 @@ from ncclkv.connector._worker import layer_index
 from ncclkv.engine import StatsSnapshot
 from ncclkv.layout import ParallelLayout, Span
 from ncclkv.paged import CacheLayout, PagedCacheSpec, SlotMap, gather, scatter
+
+from .harness import make_vllm_config
 
 
 def _snapshot(sent: int, received: int, waits: dict[int, tuple[float, int]]) -> StatsSnapshot:
@@ -140,3 +144,39 @@ def test_cpu_layout_choice_checks_a_configured_layout() -> None:
         cpu_cache_layout(other, cache, 32, 64, configured=True)
     flash = torch.zeros(2, 2, 32, 2, 64)
     assert cpu_cache_layout(CacheLayout.FLASH_NHD, flash, 32, 64, configured=True) is CacheLayout.FLASH_NHD
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_an_fp8_cpu_cache_is_read_as_vllms_attention_writes_it(model_dir: Path, kv_cache_dtype: str) -> None:
+    """kv_cache_dtype fp8 on vLLM's CPU backend: the caches are uint8, and vLLM's attention hands its cache op keys
+    and values in the model's dtype, the ISA picked for the model's dtype. The worker registers them and reads
+    back, token by token, the fp8 codes vLLM's own op wrote."""
+    model_dtype = torch.float32  # the harness's model
+    try:
+        isa = _get_attn_isa(model_dtype, 32, 64, kv_cache_dtype)
+    except NotImplementedError as err:  # fp8 KV on the CPU needs AVX-512 or AMX
+        pytest.skip(str(err))
+    config = make_vllm_config("fp8", model_dir, "kv_consumer")
+    config.cache_config.cache_dtype = kv_cache_dtype
+    num_layers, nb, heads, bs, dim = config.model_config.get_total_num_hidden_layers(), 6, 4, 32, 64
+    storage = torch.zeros(num_layers, nb, heads, bs, 2 * dim, dtype=torch.uint8)
+    connector = NcclKVConnector(config, KVConnectorRole.WORKER)
+    try:
+        connector.register_kv_caches({f"model.layers.{i}.self_attn.attn": storage[i] for i in range(num_layers)})
+        cache, spec = connector._work()._caches[0]  # noqa: SLF001
+        fp8 = torch.float8_e5m2 if kv_cache_dtype.endswith("e5m2") else torch.float8_e4m3fn
+        gen = torch.Generator().manual_seed(1)
+        tokens = 100
+        codes = torch.randint(0, 256, (2, tokens, heads, dim), generator=gen, dtype=torch.uint8)
+        codes[~torch.isfinite(codes.view(fp8).float()) | (codes == 0x80)] = 0  # no nan, inf or -0: exact codes
+        block_ids = [4, 1, 5, 2]
+        slots = torch.tensor([block_ids[p // bs] * bs + p % bs for p in range(tokens)])
+        keys, values = cache.view(nb, heads, 2 * bs, dim).chunk(2, dim=2)
+        kv = codes.view(fp8).to(model_dtype)
+        ops.cpu_attn_reshape_and_cache(kv[0], kv[1], keys, values, slots, isa, k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype=kv_cache_dtype)
+        out = torch.empty(2, tokens, heads, dim, dtype=torch.uint8)
+        gather(cache, spec, SlotMap(block_ids, bs), Span(0, tokens), Span(0, heads), out)
+        assert torch.equal(out, codes)
+    finally:
+        connector.shutdown()

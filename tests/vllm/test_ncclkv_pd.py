@@ -209,6 +209,30 @@ def test_pd_in_bfloat16_reads_the_cpu_layout_vllm_writes(launch_engine, cpu_core
     print(f"\nbfloat16 caches read as {layout.value}")
 
 
+def test_pd_with_an_fp8_kv_cache(launch_engine, cpu_cores: list[int], tmp_path: Path) -> None:
+    """kv_cache_dtype fp8 (vLLM's CPU backend has it with AVX-512 or AMX): the caches are uint8 fp8 codes that
+    vLLM's attention writes from the model's float32 keys and values. Each engine's connector reads them as
+    vLLM writes them; pull and push equal the decode engine's own run, and nothing was recomputed."""
+    import torch
+
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        _get_attn_isa(torch.float32, BLOCK_SIZE, TINY_SPEC.head_size, "fp8")
+    except NotImplementedError as err:
+        pytest.skip(str(err))
+    fp8 = {"llm_overrides": {"kv_cache_dtype": "fp8"}}
+    ref_path = tmp_path / "decode_ref.json"
+    prefill = launch_engine("prefill", cpu_core=cpu_cores[0], kv_transfer_config=_connector("kv_producer"), **fp8)
+    decode = launch_engine("decode", cpu_core=cpu_cores[-1], enable_prefix_caching=False, log_stats=True,
+                           kv_transfer_config=_connector("kv_consumer", ref_path=str(ref_path)), **fp8)
+    prefill.wait_ready()
+    decode.wait_ready()
+    # uint8: one byte per value, K and V of every kv head of every layer
+    prompt_bytes = sum(PROMPT_LENGTHS) * TINY_SPEC.num_layers * 2 * TINY_SPEC.num_kv_heads * TINY_SPEC.head_size
+    _pull_then_push_equal_one_engine(prefill, decode, ref_path, prompt_bytes)
+
+
 
 def test_pd_with_an_eagle_drafter_moves_its_layer_too(tiny_model_dir: Path, launch_engine, cpu_cores: list[int],
                                                       tmp_path: Path) -> None:
