@@ -148,8 +148,10 @@ class ChannelAuth:
         Both ends rendezvous in the TCPStore under this id, and the first to join
         as a link rank holds that rank. With a shared secret the id is an HMAC, so
         a process that saw the session in clear (it travels in the handshake)
-        still cannot name the link, let alone join it first. With CURVE alone the
-        session is encrypted on the wire; without auth the id is public.
+        cannot compute it and join before both ends. With CURVE alone the session
+        is encrypted on the wire; without auth the id is public. Any client of
+        the store can still list the id once one end joined, and join the other
+        rank first (docs/SECURITY.md, "The data plane").
         """
         low, high = sorted((a, b))
         text = f"{low}|{high}|{session}".encode()

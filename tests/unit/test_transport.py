@@ -871,6 +871,33 @@ def test_a_process_that_saw_the_session_cannot_take_a_keyed_link() -> None:
     assert link_threads() == []
 
 
+def test_a_store_client_lists_a_keyed_link_and_takes_its_other_rank() -> None:
+    """The keyed id keeps a squatter from joining a link before both owners, but not after the first: any
+    client of the TCPStore can list its keys (``TCPStore.list_keys``), read the id there once one owner joined,
+    and join the other rank first. The owner then sends its KV to that client, and the real peer is refused.
+    docs/SECURITY.md ("The data plane") says so: only a trusted network keeps store clients out."""
+    keyed = ChannelAuth(shared_secret=SECRET).link_id(A, B, SESSION)
+    with DataPlane() as p0, DataPlane() as p1, DataPlane() as p2:
+        host, port = split_address(p0.address)
+        outsider = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=WAIT_S))
+        with ThreadPoolExecutor(3) as pool:
+            f0 = pool.submit(p0.open_link, keyed, 0, p0.address, "cpu", WAIT_S)
+            listed: list[str] = []
+            deadline = time.monotonic() + WAIT_S
+            while not listed and time.monotonic() < deadline:  # what the owner of rank 0 wrote, names and all
+                listed = [key.split("/")[1] for key in outsider.list_keys() if key.endswith("/joined/0")]
+            assert listed == [keyed]
+            squatter = pool.submit(p2.open_link, listed[0], 1, p0.address, "cpu", WAIT_S)
+            l0, taken = f0.result(WAIT_S), squatter.result(WAIT_S)
+            with pytest.raises(ValueError, match="link rank 1 already joined"):
+                p1.open_link(keyed, 1, p0.address, "cpu", WAIT_S)
+            sent = sample(3)
+            got = taken.recv(sent.shape, sent.dtype)
+            assert l0.send(sent).result(WAIT_S) is None and same_bytes(got.result(WAIT_S), sent)
+        del outsider
+    assert link_threads() == []
+
+
 def test_garbage_on_the_data_plane_ports_breaks_nothing() -> None:
     """Random bytes to every port the planes listen on (their TCPStores, gloo's listeners):
     the process lives, an open link still carries data, and a new link still opens."""
