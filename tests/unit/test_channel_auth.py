@@ -587,6 +587,37 @@ def test_hmac_frame_captured_on_one_path_does_not_replay_on_the_other(make: Chan
         assert seen == [("B", Ready("req-1"))] and a.stats.received == 1
 
 
+def test_hmac_a_recent_capture_replays_once_to_a_restarted_receiver(make: Channels) -> None:
+    """Replay state lasts one receiver life: a restarted receiver (same peer id and secret) has no stamp of the
+    sender yet, so a frame captured less than max_clock_skew_s ago is taken once more, as the sender's, while the
+    life that saw it refuses it. docs/SECURITY.md ("Shared secret") says so: a window, not a guarantee."""
+    auth = ChannelAuth(shared_secret=SECRET)
+    server = make.server(auth)
+    captured: list[bytes] = []
+    admit = server.channel._io._gate.admit
+
+    def spy(sock: zmq.Socket, routing_id: bytes | None, origin: bytes, payload: list[bytes], *rest: object) -> object:
+        if routing_id is not None and origin == b"A":  # what a sniffer on the wire sees
+            captured.append(bytes(payload[0]))
+        return admit(sock, routing_id, origin, payload, *rest)  # type: ignore[arg-type]
+
+    server.channel._io._gate.admit = spy  # type: ignore[method-assign]
+    a = make.client("A", auth)
+    a.connect("server", server.channel.address)
+    assert a.request("server", Ready("req-1"), timeout_s=WAIT_S) == Ack("req-1", None)
+    frame = next(f for f in captured if b"req-1" in f)
+    with raw_dealer(server.channel.address, b"A") as raw:  # to the life that saw it: a replay, refused
+        raw.send(frame)
+        wait_until(lambda: server.channel.stats.auth_failures == 1, WAIT_S)
+    assert [body for _, body in server.seen] == [Ready("req-1")]
+    server.channel.close()
+    restarted = make.server(auth)
+    with raw_dealer(restarted.channel.address, b"A") as raw:
+        raw.send(frame)
+        wait_until(lambda: restarted.seen != [], WAIT_S)
+    assert restarted.seen == [("A", Ready("req-1"))] and restarted.channel.stats.auth_failures == 0
+
+
 # -- configuration --------------------------------------------------------------------------
 
 def test_auth_from_environment(certs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
