@@ -90,6 +90,11 @@ class _StaleFrame(AuthenticationError):
     nor a reason to lose the sender."""
 
 
+class _WrongKey(AuthenticationError):
+    """A frame to our ROUTER from a CURVE client whose key is not the one the peer id it names is bound to. Its MAC
+    is not what failed, so it gets no notice (that would tell the sender our shared secrets differ): dropped."""
+
+
 class _RefusedThere(AuthenticationError):
     """The notice on our DEALER: the peer we dialled refused our frames as not authenticated."""
 
@@ -459,7 +464,7 @@ class FrameGate:
         if client_key is not None:
             expected = self._peer_keys.get(name)
             if expected is not None and client_key != expected:  # an allowed client claiming another peer's id
-                raise AuthenticationError(f"CURVE client key {client_key} is not {expected}, the key of peer {name!r}")
+                raise _WrongKey(f"CURVE client key {client_key} is not {expected}, the key of peer {name!r}")
         if routing_id is None and payload == [REFUSED_NOTICE]:  # the peer we dialled cannot authenticate our frames
             raise _RefusedThere(REFUSED_NOTICE.decode())
         if len(payload) != 1:  # with a shared secret it cannot be authenticated: dropped like a bad MAC
@@ -487,7 +492,9 @@ class FrameGate:
         renamed: bool = False,
     ) -> None:
         """Count and log a bad frame; if ``authentic``, tell its sender why on the socket it came in on; if not,
-        and it came to our ROUTER under an id of its own in shared-secret mode, answer :data:`REFUSED_NOTICE`.
+        and it came to our ROUTER under an id of its own in shared-secret mode, answer :data:`REFUSED_NOTICE`
+        (not to a frame refused only for its stamp, whose MAC was good, nor for its CURVE key: the notice says
+        that our secrets differ).
 
         ``renamed``: it came in under a routing id ZMQ made up. Most often that is a peer's old connection, renamed
         by our ROUTER when the peer reset its path to us (ROUTER_HANDOVER), whose last frames still arrive: no
@@ -500,7 +507,8 @@ class FrameGate:
                        level=logging.INFO)
         else:
             self._warn(now, "channel %r: rejected a frame from %r: %s", origin, exc)
-        if not authentic and (routing_id is None or renamed or self._sealer is None or isinstance(exc, _StaleFrame)):
+        if not authentic and (routing_id is None or renamed or self._sealer is None
+                              or isinstance(exc, _StaleFrame | _WrongKey)):
             return  # the one answer to an unauthenticated frame: the notice, to a connection that named itself
         # Notices draw on a bucket of their own: a flood of junk must not silence the answers peers get
         if not (self._replies if authentic else self._notices).take(now):

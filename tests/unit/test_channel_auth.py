@@ -342,6 +342,28 @@ def test_curve_binding_a_peer_an_impostor_reached_us_as_stops_answering_the_impo
     assert [body for _, body in server.seen] == [Ready("first")]
 
 
+def test_curve_and_secret_a_frame_refused_for_its_key_is_not_answered_as_a_bad_mac(make: Channels) -> None:
+    """CURVE per-rank keys and a shared secret. The server was given a wrong key for r1 (r2's) when it connected:
+    r1's frames to its ROUTER, with good MACs, are refused for their CURVE key, and dropped unanswered (SECURITY.md).
+    The refusal notice, which says our frames fail its MAC, made r1 lose the server at once blaming the shared
+    secret, which both hold alike; the server's own loss of r1 names the key it was given."""
+    keys = RankKeys()
+
+    def both(name: str) -> ChannelAuth:
+        return ChannelAuth(curve=keys.auth(name).curve, shared_secret=SECRET)
+
+    server = make.server(both("r0"))
+    r1 = make.client("r1", both("r1"), on_message=lambda sender, body: None)
+    server.channel.connect("r1", r1.address, server_key=keys.public("r2"))  # the wrong key
+    r1.connect("server", server.channel.address)
+    with pytest.raises(errors.TransferTimeout):
+        r1.request("server", Ready("real"), timeout_s=NO_ANSWER_S)
+    assert server.channel.stats.auth_failures >= 1 and server.seen == []
+    wait_until(lambda: not server.channel.peer_alive("r1"), WAIT_S)
+    with pytest.raises(errors.PeerAuthError, match="server key we were given for it"):
+        server.channel.send("r1", Ready("probe"))
+
+
 def test_curve_and_secret_together_and_a_failed_bind_leaves_no_thread(make: Channels,
                                                                      certs: dict[str, Path]) -> None:
     both = ChannelAuth(curve=curve(certs, "server").curve, shared_secret=SECRET)
