@@ -15,9 +15,9 @@ Two mechanisms, each optional, usable together:
   HMAC-SHA256 over the path it takes (DEALER to ROUTER or back), the sender
   id, the receiver id, a time-based stamp that increases per sender, and the
   payload. A frame without a valid MAC, or with a stamp not newer than the
-  last one from that sender on that path, is dropped before decoding and
-  never answered. It authenticates frames, not connections, and does not
-  encrypt.
+  last one from that sender on that path, is dropped before decoding; the
+  only answer, to a bad MAC, is a fixed notice (``_auth.REFUSED_NOTICE``).
+  It authenticates frames, not connections, and does not encrypt.
 
 :func:`load_channel_auth` builds a :class:`ChannelAuth` from the environment
 (read in :mod:`ncclkv._env`); ``Channel(..., auth=None)`` does that itself.
