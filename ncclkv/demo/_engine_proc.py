@@ -36,6 +36,9 @@ __all__ = ["EngineError", "EngineOptions", "EngineProcess", "RequestResult", "cl
 _PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 _CHILD_MODULE = "ncclkv.demo._engine_child"
 _LOG_TAIL_LINES = 60
+# Connection.poll waits at most about 24.8 days (select.poll takes an int of milliseconds; OverflowError past
+# it), less than the timeouts ncclkv takes (check_timeout: up to 1e9 s), so longer waits go in slices.
+_POLL_SLICE_S = 86_400.0
 
 
 class EngineError(RuntimeError):
@@ -184,7 +187,7 @@ class EngineProcess:
         if self._conn is None:
             raise RuntimeError(f"{self.name} is not running")
         try:
-            if not self._conn.poll(timeout_s):
+            if not _poll(self._conn, timeout_s):
                 if self._proc is not None and self._proc.poll() is not None:
                     raise self._fail(f"exited with code {self._proc.returncode} while building")
                 return False
@@ -261,7 +264,7 @@ class EngineProcess:
         if self._conn is None:
             raise RuntimeError(f"{self.name} is not running")
         try:
-            ready = self._conn.poll(timeout_s)
+            ready = _poll(self._conn, timeout_s)
             reply = self._conn.recv() if ready else None
         except (EOFError, OSError):
             raise self._fail(f"died while waiting for {kind!r}") from None
@@ -276,6 +279,16 @@ class EngineProcess:
     def _fail(self, what: str) -> EngineError:
         close_all([self], timeout_s=0)
         return EngineError(f"{self.name} {what}\n--- log tail ({self.log_path}) ---\n{self.log_tail()}")
+
+
+def _poll(conn: Connection, timeout_s: float) -> bool:
+    """``conn.poll(timeout_s)`` for any timeout ncclkv takes (Connection.poll alone overflows past ~24 days)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        ready = conn.poll(max(0.0, min(left, _POLL_SLICE_S)))
+        if ready or left <= _POLL_SLICE_S:
+            return ready
 
 
 def close_all(engines: Iterable[EngineProcess], timeout_s: float = 30.0) -> None:

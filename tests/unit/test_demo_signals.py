@@ -309,3 +309,53 @@ def test_a_bad_log_dir_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["demo", "--log-dir", str(tmp_path / where)]) == 2
     err = capsys.readouterr().err
     assert err == f"ncclkv demo: error: --log-dir {tmp_path / where}: cannot create {tmp_path / where} {needle}\n"
+
+
+# ------------------------------------------------------------------ the harness's waits
+
+# A stand-in vLLM that builds at once and answers ``generate`` (each prompt's output: its first ``max_tokens``
+# ids), enough for the engine child's own ``_generate``.
+ANSWERING_VLLM = '''
+from types import SimpleNamespace
+
+class SamplingParams:
+    def __init__(self, *, max_tokens, **others):
+        self.max_tokens = max_tokens
+
+class LLM:
+    def __init__(self, **kwargs):
+        pass
+
+    def generate(self, prompts, sampling_params, use_tqdm):
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(p)[:s.max_tokens], finish_reason="length")],
+                                kv_transfer_params=None, num_cached_tokens=0, metrics=None)
+                for p, s in zip(prompts, sampling_params)]
+'''
+
+
+def _answering_engine(tmp_path: Path) -> EngineProcess:
+    fake = tmp_path / "answering"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(ANSWERING_VLLM)
+    (fake / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n    return prompt_token_ids\n")
+    package_parent = Path(__import__("ncclkv").__file__).resolve().parents[1]
+    options = EngineOptions(model_dir=tmp_path, extra_env={"PYTHONPATH": os.pathsep.join([str(fake),
+                                                                                         str(package_parent)])})
+    return EngineProcess(options, tmp_path / "engine.log", name="answering engine")
+
+
+@pytest.mark.timeout(60)
+def test_the_longest_timeout_accepted_is_a_wait_that_works(tmp_path: Path) -> None:
+    """``ncclkv demo --timeout`` takes up to MAX_TIMEOUT_S (check_timeout) and hands it to every engine wait; a
+    Connection.poll of more than about 24 days (select.poll's int of milliseconds) raised OverflowError: the demo
+    built its engines, then died in a traceback at its first generate."""
+    from ncclkv._timeout import MAX_TIMEOUT_S
+
+    engine = _answering_engine(tmp_path)
+    try:
+        assert engine.start(timeout_s=MAX_TIMEOUT_S) >= 0
+        results = engine.generate([[5, 6, 7], [8, 9]], max_tokens=2, timeout_s=MAX_TIMEOUT_S)
+        assert [r.token_ids for r in results] == [(5, 6), (8, 9)]
+    finally:
+        engine.close(timeout_s=10)
+    assert engine.pid is None
