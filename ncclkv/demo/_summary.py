@@ -125,11 +125,16 @@ def summary_table(report: DemoReport) -> Table:
         return cell
 
     n = len(report.lengths)
+
+    def equal(runs: list[PhaseResult]) -> str:  # the reference batch itself is no comparison
+        compared = [p for p in runs if p is not report.reference]
+        return f"{sum(map(report.num_equal, compared))}/{n * len(compared)}" if compared else "reference"
+
     rows = (
         row("requests / batch", lambda runs: str(len(runs[0].outputs))),
         row("prompt tokens / batch", lambda runs: str(sum(report.lengths))),
         row("generated tokens / batch", lambda runs: str(sum(len(o) for o in runs[0].outputs))),
-        row("outputs equal to single engine", lambda runs: f"{sum(map(report.num_equal, runs))}/{n * len(runs)}"),
+        row("outputs equal to single engine", equal),
         row("KV bytes moved / batch", lambda runs: _bytes(runs[0].kv_bytes), DASH),
         row("KV throughput", _throughput, DASH),
         row("exposed KV wait / request", median_ms("kv_wait_s"), DASH),

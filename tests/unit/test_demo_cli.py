@@ -170,7 +170,7 @@ def test_summary_table_medians_and_cells() -> None:
     assert rows["requests / batch"] == ("2", "2", "2")
     assert rows["prompt tokens / batch"] == ("142", "142", "142")
     assert rows["generated tokens / batch"] == ("6", "6", "6")
-    assert rows["outputs equal to single engine"] == ("6/6", "5/6", "6/6")
+    assert rows["outputs equal to single engine"] == ("4/4", "5/6", "6/6")  # the reference is no comparison
     assert rows["KV bytes moved / batch"] == ("-", "0.58 MB", "0.58 MB")
     # pull throughput: bytes over the longest wait of each batch, median of 581632/0.02, /0.04, /0.02
     assert rows["KV throughput"] == ("-", "0.029 GB/s", "overlapped")
@@ -179,6 +179,17 @@ def test_summary_table_medians_and_cells() -> None:
     assert rows["  prefill engine"] == ("-", "60.0 ms", "60.0 ms")
     assert rows["  decode engine, after prefill"] == ("-", "30.0 ms", "30.0 ms")
     assert rows["batch wall time"] == ("2.00 s", "0.50 s", "0.50 s")
+
+
+def test_the_reference_batch_is_not_counted_as_equal_to_itself() -> None:
+    """The single engine's first batch is the reference: the single-engine column counts only its later rounds
+    against it. It counted the reference against itself too, so with one round (--quick) it printed 2/2, a cell
+    that could not fail, and with three rounds 6/6 for 4 comparisons."""
+    rows = {row[0]: row[1:] for row in summary_table(report(pd("pull"))).rows}
+    assert rows["outputs equal to single engine"] == ("reference", "2/2")
+    flaky = DemoReport(LENGTHS, 3, BPT, (single(), pd(), PhaseResult("single engine", (OUT_B, OUT_B), (0.1,), 1.0)))
+    rows = {row[0]: row[1:] for row in summary_table(flaky).rows}
+    assert rows["outputs equal to single engine"] == ("1/2", "2/2")
 
 
 def test_format_plain_aligns_columns() -> None:
