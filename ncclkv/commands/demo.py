@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_transport(args: argparse.Namespace) -> int:
-    from ..scenario._local import run_local
+    from ..scenario._local import EXIT_TIMEOUT, run_local
 
     extra = transport_args(args)
     timeout_s = args.timeout or 180.0
@@ -132,7 +132,10 @@ def _run_transport(args: argparse.Namespace) -> int:
         outcome = run_local(demo.world_size, [*demo.args, *extra], timeout_s)
         print((outcome.outputs[0] if outcome.ok else outcome.failure_text()).rstrip(), flush=True)
         if not outcome.ok:
-            print(f"ncclkv demo: run {index} failed with exit code {outcome.returncode}", file=sys.stderr)
+            late = [rank for rank, code in enumerate(outcome.codes) if code == EXIT_TIMEOUT]
+            deadline = (f"; ranks {late} did not end within --timeout {timeout_s:g} s and were killed (exit "
+                        f"{EXIT_TIMEOUT})") if late else ""
+            print(f"ncclkv demo: run {index} failed with exit code {outcome.returncode}{deadline}", file=sys.stderr)
             return 1
         print(f"[{index}/{len(RUNS)}] done in {time.monotonic() - started:.1f} s\n", flush=True)
     return 0

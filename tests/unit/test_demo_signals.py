@@ -359,3 +359,20 @@ def test_the_longest_timeout_accepted_is_a_wait_that_works(tmp_path: Path) -> No
     finally:
         engine.close(timeout_s=10)
     assert engine.pid is None
+
+
+@pytest.mark.timeout(60)
+def test_transport_only_names_its_deadline_when_ranks_outlive_it(tmp_path: Path, fake_env: dict[str, str]) -> None:
+    """Ranks still running at --timeout are killed (exit 124, as timeout(1)); the demo said only 'run 1 failed
+    with exit code 124', never that its deadline had passed nor which flag sets it."""
+    (tmp_path / "rank").mkdir()
+    (tmp_path / "rank" / "sitecustomize.py").write_text(FAKE_RANK)
+    running = tmp_path / "running"
+    running.mkdir()
+    env = {key: value for key, value in fake_env.items() if key != "RANK"}
+    env.update(PYTHONPATH=os.pathsep.join([str(tmp_path / "rank"), env["PYTHONPATH"]]), FAKE_RANK_RUNNING=str(running))
+    proc = subprocess.Popen([sys.executable, "-m", "ncclkv.cli", "demo", "--transport-only", "--timeout", "3"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rc, _, err = _finish(proc, 30)
+    assert rc == 1 and "run 1 failed with exit code 124" in err, err
+    assert "did not end within --timeout 3 s" in err, err
