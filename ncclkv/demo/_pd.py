@@ -117,8 +117,8 @@ def _start(report: Reporter, engines: Sequence[EngineProcess], timeout_s: float)
         started = time.monotonic()
         waiting = list(engines)
         while waiting:
-            if time.monotonic() > deadline:
-                waiting[0].wait_ready(timeout_s=0.1)  # raises EngineError with its log tail
+            if time.monotonic() > deadline and not waiting[0].poll_ready(0.1):  # a failed one raises there
+                raise waiting[0]._fail(f"not built within {timeout_s:g} s")  # EngineError with its log tail
             waiting = [e for e in waiting if not e.poll_ready(0.5)]
             update(f"{time.monotonic() - started:.0f} s, waiting for {', '.join(e.name for e in waiting) or '-'}")
     report.note("  " + ", ".join(f"{e.name} built in {e.start_s:.1f} s" for e in engines))

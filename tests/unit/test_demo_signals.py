@@ -376,3 +376,15 @@ def test_transport_only_names_its_deadline_when_ranks_outlive_it(tmp_path: Path,
     rc, _, err = _finish(proc, 30)
     assert rc == 1 and "run 1 failed with exit code 124" in err, err
     assert "did not end within --timeout 3 s" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_engines_not_built_by_the_timeout_fail_naming_it(tmp_path: Path, fake_env: dict[str, str]) -> None:
+    """Engines still building at --timeout end the run naming that timeout; the error said "no 'ready' within
+    0 s" (the 0.1 s of the last look, rounded), whatever --timeout was."""
+    proc = subprocess.Popen([sys.executable, "-m", "ncclkv.cli", "demo", "--quick", "--plain", "--timeout", "4",
+                             "--model-dir", str(_model_dir(tmp_path))],
+                            env=fake_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rc, _, err = _finish(proc, 30)
+    assert rc == 1 and "ncclkv demo: EngineError: prefill engine " in err, err
+    assert "not built within 4 s" in err and "within 0 s" not in err, err
