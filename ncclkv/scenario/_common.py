@@ -35,6 +35,12 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _bind_host(text: str) -> str:
+    """``--bind-host``'s value: ``auto`` in any case and spacing, as NCCLKV_BIND_HOST takes it (the launch scripts
+    pass that variable on as this option); else the host as given."""
+    return "auto" if text.strip().lower() == "auto" else text
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -60,7 +66,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "or Slurm's --gpus-per-task), else cpu",
     )
     parser.add_argument(
-        "--bind-host", default=None,
+        "--bind-host", default=None, type=_bind_host,
         help="address the data plane binds to and publishes; 'auto': this host's address on the route to "
         "MASTER_ADDR (default: NCCLKV_BIND_HOST, 'auto' included, else 127.0.0.1)",
     )

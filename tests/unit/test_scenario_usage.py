@@ -154,3 +154,14 @@ def test_mla_takes_one_kv_head_unless_told() -> None:
         return config_from_args(args).geometry.num_kv_heads
 
     assert (heads(), heads("--mla"), heads("--kv-heads", "2")) == (4, 1, 2)
+
+
+@pytest.mark.parametrize("given", ["auto", "AUTO", " Auto "])
+def test_bind_host_auto_is_taken_in_any_case_as_the_variable_is(given: str) -> None:
+    """NCCLKV_BIND_HOST=AUTO was taken as auto when read from the environment, but the launch scripts pass the
+    variable on as --bind-host, where only 'auto' was: every rank failed ("'AUTO' is not an address of this
+    host")."""
+    args = build_parser("ring").parse_args(["--kind", "ring", "--deadline", "10", "--bind-host", given])
+    assert args.bind_host == "auto"
+    host = build_parser("ring").parse_args(["--kind", "ring", "--deadline", "10", "--bind-host", "10.0.0.7"])
+    assert host.bind_host == "10.0.0.7"
