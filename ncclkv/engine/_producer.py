@@ -232,8 +232,8 @@ class ProducerSide:
 
     def reclaim(self, request_id: str, reused: bool = False) -> bool:
         """The caller takes ``request_id``'s blocks back (see :meth:`TransferEngine.reclaim`): a hold is released,
-        and the sends of its pulls and of its push read them no more once announced (``reused``: at all). False
-        when it is neither held nor pushed."""
+        and the sends of its pulls and of its push not announced yet read them no more (``reused``: nor those
+        announced and not gathered yet). False when it is neither held nor pushed."""
         with self._lock:
             held = self._held.get(request_id)
             if held is not None:
