@@ -12,7 +12,7 @@ from typing import Literal
 
 from .errors import PeerAuthError, PeerClosedError, PeerLostError, PeerResetError
 
-__all__ = ["Budget", "Counters", "LossKind", "PeerTable", "loss_error"]
+__all__ = ["Budget", "Counters", "LossKind", "PeerTable", "loss_error", "lost_there"]
 
 MAX_LOST_PEERS = 4096  # lost peers remembered (to raise PeerLostError, not "unknown"); oldest forgotten first
 
@@ -27,6 +27,13 @@ _LOSS_ERRORS: dict[str, type[PeerLostError]] = {"closed": PeerClosedError, "rese
 def loss_error(kind: LossKind) -> type[PeerLostError]:
     """The error a loss of ``kind`` is reported with."""
     return _LOSS_ERRORS.get(kind, PeerLostError)
+
+
+def lost_there(lost_at: str | None, reached_at: str | None) -> bool:
+    """Whether a loss of the life at ``lost_at`` (``PeerLostError.address``) ends what reached the peer id at
+    ``reached_at``: the same address, or either not known (None: the peer only reached us, or not said). What
+    went to another address is another life's (the peer restarted there)."""
+    return lost_at is None or reached_at is None or reached_at == lost_at
 
 
 @dataclass(slots=True)

@@ -74,7 +74,7 @@ from ._channel_io import IoLoop
 from ._clock import ActiveClock
 from ._dispatch import Dispatcher, MessageHandler, PeerLostHandler, ReplyThen
 from ._env import WILDCARD_HOSTS, env_settings
-from ._peers import Budget, Counters, LossKind, PeerTable, loss_error
+from ._peers import Budget, Counters, LossKind, PeerTable, loss_error, lost_there
 from ._timeout import check_timeout
 from .auth import ChannelAuth, curve_key, load_channel_auth
 from .errors import ClosedError, PeerLostError, TransferTimeout
@@ -472,8 +472,7 @@ class Channel:
         seq = self._peers.next_loss_seq()
         with self._lock:
             # Not a request that went to another address since (connect() to a restarted life): not the lost one's.
-            mine = [k for k, v in self._pending.items()
-                    if v.peer_id == peer_id and (address is None or v.address in (None, address))]
+            mine = [k for k, v in self._pending.items() if v.peer_id == peer_id and lost_there(address, v.address)]
             entries = [self._pending.pop(k) for k in mine]
             self._expire_locked(mine)  # a peer that was only stalled may still answer
         for entry in entries:

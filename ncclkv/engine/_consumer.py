@@ -23,6 +23,7 @@ from functools import partial
 import torch
 
 from .._affinity import pinned
+from .._peers import lost_there
 from ..channel import Channel
 from ..errors import (CapacityError, ClosedError, HandshakeError, NcclKVError, PeerLostError, PeerResetError,
                       ProtocolError, ShapeMismatchError, TransferError, TransferTimeout)
@@ -558,7 +559,7 @@ class ConsumerSide:
                 if seq is not None and req.since_seq >= seq:  # expected after the loss was reported
                     continue
                 if not req.push:
-                    if lost_at is not None and req.producer.control_addrs[rank] != lost_at:  # another life's
+                    if not lost_there(lost_at, req.producer.control_addrs[rank]):  # another life's
                         continue
                     stamp = req.acked.get(rank)
                     if stamp is None and reset:  # its pull is still to be (re)sent, under a new handshake

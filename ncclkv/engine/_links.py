@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from msgspec.structs import replace
 
+from .._peers import lost_there
 from ..channel import Channel, ReplyThen
 from ..errors import (ClosedError, HandshakeError, PeerClosedError, PeerLostError, PeerResetError, ProtocolError,
                       TransferTimeout)
@@ -357,7 +358,7 @@ class PeerLinks:
         address, or as the responder (one made with the peer id at another address is another life's)."""
         def stale(peer: Peer) -> bool:
             return (peer.peer_id == peer_id and (before is None or peer.stamp < before)
-                    and (at is None or peer.address in (None, at)))
+                    and lost_there(at, peer.address))
 
         with self._lock:
             current = self._peers.get(peer_id)

@@ -480,18 +480,16 @@ class ProducerSide:
             return buf
 
         def gather(buf: torch.Tensor) -> None:
-            if reads.reused:  # announced: the consumer waits for these bytes, and none of the request's are left
-                raise TransferError(f"request {request_id!r}: its blocks were reused before layer {layer} was "
-                                    f"gathered for {sender!r}")
             if num_layers == 1:
                 self._caches.gather(layer, slots, piece, route.heads, buf)
             else:
                 for i in range(num_layers):  # each layer's slice is a contiguous part of the stack
                     self._caches.gather(layer + i, slots, piece, route.heads, buf[i])
-            # Reused while it gathered (the caller writes them once reclaim(reused=True) returns): what it read may
-            # be the next request's. Seen unset here, the copy ended before that call did.
+            # Reused before or while it gathered (the caller writes them once reclaim(reused=True) returns): what it
+            # read may be the next request's, and the consumer waits for these bytes (announced). Seen unset here,
+            # the copy ended before that call did.
             if reads.reused:
-                raise TransferError(f"request {request_id!r}: its blocks were reused while layers {layer} to "
+                raise TransferError(f"request {request_id!r}: its blocks were reused before layers {layer} to "
                                     f"{layer + num_layers - 1} were gathered for {sender!r}")
         return SliceHooks(take_and_announce, gather)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from .._peers import lost_there
 from ..errors import ClosedError, PeerLostError, PeerResetError, TransferError, TransferTimeout
 
 __all__ = ["PeerTasks", "fail_fast", "submit_task"]
@@ -185,7 +186,7 @@ class PeerTasks(Executor):
             lane = self._lanes.get(peer)
             if lane is None or not lane.queue:
                 return 0
-            hits = [at is None or task.at in (None, at) for task in lane.queue]
+            hits = [lost_there(at, task.at) for task in lane.queue]
             tasks = [task for task, hit in zip(lane.queue, hits) if hit]
             lane.queue = deque(task for task, hit in zip(lane.queue, hits) if not hit)
             if not lane.queue:
