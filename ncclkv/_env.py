@@ -16,7 +16,7 @@ from ._affinity import parse_cpu_list
 from ._timeout import check_timeout
 
 __all__ = ["BIND_HOST_VAR", "GLOO_IFNAME_VAR", "MAX_COPY_THREADS", "PAGED_KERNELS", "PP_PARTITION_VAR",
-           "WILDCARD_HOSTS", "EnvSettings", "env_settings", "take_bind_host_auto"]
+           "WILDCARD_HOSTS", "EnvSettings", "env_settings", "is_auto_host", "take_bind_host_auto"]
 
 
 def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -78,13 +78,18 @@ GLOO_IFNAME_VAR = "GLOO_SOCKET_IFNAME"
 WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::"})
 
 
+def is_auto_host(text: str | None) -> bool:
+    """Whether a bind host (NCCLKV_BIND_HOST, ``--bind-host``) says ``auto``, in any case and spacing."""
+    return (text or "").strip().lower() == "auto"
+
+
 def take_bind_host_auto(environ: MutableMapping[str, str]) -> bool:
     """Take ``NCCLKV_BIND_HOST=auto`` out of ``environ`` (True if it was there), for the scenario entry point.
 
     That entry point resolves ``auto`` for its rank (it knows MASTER_ADDR) and hands the address to the data
     plane and engine explicitly; left in the environment, every :func:`env_settings` would refuse it.
     """
-    if (environ.get(BIND_HOST_VAR) or "").strip().lower() != "auto":
+    if not is_auto_host(environ.get(BIND_HOST_VAR)):
         return False
     del environ[BIND_HOST_VAR]
     return True
@@ -94,7 +99,7 @@ def _bind_host(environ: Mapping[str, str], name: str, default: str) -> str:
     text = (environ.get(name) or "").strip()
     if not text:
         return default
-    if text.lower() == "auto":
+    if is_auto_host(text):
         # 'auto' needs MASTER_ADDR to find a route: only the scenario entry point has one (it takes the value
         # out of its own environment before anything reads it here, ncclkv.scenario.__main__).
         raise ValueError(

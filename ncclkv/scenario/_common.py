@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .._env import GLOO_IFNAME_VAR, env_settings
+from .._env import GLOO_IFNAME_VAR, env_settings, is_auto_host
 from .._timeout import check_timeout
 from ..launch import LOCAL_SIZE_VARS, LaunchInfo, slurm_node_count
 from ..layout import ParallelLayout
@@ -38,7 +38,7 @@ def _seconds(text: str) -> float:
 def _bind_host(text: str) -> str:
     """``--bind-host``'s value: ``auto`` in any case and spacing, as NCCLKV_BIND_HOST takes it (the launch scripts
     pass that variable on as this option); else the host as given."""
-    return "auto" if text.strip().lower() == "auto" else text
+    return "auto" if is_auto_host(text) else text
 
 
 def _positive_int(text: str) -> int:
