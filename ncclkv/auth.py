@@ -25,11 +25,14 @@ Two mechanisms, each optional, usable together:
 
 from __future__ import annotations
 
+import glob
+import grp
 import hashlib
 import hmac
 import logging
 import math
 import os
+import pwd
 import re
 import stat
 from dataclasses import dataclass, field
@@ -39,7 +42,7 @@ import zmq
 import zmq.auth
 
 from ._env import EnvSettings, env_settings
-from .errors import ProtocolError
+from .errors import InsecureFileError, ProtocolError
 
 __all__ = [
     "MIN_SECRET_BYTES",
@@ -171,25 +174,66 @@ class ChannelAuth:
         return " + ".join(parts) or "none"
 
 
-def _warn_if_readable_by_others(path: Path) -> None:
-    mode = path.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("secret file %s is accessible by group/others (mode %o); chmod 600 it", path, stat.S_IMODE(mode))
+def _read_only_mount(path: Path) -> bool:
+    """Whether ``path`` lies on a file system mounted read-only (a Kubernetes secret volume): no one changes it."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _private_group(info: os.stat_result) -> bool:
+    """Whether the file's group is its owner's own (a user private group, as with umask 002): no one else in it."""
+    try:
+        owner = pwd.getpwuid(info.st_uid)
+        group = grp.getgrgid(info.st_gid)
+    except KeyError:
+        return False
+    return owner.pw_gid == info.st_gid and set(group.gr_mem) <= {owner.pw_name}
+
+
+def _check_file_modes(path: Path, what: str, *, secret: bool) -> None:
+    """Refuse ``path`` (a file or directory) that someone else could change, or, ``secret``, read.
+
+    As OpenSSH's StrictModes: the owner must be this process's user or root, and neither others nor the group
+    (unless it is the owner's private group) may write it; a read-only mount passes that. A secret may not be
+    readable by others, nor by the group unless the owner is root (a mount's group, Kubernetes' fsGroup) or the
+    group is the owner's own (as PostgreSQL takes its key files)."""
+    info = path.stat()
+    mode = stat.S_IMODE(info.st_mode)
+    where = f"{what} {str(path)!r} (mode 0o{mode:03o}, owner uid {info.st_uid}, group gid {info.st_gid})"
+    if not _read_only_mount(path):
+        me = os.geteuid()
+        if info.st_uid not in (me, 0):
+            raise InsecureFileError(
+                f"{where} is owned by another user than this process's (uid {me}) or root: that user could change "
+                f"it; give it to this user or root", str(path), mode)
+        if mode & stat.S_IWOTH or (mode & stat.S_IWGRP and not _private_group(info)):
+            whom = "others" if mode & stat.S_IWOTH else "its group"
+            raise InsecureFileError(
+                f"{where} is writable by {whom}, who could put their own key or secret in it; chmod go-w it", str(path), mode)
+    if secret and (mode & stat.S_IROTH or (mode & stat.S_IRGRP and info.st_uid != 0 and not _private_group(info))):
+        whom = "others" if mode & stat.S_IROTH else "its group"
+        raise InsecureFileError(
+            f"{where} is readable by {whom}; chmod 600 it (Kubernetes: the secret's defaultMode 0400; Docker: the "
+            f"secret's mode 0400)", str(path), mode)
 
 
 def load_shared_secret(path: str | os.PathLike[str]) -> bytes:
-    """The HMAC key in ``path``: its bytes, surrounding whitespace stripped, at least :data:`MIN_SECRET_BYTES`."""
+    """The HMAC key in ``path``: its bytes, surrounding whitespace stripped, at least :data:`MIN_SECRET_BYTES`.
+
+    :class:`~ncclkv.errors.InsecureFileError` if others could read or change the file (docs/SECURITY.md)."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"shared secret file {str(file)!r} does not exist or is not a file")
-    _warn_if_readable_by_others(file)
+    _check_file_modes(file, "shared secret file", secret=True)
     secret = file.read_bytes().strip()
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"shared secret in {str(file)!r} has {len(secret)} bytes; need at least {MIN_SECRET_BYTES}")
     return secret
 
 
-def _certificate(path: str | os.PathLike[str], *, secret: bool) -> tuple[bytes, bytes | None]:
+def _certificate(path: str | os.PathLike[str], *, secret: bool, what: str) -> tuple[bytes, bytes | None]:
     file = Path(path)
     try:
         public, secret_key = zmq.auth.load_certificate(file)
@@ -197,8 +241,7 @@ def _certificate(path: str | os.PathLike[str], *, secret: bool) -> tuple[bytes, 
         raise ValueError(f"cannot load CURVE certificate {str(file)!r}: {exc}") from None
     if secret and secret_key is None:
         raise ValueError(f"CURVE certificate {str(file)!r} holds no secret-key (use the .key_secret file)")
-    if secret:
-        _warn_if_readable_by_others(file)
+    _check_file_modes(file, what, secret=secret)
     return public, secret_key
 
 
@@ -214,15 +257,23 @@ def load_curve_files(
     DEALERs expect (default: this rank's own). ``allowed_dir``: a directory
     whose ``*.key`` certificates are the clients admitted (default: only this
     rank's own public key).
+
+    Each file, and the directory, is refused with :class:`~ncclkv.errors.InsecureFileError` if anyone but
+    this user or root could change it, and the secret certificate if others could read it (docs/SECURITY.md).
     """
-    public, secret = _certificate(secret_file, secret=True)
+    public, secret = _certificate(secret_file, secret=True, what="CURVE secret certificate")
     assert secret is not None
-    server = _certificate(public_file, secret=False)[0] if public_file else None
+    server = _certificate(public_file, secret=False, what="CURVE server-key certificate")[0] if public_file else None
     allowed: frozenset[bytes] | None = None
     if allowed_dir:
         directory = Path(allowed_dir)
         if not directory.is_dir():
             raise ValueError(f"CURVE allowed-clients directory {str(directory)!r} does not exist")
+        # Whoever can add or change a file here is admitted: the directory and every *.key it holds (the files
+        # zmq.auth.load_certificates reads) are this user's or root's and no one else's to write.
+        _check_file_modes(directory, "CURVE allowed-clients directory", secret=False)
+        for key_file in sorted(glob.glob(os.path.join(directory, "*.key"))):  # as zmq.auth.load_certificates
+            _check_file_modes(Path(key_file), "CURVE allowed-client certificate", secret=False)
         allowed = frozenset(zmq.auth.load_certificates(directory))
         if not allowed:
             raise ValueError(f"CURVE allowed-clients directory {str(directory)!r} holds no *.key certificate")

@@ -11,6 +11,7 @@ __all__ = [
     "CapacityError",
     "ClosedError",
     "HandshakeError",
+    "InsecureFileError",
     "NcclKVError",
     "PeerAuthError",
     "PeerClosedError",
@@ -21,6 +22,16 @@ __all__ = [
     "TransferError",
     "TransferTimeout",
 ]
+
+
+class InsecureFileError(ValueError):
+    """A key, secret or allowed-keys file or directory that others could read or change (docs/SECURITY.md, "Files
+    and their modes"): refused at load. ``path`` and ``mode`` (its permission bits) are those of the object refused."""
+
+    def __init__(self, message: str, path: str, mode: int) -> None:
+        super().__init__(message)
+        self.path = path
+        self.mode = mode
 
 
 class NcclKVError(RuntimeError):

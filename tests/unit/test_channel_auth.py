@@ -4,7 +4,11 @@ configuration from files and environment, and where the channel listens by defau
 from __future__ import annotations
 
 import contextlib
+import grp
+import os
+import pwd
 import re
+import shutil
 import socket
 import threading
 import time
@@ -118,6 +122,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name in ("server", "client", "intruder"):
         public, secret = zmq.auth.create_certificates(root, name)
         paths[name], paths[f"{name}_secret"] = Path(public), Path(secret)
+        paths[f"{name}_secret"].chmod(0o600)  # zmq.auth writes it as the umask has it; others must not read it
     allowed = root / "allowed"
     allowed.mkdir()
     for name in ("server", "client"):
@@ -726,8 +731,110 @@ def test_bad_auth_values_are_refused(certs: dict[str, Path], tmp_path: Path) -> 
             channel.connect("y", "tcp://127.0.0.1:9", server_key=public)
     short = tmp_path / "short"
     short.write_bytes(b"abc")
+    short.chmod(0o600)
     with pytest.raises(ValueError, match="has 3 bytes"):
         load_shared_secret(short)
+
+
+def _foreign_group(path: Path) -> int | None:
+    """A group ``path`` can be given that is not its owner's own (None: this user may give it none)."""
+    owner_group = pwd.getpwuid(path.stat().st_uid).pw_gid
+    candidates = [g.gr_gid for g in grp.getgrall()] if os.geteuid() == 0 else os.getgroups()
+    return next((gid for gid in candidates if gid != owner_group), None)
+
+
+@pytest.mark.parametrize("case", ["directory 777", "directory 1777", "directory group-writable", "key file 666",
+                                  "key file group-writable", "directory of another user"])
+def test_allowed_keys_others_could_change_are_refused(certs: dict[str, Path], tmp_path: Path, case: str) -> None:
+    """Anyone who can add or rewrite a *.key in the allowed-clients directory is admitted: an intruder drops its
+    certificate there. Before, the directory was read whatever its modes, and the intruder's key was allowed."""
+    allowed = tmp_path / "allowed"
+    shutil.copytree(certs["allowed"], allowed)
+    shutil.copy(certs["intruder"], allowed / "intruder.key")  # what someone who can write there does
+    target = allowed if case.startswith("directory") else allowed / "client.key"
+    if case.endswith("777"):
+        target.chmod(0o1777 if case.endswith("1777") else 0o777)
+    elif case == "key file 666":
+        target.chmod(0o666)
+    elif case.endswith("group-writable"):
+        gid = _foreign_group(target)
+        if gid is None:
+            pytest.skip("this user can give a file no group but its own")
+        os.chown(target, -1, gid)
+        target.chmod(target.stat().st_mode | 0o020)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a directory to another user")
+        os.chown(target, 65534, -1)
+    mode = target.stat().st_mode & 0o7777
+    with pytest.raises(errors.InsecureFileError) as refused:
+        load_curve_files(certs["server_secret"], certs["server"], allowed)
+    assert refused.value.path == str(target) and refused.value.mode == mode, refused.value
+    assert repr(str(target)) in str(refused.value) and f"mode 0o{mode:03o}" in str(refused.value), refused.value
+    assert ("owned by another user" if case.endswith("another user") else "writable by") in str(refused.value)
+
+
+def test_allowed_keys_only_their_owner_can_change_are_read(certs: dict[str, Path], tmp_path: Path) -> None:
+    allowed = tmp_path / "allowed"
+    shutil.copytree(certs["allowed"], allowed)
+    allowed.chmod(0o755)
+    for key in allowed.iterdir():
+        key.chmod(0o644)
+    config = load_curve_files(certs["server_secret"], certs["server"], allowed)
+    assert config.allowed_clients == frozenset(zmq.auth.load_certificates(certs["allowed"]))
+    # Group-writable is the owner's alone when the group is the owner's private one (umask 002).
+    own = pwd.getpwuid(allowed.stat().st_uid)
+    if not set(grp.getgrgid(own.pw_gid).gr_mem) <= {own.pw_name}:
+        pytest.skip(f"the owner's group {own.pw_gid} has other members")
+    os.chown(allowed, -1, own.pw_gid)
+    allowed.chmod(0o775)
+    assert load_curve_files(certs["server_secret"], certs["server"], allowed) == config
+
+
+@pytest.mark.parametrize(("mode", "problem"), [(0o644, "readable by others"), (0o604, "readable by others"),
+                                               (0o602, "writable by others"), (0o620, "writable by its group")])
+def test_secret_files_others_could_read_or_change_are_refused(
+    certs: dict[str, Path], tmp_path: Path, mode: int, problem: str
+) -> None:
+    """Before, a secret readable by others was taken with a warning, and one others could write without one."""
+    shared = tmp_path / "shared"
+    shared.write_bytes(SECRET)
+    curve_secret = tmp_path / "client.key_secret"
+    shutil.copy(certs["client_secret"], curve_secret)
+    for path in (shared, curve_secret):
+        path.chmod(mode)
+        if problem.endswith("its group"):
+            gid = _foreign_group(path)
+            if gid is None:
+                pytest.skip("this user can give a file no group but its own")
+            os.chown(path, -1, gid)
+    with pytest.raises(errors.InsecureFileError, match=rf"shared secret file '{re.escape(str(shared))}' "
+                       rf"\(mode 0o{mode:03o}, .*\) is {problem}") as refused:
+        load_shared_secret(shared)
+    assert (refused.value.path, refused.value.mode) == (str(shared), mode)
+    with pytest.raises(errors.InsecureFileError, match=rf"CURVE secret certificate '{re.escape(str(curve_secret))}' "
+                       rf"\(mode 0o{mode:03o}, .*\) is {problem}"):
+        load_curve_files(curve_secret)
+    with pytest.raises(errors.InsecureFileError, match="shared secret file"):
+        load_channel_auth(env_settings({"NCCLKV_SHARED_SECRET_FILE": str(shared)}))
+
+
+def test_secret_files_only_their_owner_can_read_are_read(certs: dict[str, Path], tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.write_bytes(SECRET)
+    shared.chmod(0o400)
+    assert load_shared_secret(shared) == SECRET
+    if os.geteuid() != 0:
+        return
+    # Root's file, readable by a group (Kubernetes' fsGroup): the group is whom the owner meant to read it.
+    gid = _foreign_group(shared)
+    assert gid is not None
+    os.chown(shared, 0, gid)
+    shared.chmod(0o640)
+    assert load_shared_secret(shared) == SECRET
+    os.chown(shared, 65534, -1)  # another user's: it could change the secret
+    with pytest.raises(errors.InsecureFileError, match="is owned by another user than this process's"):
+        load_shared_secret(shared)
 
 
 # -- where the channel listens --------------------------------------------------------------
