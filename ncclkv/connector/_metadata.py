@@ -118,11 +118,12 @@ def engine_ref_from_handshakes(handshakes: dict[tuple[int, int], NcclKVHandshake
     """Every rank's address as one :class:`EngineRef`; ValueError naming what is missing or inconsistent."""
     if not handshakes:
         raise ValueError("no worker handshake metadata")
-    first = next(iter(handshakes.values()))
-    layout = first.layout
     for key, md in handshakes.items():
         if not isinstance(md, NcclKVHandshake):
             raise ValueError(f"handshake {key} is {type(md).__name__}, not NcclKVHandshake")
+    first = next(iter(handshakes.values()))
+    layout = first.layout
+    for key, md in handshakes.items():
         if (md.engine_id, md.layout) != (first.engine_id, layout):
             raise ValueError(f"workers disagree: {key} says engine {md.engine_id!r} {md.layout}, "
                              f"another {first.engine_id!r} {layout}")

@@ -87,6 +87,20 @@ def test_handshakes_make_one_engine_ref() -> None:
         engine_ref_from_handshakes({(0, 1): _handshake(0, 0)})
 
 
+def test_a_handshake_of_another_connector_is_refused_naming_its_type() -> None:
+    """vLLM's MultiConnector publishes its first sub-connector's handshake metadata and hands it to every
+    sub-connector's scheduler: ncclkv's may get another connector's. engine_ref_from_handshakes read the first
+    one's layout before checking its type, so it raised AttributeError ('... has no attribute layout') instead
+    of the ValueError naming the type it meant to raise."""
+    class _Other:  # e.g. NIXL's handshake payload
+        engine_id = "eng"
+
+    with pytest.raises(ValueError, match=r"handshake \(0, 0\) is _Other, not NcclKVHandshake"):
+        engine_ref_from_handshakes({(0, 0): _Other()})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"handshake \(0, 1\) is _Other, not NcclKVHandshake"):
+        engine_ref_from_handshakes({(0, 0): _handshake(0, 0), (0, 1): _Other()})  # type: ignore[dict-item]
+
+
 def test_metadata_pickles_and_layer_names() -> None:
     meta = NcclKVMetadata(preempted=frozenset({"r"}))
     assert pickle.loads(pickle.dumps(meta)) == meta and not meta.empty and NcclKVMetadata().empty
