@@ -120,7 +120,10 @@ def engine_ref_from_handshakes(handshakes: dict[tuple[int, int], NcclKVHandshake
         raise ValueError("no worker handshake metadata")
     for key, md in handshakes.items():
         if not isinstance(md, NcclKVHandshake):
-            raise ValueError(f"handshake {key} is {type(md).__name__}, not NcclKVHandshake")
+            # vLLM's MultiConnector hands every sub-connector the first non-None handshake of any of them.
+            raise ValueError(f"handshake {key} is {type(md).__name__}, not NcclKVHandshake (vLLM's "
+                             f"MultiConnector gives each sub-connector the first handshake any of them made: "
+                             f"beside ncclkv, only connectors that make none, such as offloading ones)")
     first = next(iter(handshakes.values()))
     layout = first.layout
     for key, md in handshakes.items():
