@@ -104,10 +104,14 @@ class _Lives:
 
 @dataclass(slots=True, eq=False)
 class _Gate:
-    """Serializes our handshakes with one peer; ``users``: the ensure() calls holding or awaiting it."""
+    """Serializes our handshakes with one peer; ``users``: the ensure() calls holding or awaiting it. ``address``
+    and ``incarnation``: what the ensure() holding it shakes hands with (None: free; 0: the life not known)."""
 
     lock: threading.Lock
     users: int = 0
+    address: str | None = None
+    incarnation: int = 0
+    taken_over: str | None = None  # the address of a handshake with a later life that took over (_handshaking)
 
 
 class PeerLinks:
@@ -177,7 +181,7 @@ class PeerLinks:
                 return peer
         if stale is not None:
             raise PeerLostError(stale)
-        with self._handshaking(peer_id):
+        with self._handshaking(peer_id, control_addr, incarnation) as gate:
             with self._lock:  # a handshake of another caller may have replaced the life named meanwhile
                 stale = self._stale(peer_id, control_addr, incarnation)
                 peer = self._peers.get(peer_id)
@@ -186,6 +190,7 @@ class PeerLinks:
                 moved_from = self._channel.connected_address(peer_id)
             if stale is not None:
                 raise PeerLostError(stale)
+            self._check_gate(peer_id, gate, control_addr)
             if moved_from is not None and moved_from != control_addr:
                 self.drop(peer_id, f"{peer_id!r} is at {control_addr!r} now, no longer at {moved_from!r}")
             session = uuid.uuid4().hex
@@ -196,6 +201,7 @@ class PeerLinks:
             if not isinstance(reply, Handshake) or reply.session != session:
                 raise HandshakeError(f"peer {peer_id!r} answered the handshake with {type(reply).__name__}")
             check_compatible(self._local, reply)
+            self._check_gate(peer_id, gate, control_addr)  # its hello may have gone where the channel moved since
             if not need_link:
                 return self._install(peer_id, reply, None, None, stamp, control_addr)
             link: Future[LinkBase] = Future()
@@ -436,24 +442,83 @@ class PeerLinks:
         self._retire([peer])  # its link failed: nothing to close, but what is kept per link id goes
 
     @contextlib.contextmanager
-    def _handshaking(self, peer_id: str) -> Iterator[None]:
-        """Hold the gate of our handshakes with ``peer_id``; it is forgotten once no ensure() needs it."""
+    def _handshaking(self, peer_id: str, address: str, incarnation: int) -> Iterator[_Gate]:
+        """Hold the gate of our handshakes with ``peer_id`` (at ``address``, naming its life ``incarnation``; 0: not
+        known); it is forgotten once no ensure() needs it.
+
+        A gate held for a handshake at another address with an earlier life of the peer id (both incarnations
+        known) is not waited for: that life is gone (a peer id has one life at a time, and incarnations grow
+        with their start time), and its handshake may wait ``deadline_s`` there. This one takes a new gate,
+        and its move of the channel fails the old attempt's request (``PeerResetError`` at the old address); the
+        old attempt moves and installs nothing after that (:meth:`_check_gate`), and those that waited behind it
+        wait for this one. Without both incarnations the order of the two lives is not known: the gate is
+        waited for."""
         with self._lock:
-            gate = self._connecting.setdefault(peer_id, _Gate(threading.Lock()))
-            gate.users += 1
+            gate, held = self._enter_gate(peer_id, address, incarnation)
+
+        def acquire(timeout_s: float) -> bool:
+            nonlocal gate
+            if not gate.lock.acquire(timeout=timeout_s):
+                return False
+            with self._lock:
+                if gate.taken_over is None:
+                    gate.address, gate.incarnation = address, incarnation
+                    return True
+                # Taken over while we waited (by a handshake with a later life): wait for that one instead.
+                gate.lock.release()
+                self._leave_gate(peer_id, gate)
+                gate, now_held = self._enter_gate(peer_id, address, incarnation)
+                return now_held
+
         try:
-            if not self._acquire(gate.lock):
+            if not held and not self._channel.clock.wait(acquire, self._deadline_s):
                 raise TransferTimeout(f"handshake with {peer_id!r} still in progress after {self._deadline_s}s")
             try:
-                yield
+                yield gate
             finally:
+                with self._lock:
+                    gate.address, gate.incarnation = None, 0
                 gate.lock.release()
         finally:
             with self._lock:
-                gate.users -= 1
-                if gate.users == 0 and self._connecting.get(peer_id) is gate:
-                    del self._connecting[peer_id]
-                    self._changed.notify_all()  # known() waits no longer
+                self._leave_gate(peer_id, gate)
+
+    def _enter_gate(self, peer_id: str, address: str, incarnation: int) -> tuple[_Gate, bool]:
+        """Under the lock: the gate an ensure() at ``address``, naming life ``incarnation``, waits for (see
+        :meth:`_handshaking`), counted as its user; and whether it holds it already (it was free)."""
+        gate = self._connecting.get(peer_id)
+        if (gate is not None and gate.address is not None and gate.address != address
+                and 0 < gate.incarnation < incarnation):
+            log.info("handshake with %s at %s (incarnation %#x) goes before the one in progress at %s, with the "
+                     "earlier incarnation %#x", peer_id, address, incarnation, gate.address, gate.incarnation)
+            gate.taken_over = address
+            gate = None
+        if gate is None:
+            gate = self._connecting[peer_id] = _Gate(threading.Lock())
+        gate.users += 1
+        held = gate.lock.acquire(blocking=False)
+        if held:
+            gate.address, gate.incarnation = address, incarnation
+        return gate, held
+
+    def _leave_gate(self, peer_id: str, gate: _Gate) -> None:
+        """Under the lock: one user of ``gate`` less; the gate is forgotten with its last user."""
+        gate.users -= 1
+        if gate.users == 0 and self._connecting.get(peer_id) is gate:
+            del self._connecting[peer_id]
+            self._changed.notify_all()  # known() waits no longer
+
+    @staticmethod
+    def _check_gate(peer_id: str, gate: _Gate, address: str) -> None:
+        """:class:`PeerResetError` (its ``address``: ``address``) if a handshake with a later life of ``peer_id``
+        took over our gate (see :meth:`_handshaking`): ours must neither move the channel back nor install what
+        came from where the channel moved since."""
+        if gate.taken_over is None:
+            return
+        error = PeerResetError(f"handshake with {peer_id!r} at {address!r} abandoned: one with a later life of it, "
+                               f"at {gate.taken_over!r}, took over")
+        error.address = address
+        raise error
 
     def _run_waiting(self, waiting: _Waiting) -> None:
         """Run what waits for ``waiting.peer``'s link, in order, unless another thread is at it (it runs what
@@ -600,10 +665,7 @@ class PeerLinks:
         address = self._channel.connected_address(peer.peer_id)
         return address is None or address == control_addr
 
-    # Waits run on the channel's clock: a pause of this whole process does not expire them.
-    def _acquire(self, gate: threading.Lock) -> bool:
-        return self._channel.clock.wait(lambda s: gate.acquire(timeout=s), self._deadline_s)
-
+    # Waits run on the channel's clock: a pause of this whole process does not expire them (_handshaking's too).
     def _settled(self, link: Future[LinkBase]) -> bool:
         if link.done():  # the usual case, once per announced tensor: no waiter set up for it
             return True

@@ -195,3 +195,38 @@ def test_params_naming_the_live_producer_at_a_wrong_address_fail_at_once_and_lea
     assert _pull(producer, consumer, ref, _req("after", 4, 3)).ok
     logs = consumer.call("logs")
     assert [line for line in logs if "now, no longer at" in line] == [], logs  # never taken as moved
+
+
+def test_a_pull_from_the_restarted_producer_does_not_wait_for_a_handshake_at_the_dead_address(procs: Pool) -> None:
+    """A pull to the producer's old address is shaking hands there (the old process never answers: it is stalled,
+    then killed) when a pull naming the producer restarted at another address starts. Both wait on the consumer's
+    gate for that peer id: the new pull waited for the old attempt, deadline_s, and often failed with 'handshake
+    with ... still in progress'. A handshake naming a later life (its incarnation) at another address than the one
+    the gate is held for takes over: the old attempt is abandoned (the channel moves, its request fails as reset,
+    and sent again it is refused as stale once the new life is met), and the new pull goes at once."""
+    old, consumer, new = procs[0], procs[1], procs[2]
+    ref_old = _build(old, "fx-p", "producer")
+    ref_new = _build(new, "fx-p", "producer")  # the same engine id, restarted at another address (a later life)
+    _build(consumer, "fx-d", "consumer")
+    (dead,), (live,) = ref_old.control_addrs, ref_new.control_addrs
+    assert dead != live and ref_old.incarnations < ref_new.incarnations
+    old.call("stall", key="fx-p", phase="handshake")  # it never answers a handshake
+    stale = _req("stale", 1, 0)
+    consumer.call("expect", key="fx-d", producer=ref_old, reqs=[stale])
+    assert old.note() == ("stalled", "handshake")  # the consumer's handshake with the dead address holds its gate
+    old.kill()
+    fresh = _req("fresh", 2, 1)
+    new.call("hold", key="fx-p", reqs=[fresh])
+    started = time.monotonic()
+    consumer.call("expect", key="fx-d", producer=ref_new, reqs=[fresh])
+    outcome = consumer.call("wait", key="fx-d", reqs=[fresh])["fresh"]
+    assert outcome.ok and outcome.at - started < FAST_S, (outcome.at - started, outcome)
+    failed = consumer.call("wait", key="fx-d", reqs=[stale])["stale"]
+    # The pull naming the dead life: its handshake was abandoned, and sent again it is refused as stale, at once.
+    assert failed.error_type == "PeerLostError" and "stale reference to 'fx-p.r0'" in failed.message, failed
+    assert failed.at - started < FAST_S, (failed.at - started, failed)
+    # The live producer was left alone: the next pull goes to it, and the consumer never moved back.
+    assert _pull(new, consumer, ref_new, _req("after", 3, 2)).ok
+    assert all(o.ok for o in new.call("take_sent", key="fx-p", rids=["fresh", "after"]).values())
+    logs = consumer.call("logs")
+    assert [line for line in logs if f"is at {dead!r} now" in line] == [], logs

@@ -14,7 +14,7 @@ from msgspec.structs import replace
 from ncclkv.auth import ChannelAuth
 from ncclkv.channel import ReplyThen
 from ncclkv.engine._links import PeerLinks
-from ncclkv.errors import ClosedError, PeerLostError, TransferTimeout
+from ncclkv.errors import ClosedError, PeerLostError, PeerResetError, TransferTimeout
 from ncclkv.layout import KVGeometry, ParallelLayout
 from ncclkv.protocol import Handshake
 
@@ -177,3 +177,66 @@ def test_a_handshake_gate_lives_only_while_a_handshake_is_under_way(parts: Any) 
     with pytest.raises(TransferTimeout, match="no answer"):
         peers.ensure("other.r0", "tcp://other:1", True)
     assert peers._connecting == {}  # noqa: SLF001 - a failed handshake leaves none either
+
+
+class _HeldChannel(_Channel):
+    """Holds each handshake sent while the channel's path to the peer leads to ``held_at`` until ``release``."""
+
+    def __init__(self, held_at: str) -> None:
+        super().__init__()
+        self.held_at = held_at
+        self.holding, self.release = threading.Event(), threading.Event()
+
+    def request(self, peer_id: str, hello: Handshake, timeout_s: float) -> Handshake:
+        if self.addresses.get(peer_id) == self.held_at:
+            self.holding.set()
+            assert self.release.wait(WAIT_S)
+        return super().request(peer_id, hello, timeout_s)
+
+
+@pytest.fixture
+def held() -> Iterator[tuple[PeerLinks, _HeldChannel, ThreadPoolExecutor]]:
+    channel = _HeldChannel("tcp://remote:1")
+    with ThreadPoolExecutor(2) as pool:
+        peers = PeerLinks(handshake("local"), channel, _DataPlane(), pool, "cpu", WAIT_S)  # type: ignore[arg-type]
+        yield peers, channel, pool
+        channel.release.set()
+        peers.close()
+
+
+def test_a_handshake_with_a_later_life_elsewhere_does_not_wait_for_one_with_an_earlier_life(held: Any) -> None:
+    """The peer id restarted at another address (a later incarnation) while our handshake with its earlier life
+    goes unanswered: the new one took a turn only after the old one's deadline_s (or failed 'still in progress').
+    It goes at once; the old one, answered after the channel moved, installs nothing (its reply may come from
+    the new address) and fails as reset."""
+    peers, channel, pool = held
+    old = pool.submit(peers.ensure, PEER, "tcp://remote:1", False, 1)
+    assert channel.holding.wait(WAIT_S)
+    new = peers.ensure(PEER, "tcp://remote:2", False, 2)
+    assert peers.get(PEER) is new and new.address == "tcp://remote:2"
+    channel.release.set()
+    with pytest.raises(PeerResetError, match="abandoned: one with a later life of it, at 'tcp://remote:2'"):
+        old.result(WAIT_S)
+    assert peers.get(PEER) is new and channel.connected_address(PEER) == "tcp://remote:2"
+    assert peers._connecting == {}  # noqa: SLF001
+
+
+@pytest.mark.parametrize(("old_life", "new_life"), [(0, 0), (1, 0), (0, 2), (2, 1)])
+def test_a_handshake_elsewhere_not_known_to_be_with_a_later_life_waits_its_turn(held: Any, old_life: int,
+                                                                                new_life: int) -> None:
+    """Without both incarnations, or with an earlier one, the order of the two lives is not known (or the new
+    request names the earlier): it waits for the handshake in progress, as before, then moves the channel."""
+    peers, channel, pool = held
+    old = pool.submit(peers.ensure, PEER, "tcp://remote:1", False, old_life)
+    assert channel.holding.wait(WAIT_S)
+    new = pool.submit(peers.ensure, PEER, "tcp://remote:2", False, new_life)
+    tick = threading.Event()  # never set: a wait of one poll interval
+    for _ in range(int(WAIT_S / 0.005)):  # until it waits at the same gate (no blocking variant to wait on)
+        with peers._lock:  # noqa: SLF001
+            if peers._connecting[PEER].users == 2:  # noqa: SLF001
+                break
+        tick.wait(0.005)
+    assert peers._connecting[PEER].users == 2 and not new.done()  # noqa: SLF001
+    channel.release.set()
+    assert old.result(WAIT_S).address == "tcp://remote:1"
+    assert new.result(WAIT_S).address == "tcp://remote:2" and peers.get(PEER).address == "tcp://remote:2"
