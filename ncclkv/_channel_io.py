@@ -471,6 +471,8 @@ class IoLoop:
             self._links[sender] = _Link(routing_id=routing_id, client_key=client_key)
             if link is None:  # a new path: it learns who we are before anything else from us
                 self._greet(sender)
+            if isinstance(body, Handshake):  # where this life is: connect() elsewhere means it moved
+                self._peers.said(sender, body.incarnation, body.control_addr)
         due = self._reset_due.get(sender) if self._reset_due else None
         if due is not None:
             # The life we dropped is back (a frame naming no life comes on a path it had: another life would

@@ -94,6 +94,9 @@ class _PeerState:
     # Incarnations this one replaced (the last few): one of them heard again, earlier than this one, is a late
     # frame of a dead life or a second process under the peer id, never a restart (see replaced_life).
     replaced: tuple[int, ...] = ()
+    # The control address this life's handshake named, heard on our ROUTER while we had no DEALER to it: where a
+    # peer that only reached us is ("": not said). Gone with the life (another incarnation, a loss, a new path).
+    said_at: str = ""
 
 
 class PeerTable:
@@ -165,6 +168,7 @@ class PeerTable:
                 state.last_echo = max(state.last_echo, now)
                 state.rtt_s = None
                 state.replaced = (*state.replaced, replaced)[-_REPLACED_KEPT:]
+            state.said_at = ""  # the earlier life's: the new one is where its own handshake says
             return replaced
 
     def replaced_life(self, peer_id: str, incarnation: int) -> int:
@@ -193,7 +197,22 @@ class PeerTable:
         with self._lock:
             state = self._states.get(peer_id)
             if state is not None:
-                state.incarnation = 0
+                state.incarnation, state.said_at = 0, ""
+
+    def said(self, peer_id: str, incarnation: int, address: str) -> None:
+        """A handshake of ``peer_id``'s life ``incarnation`` named ``address`` as its own, heard on our ROUTER while
+        we have no DEALER to it; kept while that life is the one alive (see :meth:`said_at`)."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            if state is not None and not state.lost and state.incarnation == incarnation:
+                state.said_at = address
+
+    def said_at(self, peer_id: str) -> str:
+        """Where the live life of ``peer_id``, which only reached us, said it is (its handshake's control address);
+        "" when none said so."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            return "" if state is None or state.lost else state.said_at
 
     def incarnation(self, peer_id: str) -> int:
         """The incarnation last heard from ``peer_id``, lost or alive (0: none, or unknown peer)."""

@@ -224,15 +224,18 @@ class Channel:
 
     def connect(self, peer_id: str, address: str, *, server_key: bytes | str | None = None) -> None:
         """Open a DEALER to ``peer_id`` at ``address`` (``tcp://host:port``); a no-op if the peer is alive,
-        unless this channel connected to it at another address before.
+        unless this channel connected to it at another address before, or it only reached us and its
+        handshake named another address.
 
         The peer counts as alive from now: if nothing is heard from it within
         ``deadline_s`` it is declared lost. Non-blocking; frames sent before
         the TCP connection is up are queued. A peer alive here that this
-        channel connected to at another address moved (a process restarted
+        channel connected to at another address, or that only reached us
+        with a handshake naming another one, moved (a process restarted
         under its id): the old one is lost now (its waiting requests fail
-        with :class:`PeerResetError`, ``on_peer_lost`` is told), and its path
-        is replaced by a DEALER to ``address``. With CURVE, ``server_key`` is the
+        with :class:`PeerResetError`, ``on_peer_lost`` is told, the loss
+        carrying the old address), and its path is replaced by a DEALER to
+        ``address``. With CURVE, ``server_key`` is the
         peer's public key (Z85), default ``auth.curve.server_key``; a peer
         that cannot prove it holds the matching secret is never talked to,
         and from then on frames under ``peer_id`` are accepted on this
@@ -248,7 +251,8 @@ class Channel:
             raise ValueError(f"server_key given for peer {peer_id!r} but this channel has no CURVE auth")
         with self._lock:
             self._check_open()
-            previous = self._addresses.get(peer_id)
+            # A peer that only reached us is where its handshake said (not where an earlier connect() was told)
+            previous = self._peers.said_at(peer_id) or self._addresses.get(peer_id)
             self._addresses[peer_id] = address
         if previous is not None and previous != address:
             if self._peers.alive(peer_id):  # before the caller's next request: that one goes to the new address
@@ -322,9 +326,10 @@ class Channel:
         return self._peers.incarnation(peer_id)
 
     def connected_address(self, peer_id: str) -> str | None:
-        """The address :meth:`connect` last opened a path to ``peer_id`` at; None if it never did."""
+        """Where this channel reaches ``peer_id``: for a peer alive that only reached us, the control address its
+        handshake named, else the address :meth:`connect` was last given for it; None if neither."""
         with self._lock:
-            return self._addresses.get(peer_id)
+            return self._peers.said_at(peer_id) or self._addresses.get(peer_id)
 
     @property
     def loss_seq(self) -> int:
@@ -395,7 +400,7 @@ class Channel:
                     why, how = self._peers.loss(peer_id)
                     raise loss_error(how)(f"peer {peer_id!r} was lost before {type(body).__name__} could be sent: "
                                           f"{why or 'nothing heard within the deadline'}")
-                pending.address = self._addresses.get(peer_id)
+                pending.address = self._peers.said_at(peer_id) or self._addresses.get(peer_id)
                 self._pending[msg_id] = pending
             self._io.submit_send(peer_id, frame)
         return msg_id

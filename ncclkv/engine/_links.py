@@ -168,8 +168,9 @@ class PeerLinks:
     def ensure(self, peer_id: str, control_addr: str, need_link: bool, incarnation: int = 0) -> Peer:
         """Shake hands with ``peer_id`` (and open a link if ``need_link``) unless done; blocks up to the deadline.
 
-        A peer we connected to at another address than ``control_addr`` moved (restarted elsewhere under its
-        id): it is dropped, and the channel connects to ``control_addr`` instead. ``incarnation``: the life of
+        A peer we connected to at another address than ``control_addr``, or that only reached us and named
+        another one in its handshake (``Channel.connected_address``), moved (restarted elsewhere under its id):
+        it is dropped, and the channel connects to ``control_addr`` instead. ``incarnation``: the life of
         the peer id the caller's reference names (``EngineRef.incarnation``; 0: not known). A reference to a
         life we saw replaced is stale: :class:`PeerLostError` at once, naming both lives, and nothing of the
         live one is touched (see :meth:`_stale`)."""

@@ -192,6 +192,47 @@ def test_a_producer_restarted_at_a_new_address_serves_the_next_pull(procs: Pool)
     assert new.call("take_sent", key="mv-p", rids=["b"])["b"].ok
 
 
+def test_a_producer_that_only_reached_the_consumer_serves_the_next_pull_at_its_new_address(procs: Pool) -> None:
+    """The producer pushed: its channel connected to the consumer's, which reached it only on its ROUTER. It
+    restarted at another address while the old process is stopped (its connection stays). Given the new one's
+    EngineRef, the consumer kept its handshake with the old life (connect() did nothing for a peer alive), and
+    the pull went to the stopped one on its inbound path and failed at deadline_s ('nothing heard'). That
+    life's handshake named its address: the consumer now moves to the new one at once."""
+    old, consumer, new = procs[0], procs[1], procs[2]
+    ref_old = _build(old, "imv-p", "producer")
+    ref_c = _build(consumer, "imv-d", "consumer")
+    sent, got = _push(old, ref_old, consumer, ref_c, _req("warm", 1, 0))
+    assert sent.ok and got.ok, (sent, got)
+    ref_new = _build(new, "imv-p", "producer")
+    assert ref_new.control_addrs != ref_old.control_addrs
+    stopped_at = old.signal(signal.SIGSTOP)
+    try:
+        outcome = _pull(new, "imv-p", consumer, "imv-d", ref_new, _req("b", 2, 1))
+        assert outcome.ok and outcome.at - stopped_at < DEADLINE_S, outcome
+        assert new.call("take_sent", key="imv-p", rids=["b"])["b"].ok
+    finally:
+        old.kill()
+
+
+def test_a_consumer_that_only_reached_the_producer_takes_the_next_push_at_its_new_address(procs: Pool) -> None:
+    """The same the other way: the consumer pulled (the producer reached it only on its ROUTER) and restarted
+    at another address while the old process is stopped. The producer's push to the new one went to the
+    stopped one's inbound path and failed at deadline_s; now it goes to the new address at once."""
+    producer, old, new = procs[0], procs[1], procs[2]
+    ref_p = _build(producer, "imc-p", "producer")
+    ref_old = _build(old, "imc-d", "consumer")
+    assert _pull(producer, "imc-p", old, "imc-d", ref_p, _req("warm", 1, 0)).ok
+    ref_new = _build(new, "imc-d", "consumer")
+    assert ref_new.control_addrs != ref_old.control_addrs
+    stopped_at = old.signal(signal.SIGSTOP)
+    try:
+        sent, got = _push(producer, ref_p, new, ref_new, _req("b", 2, 1))
+        assert sent.ok and got.ok, (sent, got)
+        assert sent.at - stopped_at < DEADLINE_S, sent
+    finally:
+        old.kill()
+
+
 def test_a_pull_that_failed_on_the_consumer_is_declined_so_the_producer_frees_it(procs: Pool) -> None:
     producer, consumer = procs[0], procs[1]
     ref_p = _build(producer, "dcl-p", "producer", hold_s=120.0)

@@ -21,6 +21,7 @@ import zmq
 from ncclkv import channel as channel_module
 from ncclkv import errors
 from ncclkv._channel_io import IoLoop
+from ncclkv.layout import KVGeometry, ParallelLayout
 from ncclkv.channel import THREAD_PREFIX, Channel, ReplyThen
 from ncclkv.protocol import (
     Ack,
@@ -30,6 +31,7 @@ from ncclkv.protocol import (
     Envelope,
     ErrorCode,
     ErrorMsg,
+    Handshake,
     Heartbeat,
     Message,
     Ready,
@@ -899,6 +901,46 @@ def test_connecting_to_a_live_peer_at_another_address_replaces_its_path(make_cha
     assert isinstance(lost[0], errors.PeerResetError) and a.peer_incarnation("B") == new.incarnation
     a.connect("B", new.address)  # the same address again: nothing changes
     assert a.request("B", Ready("still"), timeout_s=5) == Ack("still", None) and len(lost) == 1
+
+
+def test_connecting_to_a_peer_that_only_reached_us_at_another_address_than_its_handshake_named_replaces_it(
+        make_channel: Callable[..., Channel]) -> None:
+    """B reached A only through A's ROUTER (B connected; A never opened a DEALER to it), its handshake naming its
+    address. B restarted elsewhere: A is told its new address before a frame of the new life came (the old one
+    is stopped, not closed: its connection stays). connect() did nothing for a peer alive (and recorded the new
+    address as if it had a path there): the request went to the old life on its inbound path and waited out its
+    timeout. Now the life whose handshake named another address moved: it is lost at once (PeerResetError
+    naming both addresses, the loss carrying the old one), and the request goes to the new address. A peer
+    connected to at the address its handshake named keeps its inbound path."""
+    lost: list[tuple[str, errors.PeerLostError]] = []
+    seen_by_a: list[Message] = []
+    a = make_channel("A", on_message=lambda sender, body: seen_by_a.append(body),
+                     on_peer_lost=lambda p, e: lost.append((p, e)), heartbeat_s=0.05, deadline_s=30.0)
+    heard_by_old: list[Message] = []
+    old = make_channel("B", on_message=lambda sender, body: heard_by_old.append(body), heartbeat_s=0.05,
+                       deadline_s=30.0)  # it never answers: stopped
+    stays = make_channel("C", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
+    hellos = [Handshake.create(f"{c.peer_id}-engine", "producer", 0, ParallelLayout(1, 1), KVGeometry(2, 2, 64),
+                               c.address, "h:2", incarnation=c.incarnation) for c in (old, stays)]
+    for channel, hello in zip((old, stays), hellos):
+        channel.connect("A", a.address)
+        channel.send("A", hello)
+    wait_until(lambda: sorted(map(repr, seen_by_a)) == sorted(map(repr, hellos)), WAIT_S)
+
+    a.connect("C", stays.address)  # where its handshake said it is: its inbound path stays
+    assert a.request("C", Ready("same"), timeout_s=5) == Ack("same", None)
+
+    new = make_channel("B", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
+    a.connect("B", new.address)
+    assert a.request("B", Ready("to the new one"), timeout_s=5) == Ack("to the new one", None)
+    assert Ready("to the new one") not in heard_by_old
+    wait_until(lambda: len(lost) == 1, WAIT_S)
+    assert lost[0][0] == "B" and isinstance(lost[0][1], errors.PeerResetError), lost
+    assert lost[0][1].address == old.address
+    assert f"connect() to it at {new.address!r}: it moved (restarted?) from {old.address!r}" in str(lost[0][1])
+    assert a.peer_incarnation("B") == new.incarnation and a.connected_address("B") == new.address
+    assert a.request("C", Ready("still"), timeout_s=5) == Ack("still", None) and len(lost) == 1
+    assert a.connected_address("C") == stays.address and a.peer_incarnation("C") == stays.incarnation
 
 
 def test_a_frame_from_a_connection_zmq_renamed_is_dropped_without_an_intruder_warning(
