@@ -289,12 +289,18 @@ class SchedulerSide:
     def _declining(self, request: Request, remote: RemotePrefill) -> bool:
         """Whether ``request``, finished, should tell its producer it will not pull: it is the request the
         transfer was prefilled for (its tokens hash alike: another prompt carrying these params must not
-        cancel them), it never loaded, and no other request here loads or loaded that transfer (a decline
-        counts as this engine's pull) or declined it. A pushed one gives back its staging here at once."""
+        cancel them), or vLLM's stand-in for a decode request its server rejected (``abort_immediately``), it
+        never loaded, and no other request here loads or loaded that transfer (a decline counts as this engine's
+        pull) or declined it. A pushed one gives back its staging here at once."""
         req_id = request.request_id
         if req_id in self._issued or remote.transfer_id in self._claims \
                 or remote.transfer_id in self._spent:
             return False
+        if request.abort_immediately:
+            # vLLM's stand-in for a decode request its API server rejected before the engine
+            # (AsyncLLM.notify_kv_transfer_request_rejected): prompt [0], the rejected request's params, aborted as
+            # it is added, only so that the connector frees what the params hold. Its prompt cannot hash alike.
+            return True
         verified = self._verified.get(req_id)
         return _prefilled_for(request, remote) if verified is None else verified
 

@@ -7,12 +7,19 @@ engine. See harness.py for what the stand-in model checks.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.request import Request
 
 from ncclkv._vllm_model import eagle_speculative_config
 from ncclkv.connector import RemotePrefill
@@ -485,6 +492,43 @@ def test_a_pushed_decode_request_that_never_loads_gives_its_staging_back(engines
     decode.abort("d-0")  # before it was ever scheduled: its staged KV is given back, not held hold_s
     decode.run(lambda: (consumer._stage.reserved_bytes, consumer._stage.store.used_bytes) == (0, 0), also=(prefill,))
     _settle(prefill, decode)
+
+
+def _reject_in_server(decode: EngineSim, req_id: str, params: dict[str, Any]) -> None:
+    """What vLLM's API server does with a decode request it rejects before the engine (a validation error, ...):
+    AsyncLLM.notify_kv_transfer_request_rejected makes a stand-in request (prompt [0], the rejected request's
+    kv_transfer_params, abort_immediately) and EngineCore.add_request adds it and aborts it at once, only so that
+    the connector's request_finished frees what the params hold. vLLM's own code makes and adds it here."""
+    sent: list[EngineCoreRequest] = []
+
+    async def add_request_async(request: EngineCoreRequest) -> None:
+        sent.append(request)
+    asyncio.run(AsyncLLM.notify_kv_transfer_request_rejected(
+        SimpleNamespace(engine_core=SimpleNamespace(add_request_async=add_request_async)), req_id, params))
+    (stand_in,) = sent
+    core = SimpleNamespace(scheduler=decode.scheduler)
+    core.abort_requests = functools.partial(EngineCore.abort_requests, core)
+    request = Request.from_engine_core_request(stand_in, block_hasher=None)
+    EngineCore.add_request(core, request)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+def test_a_decode_request_rejected_by_the_api_server_frees_the_prefill_blocks_at_once(
+        engines: list[EngineSim], model_dir: Path, push: bool) -> None:
+    """vLLM's server tells the connector of a decode request it rejected before the engine by a stand-in whose
+    prompt is [0]: the prompt the params were made for is not known. Before, the decline wanted that prompt's
+    hash, so the prefill side held the blocks hold_s (a push: the decode side its staging)."""
+    prefill, decode = _pair(engines, model_dir, prefill_extra={"hold_s": 600.0}, decode_extra={"hold_s": 600.0})
+    (params,) = _prefill(prefill, PROMPTS[:1], {"remote_decode": decode.ref} if push else None)
+    consumer = decode.worker._work().engine._consumer
+    if push:
+        decode.run(lambda: consumer._stage.store.used_bytes > 0, also=(prefill,))  # the push waits in staging
+    _reject_in_server(decode, "d-rejected", params)
+    assert "d-rejected" not in decode.scheduler.requests  # finished and freed at once, as vLLM does
+    prefill.run(lambda: not prefill.scheduler.requests and consumer._stage.store.used_bytes == 0, also=(decode,),
+                timeout_s=10.0)
+    _settle(prefill, decode)
+    assert _bytes(decode, "bytes_received") == 0
 
 
 @pytest.mark.parametrize(("push", "async_load"), [(False, True), (False, False), (True, True)],
