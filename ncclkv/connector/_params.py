@@ -72,6 +72,11 @@ class RemotePrefill:
                 type(self.transfer_id).__name__
             raise ValueError(f"transfer_id must be a str of 1-{MAX_ID_CHARS} chars (what the protocol carries), "
                              f"got {what}: {self.transfer_id!r:.80}")
+        try:  # a lone surrogate (JSON's "\ud800", which json.loads takes): the protocol's msgpack cannot encode it
+            self.transfer_id.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"transfer_id must be encodable as UTF-8 (what the protocol carries), got "
+                             f"{self.transfer_id!r:.80}") from None
         if not is_int(self.num_tokens) or self.num_tokens < 1:
             raise ValueError(f"remote_num_tokens must be an int >= 1, got {self.num_tokens!r}")
         if not is_int(self.hash_block_size) or self.hash_block_size < 1:

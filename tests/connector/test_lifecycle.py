@@ -278,6 +278,22 @@ def test_wrong_prompt_or_bad_params_are_computed_locally(engines: list[EngineSim
     _settle(prefill, decode)
 
 
+def test_a_transfer_id_the_protocol_cannot_encode_is_bad_params(engines: list[EngineSim], model_dir: Path) -> None:
+    """A lone surrogate (JSON's "\\ud800", which vLLM's server takes through json.loads) in the transfer id: before,
+    the params were taken, blocks allocated and the pull failed ('cannot encode PullRequest'), so under
+    kv_load_failure_policy fail the request ended with error. Now they are bad params: computed at once."""
+    prefill, decode = _pair(engines, model_dir, policy="fail")
+    (params,) = _prefill(prefill, PROMPTS[:1])
+    decode.add("bad", PROMPTS[0], MAX_TOKENS, {**params, "transfer_id": "xfer-\ud800"})
+    decode.run(lambda: "bad" in decode.finished)
+    assert decode.finished["bad"].finish_reason == "length" and decode.load_errors == set()
+    assert decode.computed["bad"] == LENGTHS[0] + MAX_TOKENS - 1 and decode.mismatches == []
+    assert decode.connector._sched().num_invalid_params == 1
+    (req,) = _decode(decode, PROMPTS[:1], [params], also=(prefill,))  # the real params still load
+    assert decode.finished[req].finish_reason == "length" and decode.load_errors == set()
+    _settle(prefill, decode)
+
+
 def test_prefill_preempted_or_aborted_after_its_prompt_was_held(engines: list[EngineSim], model_dir: Path) -> None:
     expected = _reference(engines, model_dir, PROMPTS[1:2])
     prefill, decode = _pair(engines, model_dir)

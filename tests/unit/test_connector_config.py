@@ -120,6 +120,9 @@ def test_prefill_intent_accepts_proxy_params() -> None:
     # it and the engine's expect() refused it, a load failure instead of a request computed at once.
     ({"transfer_id": "x" * (MAX_ID_CHARS + 1)}, r"transfer_id must be a str of 1-512 chars.*got 513 chars: 'xxx"),
     ({"transfer_id": ""}, "transfer_id must be a str of 1-512 chars.*got 0 chars"),
+    # A lone surrogate (JSON's "\ud800", which a server's json.loads takes): the protocol cannot encode it, so it
+    # was taken and the pull failed ('cannot encode PullRequest'), a load failure as for the long id above.
+    ({"transfer_id": "xfer-\ud800"}, r"transfer_id must be encodable as UTF-8.*got 'xfer-\\ud800'"),
     ({"pushed": "yes"}, "pushed must be a bool"),
     ({"pushed": False, "pushed_to": "decode-a"}, r"pushed_to must be .*only with pushed, got 'decode-a' \(pushed=False\)"),
     ({"pushed": True, "pushed_to": ""}, "pushed_to must be a non-empty engine id"),
