@@ -4,7 +4,9 @@ Default: real vLLM engines (one core each) with ``NcclKVConnector``; a batch of
 token-id prompts goes prefill -> decode by pull and by push, the same batch
 runs on a single engine, outputs must be equal, and a table compares bytes
 moved, throughput, the decode side's wait for KV and time to first token.
-Exit code 1 when any output differs or a transfer did not happen in full.
+Exit code 1 when any output differs, a transfer did not happen in full, or
+an engine did not exit cleanly once asked to close (a non-zero exit code, a
+signal, or still running 30 s later), each engine named.
 SIGINT (Ctrl-C) or SIGTERM stops every engine (they run in their own
 sessions), removes the temporary log folder and exits 130 or 143.
 

@@ -235,9 +235,10 @@ class EngineProcess:
         self._send(("metrics", prefix))
         return {str(k): float(v) for k, v in self._expect("metrics", timeout_s).items()}
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Ask the child to exit; kill its process group if it does not in time (:func:`close_all`)."""
-        close_all([self], timeout_s)
+    def close(self, timeout_s: float = 30.0) -> list[str]:
+        """Ask the child to exit; kill its process group if it does not in time. Returns how it ended unless
+        cleanly (:func:`close_all`)."""
+        return close_all([self], timeout_s)
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         try:
@@ -291,13 +292,18 @@ def _poll(conn: Connection, timeout_s: float) -> bool:
             return ready
 
 
-def close_all(engines: Iterable[EngineProcess], timeout_s: float = 30.0) -> None:
+def close_all(engines: Iterable[EngineProcess], timeout_s: float = 30.0) -> list[str]:
     """Ask every engine's child to exit, wait for them together (``timeout_s`` in all, 0: not at all), then
     kill the process group of each one still running and reap it.
 
     No child outlives this call: a signal or an error that cuts the wait short still leads to the kill,
-    which holds SIGINT and SIGTERM back until every child is gone."""
+    which holds SIGINT and SIGTERM back until every child is gone.
+
+    Returns how each child that was asked to close and did not exit cleanly ended, one line each naming the
+    engine: an exit code other than 0, a signal, or the kill at the deadline (with ``timeout_s`` 0 nothing is
+    asked, every child is killed: empty)."""
     children = [(engine, engine._proc, engine._conn) for engine in engines if engine._proc is not None]
+    late: list[subprocess.Popen[bytes]] = []
     try:
         if timeout_s > 0:
             for _, proc, conn in children:
@@ -309,8 +315,29 @@ def close_all(engines: Iterable[EngineProcess], timeout_s: float = 30.0) -> None
                 time.sleep(0.05)
     finally:
         with signals_deferred():
+            late = [proc for _, proc, _ in children if proc.poll() is None]
             kill_and_reap([proc for _, proc, _ in children], lambda proc: os.killpg(proc.pid, signal.SIGKILL))
             for engine, _, conn in children:
                 if conn is not None:
                     conn.close()
                 engine._proc = engine._conn = None
+    if timeout_s <= 0:
+        return []
+    return [f"{engine.name} {how}" for engine, proc, _ in children
+            if (how := _how_it_ended(proc, proc in late, timeout_s)) is not None]
+
+
+def _how_it_ended(proc: subprocess.Popen[bytes], killed: bool, timeout_s: float) -> str | None:
+    """How a child asked to close ended; None for a clean exit (code 0)."""
+    if killed:
+        return f"did not exit within {timeout_s:g} s of being asked to close and was killed"
+    code = proc.returncode
+    if code is None:
+        return f"(pid {proc.pid}) was still running after the kill"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} once asked to close"
+    return None if code == 0 else f"exited with code {code} once asked to close"

@@ -75,6 +75,7 @@ def run_demo(settings: DemoSettings, where: Placement, report: Reporter) -> Demo
     phases: list[PhaseResult] = []
     engines: list[EngineProcess] = []
     finished = False
+    shutdown: list[str] = []
     try:
         def engine(name: str, core: int, kv_transfer_config: dict[str, Any] | None) -> EngineProcess:
             options = replace(base, cpu_core=core, kv_transfer_config=kv_transfer_config)
@@ -100,11 +101,12 @@ def run_demo(settings: DemoSettings, where: Placement, report: Reporter) -> Demo
                     phases.append(_disaggregated(prefill, decode, prompts, settings.gen_tokens, mode, decode_ref,
                                                  where.timeout_s))
         finished = True
-    finally:  # all engines at once; after an error or a signal, briefly
-        close_all(engines, _CLOSE_S if finished else _ABORT_S)
+    finally:  # all engines at once; after an error or a signal, briefly (how they end then is no news)
+        shutdown = close_all(engines, _CLOSE_S if finished else _ABORT_S)
     geometry = KVGeometry(DEMO_SPEC.num_layers, DEMO_SPEC.num_kv_heads, DEMO_SPEC.head_size, DEMO_SPEC.dtype, False)
     return DemoReport(settings.lengths, settings.gen_tokens,
-                      geometry.num_layers * geometry.num_kv_heads * geometry.cell_bytes, tuple(phases))
+                      geometry.num_layers * geometry.num_kv_heads * geometry.cell_bytes, tuple(phases),
+                      shutdown=tuple(shutdown))
 
 
 def _start(report: Reporter, engines: Sequence[EngineProcess], timeout_s: float) -> None:

@@ -52,6 +52,9 @@ class DemoReport:
     gen_tokens: int
     bytes_per_token: int  # KV bytes of one token, all layers and kv-heads
     phases: tuple[PhaseResult, ...]
+    # How each engine that did not exit cleanly once asked to close ended (close_all): a crash or a hang in an
+    # engine's shutdown (the connector's included) is a failed run, however right its outputs were.
+    shutdown: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not any(p.mode is None for p in self.phases):
@@ -101,6 +104,7 @@ class DemoReport:
                              f"{self.expected_kv_bytes} ({sum(self.lengths)} tokens x {self.bytes_per_token})")
             if phase.prefill_left:
                 found.append(f"{what}: the prefill engine still holds {phase.prefill_left} requests")
+        found.extend(f"at shutdown: the {line}" for line in self.shutdown)
         return found
 
 

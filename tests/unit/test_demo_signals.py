@@ -388,3 +388,129 @@ def test_engines_not_built_by_the_timeout_fail_naming_it(tmp_path: Path, fake_en
     rc, _, err = _finish(proc, 30)
     assert rc == 1 and "ncclkv demo: EngineError: prefill engine " in err, err
     assert "not built within 4 s" in err and "within 0 s" not in err, err
+
+
+# ------------------------------------------------------------------ how the engines end
+
+# A stand-in vLLM that answers everything ``ncclkv demo`` asks (outputs: each prompt's first ``max_tokens`` ids;
+# the decode engine counts every prompt token's KV bytes as received), so the demo passes its checks; the engine
+# of role FAKE_VLLM_AT_EXIT_ROLE then ends badly once asked to close: FAKE_VLLM_AT_EXIT "code" exits 7, "signal"
+# kills itself (SIGKILL), "hang" never exits (a thread that does not end).
+DEMO_VLLM = {
+    "__init__.py": '''
+import atexit, json, os, signal, threading, time
+from types import SimpleNamespace
+from vllm.v1.metrics.reader import Counter
+
+BYTES_PER_TOKEN = 4096  # the demo's tiny Llama: 2 layers x 4 kv-heads x (K, V) x 64 x float32
+
+class SamplingParams:
+    def __init__(self, *, max_tokens, extra_args=None, **others):
+        self.max_tokens, self.extra_args = max_tokens, extra_args or {}
+
+class LLM:
+    def __init__(self, **kwargs):
+        config = kwargs.get("kv_transfer_config") or {}
+        self.role = config.get("kv_role", "single")
+        ref_path = (config.get("kv_connector_extra_config") or {}).get("ref_path")
+        if ref_path:
+            with open(ref_path, "w") as ref:
+                json.dump({"engine_id": "fake"}, ref)
+        self.received = 0
+        scheduler = SimpleNamespace(has_requests=lambda: False, requests={})
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler)))
+        if self.role == os.environ.get("FAKE_VLLM_AT_EXIT_ROLE"):
+            how = os.environ["FAKE_VLLM_AT_EXIT"]
+            if how == "code":
+                atexit.register(os._exit, 7)
+            elif how == "signal":
+                atexit.register(lambda: os.kill(os.getpid(), signal.SIGKILL))
+            elif how == "hang":
+                threading.Thread(target=time.sleep, args=(600,)).start()
+
+    def generate(self, prompts, sampling_params, use_tqdm):
+        outputs = []
+        for prompt, sampling in zip(prompts, sampling_params):
+            params = sampling.extra_args.get("kv_transfer_params")
+            if params and self.role == "kv_consumer":
+                self.received += len(prompt) * BYTES_PER_TOKEN
+            stats = SimpleNamespace(first_token_ts=1.0, first_token_latency=0.01, scheduled_ts=2.0, queued_ts=1.99)
+            outputs.append(SimpleNamespace(
+                outputs=[SimpleNamespace(token_ids=list(prompt)[:sampling.max_tokens], finish_reason="length")],
+                kv_transfer_params={"remote": True} if params and self.role == "kv_producer" else None,
+                num_cached_tokens=0, metrics=stats))
+        return outputs
+
+    def get_metrics(self):
+        return [Counter("vllm:ncclkv_bytes_received", self.received)]
+''',
+    "inputs.py": "def TokensPrompt(prompt_token_ids):\n    return prompt_token_ids\n",
+    "v1/__init__.py": "",
+    "v1/metrics/__init__.py": "",
+    "v1/metrics/reader.py": '''
+class Counter:
+    def __init__(self, name, value):
+        self.name, self.value = name, value
+
+class Gauge(Counter):
+    pass
+
+class Histogram:
+    pass
+''',
+}
+
+
+@pytest.fixture
+def demo_env(tmp_path: Path, fake_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """``fake_env`` with the answering stand-in vLLM (DEMO_VLLM) first on PYTHONPATH."""
+    fake = tmp_path / "demo_vllm"
+    for name, text in DEMO_VLLM.items():
+        (fake / "vllm" / name).parent.mkdir(parents=True, exist_ok=True)
+        (fake / "vllm" / name).write_text(text)
+    monkeypatch.setenv("PYTHONPATH", str(fake))
+    return {**fake_env, "PYTHONPATH": str(fake)}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("how", "ended"), [
+    (None, None),
+    ("code", "exited with code 7 once asked to close"),
+    ("signal", "was killed by SIGKILL once asked to close"),
+    ("hang", "did not exit within 2 s of being asked to close and was killed"),
+])
+def test_close_all_says_how_each_engine_that_did_not_end_cleanly_ended(
+        tmp_path: Path, demo_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, how: str | None,
+        ended: str | None) -> None:
+    """close_all killed and reaped every child but said nothing of how they had ended: an engine that crashed or
+    hung in its shutdown looked like one that exited 0."""
+    from ncclkv.demo import close_all
+
+    if how is not None:
+        monkeypatch.setenv("FAKE_VLLM_AT_EXIT", how)
+        monkeypatch.setenv("FAKE_VLLM_AT_EXIT_ROLE", "single")
+    engines = [EngineProcess(EngineOptions(model_dir=tmp_path, kv_transfer_config=config), tmp_path / f"e{i}.log",
+                             name=f"engine {i}") for i, config in enumerate(({"kv_role": "kv_producer"}, None))]
+    for engine in engines:
+        engine.start(timeout_s=30)
+    assert close_all(engines, timeout_s=2.0) == ([] if ended is None else [f"engine 1 {ended}"])
+    assert all(engine.pid is None for engine in engines)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("how", "ended"), [
+    (None, None),
+    ("code", "the decode engine exited with code 7 once asked to close"),
+    ("signal", "the decode engine was killed by SIGKILL once asked to close"),
+])
+def test_an_engine_ending_badly_at_shutdown_fails_the_demo(tmp_path: Path, demo_env: dict[str, str],
+                                                           how: str | None, ended: str | None) -> None:
+    """Every check passed, then the decode engine crashed (or exited non-zero) as it closed: the demo printed OK
+    and exited 0, never saying so."""
+    env = dict(demo_env) if how is None else {**demo_env, "FAKE_VLLM_AT_EXIT": how,
+                                              "FAKE_VLLM_AT_EXIT_ROLE": "kv_consumer"}
+    rc, out, err = _finish(_demo(tmp_path, env), 60)
+    if ended is None:
+        assert rc == 0 and "OK: every output equals the single engine's" in out and "FAILED" not in err, (out, err)
+    else:  # the shutdown is the only problem: every other check passed
+        assert rc == 1 and f"ncclkv demo: FAILED\n  at shutdown: {ended}\nengine logs: " in err, (out, err)
