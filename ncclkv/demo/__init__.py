@@ -11,6 +11,7 @@
 Importing this package imports neither vLLM nor rich; the engine children import vLLM.
 """
 
+from ._devices import DemoDevices, DeviceCountError, EngineDevice, demo_devices, gpus_here
 from ._engine_proc import EngineError, EngineOptions, EngineProcess, RequestResult, close_all
 from ._pd import DEMO_SPEC, Placement, connector_config, run_demo
 from ._progress import Reporter, rich_available
@@ -19,8 +20,8 @@ from ._summary import DemoReport, PhaseResult, Table, format_plain, summary_tabl
 from ._workload import MODES, DemoSettings, make_prompts, prompt_lengths
 
 __all__ = [
-    "DEMO_SPEC", "MODES", "DemoReport", "DemoSettings", "EngineError", "EngineOptions", "EngineProcess", "PhaseResult",
+    "DEMO_SPEC", "MODES", "DemoDevices", "DemoReport", "DemoSettings", "DeviceCountError", "EngineDevice", "EngineError", "EngineOptions", "EngineProcess", "PhaseResult",
     "Placement", "Reporter", "RequestResult", "Stopped", "Table", "close_all", "connector_config", "format_plain",
-    "make_prompts", "prompt_lengths", "rich_available", "run_demo", "signals_deferred", "stop_on_signals",
+    "demo_devices", "gpus_here", "make_prompts", "prompt_lengths", "rich_available", "run_demo", "signals_deferred", "stop_on_signals",
     "summary_table",
 ]

@@ -5,7 +5,9 @@ only one engine computes at a time except while the decode engine pulls):
 
 1. build the tiny Llama if it is missing (idempotent);
 2. start the prefill (``kv_producer``), decode (``kv_consumer``) and single
-   (no connector) engines together;
+   (no connector) engines together; on GPUs (``Placement.gpus``) each engine
+   gets its device from :func:`ncclkv.demo._devices.demo_devices`, and a
+   single engine sharing the prefill's GPU builds after it;
 3. a batch of other prompts through every set-up, untimed (first forwards, first links);
 4. per round: the batch on the single engine (the reference outputs and
    TTFT), then per transfer mode the batch as vLLM's P/D proxies send it: the
@@ -27,6 +29,7 @@ from typing import Any
 from .._vllm_model import TinyLlamaSpec, build_tiny_llama
 from ..connector._config import NcclKVConfig
 from ..layout import KVGeometry
+from ._devices import EngineDevice, demo_devices
 from ._engine_proc import EngineOptions, EngineProcess, RequestResult, close_all
 from ._progress import Reporter
 from ._summary import DemoReport, PhaseResult
@@ -42,13 +45,15 @@ _ABORT_S = 3.0  # after an error or a signal: an engine still building or genera
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where the demo runs: model and logs directories, the prefill's and decode's cores, each wait's deadline."""
+    """Where the demo runs: model and logs directories, the prefill's and decode's cores, each wait's deadline,
+    the GPUs the engines may use (CUDA_VISIBLE_DEVICES entries; none: the CPU)."""
 
     model_dir: Path
     log_dir: Path
     prefill_core: int
     decode_core: int
     timeout_s: float = 300.0
+    gpus: tuple[str, ...] = ()
 
 
 def connector_config(kv_role: str, **extra: Any) -> dict[str, Any]:
@@ -62,6 +67,7 @@ def connector_config(kv_role: str, **extra: Any) -> dict[str, Any]:
 
 
 def run_demo(settings: DemoSettings, where: Placement, report: Reporter) -> DemoReport:
+    devices = demo_devices(where.gpus)  # DeviceCountError before anything is built or started
     with report.step(f"tiny Llama in {where.model_dir}"):
         model_dir = build_tiny_llama(where.model_dir, **asdict(DEMO_SPEC))
     prompts = settings.prompts(DEMO_SPEC.vocab_size)
@@ -77,16 +83,24 @@ def run_demo(settings: DemoSettings, where: Placement, report: Reporter) -> Demo
     finished = False
     shutdown: list[str] = []
     try:
-        def engine(name: str, core: int, kv_transfer_config: dict[str, Any] | None) -> EngineProcess:
-            options = replace(base, cpu_core=core, kv_transfer_config=kv_transfer_config)
+        def engine(name: str, core: int, kv_transfer_config: dict[str, Any] | None,
+                   device: EngineDevice) -> EngineProcess:
+            options = replace(base, cpu_core=core, kv_transfer_config=kv_transfer_config,
+                              extra_env={**base.extra_env, **device.env()},
+                              llm_overrides={**base.llm_overrides, **device.llm_overrides()})
             engines.append(EngineProcess(options, where.log_dir / f"{name.split()[0]}.log", name=name))
             return engines[-1]
 
         # The single engine shares the prefill's core: only one of the three computes at a time.
-        single = engine("single engine", where.prefill_core, None)
-        prefill = engine("prefill engine", where.prefill_core, connector_config("kv_producer"))
-        decode = engine("decode engine", where.decode_core, connector_config("kv_consumer", ref_path=str(ref_path)))
-        _start(report, [prefill, decode, single], where.timeout_s)
+        single = engine("single engine", where.prefill_core, None, devices.single)
+        prefill = engine("prefill engine", where.prefill_core, connector_config("kv_producer"), devices.prefill)
+        decode = engine("decode engine", where.decode_core, connector_config("kv_consumer", ref_path=str(ref_path)),
+                        devices.decode)
+        if devices.single_after_prefill:  # one GPU's memory: measured by each as it builds, so one at a time
+            _start(report, [prefill, decode], where.timeout_s)
+            _start(report, [single], where.timeout_s)
+        else:
+            _start(report, [prefill, decode, single], where.timeout_s)
         decode_ref = json.loads(ref_path.read_text())
         with report.step("warm-up, untimed: a batch of other prompts through each set-up"):
             single.generate(warmup, max_tokens=settings.gen_tokens, timeout_s=where.timeout_s)
@@ -111,7 +125,7 @@ def run_demo(settings: DemoSettings, where: Placement, report: Reporter) -> Demo
 
 def _start(report: Reporter, engines: Sequence[EngineProcess], timeout_s: float) -> None:
     """Launch the engines together and wait for all, showing which are still building."""
-    names = ", ".join(f"{e.name} (core {e.options.cpu_core})" for e in engines)
+    names = ", ".join(f"{e.name} ({_where(e)})" for e in engines)
     with report.step(f"starting {names}") as update:
         for engine in engines:
             engine.launch()
@@ -124,6 +138,11 @@ def _start(report: Reporter, engines: Sequence[EngineProcess], timeout_s: float)
             waiting = [e for e in waiting if not e.poll_ready(0.5)]
             update(f"{time.monotonic() - started:.0f} s, waiting for {', '.join(e.name for e in waiting) or '-'}")
     report.note("  " + ", ".join(f"{e.name} built in {e.start_s:.1f} s" for e in engines))
+
+
+def _where(engine: EngineProcess) -> str:
+    gpu = engine.options.extra_env.get("CUDA_VISIBLE_DEVICES")
+    return f"core {engine.options.cpu_core}" + (f", GPU {gpu}" if gpu else "")
 
 
 def _single(engine: EngineProcess, prompts: list[list[int]], gen_tokens: int, timeout_s: float) -> PhaseResult:

@@ -236,3 +236,31 @@ def test_the_demo_checks_its_connector_config_before_any_engine_starts() -> None
     assert config["kv_role"] == "kv_consumer" and config["kv_load_failure_policy"] == "recompute"
     with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config keys for NcclKVConnector: \['ref_pth'\]"):
         connector_config("kv_consumer", ref_pth="decode_ref.json")
+
+
+# ------------------------------------------------------------------ devices
+
+def test_engine_devices_by_gpu_count() -> None:
+    from ncclkv.demo import DeviceCountError, EngineDevice, demo_devices
+
+    cpu = demo_devices(())
+    assert cpu.prefill == cpu.decode == cpu.single == EngineDevice() and not cpu.single_after_prefill
+    assert EngineDevice().env() == {} and EngineDevice().llm_overrides() == {}
+    with pytest.raises(DeviceCountError, match=r"needs 2 of them .* sees 1 .*--transport-only"):
+        demo_devices(("GPU-abc",))
+    two = demo_devices(("3", "5"))
+    assert two.prefill == two.single == EngineDevice("3", 0.4) and two.decode == EngineDevice("5")
+    assert two.single_after_prefill
+    assert two.prefill.env() == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert two.prefill.llm_overrides() == {"gpu_memory_utilization": 0.4} and two.decode.llm_overrides() == {}
+    three = demo_devices(("0", "1", "2", "3"))
+    assert (three.prefill, three.decode, three.single) == (EngineDevice("0"), EngineDevice("1"), EngineDevice("2"))
+    assert not three.single_after_prefill
+
+
+def test_visible_gpus_name_what_each_child_takes() -> None:
+    from ncclkv.demo._devices import visible_gpus
+
+    assert visible_gpus(2, None) == ("0", "1")
+    assert visible_gpus(2, "6, 2,7") == ("6", "2")  # torch counts the first valid ones
+    assert visible_gpus(0, "") == () and visible_gpus(1, "GPU-9f2e") == ("GPU-9f2e",)

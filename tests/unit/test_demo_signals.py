@@ -417,6 +417,17 @@ class LLM:
             with open(ref_path, "w") as ref:
                 json.dump({"engine_id": "fake"}, ref)
         self.received = 0
+        record = os.environ.get("FAKE_VLLM_RECORD")  # what each engine got, and whether the single one started
+        if record:                                  # while the prefill one built (it waits up to 2 s to see)
+            info = {"gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "util": kwargs.get("gpu_memory_utilization")}
+            open(os.path.join(record, self.role + ".started"), "w").close()
+            if self.role == "kv_producer":
+                deadline = time.monotonic() + 2.0
+                while not os.path.exists(os.path.join(record, "single.started")) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                info["single_started_meanwhile"] = os.path.exists(os.path.join(record, "single.started"))
+            with open(os.path.join(record, self.role + ".json"), "w") as out:
+                json.dump(info, out)
         scheduler = SimpleNamespace(has_requests=lambda: False, requests={})
         self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler)))
         if self.role == os.environ.get("FAKE_VLLM_AT_EXIT_ROLE"):
@@ -514,3 +525,48 @@ def test_an_engine_ending_badly_at_shutdown_fails_the_demo(tmp_path: Path, demo_
         assert rc == 0 and "OK: every output equals the single engine's" in out and "FAILED" not in err, (out, err)
     else:  # the shutdown is the only problem: every other check passed
         assert rc == 1 and f"ncclkv demo: FAILED\n  at shutdown: {ended}\nengine logs: " in err, (out, err)
+
+
+# ------------------------------------------------------------------ GPUs
+
+def _demo_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: tuple[str, ...]) -> int:
+    """``ncclkv demo --quick`` in this process, its engines' children on the stand-in vLLM, as if torch saw
+    ``gpus`` (CUDA_VISIBLE_DEVICES entries)."""
+    import ncclkv.demo
+
+    monkeypatch.syspath_prepend(os.environ["PYTHONPATH"])  # `vllm` is found (the stand-in; never imported here)
+    monkeypatch.setattr(ncclkv.demo, "gpus_here", lambda: gpus, raising=False)
+    return main(["demo", "--quick", "--plain", "--timeout", "60", "--model-dir", str(_model_dir(tmp_path)),
+                 "--log-dir", str(tmp_path / "logs")])
+
+
+@pytest.mark.timeout(90)
+def test_two_gpus_give_prefill_and_decode_their_own_and_the_single_engine_builds_after_the_prefill(
+        tmp_path: Path, demo_env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """On a GPU machine every engine took the first visible GPU with vLLM's default gpu_memory_utilization
+    (0.9 of its memory each) and all three built at once: the second could not get its memory, and a prefill
+    and a decode engine on one GPU cannot link over NCCL anyway."""
+    import json
+
+    record = tmp_path / "record"
+    record.mkdir()
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(record))
+    assert _demo_in_process(tmp_path, monkeypatch, ("4", "6")) == 0, capsys.readouterr()
+    got = {role: json.loads((record / f"{role}.json").read_text()) for role in ("kv_producer", "kv_consumer", "single")}
+    assert got == {"kv_producer": {"gpu": "4", "util": 0.4, "single_started_meanwhile": False},
+                   "kv_consumer": {"gpu": "6", "util": None}, "single": {"gpu": "4", "util": 0.4}}
+    assert "prefill engine (core " in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_one_gpu_is_refused_naming_the_count_before_any_engine_starts(
+        tmp_path: Path, demo_env: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    record = tmp_path / "record"
+    record.mkdir()
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(record))
+    assert _demo_in_process(tmp_path, monkeypatch, ("0",)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ncclkv demo: ncclkv demo with vLLM on GPUs needs 2 of them") and "sees 1" in err, err
+    assert list(record.iterdir()) == []  # no engine started
