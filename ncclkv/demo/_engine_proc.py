@@ -39,6 +39,7 @@ _LOG_TAIL_LINES = 60
 # Connection.poll waits at most about 24.8 days (select.poll takes an int of milliseconds; OverflowError past
 # it), less than the timeouts ncclkv takes (check_timeout: up to 1e9 s), so longer waits go in slices.
 _POLL_SLICE_S = 86_400.0
+_DYING_S = 2.0  # a child whose socket closed: how long it may take to end before it is killed
 
 
 class EngineError(RuntimeError):
@@ -189,10 +190,10 @@ class EngineProcess:
         try:
             if not _poll(self._conn, timeout_s):
                 if self._proc is not None and self._proc.poll() is not None:
-                    raise self._fail(f"exited with code {self._proc.returncode} while building")
+                    raise self._fail(f"ended while building ({_status(self._proc.returncode)})")
                 return False
         except (EOFError, OSError):
-            raise self._fail("died while building") from None
+            raise self._fail("died while building", died=True) from None
         self.wait_ready(timeout_s=1.0)
         return True
 
@@ -259,7 +260,7 @@ class EngineProcess:
         try:
             self._conn.send(msg)
         except OSError as exc:
-            raise self._fail(f"could not send {msg[0]!r}: {exc}") from exc
+            raise self._fail(f"could not send {msg[0]!r}: {exc}", died=True) from exc
 
     def _expect(self, kind: str, timeout_s: float) -> Any:
         if self._conn is None:
@@ -268,7 +269,7 @@ class EngineProcess:
             ready = _poll(self._conn, timeout_s)
             reply = self._conn.recv() if ready else None
         except (EOFError, OSError):
-            raise self._fail(f"died while waiting for {kind!r}") from None
+            raise self._fail(f"died while waiting for {kind!r}", died=True) from None
         if reply is None:
             raise self._fail(f"no {kind!r} within {timeout_s:.0f} s")
         if reply[0] == "error":
@@ -277,9 +278,17 @@ class EngineProcess:
             raise self._fail(f"sent {reply[0]!r} while {kind!r} was expected")
         return reply[1]
 
-    def _fail(self, what: str) -> EngineError:
+    def _fail(self, what: str, *, died: bool = False) -> EngineError:
+        """``died``: its end of the socket closed, so the child is ending: how it ended (an exit code, a signal:
+        often the only word of a crash) is waited for briefly and named."""
+        ended = ""
+        if died and self._proc is not None:
+            with suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=_DYING_S)
+            if self._proc.returncode is not None:
+                ended = f" ({_status(self._proc.returncode)})"
         close_all([self], timeout_s=0)
-        return EngineError(f"{self.name} {what}\n--- log tail ({self.log_path}) ---\n{self.log_tail()}")
+        return EngineError(f"{self.name} {what}{ended}\n--- log tail ({self.log_path}) ---\n{self.log_tail()}")
 
 
 def _poll(conn: Connection, timeout_s: float) -> bool:
@@ -335,9 +344,15 @@ def _how_it_ended(proc: subprocess.Popen[bytes], killed: bool, timeout_s: float)
     if code is None:
         return f"(pid {proc.pid}) was still running after the kill"
     if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name} once asked to close"
+        return f"was {_status(code)} once asked to close"
     return None if code == 0 else f"exited with code {code} once asked to close"
+
+
+def _status(code: int) -> str:
+    """A Popen returncode in words: "exit code N" or "killed by SIGNAME"."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"

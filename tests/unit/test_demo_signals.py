@@ -440,6 +440,8 @@ class LLM:
                 threading.Thread(target=time.sleep, args=(600,)).start()
 
     def generate(self, prompts, sampling_params, use_tqdm):
+        if os.environ.get("FAKE_VLLM_GENERATE_DIES") == self.role:  # a crash inside vLLM, no word in the log
+            os.kill(os.getpid(), signal.SIGKILL)
         outputs = []
         for prompt, sampling in zip(prompts, sampling_params):
             params = sampling.extra_args.get("kv_transfer_params")
@@ -570,3 +572,18 @@ def test_one_gpu_is_refused_naming_the_count_before_any_engine_starts(
     err = capsys.readouterr().err
     assert err.startswith("ncclkv demo: ncclkv demo with vLLM on GPUs needs 2 of them") and "sees 1" in err, err
     assert list(record.iterdir()) == []  # no engine started
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_that_dies_mid_request_is_reported_with_how_it_ended(
+        tmp_path: Path, demo_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine killed by a signal while generating (a crash that writes nothing to its log) was reported only as
+    "died while waiting for 'result'": its exit status, the one clue, was reaped and dropped."""
+    from ncclkv.demo import EngineError
+
+    monkeypatch.setenv("FAKE_VLLM_GENERATE_DIES", "single")
+    engine = EngineProcess(EngineOptions(model_dir=tmp_path), tmp_path / "engine.log", name="single engine")
+    engine.start(timeout_s=30)
+    with pytest.raises(EngineError, match=r"^single engine died while waiting for 'result' \(killed by SIGKILL\)\n"):
+        engine.generate([[5, 6, 7]], max_tokens=2, timeout_s=30)
+    assert engine.pid is None
