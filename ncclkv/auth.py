@@ -183,13 +183,18 @@ def _read_only_mount(path: Path) -> bool:
 
 
 def _private_group(info: os.stat_result) -> bool:
-    """Whether the file's group is its owner's own (a user private group, as with umask 002): no one else in it."""
+    """Whether the file's group is its owner's own (a user private group, as with umask 002): no one else in it.
+
+    /etc/group does not list those whose primary group it is (a 'users' group all users share): as OpenSSH
+    (Debian's group-writable rule), every user whose primary group it is must be the owner too."""
     try:
         owner = pwd.getpwuid(info.st_uid)
         group = grp.getgrgid(info.st_gid)
     except KeyError:
         return False
-    return owner.pw_gid == info.st_gid and set(group.gr_mem) <= {owner.pw_name}
+    if owner.pw_gid != info.st_gid or not set(group.gr_mem) <= {owner.pw_name}:
+        return False
+    return all(user.pw_uid == owner.pw_uid for user in pwd.getpwall() if user.pw_gid == info.st_gid)
 
 
 def _check_file_modes(path: Path, what: str, *, secret: bool) -> None:

@@ -784,11 +784,48 @@ def test_allowed_keys_only_their_owner_can_change_are_read(certs: dict[str, Path
     assert config.allowed_clients == frozenset(zmq.auth.load_certificates(certs["allowed"]))
     # Group-writable is the owner's alone when the group is the owner's private one (umask 002).
     own = pwd.getpwuid(allowed.stat().st_uid)
-    if not set(grp.getgrgid(own.pw_gid).gr_mem) <= {own.pw_name}:
+    if not _private_group_here(own):
         pytest.skip(f"the owner's group {own.pw_gid} has other members")
     os.chown(allowed, -1, own.pw_gid)
     allowed.chmod(0o775)
     assert load_curve_files(certs["server_secret"], certs["server"], allowed) == config
+
+
+@pytest.mark.parametrize("target", ["allowed-clients directory", "shared secret file"])
+def test_a_group_that_is_another_users_primary_group_is_not_the_owners_own(
+    certs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str
+) -> None:
+    """A group is the owner's private one only if no one else is in it, by /etc/group or as their primary group:
+    /etc/group lists no one under a group that is users' primary group (SUSE's 'users', Debian's 'nogroup'), so
+    every user whose primary group it is can write a group-writable file in it. Before, such a group with no one
+    listed counted as the owner's own, and the colleague's writes were taken."""
+    allowed = tmp_path / "allowed"
+    shutil.copytree(certs["allowed"], allowed)
+    shared = tmp_path / "shared"
+    shared.write_bytes(SECRET)
+    path = allowed if target.startswith("allowed") else shared
+    own = pwd.getpwuid(path.stat().st_uid)
+    if not _private_group_here(own):
+        pytest.skip(f"the owner's group {own.pw_gid} has other members already")
+    os.chown(path, -1, own.pw_gid)
+    path.chmod(0o775 if path is allowed else 0o660)
+    load = (lambda: load_curve_files(certs["server_secret"], certs["server"], allowed)) if path is allowed else (
+        lambda: load_shared_secret(shared))
+    load()  # the owner's own group: the owner's alone to write
+    colleague = pwd.struct_passwd(("colleague", "x", max(u.pw_uid for u in pwd.getpwall()) + 1, own.pw_gid,
+                                   "", "/", "/bin/sh"))
+    everyone = pwd.getpwall()
+    monkeypatch.setattr(pwd, "getpwall", lambda: [*everyone, colleague])  # a user in it by its primary group
+    with pytest.raises(errors.InsecureFileError, match=rf"{target} '{re.escape(str(path))}' .* is writable by its "
+                       rf"group") as refused:
+        load()
+    assert refused.value.path == str(path)
+
+
+def _private_group_here(user: pwd.struct_passwd) -> bool:
+    """Whether ``user``'s primary group has no other member on this system (listed or by primary group)."""
+    return set(grp.getgrgid(user.pw_gid).gr_mem) <= {user.pw_name} and all(
+        u.pw_uid == user.pw_uid for u in pwd.getpwall() if u.pw_gid == user.pw_gid)
 
 
 @pytest.mark.parametrize(("mode", "problem"), [(0o644, "readable by others"), (0o604, "readable by others"),
