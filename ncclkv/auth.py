@@ -238,8 +238,17 @@ def load_shared_secret(path: str | os.PathLike[str]) -> bytes:
     return secret
 
 
+def _refuse_unless_file(path: Path, what: str) -> None:
+    """Refuse a ``path`` there that is no regular file (after its symlinks), before anything opens it: opening a
+    FIFO waits for a writer for ever, a directory or a symlink to nothing fails with an OSError."""
+    if (path.exists() or path.is_symlink()) and not path.is_file():
+        raise ValueError(f"{what} {str(path)!r} is not a file (a directory, a FIFO, a device or a symlink to "
+                         f"nothing); point at a certificate file or remove it")
+
+
 def _certificate(path: str | os.PathLike[str], *, secret: bool, what: str) -> tuple[bytes, bytes | None]:
     file = Path(path)
+    _refuse_unless_file(file, what)
     try:
         public, secret_key = zmq.auth.load_certificate(file)
     except (OSError, ValueError) as exc:
@@ -278,6 +287,7 @@ def load_curve_files(
         # zmq.auth.load_certificates reads) are this user's or root's and no one else's to write.
         _check_file_modes(directory, "CURVE allowed-clients directory", secret=False)
         for key_file in sorted(glob.glob(os.path.join(directory, "*.key"))):  # as zmq.auth.load_certificates
+            _refuse_unless_file(Path(key_file), "CURVE allowed-client certificate")
             _check_file_modes(Path(key_file), "CURVE allowed-client certificate", secret=False)
         allowed = frozenset(zmq.auth.load_certificates(directory))
         if not allowed:

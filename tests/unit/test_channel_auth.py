@@ -791,6 +791,43 @@ def test_allowed_keys_only_their_owner_can_change_are_read(certs: dict[str, Path
     assert load_curve_files(certs["server_secret"], certs["server"], allowed) == config
 
 
+@pytest.mark.parametrize("entry", ["allowed *.key directory", "allowed *.key dangling symlink", "allowed *.key fifo",
+                                   "server-key certificate fifo"])
+def test_a_certificate_that_is_no_file_is_refused_naming_it(certs: dict[str, Path], tmp_path: Path, entry: str) -> None:
+    """Every *.key in the allowed-clients directory is read as a certificate: a directory or a symlink to nothing
+    there is refused with a ValueError naming it, and a FIFO is not opened (open() waits for a writer for ever).
+    Before, a directory escaped as IsADirectoryError, a dangling symlink as FileNotFoundError of a path that is
+    there, and a FIFO hung the load (and the engine's start) without a deadline."""
+    allowed = tmp_path / "allowed"
+    shutil.copytree(certs["allowed"], allowed)
+    path = allowed / "old.key" if entry.startswith("allowed") else tmp_path / "server.key"
+    if entry.endswith("directory"):
+        path.mkdir(mode=0o700)
+    elif entry.endswith("symlink"):
+        path.symlink_to(tmp_path / "gone" / "old.key")
+    else:
+        os.mkfifo(path, 0o600)
+    outcome: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            outcome["config"] = (load_curve_files(certs["server_secret"], None, allowed) if path.parent == allowed
+                                 else load_curve_files(certs["server_secret"], path))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = exc
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    loader.join(WAIT_S)
+    if loader.is_alive():  # let it go: a writer ends the read it waits in
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        loader.join(WAIT_S)
+        pytest.fail(f"loading with {entry} still waited after {WAIT_S}s")
+    error = outcome.get("error")
+    assert isinstance(error, ValueError) and not isinstance(error, OSError), repr(error)
+    assert f"{str(path)!r} is not a file" in str(error), error
+
+
 @pytest.mark.parametrize("target", ["allowed-clients directory", "shared secret file"])
 def test_a_group_that_is_another_users_primary_group_is_not_the_owners_own(
     certs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str
