@@ -286,10 +286,13 @@ def load_curve_files(
         # Whoever can add or change a file here is admitted: the directory and every *.key it holds (the files
         # zmq.auth.load_certificates reads) are this user's or root's and no one else's to write.
         _check_file_modes(directory, "CURVE allowed-clients directory", secret=False)
-        for key_file in sorted(glob.glob(os.path.join(directory, "*.key"))):  # as zmq.auth.load_certificates
+        # The *.key files, as zmq.auth.load_certificates finds them, but of this directory even if its name is a
+        # glob pattern ("keys[1]"), and read here: the files checked are the files read.
+        key_files = sorted(glob.glob(os.path.join(glob.escape(str(directory)), "*.key")))
+        for key_file in key_files:
             _refuse_unless_file(Path(key_file), "CURVE allowed-client certificate")
             _check_file_modes(Path(key_file), "CURVE allowed-client certificate", secret=False)
-        allowed = frozenset(zmq.auth.load_certificates(directory))
+        allowed = frozenset(key for key in (zmq.auth.load_certificate(f)[0] for f in key_files) if key)
         if not allowed:
             raise ValueError(f"CURVE allowed-clients directory {str(directory)!r} holds no *.key certificate")
     config = CurveConfig.from_secret_key(secret, server_key=server, allowed_clients=allowed)

@@ -791,6 +791,23 @@ def test_allowed_keys_only_their_owner_can_change_are_read(certs: dict[str, Path
     assert load_curve_files(certs["server_secret"], certs["server"], allowed) == config
 
 
+def test_an_allowed_directory_whose_name_is_a_glob_pattern_is_read_itself(certs: dict[str, Path], tmp_path: Path) -> None:
+    """The allowed-clients directory's *.key are found by a glob of the directory's path: a name with [ ] * ?
+    in it is a pattern. Before, "allowed[1]" read the keys of "allowed1" (a directory whose modes no one
+    checked: here 0777, with the intruder's key in it) and none of its own, or, with no such sibling, was
+    refused as holding no *.key certificate."""
+    allowed = tmp_path / "allowed[1]"
+    shutil.copytree(certs["allowed"], allowed)
+    allowed.chmod(0o700)
+    expected = frozenset(zmq.auth.load_certificate(key)[0] for key in allowed.iterdir())
+    assert load_curve_files(certs["server_secret"], None, allowed).allowed_clients == expected
+    sibling = tmp_path / "allowed1"
+    sibling.mkdir()
+    sibling.chmod(0o777)
+    shutil.copy(certs["intruder"], sibling / "intruder.key")
+    assert load_curve_files(certs["server_secret"], None, allowed).allowed_clients == expected
+
+
 @pytest.mark.parametrize("entry", ["allowed *.key directory", "allowed *.key dangling symlink", "allowed *.key fifo",
                                    "server-key certificate fifo"])
 def test_a_certificate_that_is_no_file_is_refused_naming_it(certs: dict[str, Path], tmp_path: Path, entry: str) -> None:
