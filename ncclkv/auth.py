@@ -232,7 +232,10 @@ def load_shared_secret(path: str | os.PathLike[str]) -> bytes:
     if not file.is_file():
         raise ValueError(f"shared secret file {str(file)!r} does not exist or is not a file")
     _check_file_modes(file, "shared secret file", secret=True)
-    secret = file.read_bytes().strip()
+    try:
+        secret = file.read_bytes().strip()
+    except OSError as exc:  # not readable by this user (a root-owned 0400 mount in a non-root container)
+        raise ValueError(f"cannot read shared secret file {str(file)!r}: {exc}") from None
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"shared secret in {str(file)!r} has {len(secret)} bytes; need at least {MIN_SECRET_BYTES}")
     return secret

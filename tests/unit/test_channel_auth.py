@@ -928,6 +928,18 @@ def test_secret_files_only_their_owner_can_read_are_read(certs: dict[str, Path],
         load_shared_secret(shared)
 
 
+
+def test_a_secret_file_this_user_cannot_read_is_a_value_error_naming_it(tmp_path: Path) -> None:
+    # A root-owned 0400 mount in a container that does not run as root; root reads any file, so the refusal of
+    # the read is stood in for.
+    shared = tmp_path / "shared"
+    shared.write_bytes(SECRET)
+    shared.chmod(0o400)
+    with mock.patch.object(Path, "read_bytes", side_effect=PermissionError(13, "Permission denied")), \
+            pytest.raises(ValueError, match=rf"cannot read shared secret file '{re.escape(str(shared))}': "
+                                            r".*Permission denied"):
+        load_shared_secret(shared)
+
 # -- where the channel listens --------------------------------------------------------------
 
 def _listening_addresses(port: int) -> set[str]:
