@@ -137,6 +137,8 @@ class TransferEngine:
     def save_layer(self, request_id: str, layer: int) -> None:
         """Push mode: ``layer`` of ``request_id`` is computed; its slices go on the wire. Returns at once."""
         self._check_open()
+        if not is_int(layer):  # a bool is in every span (True: layer 1), and no Announce carries it
+            raise ValueError(f"request {request_id!r}: layer must be an int (a global layer index), got {layer!r}")
         self._producer.save_layer(request_id, layer)
 
     def finish(self, request_id: str, block_ids: Sequence[int] | None = None, num_tokens: int | None = None, *,

@@ -425,6 +425,27 @@ def test_a_push_must_save_each_of_its_layers_once() -> None:
             decode[0].engine.wait("p", timeout_s=WAIT_S)
 
 
+def test_a_layer_that_is_no_int_is_refused_by_save_layer_naming_it() -> None:
+    """``save_layer(req, True)`` was taken as layer 1 (``True in Span(0, 4)``): its Announce was refused on the way
+    out (msgspec: a bool is no int), the push failed with a ProtocolError, and the real layer 1 was refused as
+    "already saved"; a numpy int was refused as "layer 1 is not on this rank (layers [0,4))", though it is."""
+    np = pytest.importorskip("numpy")
+    with _pair() as (prefill, decode):
+        producer = prefill[0].engine
+        prefill[0].fill(seed=6, block_ids=[0, 1], num_tokens=20)
+        producer.start_push("p", engine_ref("decode", ONE, decode), [0, 1], 20)
+        decode[0].engine.expect("p", engine_ref("prefill", ONE, prefill), [2, 3], 20, push=True)
+        for bad in (True, np.int64(1), 1.0):
+            with pytest.raises(ValueError, match=rf"'p': layer must be an int .*got {re.escape(repr(bad))}"):
+                producer.save_layer("p", bad)  # type: ignore[arg-type]
+        for layer in range(GQA.num_layers):  # nothing recorded for the refused ones: each layer goes once
+            producer.save_layer("p", layer)
+        producer.finish("p")
+        assert _sent(prefill[0], "p") is None
+        decode[0].engine.wait("p", timeout_s=WAIT_S)
+        assert decode[0].mismatches(6, [2, 3], 20, Span(0, 20)) == []
+
+
 def test_an_engine_without_caches_says_so() -> None:
     hub = LoopbackHub()
     bare = TransferEngine(EngineConfig("bare", 0, ONE, GQA, role="both"), transport=LoopbackTransport(hub))
