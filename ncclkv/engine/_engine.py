@@ -132,6 +132,8 @@ class TransferEngine:
         self._check_open()
         _check_request_id(request_id)
         _check_num_tokens(request_id, num_tokens)
+        if consumer.engine_id == self.config.engine_id:  # its offer would shake hands with this rank itself
+            raise ValueError(f"request {request_id!r}: consumer engine {consumer.engine_id!r} is this engine")
         self._producer.start_push(request_id, consumer, block_ids, num_tokens, blocks)
 
     def save_layer(self, request_id: str, layer: int) -> None:

@@ -446,6 +446,26 @@ def test_a_layer_that_is_no_int_is_refused_by_save_layer_naming_it() -> None:
         assert decode[0].mismatches(6, [2, 3], 20, Span(0, 20)) == []
 
 
+def test_a_push_to_this_engine_itself_is_refused_at_the_call_like_an_expect_from_it() -> None:
+    """A reference to this engine as the push's consumer (a proxy's mistake, role "both") was taken: its offer
+    task shook hands with itself and failed asynchronously (over a real data plane: "link id ... is already open
+    on data plane ...", a ValueError logged with its traceback as a bug, the link's other end waiting deadline_s
+    to open), where an expect() from this engine is refused at the call."""
+    hub = LoopbackHub()
+    both = _sides(hub, "both", "both")
+    try:
+        engine, ref = both[0].engine, engine_ref("both", ONE, both)
+        with pytest.raises(ValueError, match=r"request 'p': consumer engine 'both' is this engine"):
+            engine.start_push("p", ref, [0, 1], 20)
+        with pytest.raises(ValueError, match=r"request 'p': producer engine 'both' is this engine"):
+            engine.expect("p", ref, [2, 3], 20, push=True)
+        assert engine.num_in_flight == 0 and engine.take_finished_sending() == {}
+        with pytest.raises(ValueError, match="not being pushed"):  # nothing started: no push of it to finish
+            engine.save_layer("p", 0)
+    finally:
+        close_sides(both)
+
+
 def test_an_engine_without_caches_says_so() -> None:
     hub = LoopbackHub()
     bare = TransferEngine(EngineConfig("bare", 0, ONE, GQA, role="both"), transport=LoopbackTransport(hub))
