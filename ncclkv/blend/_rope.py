@@ -8,7 +8,8 @@ computes them from a model config). Rotations by angles add, so K computed at
 position ``p`` becomes K at ``p + d`` by one more rotation by ``d``:
 :func:`rerotate` needs only the position delta, not the unrotated K. Angles
 are computed in float64, so large positions lose no precision before the
-cos/sin are cast to the tensor's dtype.
+cos/sin are cast to the tensor's dtype (:func:`rerotate`: to at least
+float32, the result rounded to K's dtype once).
 
 Tensors are ``[num_tokens, num_heads, head_size]``: a flat ``[num_tokens,
 num_heads * head_size]`` one would be rotated as a single wide head, wrongly,
@@ -163,13 +164,17 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torc
 def rerotate(
     k: torch.Tensor, from_positions: torch.Tensor, to_positions: torch.Tensor, spec: RopeSpec
 ) -> torch.Tensor:
-    """K rotated at ``from_positions`` moved to ``to_positions`` (rotation by the delta)."""
+    """K rotated at ``from_positions`` moved to ``to_positions`` (rotation by the delta), rotated in at least
+    float32 and returned in K's dtype."""
     if from_positions.shape != to_positions.shape:
         raise ValueError(f"from_positions {tuple(from_positions.shape)} and to_positions "
                          f"{tuple(to_positions.shape)} differ in shape")
     check_heads("k", k)
     delta = to_positions.to(torch.int64) - from_positions.to(device=to_positions.device, dtype=torch.int64)
-    return apply_rope(k, delta, spec)
+    # In at least float32, rounded once at the end: K is already rounded to its dtype, and a rotation in
+    # bf16 / fp16 (cos, sin and the products rounded) would add several roundings more.
+    cos, sin = rope_cos_sin(delta, spec, k.shape[-1], torch.promote_types(k.dtype, torch.float32))
+    return rotate(k, cos, sin, spec).to(k.dtype)
 
 
 def check_heads(name: str, x: torch.Tensor) -> None:

@@ -85,6 +85,25 @@ def test_rerotate_equals_rope_at_new_positions(spec: RopeSpec) -> None:
     assert _rel(apply_rope(x, old, spec), apply_rope(x, new, spec)) > 0.1  # the move is not a no-op
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", [RopeSpec(), RopeSpec(neox_style=False), RopeSpec(rotary_dim=8),
+                                  RopeSpec(rotary_dim=8, neox_style=False)], ids=["neox", "gptj", "neox8", "gptj8"])
+def test_rerotate_in_half_precision_rounds_once(spec: RopeSpec, dtype: torch.dtype) -> None:
+    """Cached K in bf16 / fp16, moved by up to 100k positions either way, is the float64 rotation of the same K
+    rounded once to its dtype (at most half an ulp, plus float32's share): as the executor moves it."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 2, 16, generator=gen, dtype=torch.float64)
+    old = torch.randint(0, 100_000, (64,), generator=gen)
+    new = torch.randint(0, 100_000, (64,), generator=gen)
+    k_old = apply_rope(x, old, spec).to(dtype)
+    expected = rerotate(k_old.to(torch.float64), old, new, spec)  # the exact move of the K that is cached
+    got = rerotate(k_old, old, new, spec)
+    assert got.dtype == dtype
+    bound = torch.finfo(dtype).eps / 2 * expected.abs() + 1e-5 * float(k_old.abs().max())
+    worst = float(((got.to(torch.float64) - expected).abs() / bound).max())
+    assert worst <= 1.0, f"{dtype} re-rotation off by {worst:.1f} x half an ulp of the float64 result"
+
+
 # vLLM's own rotary embeddings, in a fresh interpreter (importing vLLM into pytest would set process-wide state):
 # K rotated at old and at new positions per rope_type, saved for the test to re-rotate with ncclkv.
 _VLLM_ROPE = """
