@@ -35,6 +35,7 @@ class BlendExecutor:
         self._config = BlendConfig() if config is None else config
         if not isinstance(self._config, BlendConfig):
             raise TypeError(f"config must be a BlendConfig, got {type(self._config).__name__}")
+        self._token_dim = 0  # the last blend()'s, for its errors
         self.reset()
 
     @property
@@ -84,7 +85,8 @@ class BlendExecutor:
             retrieved_k, retrieved_v = retrieved_k.movedim(token_dim, 0), retrieved_v.movedim(token_dim, 0)
         elif retrieved_k is not None or retrieved_v is not None:
             raise ValueError("retrieved_k and retrieved_v must both be tensors or both be None")
-        _check_fresh(layer_id, q, k, v, positions)
+        self._token_dim = token_dim  # for errors: shapes as the caller passed them
+        _check_fresh(layer_id, q, k, v, positions, token_dim)
         positions = positions.to(k.device)
         check = self._config.check_layer
         if layer_id < check:
@@ -115,7 +117,8 @@ class BlendExecutor:
             long_k, long_v = k.clone(), v.clone()
         else:
             long_k = self._rerotated(layer_id, retrieved_k, original_positions, k)
-            long_v = _matched(layer_id, "retrieved_v", retrieved_v, v, num_tokens, copy=True)
+            long_v = _matched(layer_id, "retrieved_v", retrieved_v, v, num_tokens, copy=True,
+                              token_dim=self._token_dim)
             deviation = (long_k - k).to(torch.float32).square().flatten(1).sum(1)
         selected, short_qsl = select_tokens(deviation, valid, bounds, self._config.recompute_ratio)
         self._selected, self._short_qsl = selected, short_qsl
@@ -150,7 +153,8 @@ class BlendExecutor:
             long_v = v.new_zeros((num_tokens,) + tuple(v.shape[1:]))
         else:
             long_k = self._rerotated(layer_id, retrieved_k, original_positions, k)
-            long_v = _matched(layer_id, "retrieved_v", retrieved_v, v, num_tokens, copy=True)
+            long_v = _matched(layer_id, "retrieved_v", retrieved_v, v, num_tokens, copy=True,
+                              token_dim=self._token_dim)
         long_k.index_copy_(0, selected, k)
         long_v.index_copy_(0, selected, v)
         local = torch.arange(k.shape[0], device=k.device)
@@ -161,7 +165,8 @@ class BlendExecutor:
         """Retrieved K moved to the new positions; the angles are reused while the positions stay."""
         assert self._positions is not None
         num_tokens = self._positions.numel()
-        retrieved_k = _matched(layer_id, "retrieved_k", retrieved_k, fresh_k, num_tokens, copy=False)
+        retrieved_k = _matched(layer_id, "retrieved_k", retrieved_k, fresh_k, num_tokens, copy=False,
+                               token_dim=self._token_dim)
         original = original_positions.to(device=self._positions.device, dtype=torch.int64)
         # Rotate in at least float32: bf16 angles would be off by whole degrees at long positions.
         angle_dtype = torch.promote_types(fresh_k.dtype, torch.float32)
@@ -172,9 +177,11 @@ class BlendExecutor:
         return rotate(retrieved_k, cached[1], cached[2], self._config.rope).to(fresh_k.dtype)
 
 
-def _check_fresh(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+def _check_fresh(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                 token_dim: int) -> None:
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"layer {layer_id}: fresh q and k differ in head_size: {tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(f"layer {layer_id}: fresh q and k differ in head_size: {_as_given(q.shape, token_dim)} "
+                         f"and {_as_given(k.shape, token_dim)}")
     if not (q.shape[0] == k.shape[0] == v.shape[0] == positions.numel()) or positions.dim() != 1:
         raise ValueError(f"layer {layer_id}: fresh q/k/v and positions disagree on the number of tokens: "
                          f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]}, positions {tuple(positions.shape)}")
@@ -194,11 +201,18 @@ def _check_valid(layer_id: int, valid_mask: torch.Tensor, original_positions: to
 
 
 def _matched(layer_id: int, name: str, retrieved: torch.Tensor, fresh: torch.Tensor, num_tokens: int,
-             copy: bool) -> torch.Tensor:
+             copy: bool, token_dim: int) -> torch.Tensor:
     """``retrieved`` on fresh's device (and dtype), shape-checked; a new tensor if ``copy``."""
     if retrieved.shape[0] != num_tokens or tuple(retrieved.shape[1:]) != tuple(fresh.shape[1:]):
-        raise ValueError(f"layer {layer_id}: {name} has shape {tuple(retrieved.shape)}, expected "
-                         f"{(num_tokens,) + tuple(fresh.shape[1:])}")
+        raise ValueError(f"layer {layer_id}: {name} has shape {_as_given(retrieved.shape, token_dim)}, expected "
+                         f"{_as_given((num_tokens,) + tuple(fresh.shape[1:]), token_dim)}")
     out = retrieved.to(device=fresh.device, dtype=fresh.dtype)
     # The caller writes into the result: never into the retriever's tensor.
     return out.clone() if copy and out.data_ptr() == retrieved.data_ptr() else out
+
+
+def _as_given(shape: tuple[int, ...] | torch.Size, token_dim: int) -> tuple[int, ...]:
+    """A tokens-first shape as the caller laid it out (tokens on ``token_dim``)."""
+    dims = list(shape)
+    dims.insert(token_dim, dims.pop(0))
+    return tuple(dims)

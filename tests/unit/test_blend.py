@@ -646,6 +646,24 @@ def test_executor_selects_largest_deviation(token_dim: int) -> None:
         ex.blend(3, t(retrieved_k), t(v), valid, original, t(q2), t(k2), t(v2), out.positions, qsl, token_dim)
 
 
+def test_executor_shape_errors_name_the_shapes_the_caller_passed() -> None:
+    """With tokens on dim 1 ([num_heads, num_tokens, head_size]) a refusal names the tensors as given, not as
+    the executor views them internally (tokens first)."""
+    heads, tokens, size = 2, 6, 8
+    q, k, v = torch.zeros(4, tokens, size), torch.zeros(heads, tokens, size), torch.zeros(heads, tokens, size)
+    valid, original, qsl = torch.ones(tokens, dtype=torch.bool), torch.arange(tokens), torch.tensor([0, tokens])
+    longer = torch.zeros(heads, tokens + 1, size)
+    with pytest.raises(ValueError, match=re.escape("layer 0: retrieved_k has shape (2, 7, 8), expected (2, 6, 8)")):
+        BlendExecutor(BlendConfig(check_layer=0)).blend(0, longer, v, valid, original, q, k, v, original, qsl,
+                                                        token_dim=1)
+    with pytest.raises(ValueError, match=re.escape("layer 0: retrieved_v has shape (2, 7, 8), expected (2, 6, 8)")):
+        BlendExecutor(BlendConfig(check_layer=0)).blend(0, k, longer, valid, original, q, k, v, original, qsl,
+                                                        token_dim=1)
+    with pytest.raises(ValueError, match=re.escape("fresh q and k differ in head_size: (4, 6, 4) and (2, 6, 8)")):
+        BlendExecutor(BlendConfig(check_layer=0)).blend(0, k, v, valid, original, torch.zeros(4, tokens, 4), k, v,
+                                                        original, qsl, token_dim=1)
+
+
 def test_executor_rejects_out_of_order_and_bad_config() -> None:
     gen = torch.Generator().manual_seed(0)
     q, k, v = _layer(6, gen)
