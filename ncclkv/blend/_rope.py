@@ -170,7 +170,9 @@ def rerotate(
         raise ValueError(f"from_positions {tuple(from_positions.shape)} and to_positions "
                          f"{tuple(to_positions.shape)} differ in shape")
     check_heads("k", k)
-    delta = to_positions.to(torch.int64) - from_positions.to(device=to_positions.device, dtype=torch.int64)
+    # On K's device: a stored chunk's positions stay on the CPU while its K may be on a GPU.
+    delta = (to_positions.to(device=k.device, dtype=torch.int64)
+             - from_positions.to(device=k.device, dtype=torch.int64))
     # In at least float32, rounded once at the end: K is already rounded to its dtype, and a rotation in
     # bf16 / fp16 (cos, sin and the products rounded) would add several roundings more.
     cos, sin = rope_cos_sin(delta, spec, k.shape[-1], torch.promote_types(k.dtype, torch.float32))

@@ -85,6 +85,14 @@ def test_rerotate_equals_rope_at_new_positions(spec: RopeSpec) -> None:
     assert _rel(apply_rope(x, old, spec), apply_rope(x, new, spec)) > 0.1  # the move is not a no-op
 
 
+def test_rerotate_takes_positions_on_another_device_than_k() -> None:
+    # A stored chunk's positions stay on the CPU while its K may be on a GPU; the meta device stands in for one.
+    k = torch.zeros(4, 2, 16, device="meta")
+    positions = torch.arange(4)
+    moved = rerotate(k, positions, positions + 3, RopeSpec())
+    assert (moved.device, moved.shape, moved.dtype) == (k.device, k.shape, k.dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("spec", [RopeSpec(), RopeSpec(neox_style=False), RopeSpec(rotary_dim=8),
                                   RopeSpec(rotary_dim=8, neox_style=False)], ids=["neox", "gptj", "neox8", "gptj8"])
