@@ -7,11 +7,13 @@ and the request it served never reported.
 
 The tasks that wait on one remote peer (a consumer's pulls, a producer's push
 offers: a handshake, then the request's answer, up to ``deadline_s`` each when
-the peer is dead or stopped) run on :class:`PeerTasks`, in a lane per peer:
-one peer that does not answer holds the few threads of its lane, never the
-other peers' transfers. Once one of them finds its peer lost
-(:func:`fail_fast`), the tasks queued behind it for that peer fail at once
-instead of each waiting another ``deadline_s``.
+the peer is dead or stopped) run on :class:`PeerTasks`, in a lane per peer
+(and per address it is reached at: a peer restarted elsewhere is another
+life): one peer that does not answer holds the few threads of its lane, never
+the other peers' transfers, nor those of its later life at another address.
+Once one of them finds its peer lost (:func:`fail_fast`), the tasks queued
+behind it for that peer fail at once instead of each waiting another
+``deadline_s``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._peers import lost_there
 from ..errors import ClosedError, PeerLostError, PeerResetError, TransferError, TransferTimeout
@@ -124,6 +126,13 @@ class _Task:
     future: Future[Any] = field(default_factory=Future)
 
 
+class _PeerKey(NamedTuple):
+    """A lane's key: the peer, and the address its tasks reach it at (None: not said)."""
+
+    peer: Hashable
+    at: str | None
+
+
 @dataclass(slots=True, eq=False)
 class _Lane:
     """One peer's tasks not started yet, oldest first, and how many of its tasks run."""
@@ -136,7 +145,8 @@ class _Lane:
 
 class PeerTasks(Executor):
     """Tasks by remote peer: each peer's start in submission order, at most ``per_peer`` of them at once (its
-    lane); different peers' at once, on threads shared by every lane.
+    lane; one per address the tasks reach the peer at, see :meth:`submit_to`); different peers' at once, on
+    threads shared by every lane.
 
     A lane takes at most ``per_peer`` threads (1: its tasks run one after
     the other), so a peer that does not answer holds that many however many
@@ -175,26 +185,27 @@ class PeerTasks(Executor):
                   on_skip: Callable[[BaseException], None] | None = None, at: str | None = None) -> Future[Any]:
         """Run ``fn(*args)`` in ``peer``'s lane, once its tasks submitted before started (and fewer than ``per_peer``
         of them run). If the lane fails it before it starts (:meth:`fail_queued`, or a shutdown that cancels), ``on_skip(error)`` is called instead, on the
-        thread that failed it, and the future is cancelled. ``at``: the address it reaches ``peer`` at."""
-        return self._submit(peer, _Task(fn, args, {}, on_skip, at))
+        thread that failed it, and the future is cancelled. ``at``: the address it reaches ``peer`` at; each address
+        of a peer has a lane of its own (another address is another life of the peer id, restarted there: its
+        tasks must not wait behind those still waiting ``deadline_s`` on the dead one)."""
+        return self._submit(_PeerKey(peer, at), _Task(fn, args, {}, on_skip, at))
 
     def fail_queued(self, peer: Hashable, error: BaseException, at: str | None = None) -> int:
         """Fail the tasks queued in ``peer``'s lane now (not those running) with ``error`` (``on_skip``);
         those submitted later run as usual. ``at``: only those that reach ``peer`` there or did not say where
         (one queued for another address stays queued). Returns how many."""
+        tasks: list[_Task] = []
         with self._cond:
-            lane = self._lanes.get(peer)
-            if lane is None or not lane.queue:
-                return 0
-            hits = [lost_there(at, task.at) for task in lane.queue]
-            tasks = [task for task, hit in zip(lane.queue, hits) if hit]
-            lane.queue = deque(task for task, hit in zip(lane.queue, hits) if not hit)
-            if not lane.queue:
+            for key, lane in list(self._lanes.items()):
+                if not isinstance(key, _PeerKey) or key.peer != peer or not lost_there(at, key.at):
+                    continue
+                tasks += lane.queue
+                lane.queue.clear()
                 if lane.ready:
                     self._ready.remove(lane)
                     lane.ready = False
                 if not lane.running:  # no thread on it: it ends here
-                    del self._lanes[peer]
+                    del self._lanes[key]
         self._skip(tasks, error)
         return len(tasks)
 

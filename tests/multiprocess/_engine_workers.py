@@ -466,3 +466,18 @@ def ensure(st: _State, key: str, peer_id: str, control_addr: str, incarnation: i
 
 
 COMMANDS.update({f.__name__: f for f in (incarnation, wait_acked, ensure)})
+
+
+def gate_users(st: _State, key: str, peer_id: str, count: int, timeout_s: float = 30.0) -> float:
+    """Wait until ``count`` ensure() calls of the engine rank hold or await its handshake gate for ``peer_id``
+    (e.g. that many pulls to it running, not queued); return when."""
+    peers = st.sides[key].engine._peers
+
+    def entered() -> bool:
+        with peers._lock:
+            gate = peers._connecting.get(peer_id)
+            return gate is not None and gate.users >= count
+    return _poll(f"{count} ensure() calls at the gate for {peer_id}", timeout_s, entered)
+
+
+COMMANDS[gate_users.__name__] = gate_users

@@ -365,9 +365,8 @@ def test_fail_fast_fails_what_is_queued_behind_a_lost_peer_at_once_typed_and_onl
 
 
 def test_fail_fast_leaves_the_tasks_queued_for_another_address_of_the_peer_id(tasks: Any) -> None:
-    """A peer restarted at another address: the tasks queued for its new life behind one that waited on the dead
-    address are not the lost life's; they stay queued, in order, and run. Those for the dead address, or that did
-    not say where, fail."""
+    """A peer restarted at another address: the tasks for its new life are not the lost life's; they stay
+    queued, in order, and run. Those queued for the dead address fail."""
     from ncclkv.engine._tasks import fail_fast, submit_task
 
     reports, ran = _Reports(), []
@@ -383,16 +382,33 @@ def test_fail_fast_leaves_the_tasks_queued_for_another_address_of_the_peer_id(ta
 
     submit_task(tasks, "a0", reports.on_error("a0"), first, peer="a", at="tcp://h:1")
     queued = [submit_task(tasks, name, reports.on_error(name), ran.append, name, peer="a", at=at)
-              for name, at in (("old1", "tcp://h:1"), ("new1", "tcp://h:2"), ("any", None), ("new2", "tcp://h:2"))]
+              for name, at in (("old1", "tcp://h:1"), ("new1", "tcp://h:2"), ("new2", "tcp://h:2"))]
     assert first_runs.wait(WAIT_S)
     lose.set()
     for future in queued:
         _until(future.done, "each queued task failed or ran")
-    assert failed == [2] and ran == ["new1", "new2"]
-    assert [f.cancelled() for f in queued] == [True, False, True, False]
-    for name, errors in reports.of("old1", "any").items():
+    assert failed == [1] and ran == ["new1", "new2"]
+    assert [f.cancelled() for f in queued] == [True, False, False]
+    for name, errors in reports.of("old1").items():
         assert len(errors) == 1 and type(errors[0]) is PeerLostError, (name, errors)
     assert reports.of("new1", "new2") == {"new1": [], "new2": []}
+
+
+def test_a_task_for_another_address_of_the_peer_id_is_not_queued_behind_those_running_at_the_first(
+        tasks: Any) -> None:
+    """Each address of a peer id (another life of it: restarted there) has a lane of its own: with the lane's
+    places all taken by tasks waiting on the dead address (each up to deadline_s), the new life's task runs at
+    once, and the dead address's next one still waits its turn. Before, it was queued behind them."""
+    hold, started = threading.Event(), threading.Event()
+    stuck = tasks.submit_to("a", lambda: (started.set(), hold.wait(3 * WAIT_S)), at="tcp://h:1")  # per_peer: 1
+    try:
+        assert started.wait(WAIT_S)
+        behind = tasks.submit_to("a", lambda: "old", at="tcp://h:1")
+        assert tasks.submit_to("a", lambda: "new", at="tcp://h:2").result(WAIT_S) == "new"  # before: TimeoutError
+        assert not behind.done() and not stuck.done()
+    finally:
+        hold.set()
+    assert behind.result(WAIT_S) == "old" and stuck.result(WAIT_S)[1]
 
 
 def test_shutdown_fails_what_is_queued_with_closed_error_once_and_joins_every_thread() -> None:
@@ -450,14 +466,14 @@ def _engines(**consumer: Any) -> Iterator[tuple[list[Any], list[Any], list[Any]]
 
 
 class _HeldLane:
-    """Holds the consumer's lane for one producer rank (as pulls stuck in handshakes with it for deadline_s
-    would): a task in each of its places."""
+    """Holds the consumer's lane for one producer rank at ``at`` (as pulls stuck in handshakes with it for
+    deadline_s would): a task in each of its places."""
 
-    def __init__(self, side: Any, peer: str) -> None:
+    def __init__(self, side: Any, peer: str, at: str) -> None:
         self._started, self._release = threading.Semaphore(0), threading.Event()
         executor = side.engine._executor  # noqa: SLF001
         for _ in range(executor._per_peer):  # noqa: SLF001
-            executor.submit_to(peer, self._hold)
+            executor.submit_to(peer, self._hold, at=at)
         for _ in range(executor._per_peer):  # noqa: SLF001
             assert self._started.acquire(timeout=WAIT_S), f"{peer}'s lane never ran"
 
@@ -477,7 +493,7 @@ def test_a_pull_queued_in_its_producers_lane_counts_its_deadline_from_when_it_is
         for side, blocks_ in ((prefill[0], [1, 2]), (prefill2[0], [5, 6])):
             side.fill(seed=5, block_ids=blocks_, num_tokens=20)
             side.engine.finish("ok" if side is prefill[0] else "other", blocks_, 20)
-        held = _HeldLane(decode[0], "prefill.r0")
+        held = _HeldLane(decode[0], "prefill.r0", prefill[0].engine.address)
         try:
             decode[0].engine.expect("ok", engine_ref("prefill", ONE, prefill), [3, 4], 20)
             # Another producer's pull goes on meanwhile (before: it shared 4 workers with every peer's).
@@ -499,7 +515,7 @@ def test_a_pull_aborted_while_queued_in_its_producers_lane_is_declined_not_sent(
     with _engines() as (prefill, _, decode):
         prefill[0].fill(seed=6, block_ids=[1, 2], num_tokens=20)
         prefill[0].engine.finish("a", [1, 2], 20)
-        held = _HeldLane(decode[0], "prefill.r0")
+        held = _HeldLane(decode[0], "prefill.r0", prefill[0].engine.address)
         try:
             decode[0].engine.expect("a", engine_ref("prefill", ONE, prefill), [3, 4], 20)
             decode[0].engine.abort("a")

@@ -230,3 +230,35 @@ def test_a_pull_from_the_restarted_producer_does_not_wait_for_a_handshake_at_the
     assert all(o.ok for o in new.call("take_sent", key="fx-p", rids=["fresh", "after"]).values())
     logs = consumer.call("logs")
     assert [line for line in logs if f"is at {dead!r} now" in line] == [], logs
+
+
+def test_a_pull_from_the_restarted_producer_does_not_queue_behind_pulls_running_to_the_dead_address(
+        procs: Pool) -> None:
+    """As above, with every task of the producer rank's lane (4 at once) a pull naming the dead address: one shakes
+    hands there, three wait at the gate. The pull naming the restarted producer was queued in that lane behind
+    them: it never reached the gate to take it over, and started only once the first of them failed, after
+    deadline_s (fail-fast drops only the tasks queued for the dead address)."""
+    old, consumer, new = procs[0], procs[1], procs[2]
+    ref_old = _build(old, "fx-p", "producer")
+    ref_new = _build(new, "fx-p", "producer")  # the same engine id, restarted at another address (a later life)
+    _build(consumer, "fx-d", "consumer")
+    (dead,), (live,) = ref_old.control_addrs, ref_new.control_addrs
+    old.call("stall", key="fx-p", phase="handshake")  # it never answers a handshake
+    stale = [_req(f"stale{i}", 1 + i, i) for i in range(4)]  # the lane's 4 tasks, all at the dead address
+    consumer.call("expect", key="fx-d", producer=ref_old, reqs=stale)
+    assert old.note() == ("stalled", "handshake")
+    consumer.call("gate_users", key="fx-d", peer_id="fx-p.r0", count=len(stale))  # all 4 running, none queued
+    old.kill()
+    fresh = _req("fresh", 9, 8)
+    new.call("hold", key="fx-p", reqs=[fresh])
+    started = time.monotonic()
+    consumer.call("expect", key="fx-d", producer=ref_new, reqs=[fresh])
+    outcome = consumer.call("wait", key="fx-d", reqs=[fresh])["fresh"]
+    assert outcome.ok and outcome.at - started < FAST_S, (outcome.at - started, outcome)
+    for failed in consumer.call("wait", key="fx-d", reqs=stale).values():  # refused as stale, at once
+        assert failed.error_type == "PeerLostError" and "stale reference to 'fx-p.r0'" in failed.message, failed
+        assert failed.at - started < FAST_S, (failed.at - started, failed)
+    assert _pull(new, consumer, ref_new, _req("after", 10, 9)).ok
+    logs = consumer.call("logs")
+    assert [line for line in logs if f"is at {dead!r} now" in line] == [], logs
+    assert live != dead
