@@ -202,13 +202,13 @@ class PeerLinks:
             if not isinstance(reply, Handshake) or reply.session != session:
                 raise HandshakeError(f"peer {peer_id!r} answered the handshake with {type(reply).__name__}")
             check_compatible(self._local, reply)
-            self._check_gate(peer_id, gate, control_addr)  # its hello may have gone where the channel moved since
+            # Its hello may have gone where the channel moved since: the gate is checked as it installs (_install).
             if not need_link:
-                return self._install(peer_id, reply, None, None, stamp, control_addr)
+                return self._install(peer_id, reply, None, None, stamp, control_addr, gate)
             link: Future[LinkBase] = Future()
             link.set_running_or_notify_cancel()  # not cancellable: close() and drop() close what it brings instead
             link_id = self._link_id(peer_id, session)
-            peer = self._install(peer_id, reply, link, link_id, stamp, control_addr)
+            peer = self._install(peer_id, reply, link, link_id, stamp, control_addr, gate)
             try:
                 opened = self._open_link(peer_id, reply.data_addr, session)
             except BaseException as err:
@@ -404,8 +404,10 @@ class PeerLinks:
             _close_link(peer)
 
     def _install(self, peer_id: str, remote: Handshake, link: Future[LinkBase] | None, link_id: str | None,
-                 stamp: int = -1, address: str | None = None) -> Peer:
-        """Make this handshake the current one with ``peer_id``.
+                 stamp: int = -1, address: str | None = None, gate: _Gate | None = None) -> Peer:
+        """Make this handshake the current one with ``peer_id``; ``gate``: the one our ensure() holds, checked
+        under the lock the takeover is made under (:meth:`_check_gate`): a handshake with a later life that took
+        it over and installed meanwhile is never replaced by ours with the earlier life.
 
         A control-only handshake never replaces a usable link of the same
         incarnation. A replaced link stays open while it is healthy: the peer
@@ -417,6 +419,8 @@ class PeerLinks:
         stale: list[Peer] = []
         with self._lock:
             self._check_open()
+            if gate is not None:
+                self._check_gate(peer_id, gate, address or remote.control_addr)
             self._record_life(peer_id, remote.incarnation, address or remote.control_addr)
             old = self._peers.get(peer_id)
             if (link is None and old is not None and old.link is not None and _usable(old, True)

@@ -240,3 +240,46 @@ def test_a_handshake_elsewhere_not_known_to_be_with_a_later_life_waits_its_turn(
     channel.release.set()
     assert old.result(WAIT_S).address == "tcp://remote:1"
     assert new.result(WAIT_S).address == "tcp://remote:2" and peers.get(PEER).address == "tcp://remote:2"
+
+
+class _LivesChannel(_Channel):
+    """Answers each handshake with the life of the peer id at the address the channel's path leads to."""
+
+    def __init__(self, lives: dict[str, int]) -> None:
+        super().__init__()
+        self.lives = lives
+
+    def request(self, peer_id: str, hello: Handshake, timeout_s: float) -> Handshake:
+        reply = super().request(peer_id, hello, timeout_s)
+        return replace(reply, incarnation=self.lives[self.addresses[peer_id]])
+
+
+def test_a_handshake_with_an_earlier_life_answered_just_before_a_later_life_took_over_installs_nothing(
+        parts: Any) -> None:
+    """The handshake with the earlier life (at its old address) got its answer and passed its check of the gate;
+    before it installed, one with the later life at another address took the gate over and installed. The
+    earlier one then installed over it: the later life, alive, was recorded as replaced by the earlier one (each
+    request naming it refused as stale), and its handshake dropped. Checked and installed at once now, it fails
+    as reset, and the later life stays."""
+    peers, _, _, pool = parts
+    channel = _LivesChannel({"tcp://remote:1": 1, "tcp://remote:2": 2})
+    peers._channel = channel  # noqa: SLF001
+    checked, go_on = threading.Event(), threading.Event()
+    install = peers._install  # noqa: SLF001
+
+    def hooked(peer_id: str, remote: Handshake, *args: Any, **kwargs: Any) -> Any:
+        if remote.incarnation == 1:  # the earlier life's answer, checked: just before it installs
+            checked.set()
+            assert go_on.wait(WAIT_S)
+        return install(peer_id, remote, *args, **kwargs)
+
+    peers._install = hooked  # noqa: SLF001
+    old = pool.submit(peers.ensure, PEER, "tcp://remote:1", False, 1)
+    assert checked.wait(WAIT_S)
+    new = peers.ensure(PEER, "tcp://remote:2", False, 2)
+    go_on.set()
+    with pytest.raises(PeerResetError, match="abandoned: one with a later life of it, at 'tcp://remote:2'"):
+        old.result(WAIT_S)
+    assert peers.get(PEER) is new and new.remote.incarnation == 2
+    assert peers.ensure(PEER, "tcp://remote:2", False, 2) is new  # not refused as stale
+    assert peers._connecting == {}  # noqa: SLF001
