@@ -112,6 +112,9 @@ class _Gate:
     address: str | None = None
     incarnation: int = 0
     taken_over: str | None = None  # the address of a handshake with a later life that took over (_handshaking)
+    # Held by the ensure() holding the gate while it checks the gate and moves the channel; shared with the gate
+    # that takes this one over, so a taker moves only once a move it came in the middle of is done.
+    moving: threading.Lock = field(default_factory=threading.Lock)
 
 
 class PeerLinks:
@@ -188,15 +191,21 @@ class PeerLinks:
                 peer = self._peers.get(peer_id)
                 if stale is None and peer is not None and self._current(peer, control_addr, need_link):
                     return peer
-                moved_from = self._channel.connected_address(peer_id)
             if stale is not None:
                 raise PeerLostError(stale)
-            self._check_gate(peer_id, gate, control_addr)
-            if moved_from is not None and moved_from != control_addr:
-                self.drop(peer_id, f"{peer_id!r} is at {control_addr!r} now, no longer at {moved_from!r}")
-            session = uuid.uuid4().hex
-            self._channel.connect(peer_id, control_addr)  # replaces the channel's path to it when it moved
-            stamp = self._channel.loss_seq  # after connect(): a loss it reported is older than this handshake
+            if not self._channel.clock.wait(lambda s: gate.moving.acquire(timeout=s), self._deadline_s):
+                raise TransferTimeout(f"handshake with {peer_id!r}: a move of the channel to an earlier life of it "
+                                      f"still in progress after {self._deadline_s}s")
+            try:  # not in the middle of a handshake's move with an earlier life, whose gate this one took over
+                self._check_gate(peer_id, gate, control_addr)
+                moved_from = self._channel.connected_address(peer_id)
+                if moved_from is not None and moved_from != control_addr:
+                    self.drop(peer_id, f"{peer_id!r} is at {control_addr!r} now, no longer at {moved_from!r}")
+                session = uuid.uuid4().hex
+                self._channel.connect(peer_id, control_addr)  # replaces the channel's path to it when it moved
+                stamp = self._channel.loss_seq  # after connect(): a loss it reported is older than this handshake
+            finally:
+                gate.moving.release()
             hello = replace(self._local, session=session, open_link=need_link)
             reply = self._channel.request(peer_id, hello, self._deadline_s)
             if not isinstance(reply, Handshake) or reply.session != session:
@@ -454,7 +463,8 @@ class PeerLinks:
         A gate held for a handshake at another address with an earlier life of the peer id (both incarnations
         known) is not waited for: that life is gone (a peer id has one life at a time, and incarnations grow
         with their start time), and its handshake may wait ``deadline_s`` there. This one takes a new gate,
-        and its move of the channel fails the old attempt's request (``PeerResetError`` at the old address); the
+        and its move of the channel (once a move of the old attempt under way is done: ``_Gate.moving``)
+        fails the old attempt's request (``PeerResetError`` at the old address); the
         old attempt moves and installs nothing after that (:meth:`_check_gate`), and those that waited behind it
         wait for this one. Without both incarnations the order of the two lives is not known: the gate is
         waited for."""
@@ -497,7 +507,7 @@ class PeerLinks:
             log.info("handshake with %s at %s (incarnation %#x) goes before the one in progress at %s, with the "
                      "earlier incarnation %#x", peer_id, address, incarnation, gate.address, gate.incarnation)
             gate.taken_over = address
-            gate = None
+            gate = self._connecting[peer_id] = _Gate(threading.Lock(), moving=gate.moving)
         if gate is None:
             gate = self._connecting[peer_id] = _Gate(threading.Lock())
         gate.users += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from ncclkv.layout import KVGeometry, ParallelLayout
 from ncclkv.protocol import Handshake
 
 WAIT_S = 10.0
+_MOVE_S = 1.0  # what a handshake takes here, on a busy machine: far more than it needs
 ME, PEER = "local.r0", "remote.r0"
 
 
@@ -282,4 +284,45 @@ def test_a_handshake_with_an_earlier_life_answered_just_before_a_later_life_took
         old.result(WAIT_S)
     assert peers.get(PEER) is new and new.remote.incarnation == 2
     assert peers.ensure(PEER, "tcp://remote:2", False, 2) is new  # not refused as stale
+    assert peers._connecting == {}  # noqa: SLF001
+
+
+class _MovingChannel(_LivesChannel):
+    """Holds the first connect() to ``held_at`` (the earlier life's address) until ``release``."""
+
+    def __init__(self, lives: dict[str, int], held_at: str) -> None:
+        super().__init__(lives)
+        self.held_at, self.moves = held_at, []
+        self.holding, self.release = threading.Event(), threading.Event()
+
+    def connect(self, peer_id: str, address: str) -> None:
+        if address == self.held_at and not self.holding.is_set():
+            self.holding.set()
+            assert self.release.wait(WAIT_S)
+        self.moves.append(address)
+        super().connect(peer_id, address)
+
+
+def test_a_handshake_with_an_earlier_life_past_its_check_of_the_gate_never_moves_the_channel_back(
+        parts: Any) -> None:
+    """The handshake with the earlier life passed its check of the gate and was about to move the channel to the
+    old address when one with a later life at another address took the gate over. The later one moved the
+    channel and installed; then the earlier one moved it back to the old address (a real channel resets the
+    live peer there: what waited on it fails) and sent its hello there. Now the later one moves only once the
+    earlier one's move is done: the channel ends at the later life's address, the earlier attempt fails as
+    reset."""
+    peers, _, _, pool = parts
+    channel = _MovingChannel({"tcp://remote:1": 1, "tcp://remote:2": 2}, "tcp://remote:1")
+    peers._channel = channel  # noqa: SLF001
+    old = pool.submit(peers.ensure, PEER, "tcp://remote:1", False, 1)
+    assert channel.holding.wait(WAIT_S)
+    new = pool.submit(peers.ensure, PEER, "tcp://remote:2", False, 2)
+    # Before, it was done at once (installed at the new address); now it waits for the move under way.
+    wait_futures([new], timeout=_MOVE_S)
+    channel.release.set()
+    assert new.result(WAIT_S).address == "tcp://remote:2"
+    with pytest.raises(PeerResetError, match="abandoned: one with a later life of it, at 'tcp://remote:2'"):
+        old.result(WAIT_S)
+    assert channel.connected_address(PEER) == "tcp://remote:2", channel.moves
+    assert channel.moves[-1] == "tcp://remote:2" and peers.get(PEER) is new.result()
     assert peers._connecting == {}  # noqa: SLF001
