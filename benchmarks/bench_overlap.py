@@ -76,12 +76,17 @@ RunMode = Callable[[str, Callable[[], None]], tuple[float, float, float]]
 
 class _ByteCheck:
     """What a mode's round left in the receiver's cache: random bytes there before the round (outside its timed
-    interval), the layers' hashes compared with the sender's after it. ``single`` sends the last layer alone."""
+    interval), the layers' hashes compared with the sender's after it. ``single`` sends the last layer alone.
 
-    def __init__(self, peer: Any, expected: list[str], what: str) -> None:
-        self.peer, self.expected, self.what = peer, expected, what
+    ``sender``: a link row's :class:`Sender`, whose wire buffers get random bytes too: they were filled with the
+    gathered slices when it was made, so a round that sent them without gathering would deliver the right bytes."""
+
+    def __init__(self, peer: Any, expected: list[str], what: str, sender: Sender | None = None) -> None:
+        self.peer, self.expected, self.what, self.sender = peer, expected, what, sender
 
     def before(self) -> None:
+        if self.sender is not None:
+            self.sender.scramble("wires")
         self.peer.endpoint.send("scramble")
         self.peer.endpoint.expect("scrambled")
 
@@ -388,7 +393,7 @@ def run(ctx: BenchContext, params: OverlapParams | None = None) -> BenchResult:
                     def link_mode(mode: str, compute: Callable[[], None], sender: Sender = sender) -> tuple[float, float, float]:
                         return scenario(mode, sender, compute, peer)
 
-                    check = _ByteCheck(peer, sender.digests(), f"link, sent as {_pieces(layer_case)}")
+                    check = _ByteCheck(peer, sender.digests(), f"link, sent as {_pieces(layer_case)}", sender)
                     rows += [_config(c, layer_case, "link", link_mode, MODES, busy, repeats, ctx, check)
                              for c in params.compute_ms]
                     del sender, link_mode  # free its buffers before the next case's

@@ -324,3 +324,39 @@ def test_memory_repeats_soak_anew_and_judge_the_median_slope(quick_run: tuple[Pa
     assert result.headline[0].startswith("RSS left behind per request over the last 40% of 80 requests")
     assert "+900 B/request (median of 3 soaks, each in a new process; min +500) (goal < 1024 B/request: met)" in \
         result.headline[0]
+
+
+def _send_without_gathering(self: object) -> None:
+    """The ncclkv path with its gathers left out: it sends whatever its wire buffers hold."""
+    from benchmarks import _transfer_paths
+
+    for fut in [self.link.send(buf) for _, _, buf in self.pieces]:  # type: ignore[attr-defined]
+        fut.result(_transfer_paths.WAIT_S)
+
+
+def test_transfer_checks_that_the_ncclkv_path_gathered_what_it_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender's wire buffers start out holding the gathered slices (the raw and link paths send them), so an
+    ncclkv path that sent them without gathering delivered the right bytes: its check must not rest on them."""
+    from benchmarks import _transfer_paths, bench_transfer
+
+    monkeypatch.setattr(_transfer_paths.Sender, "ncclkv", _send_without_gathering)
+    params = bench_transfer.TransferParams(sizes=(64 << 10,), round_bytes=256 << 10, trip_sizes=(64 << 10,), trips=1)
+    with _common.BenchContext(_common.BenchOptions(quick=True, repeats=1, out=tmp_path)) as ctx:
+        with pytest.raises(_transfer_paths.BytesDiffer,
+                           match=r"^64 KiB, ncclkv path, round 0: the receiver's cache differ"):
+            bench_transfer.run(ctx, params)
+
+
+def test_overlap_checks_that_the_link_path_gathered_what_it_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above for bench overlap's link rows: whole layers sent from wire buffers filled before the round."""
+    from benchmarks import _transfer_paths, bench_overlap
+
+    monkeypatch.setattr(_transfer_paths.Sender, "ncclkv", _send_without_gathering)
+    params = bench_overlap.OverlapParams(num_layers=2, compute_ms=(1.0,), transfer_ms=1.0, chunk_bytes=(0,),
+                                         engine_pieces=())
+    with _common.BenchContext(_common.BenchOptions(quick=True, repeats=1, out=tmp_path)) as ctx:
+        with pytest.raises(_transfer_paths.BytesDiffer, match=r"^link, sent as 1 x .*, c=1 ms, transfer round: "
+                                                              r"layers \[0, 1\] "):
+            bench_overlap.run(ctx, params)
