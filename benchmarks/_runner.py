@@ -185,7 +185,7 @@ def _present(figures: Path, out: Path, names: Sequence[str], redraw: bool, prefi
 
     ``lent``: a lent machine's results, without the modules' ANALYSIS (written about this machine's)."""
     sections: list[str] = []
-    summary: list[str] = []
+    summary: list[tuple[str, str, dict[str, object]]] = []  # (name, finding, its machine) per benchmark
     for name in names:
         json_path = out / f"{name}.json"
         if not json_path.is_file():
@@ -216,5 +216,20 @@ def _present(figures: Path, out: Path, names: Sequence[str], redraw: bool, prefi
         elif module is not None:  # the module's current text, so RESULTS.md follows edits without a rerun
             result.analysis = getattr(module, "ANALYSIS", result.analysis)
         sections.append(_section(result, figure, shared=not lent))
-        summary.append(f"- **{name}**: {result.headline[0]}" if result.headline else f"- **{name}**: see below")
-    return sections, summary
+        summary.append((name, result.headline[0] if result.headline else "see below",
+                        dict(result.meta.get("machine") or {})))
+    # out/ keeps each benchmark's last full run, and one benchmark may since have run on another machine: then
+    # each line names its machine, so the summary does not present them as one machine's numbers.
+    mixed = len({_machine_key(m) for _, _, m in summary}) > 1
+    return sections, [f"- **{name}**{f' ({_machine_label(m)})' if mixed else ''}: {finding}"
+                      for name, finding, m in summary]
+
+
+def _machine_key(machine: dict[str, object]) -> tuple[object, ...]:
+    """What tells machines apart (not the date: one machine on two days is one machine)."""
+    return machine.get("cpu"), machine.get("cores"), machine.get("gpu")
+
+
+def _machine_label(machine: dict[str, object]) -> str:
+    gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
+    return f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores{gpu}, {machine.get('date', '?')}"

@@ -123,3 +123,30 @@ def test_rerunning_one_benchmark_keeps_the_figures_of_the_kept_results(tmp_path:
     assert "![control](figures/control.png)" in text
     assert "![paged](figures/paged.png)" in text, "the kept result's section lost its figure"
     assert (tmp_path / "figures" / "paged.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_summary_lines_name_their_machine_when_the_kept_results_come_from_several(tmp_path: Any) -> None:
+    """out/ keeps each benchmark's last full run: rerunning one on another day's machine leaves this machine's
+    sections from two machines, and the summary must not present their lines as one machine's."""
+    import json
+
+    out = tmp_path / "out"
+    out.mkdir()
+    # Names outside the registry: no module draws a figure or recomputes the findings of these made-up rows.
+    base = {"name": "paged", "title": "t", "columns": [["x", "x", "{:.2f}", ">"]], "results": [{"x": 1.0}],
+            "headline": ["paged finding"], "analysis": ""}
+
+    def kept(name: str, cpu: str, date: str) -> None:
+        meta = {"machine": {"cpu": cpu, "cores": 2, "usable_cores": 2, "date": date}, "command": f"ncclkv bench {name}"}
+        (out / f"{name}.json").write_text(json.dumps({**base, "name": name, "meta": meta,
+                                                      "headline": [f"{name} finding"]}))
+
+    kept("alpha", "Intel(R) Xeon(R) Processor", "2026-11-26 21:33 UTC")
+    kept("beta", "AMD EPYC", "2026-11-27 09:08 UTC")
+    text = _runner.write_results_md(tmp_path / "RESULTS.md", out, names=["alpha", "beta"]).read_text()
+    summary = text.split("## Summary\n", 1)[1].split("\n## ", 1)[0]
+    assert "- **alpha** (Intel(R) Xeon(R) Processor, 2 cores, 2026-11-26 21:33 UTC): alpha finding" in summary
+    assert "- **beta** (AMD EPYC, 2 cores, 2026-11-27 09:08 UTC): beta finding" in summary
+    kept("beta", "Intel(R) Xeon(R) Processor", "2026-11-27 09:08 UTC")  # one machine, two days: no labels
+    text = _runner.write_results_md(tmp_path / "RESULTS.md", out, names=["alpha", "beta"]).read_text()
+    assert "- **alpha**: alpha finding" in text and "- **beta**: beta finding" in text
