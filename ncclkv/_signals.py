@@ -69,12 +69,32 @@ def stop_on_signals() -> Iterator[None]:
 
 @contextmanager
 def signals_deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block has ended (then their handlers run as usual)."""
+    """SIGINT and SIGTERM wait until the block has ended (then their handlers run as usual).
+
+    The mask blocks them on this thread only (and in the children it starts): the kernel hands a process-directed
+    signal to any other thread that lets it in (rich's spinner, ZMQ's), and Python then runs the handler on the main
+    thread at once. So on the main thread the handlers are also swapped for one that only notes the signal; at the
+    end the handlers are back, the mask too, and each noted signal is raised again."""
+    on_main = threading.current_thread() is threading.main_thread()
+    noted: list[int] = []
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS} if on_main else {}
+    handlers = {signum: handler for signum, handler in handlers.items() if handler is not None}  # None: not Python's
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        if signum not in noted:
+            noted.append(signum)
+
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
+        for signum in handlers:
+            signal.signal(signum, note)
         yield
     finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for signum in noted:  # after the mask: raise() delivers to this thread, and the handler runs here
+            signal.raise_signal(signum)
 
 
 def unblock_stop_signals() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from ncclkv._signals import Stopped, stop_on_signals
+from ncclkv._signals import Stopped, signals_deferred, stop_on_signals
 from ncclkv._vllm_model import MARKER_FILE
 from ncclkv.cli import main
 from ncclkv.demo import DEMO_SPEC, EngineOptions, EngineProcess
@@ -233,6 +233,32 @@ def test_only_the_first_signal_stops_and_later_ones_do_not_cut_the_clean_up_shor
     assert cleaned_up == [True]
     assert stopped.value.signum == signal.SIGINT and stopped.value.__context__ is None  # the first one only
     assert {signum: signal.getsignal(signum) for signum in before} == before  # the previous handlers are back
+
+
+def test_signals_deferred_holds_a_stop_back_while_another_thread_could_take_the_signal() -> None:
+    """The mask blocks the signals on this thread only: with another thread running (rich's spinner thread while the
+    demo launches its engines), the kernel hands a SIGTERM to that thread, and Python ran the handler on the main
+    thread at once, inside the block: Stopped between a child's fork and its handle being kept."""
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    ends = threading.Event()
+    other = threading.Thread(target=ends.wait, name="other-thread", daemon=True)  # its mask lets both signals in
+    other.start()
+    seen: list[str] = []
+    try:
+        with pytest.raises(Stopped) as stopped:
+            with stop_on_signals(), signals_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)  # process-directed: this thread blocks it, the other does not
+                deadline = time.monotonic() + 0.5
+                while time.monotonic() < deadline:  # bytecode running: where a handler would run
+                    time.sleep(0.001)
+                seen.append("block ended")
+    finally:
+        ends.set()
+        other.join(5)
+    assert seen == ["block ended"]  # the signal waited for the block's end ...
+    assert stopped.value.signum == signal.SIGTERM  # ... and then stopped as usual
+    assert {signum: signal.getsignal(signum) for signum in before} == before  # the handlers are back
+    assert not set(signal.pthread_sigmask(signal.SIG_BLOCK, [])) & {signal.SIGINT, signal.SIGTERM}  # and the mask
 
 
 # ------------------------------------------------------------------ the command
