@@ -138,13 +138,55 @@ def _make_group(
     options._timeout = _left(deadline)  # connecting to the peer; operations pass their own deadlines
     options._devices = [gloo_device()]
     options._threads = 1  # gloo's worker threads serve collectives; send/recv do not use them
-    return dist.ProcessGroupGloo(store, link_rank, 2, options)
+    return dist.ProcessGroupGloo(_PollingStore(store, deadline), link_rank, 2, options)
+
+
+class _PollingStore(dist.Store):
+    """``store`` for gloo's rendezvous, its waits polled: a blocking TCPStore wait holds the connection for its
+    whole length, and a responder meets every peer through one (its server object), so a peer that stopped before
+    its gloo group set its address held every other peer's link opening through our store up to our deadline."""
+
+    def __init__(self, store: dist.Store, deadline: float) -> None:
+        super().__init__()
+        self._store = store
+        self._deadline = deadline
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key], _left(self._deadline))
+        return self._store.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        return self._store.add(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(key)
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return self._store.compare_set(key, expected, desired)
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        deadline = self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout.total_seconds())
+        if not _poll_all(self._store, keys, deadline):
+            raise TimeoutError(f"wait timeout after {timeout}, keys: {keys}")
 
 
 def _poll(store: dist.Store, key: str, deadline: float) -> bool:
     """Wait for ``key`` without a blocking store wait: those hold the (shared) client for their whole length."""
+    return _poll_all(store, [key], deadline)
+
+
+def _poll_all(store: dist.Store, keys: list[str], deadline: float) -> bool:
     pause = 0.0005
-    while not store.check([key]):
+    while not store.check(keys):
         if time.monotonic() >= deadline:
             return False
         time.sleep(pause)

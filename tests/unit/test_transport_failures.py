@@ -332,6 +332,35 @@ def test_a_gloo_link_leaves_only_its_joined_keys_of_ours_in_the_store() -> None:
         assert l1.recv((2,), torch.float32).result(WAIT_S).tolist() == [1.0, 1.0]
 
 
+def test_a_peer_stalled_in_its_rendezvous_does_not_hold_another_peers_link_through_our_store() -> None:
+    """A responder meets every initiator in its own store through one connection (the server object). A peer that
+    published its backend and then stopped (SIGSTOP, a crash) before its gloo group set its address left our end in
+    gloo's blocking store wait, which holds that connection for its whole length: every other peer's link opening
+    through our store waited behind it, up to the stalled link's deadline."""
+    with DataPlane(deadline_s=60) as responder, DataPlane(deadline_s=60) as healthy:
+        host, port = split_address(responder.address)
+        peer = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=WAIT_S))  # the stalled peer's
+        stalled = dist.PrefixStore("ncclkv/stalled", peer)
+        stalled.add("joined/0", 1)
+        stalled.set("gpu/0", "")
+        stalled.set("backend/0", "gloo")  # ... and it stops here: its gloo group never sets its address
+        with ThreadPoolExecutor(3) as pool:
+            waiting = pool.submit(responder.open_link, "stalled", 1, responder.address, "cpu", 8.0)
+            deadline = time.monotonic() + WAIT_S
+            while not stalled.check(["0/1"]):  # our end's gloo group published its address: it waits in gloo now
+                assert time.monotonic() < deadline and not waiting.done(), "our end never reached gloo's rendezvous"
+                time.sleep(0.01)
+            ends = (pool.submit(healthy.open_link, "healthy", 0, responder.address, "cpu", 30.0),
+                    pool.submit(responder.open_link, "healthy", 1, responder.address, "cpu", 30.0))
+            links = [end.result(40.0) for end in ends]
+            assert not waiting.done(), "the healthy peer's link opened only once the stalled one's wait had ended"
+            links[0].send(torch.ones(2))
+            assert links[1].recv((2,), torch.float32).result(WAIT_S).tolist() == [1.0, 1.0]
+            with pytest.raises(TransferTimeout, match="'stalled'"):
+                waiting.result(20.0)
+        del peer
+
+
 def test_the_receive_being_posted_when_another_op_breaks_the_link_fails_with_the_cause() -> None:
     """A framed receive's poster waits for the next header while the receive before it is in flight; that one
     passes its deadline and breaks the link, whose abort then ends the header wait. The receive being posted was
