@@ -78,7 +78,8 @@ def signals_deferred() -> Iterator[None]:
     on_main = threading.current_thread() is threading.main_thread()
     noted: list[int] = []
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS} if on_main else {}
-    handlers = {signum: handler for signum, handler in handlers.items() if handler is not None}  # None: not Python's
+    # None: not Python's; SIG_IGN stays (nothing to note, and a child forked meanwhile keeps ignoring it).
+    handlers = {signum: handler for signum, handler in handlers.items() if handler not in (None, signal.SIG_IGN)}
 
     def note(signum: int, frame: FrameType | None) -> None:
         if signum not in noted:
