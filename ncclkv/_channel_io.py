@@ -462,9 +462,10 @@ class IoLoop:
                 f"now: a late frame of a dead process, or two live processes share the peer id (each engine needs "
                 f"an engine_id of its own)"))
             return
+        said = self._peers.said_at(sender) if incarnation else ""  # where the life it may replace said it is
         replaced = self._peers.heard(sender, self._clock.now(), incarnation)
         if replaced:  # before anything of the new one is handled: the earlier one is lost
-            self._restarted(sender, replaced, incarnation, via_router=routing_id is not None)
+            self._restarted(sender, replaced, incarnation, via_router=routing_id is not None, said_at=said)
         link = self._links.get(sender)
         if routing_id is not None and (link is None or link.dealer is None):
             # Answer on the connection it came in on.
@@ -531,15 +532,16 @@ class IoLoop:
                  "(we had lost it: %s)", self._peer_id, peer_id, incarnation, reason)
         self._post(peer_id, self._frame(Reset(reason[:MAX_TEXT_CHARS], incarnation), None))
 
-    def _restarted(self, peer_id: str, old: int, new: int, via_router: bool) -> None:
+    def _restarted(self, peer_id: str, old: int, new: int, via_router: bool, said_at: str = "") -> None:
         """``peer_id`` speaks with another incarnation: the earlier one is lost (its requests fail, its
         handshake goes), reported before the new one's first frame is handled. A frame of the new one that came
-        to our ROUTER while we reach the peer id by a DEALER (to the dead one's address): answer it there."""
+        to our ROUTER while we reach the peer id by a DEALER (to the dead one's address): answer it there.
+        ``said_at``: where the earlier one said it is, if it only reached us (the new one's frame cleared it)."""
         self._counters.peers_lost += 1
         self._reset_due.pop(peer_id, None)
         reason = f"it restarted: incarnation {old:#x} is gone, {new:#x} speaks under its id now"
         log.warning("channel %r: peer %r lost: %s", self._peer_id, peer_id, reason)
-        link, address = self._links.get(peer_id), self._address(peer_id)
+        link, address = self._links.get(peer_id), self._address(peer_id) or said_at or None
         if via_router and link is not None and link.dealer is not None:
             self._drop_link(peer_id)
         self._lost(peer_id, reason, "reset", address)
@@ -595,9 +597,15 @@ class IoLoop:
         self._lost(peer_id, reason, kind, address)
 
     def _address(self, peer_id: str) -> str | None:
-        """Where our DEALER reaches ``peer_id`` (the life a loss is of); None when it only reached us."""
+        """Where the life of ``peer_id`` a loss is of is: where our DEALER reaches it, or, when it only reached
+        us, where its handshake said it is; None when neither is known. Without it, the loss would be taken for
+        every life of the peer id, one restarted at another address included (``lost_there``)."""
         link = self._links.get(peer_id)
-        return link.address if link is not None and link.dealer is not None and link.address else None
+        if link is None:
+            return None
+        if link.dealer is not None:
+            return link.address or None
+        return self._peers.said_at(peer_id, lost_too=True) or None
 
     def _drop_link(self, peer_id: str, linger_ms: int = 0) -> None:
         link = self._links.pop(peer_id, None)

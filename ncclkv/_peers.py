@@ -95,7 +95,8 @@ class _PeerState:
     # frame of a dead life or a second process under the peer id, never a restart (see replaced_life).
     replaced: tuple[int, ...] = ()
     # The control address this life's handshake named, heard on our ROUTER while we had no DEALER to it: where a
-    # peer that only reached us is ("": not said). Gone with the life (another incarnation, a loss, a new path).
+    # peer that only reached us is ("": not said). Gone with the life (another incarnation, a new path); kept
+    # once it is lost, until the peer id is heard or connected again (the life a loss is of, and where it was).
     said_at: str = ""
 
 
@@ -207,12 +208,13 @@ class PeerTable:
             if state is not None and not state.lost and state.incarnation == incarnation:
                 state.said_at = address
 
-    def said_at(self, peer_id: str) -> str:
+    def said_at(self, peer_id: str, *, lost_too: bool = False) -> str:
         """Where the live life of ``peer_id``, which only reached us, said it is (its handshake's control address);
-        "" when none said so."""
+        "" when none said so. ``lost_too``: or the life lost last, until the peer id is heard or connected again
+        (where the life a loss is of was, as the address connect() was given is kept)."""
         with self._lock:
             state = self._states.get(peer_id)
-            return "" if state is None or state.lost else state.said_at
+            return "" if state is None or (state.lost and not lost_too) else state.said_at
 
     def incarnation(self, peer_id: str) -> int:
         """The incarnation last heard from ``peer_id``, lost or alive (0: none, or unknown peer)."""

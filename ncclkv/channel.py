@@ -326,10 +326,11 @@ class Channel:
         return self._peers.incarnation(peer_id)
 
     def connected_address(self, peer_id: str) -> str | None:
-        """Where this channel reaches ``peer_id``: for a peer alive that only reached us, the control address its
-        handshake named, else the address :meth:`connect` was last given for it; None if neither."""
+        """Where this channel reaches ``peer_id``: for a peer that only reached us, the control address its
+        handshake named (kept once it is lost, as the address given to :meth:`connect` is), else the address
+        :meth:`connect` was last given for it; None if neither."""
         with self._lock:
-            return self._peers.said_at(peer_id) or self._addresses.get(peer_id)
+            return self._peers.said_at(peer_id, lost_too=True) or self._addresses.get(peer_id)
 
     @property
     def loss_seq(self) -> int:
@@ -472,7 +473,7 @@ class Channel:
         :class:`PeerResetError` (``"reset"``: what it held about us, or we about it, is gone while it is there),
         a :class:`PeerAuthError` (``"auth"``: it cannot authenticate with us, for certain) or a
         :class:`PeerLostError`, each carrying the loss's ``loss_seq`` and the ``address`` the life lost was
-        reached at (None: it only reached us)."""
+        reached at (None: not known)."""
         kind = loss_error(how)
         seq = self._peers.next_loss_seq()
         with self._lock:

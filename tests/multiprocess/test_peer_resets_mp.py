@@ -233,6 +233,38 @@ def test_a_consumer_that_only_reached_the_producer_takes_the_next_push_at_its_ne
         old.kill()
 
 
+def test_the_loss_of_a_producer_that_only_reached_the_consumer_spares_a_pull_from_its_new_address(
+        procs: Pool) -> None:
+    """The producer pushed (the consumer reached it only on its ROUTER), then hung (stopped) with pulls of the
+    consumer's waiting on it, and was restarted at another address; the next request names the new one and waits
+    in the rank's lane behind those pulls. The old process is killed: the consumer's send to it fails, and that
+    loss carried no address (None: 'everything of that peer id'), so it failed the request expected from the new
+    life as well ('send failed'), where a loss of a life our DEALER reached spares it. The loss now carries the
+    address that life's handshake named."""
+    old, consumer, new = procs[0], procs[1], procs[2]
+    ref_old = _build(old, "ilost-p", "producer")
+    ref_c = _build(consumer, "ilost-d", "consumer")
+    sent, got = _push(old, ref_old, consumer, ref_c, _req("warm", 1, 0))
+    assert sent.ok and got.ok, (sent, got)
+    ref_new = _build(new, "ilost-p", "producer")
+    assert ref_new.control_addrs != ref_old.control_addrs
+    hung = [_req(f"hung{i}", 2 + i, 1 + i) for i in range(4)]  # as many as the rank's lane runs at once
+    old.call("hold", key="ilost-p", reqs=hung)
+    old.signal(signal.SIGSTOP)
+    try:
+        consumer.call("expect", key="ilost-d", producer=ref_old, reqs=hung)  # their pulls wait on the stopped one
+        again = _req("again", 9, 8)
+        new.call("hold", key="ilost-p", reqs=[again])
+        consumer.call("expect", key="ilost-d", producer=ref_new, reqs=[again])  # queued behind them
+    finally:
+        old.kill()
+    outcome = consumer.call("wait", key="ilost-d", reqs=[again])["again"]
+    assert outcome.ok, outcome  # before: PeerLostError "... send failed: Host unreachable"
+    assert new.call("take_sent", key="ilost-p", rids=["again"])["again"].ok
+    failed = consumer.call("wait", key="ilost-d", reqs=hung)
+    assert all(o.error_type is not None for o in failed.values()), failed
+
+
 def test_a_pull_that_failed_on_the_consumer_is_declined_so_the_producer_frees_it(procs: Pool) -> None:
     producer, consumer = procs[0], procs[1]
     ref_p = _build(producer, "dcl-p", "producer", hold_s=120.0)

@@ -943,6 +943,43 @@ def test_connecting_to_a_peer_that_only_reached_us_at_another_address_than_its_h
     assert a.connected_address("C") == stays.address and a.peer_incarnation("C") == stays.incarnation
 
 
+def test_the_loss_of_a_peer_that_only_reached_us_carries_the_address_its_handshake_named(
+        make_channel: Callable[..., Channel]) -> None:
+    """B and C reached A only through A's ROUTER, each handshake naming its address. B dies without a Bye and a
+    new B reaches A (a restart: the old life is lost at the new one's first frame); C closes (a Bye). Each loss
+    carried no address (None), which ``lost_there`` takes for every life of the peer id, one restarted elsewhere
+    included; a loss of a peer our DEALER reached carries its address. Now each carries the address its handshake
+    named, and A still names it as where the lost peer was (as for one connect() was given)."""
+    lost: list[tuple[str, errors.PeerLostError]] = []
+    seen: list[Message] = []
+    a = make_channel("A", on_message=lambda sender, body: seen.append(body),
+                     on_peer_lost=lambda p, e: lost.append((p, e)),
+                     heartbeat_s=30.0, deadline_s=60.0)  # no heartbeat turns in between: no send fails first
+    old = make_channel("B", heartbeat_s=0.05, deadline_s=60.0)
+    closing = make_channel("C", heartbeat_s=0.05, deadline_s=60.0)
+    hellos = [Handshake.create(f"{c.peer_id}-engine", "producer", 0, ParallelLayout(1, 1), KVGeometry(2, 2, 64),
+                               c.address, "h:2", incarnation=c.incarnation) for c in (old, closing)]
+    for channel, hello in zip((old, closing), hellos):
+        channel.connect("A", a.address)
+        channel.send("A", hello)
+    wait_until(lambda: sorted(map(repr, seen)) == sorted(map(repr, hellos)), WAIT_S)
+
+    old._io._say_bye = lambda: None  # noqa: SLF001 - it crashes: no Bye
+    old.close()
+    new = make_channel("B", heartbeat_s=0.05, deadline_s=60.0)
+    new.connect("A", a.address)
+    wait_until(lambda: len(lost) == 1, WAIT_S)
+    assert lost[0][0] == "B" and isinstance(lost[0][1], errors.PeerResetError), lost
+    assert lost[0][1].address == old.address, lost  # before: None
+    assert a.peer_incarnation("B") == new.incarnation and a.connected_address("B") is None  # the new one said nothing
+
+    closing.close()
+    wait_until(lambda: len(lost) == 2, WAIT_S)
+    assert lost[1][0] == "C" and isinstance(lost[1][1], errors.PeerClosedError), lost
+    assert lost[1][1].address == closing.address, lost  # before: None
+    assert a.connected_address("C") == closing.address and not a.peer_alive("C")
+
+
 def test_a_frame_from_a_connection_zmq_renamed_is_dropped_without_an_intruder_warning(
         make_channel: Callable[..., Channel], caplog: pytest.LogCaptureFixture) -> None:
     """After a peer resets its path to us, frames its old connection had sent come in under an id the ROUTER made
