@@ -76,7 +76,7 @@ class IoLoop:
         peers: PeerTable,
         counters: Counters,
         deliver: Callable[[Envelope], None],
-        lost: Callable[[str, str, LossKind, str | None], None],  # peer id, reason, how, address lost at
+        lost: Callable[..., None],  # peer id, reason, how, address lost at[, incarnation lost: a restart]
         auth: ChannelAuth,
         clock: ActiveClock,
         incarnation: int,
@@ -544,7 +544,7 @@ class IoLoop:
         link, address = self._links.get(peer_id), self._address(peer_id) or said_at or None
         if via_router and link is not None and link.dealer is not None:
             self._drop_link(peer_id)
-        self._lost(peer_id, reason, "reset", address)
+        self._lost(peer_id, reason, "reset", address, old)
 
     def _beat(self) -> None:
         beat = self._heartbeat()

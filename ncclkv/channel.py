@@ -467,13 +467,15 @@ class Channel:
             log.warning("channel %r: dropped a reply from %r to msg_id %s, which no request waits for: %s",
                         self.peer_id, envelope.sender, envelope.reply_to, envelope.body)
 
-    def _on_lost(self, peer_id: str, reason: str, how: LossKind, address: str | None = None) -> None:
+    def _on_lost(self, peer_id: str, reason: str, how: LossKind, address: str | None = None,
+                 incarnation: int = 0) -> None:
         """On the I/O thread (or in ``connect``, for a peer that moved): fail the requests waiting on ``peer_id``
         and schedule ``on_peer_lost``, with a :class:`PeerClosedError` (``how="closed"``: it said Bye), a
         :class:`PeerResetError` (``"reset"``: what it held about us, or we about it, is gone while it is there),
         a :class:`PeerAuthError` (``"auth"``: it cannot authenticate with us, for certain) or a
         :class:`PeerLostError`, each carrying the loss's ``loss_seq`` and the ``address`` the life lost was
-        reached at (None: not known)."""
+        reached at (None: not known), and the ``incarnation`` of the life lost when a new one replaced it (0: not
+        that)."""
         kind = loss_error(how)
         seq = self._peers.next_loss_seq()
         with self._lock:
@@ -483,8 +485,9 @@ class Channel:
             self._expire_locked(mine)  # a peer that was only stalled may still answer
         for entry in entries:
             self._finish(entry, None, _stamped(kind(f"peer {peer_id!r} lost while waiting for a reply: {reason}"),
-                                               seq, address))
-        self._dispatcher.put_lost(peer_id, _stamped(kind(f"peer {peer_id!r} lost: {reason}"), seq, address))
+                                               seq, address, incarnation))
+        self._dispatcher.put_lost(peer_id, _stamped(kind(f"peer {peer_id!r} lost: {reason}"), seq, address,
+                                                    incarnation))
 
 
 def new_incarnation() -> int:
@@ -496,8 +499,8 @@ def new_incarnation() -> int:
     return (time.time_ns() // 1_000_000) << INCARNATION_RANDOM_BITS | secrets.randbits(INCARNATION_RANDOM_BITS)
 
 
-def _stamped(error: PeerLostError, seq: int, address: str | None) -> PeerLostError:
-    error.loss_seq, error.address = seq, address
+def _stamped(error: PeerLostError, seq: int, address: str | None, incarnation: int = 0) -> PeerLostError:
+    error.loss_seq, error.address, error.incarnation = seq, address, incarnation
     return error
 
 

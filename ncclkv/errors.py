@@ -52,10 +52,12 @@ class PeerLostError(NcclKVError):
     ``loss_seq``: set by the channel that reported the loss, from its ``Channel.loss_seq`` counter; what was
     agreed with the peer before (a handshake started at a lower count) is stale, what came after is not.
     ``address``: where the channel reached the life it lost (None: it only reached us, or it was never
-    connected to); a request that names the peer id at another address is for another life."""
+    connected to); a request that names the peer id at another address is for another life. ``incarnation``:
+    the life lost, when another one of the peer id replaced it (it restarted; 0: not that, or not known)."""
 
     loss_seq: int | None = None
     address: str | None = None
+    incarnation: int = 0
 
 
 class PeerClosedError(PeerLostError):

@@ -545,11 +545,13 @@ class ConsumerSide:
         acknowledged under a handshake made after it, is not the lost one's, nor is a pull from the rank at
         another address than the life lost (its ``address``: the producer restarted there); after a reset
         (:class:`PeerResetError`: the producer is there, it only dropped us, restarted or moved), a pull not
-        acknowledged yet is left to shake hands again."""
+        acknowledged yet is left to shake hands again, and so is a push whose reference names the producer rank's
+        life heard now (it restarted: the lost life is the one it replaced, and the new one pushes this one)."""
         engine_id, rank = split_peer_id(peer_id)
         seq = error.loss_seq if isinstance(error, PeerLostError) else None
         lost_at = error.address if isinstance(error, PeerLostError) else None
         reset = isinstance(error, PeerResetError)
+        replaced = error.incarnation if reset else 0  # it restarted: the life lost, a new one speaks now
         with self._cond:
             for req in self._requests.values():
                 if req.error is not None or req.producer.engine_id != engine_id:
@@ -558,6 +560,9 @@ class ConsumerSide:
                     continue  # nothing more to come from it (its last bytes may be being scattered)
                 if seq is not None and req.since_seq >= seq:  # expected after the loss was reported
                     continue
+                named = req.producer.incarnation(rank) if req.push and replaced else 0
+                if named and named != replaced and named == self._channel.peer_incarnation(peer_id):
+                    continue  # its reference names the life that replaced the lost one: that one pushes it
                 if not req.push:
                     if not lost_there(lost_at, req.producer.control_addrs[rank]):  # another life's
                         continue

@@ -322,3 +322,28 @@ def test_a_producer_restarted_at_the_same_address_after_its_consumer_lost_it_is_
         assert outcome.ok, outcome
     assert new.call("logs", contains="reset: it had declared us lost") == [], new.call("logs")
     assert new.call("stats", key="rsa-p")["channel"]["stale_resets"] == 1
+
+
+
+def test_a_push_expected_from_a_restarted_producer_is_not_failed_by_the_loss_of_its_old_life(procs: Pool) -> None:
+    """The producer pushed to the consumer, then hung (stopped) and was restarted at another address. The consumer
+    expects the next push from the new life (its EngineRef names that life's incarnation, as the connector's
+    do), before the new one's first frame: that frame makes the old life lost (it restarted), and the loss failed
+    every push expected from the engine, this one included (PeerResetError 'it restarted'); the new producer's
+    offer was then refused ('it already failed here'). A push whose reference names the life alive now is not
+    the lost one's: it is left to that life."""
+    old, consumer, new = procs[0], procs[1], procs[2]
+    ref_old = _build(old, "rpush-p", "producer")
+    ref_c = _build(consumer, "rpush-d", "consumer")
+    sent, got = _push(old, ref_old, consumer, ref_c, _req("warm", 1, 0))
+    assert sent.ok and got.ok, (sent, got)
+    built = _build(new, "rpush-p", "producer")
+    ref_new = EngineRef(built.engine_id, built.layout, built.control_addrs,
+                        (new.call("incarnation", key="rpush-p"),))
+    old.signal(signal.SIGSTOP)
+    try:
+        sent, got = _push(new, ref_new, consumer, ref_c, _req("b", 2, 1))
+        assert sent.ok and got.ok, (sent, got)  # before: PeerResetError "... it restarted: incarnation ..."
+        assert consumer.call("logs", contains="lost: it restarted"), consumer.call("logs")  # the old life's loss
+    finally:
+        old.kill()

@@ -971,6 +971,7 @@ def test_the_loss_of_a_peer_that_only_reached_us_carries_the_address_its_handsha
     wait_until(lambda: len(lost) == 1, WAIT_S)
     assert lost[0][0] == "B" and isinstance(lost[0][1], errors.PeerResetError), lost
     assert lost[0][1].address == old.address, lost  # before: None
+    assert lost[0][1].incarnation == old.incarnation, lost  # the life lost, which the new one replaced
     assert a.peer_incarnation("B") == new.incarnation and a.connected_address("B") is None  # the new one said nothing
 
     closing.close()
