@@ -208,6 +208,14 @@ class PeerTable:
             if state is not None and not state.lost and state.incarnation == incarnation:
                 state.said_at = address
 
+    def forget_said(self, peer_id: str) -> None:
+        """``connect()`` moved ``peer_id`` elsewhere: where its life said it is no longer leads to it (before the
+        I/O thread's switch renews the peer, a request would record the old address and go to the new one)."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            if state is not None:
+                state.said_at = ""
+
     def said_at(self, peer_id: str, *, lost_too: bool = False) -> str:
         """Where the live life of ``peer_id``, which only reached us, said it is (its handshake's control address);
         "" when none said so. ``lost_too``: or the life lost last, until the peer id is heard or connected again

@@ -77,7 +77,7 @@ from ._env import WILDCARD_HOSTS, env_settings
 from ._peers import Budget, Counters, LossKind, PeerTable, loss_error, lost_there
 from ._timeout import check_timeout
 from .auth import ChannelAuth, curve_key, load_channel_auth
-from .errors import ClosedError, PeerLostError, TransferTimeout
+from .errors import ClosedError, PeerLostError, PeerResetError, TransferTimeout
 from .protocol import INCARNATION_RANDOM_BITS, Envelope, ErrorMsg, Message, encode
 
 __all__ = ["THREAD_PREFIX", "Channel", "ChannelStats", "MessageHandler", "PeerLostHandler", "ReplyThen",
@@ -254,6 +254,8 @@ class Channel:
             # A peer that only reached us is where its handshake said (not where an earlier connect() was told)
             previous = self._peers.said_at(peer_id) or self._addresses.get(peer_id)
             self._addresses[peer_id] = address
+            if previous is not None and previous != address:
+                self._peers.forget_said(peer_id)  # the path leads to ``address`` from now, for every request
         if previous is not None and previous != address:
             if self._peers.alive(peer_id):  # before the caller's next request: that one goes to the new address
                 self._on_lost(peer_id, f"connect() to it at {address!r}: it moved (restarted?) from {previous!r}",
@@ -275,8 +277,12 @@ class Channel:
         """
         return self._send(peer_id, body, reply_to, None)
 
-    def request(self, peer_id: str, body: Message, timeout_s: float | None = None) -> Message:
+    def request(self, peer_id: str, body: Message, timeout_s: float | None = None, *, at: str | None = None) -> Message:
         """Send ``body`` and wait for the reply to it (``timeout_s`` defaults to ``deadline_s``).
+
+        ``at``: the address the caller means to reach ``peer_id`` at. If the channel's path to it leads
+        elsewhere now (:meth:`connected_address`: another caller moved it since), nothing is sent:
+        :class:`PeerResetError`, its ``address`` ``at``.
 
         Raises :class:`TransferTimeout` past the deadline, :class:`PeerLostError`
         if the peer is lost meanwhile (:class:`PeerAuthError` as soon as its
@@ -289,7 +295,7 @@ class Channel:
         """
         wait_s = self.deadline_s if timeout_s is None else check_timeout("timeout_s", timeout_s)
         pending = _Pending(peer_id)
-        msg_id = self._send(peer_id, body, None, pending)
+        msg_id = self._send(peer_id, body, None, pending, at)
         if not self.clock.wait(pending.done.wait, wait_s):
             with self._lock:
                 still_pending = self._pending.pop(msg_id, None) is not None
@@ -384,7 +390,8 @@ class Channel:
         if not self._io.running:
             raise ClosedError(f"channel {self.peer_id!r} stopped serving: its I/O thread failed (see the log)")
 
-    def _send(self, peer_id: str, body: Message, reply_to: int | None, pending: _Pending | None) -> int:
+    def _send(self, peer_id: str, body: Message, reply_to: int | None, pending: _Pending | None,
+              at: str | None = None) -> int:
         self._check_open()
         self._peers.require_alive(peer_id)
         msg_id = self._peers.next_msg_id()
@@ -402,6 +409,12 @@ class Channel:
                     raise loss_error(how)(f"peer {peer_id!r} was lost before {type(body).__name__} could be sent: "
                                           f"{why or 'nothing heard within the deadline'}")
                 pending.address = self._peers.said_at(peer_id) or self._addresses.get(peer_id)
+                if at is not None and pending.address is not None and pending.address != at:
+                    # Checked under the lock connect() moves the path under: the frame would reach another life.
+                    moved = PeerResetError(f"{type(body).__name__} for peer {peer_id!r} at {at!r} not sent: the "
+                                           f"channel reaches it at {pending.address!r} now (it moved)")
+                    moved.address = at
+                    raise moved
                 self._pending[msg_id] = pending
             self._io.submit_send(peer_id, frame)
         return msg_id

@@ -207,7 +207,9 @@ class PeerLinks:
             finally:
                 gate.moving.release()
             hello = replace(self._local, session=session, open_link=need_link)
-            reply = self._channel.request(peer_id, hello, self._deadline_s)
+            # Only where we shake hands: a later life's handshake may have moved the channel since (_handshaking),
+            # and our hello there would make the later life take this abandoned handshake for its current one.
+            reply = self._channel.request(peer_id, hello, self._deadline_s, at=control_addr)
             if not isinstance(reply, Handshake) or reply.session != session:
                 raise HandshakeError(f"peer {peer_id!r} answered the handshake with {type(reply).__name__}")
             check_compatible(self._local, reply)

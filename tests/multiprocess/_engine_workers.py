@@ -332,8 +332,9 @@ def tamper(st: _State, key: str, tag: str, rid: str, layer: int | None = None, *
     def tampered_send(peer_id: str, body: Message, reply_to: int | None = None) -> int:
         return send(peer_id, forged(body), reply_to)
 
-    def tampered_request(peer_id: str, body: Message, timeout_s: float | None = None) -> Message:
-        return request(peer_id, forged(body), timeout_s)
+    def tampered_request(peer_id: str, body: Message, timeout_s: float | None = None, *,
+                         at: str | None = None) -> Message:
+        return request(peer_id, forged(body), timeout_s, at=at)
 
     engine._channel.send = tampered_send  # type: ignore[method-assign]
     engine._channel.request = tampered_request  # type: ignore[method-assign]

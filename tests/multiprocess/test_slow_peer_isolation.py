@@ -201,7 +201,7 @@ class _Channel:
     def peer_incarnation(self, peer_id: str) -> int:
         return 0
 
-    def request(self, peer_id: str, hello: Handshake, timeout_s: float) -> Handshake:
+    def request(self, peer_id: str, hello: Handshake, timeout_s: float, *, at: str | None = None) -> Handshake:
         assert self.answer.wait(WAIT_S)
         return replace(_hello("remote"), session=hello.session)
 

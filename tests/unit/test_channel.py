@@ -932,7 +932,9 @@ def test_connecting_to_a_peer_that_only_reached_us_at_another_address_than_its_h
 
     new = make_channel("B", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
     a.connect("B", new.address)
-    assert a.request("B", Ready("to the new one"), timeout_s=5) == Ack("to the new one", None)
+    # At once, not from the I/O thread's switch on: a request made now goes there, and must be told so.
+    assert a.connected_address("B") == new.address
+    assert a.request("B", Ready("to the new one"), timeout_s=5, at=new.address) == Ack("to the new one", None)
     assert Ready("to the new one") not in heard_by_old
     wait_until(lambda: len(lost) == 1, WAIT_S)
     assert lost[0][0] == "B" and isinstance(lost[0][1], errors.PeerResetError), lost
@@ -941,6 +943,29 @@ def test_connecting_to_a_peer_that_only_reached_us_at_another_address_than_its_h
     assert a.peer_incarnation("B") == new.incarnation and a.connected_address("B") == new.address
     assert a.request("C", Ready("still"), timeout_s=5) == Ack("still", None) and len(lost) == 1
     assert a.connected_address("C") == stays.address and a.peer_incarnation("C") == stays.incarnation
+
+
+def test_a_request_meant_for_another_address_than_the_channels_path_is_not_sent(
+        make_channel: Callable[..., Channel]) -> None:
+    """request(at=X) sends only while the channel's path to the peer leads to X: a caller that meant the peer's
+    earlier life at X (its handshake, sent after another caller moved the channel to Y) must not reach the life
+    at Y. PeerResetError naming both addresses, its address X; the peer hears nothing; a request at Y goes."""
+    a = make_channel("A", heartbeat_s=0.05, deadline_s=30.0)
+    heard: list[Message] = []
+
+    def answer(sender: str, body: Message) -> Message | None:
+        heard.append(body)
+        return ack_ready(sender, body)
+
+    b = make_channel("B", on_message=answer, heartbeat_s=0.05, deadline_s=30.0)
+    a.connect("B", b.address)
+    old_address = "tcp://127.0.0.1:1"  # where the caller thought it was
+    with pytest.raises(errors.PeerResetError, match=rf"Ready for peer 'B' at {re.escape(repr(old_address))} not sent: "
+                       rf"the channel reaches it at {re.escape(repr(b.address))} now") as moved:
+        a.request("B", Ready("meant for the earlier life"), timeout_s=5, at=old_address)
+    assert moved.value.address == old_address
+    assert a.request("B", Ready("here"), timeout_s=5, at=b.address) == Ack("here", None)
+    assert heard == [Ready("here")]  # the refused one never went out: B's handler saw only the second
 
 
 def test_the_loss_of_a_peer_that_only_reached_us_carries_the_address_its_handshake_named(

@@ -44,6 +44,7 @@ class _Channel:
     def __init__(self) -> None:
         self.refuse: BaseException | None = None
         self.addresses: dict[str, str] = {}
+        self.sent: list[tuple[str | None, str]] = []  # where each hello went, and its session
 
     def connect(self, peer_id: str, address: str) -> None:
         self.addresses[peer_id] = address
@@ -57,10 +58,17 @@ class _Channel:
     def peer_incarnation(self, peer_id: str) -> int:
         return 0  # none heard: never compared
 
-    def request(self, peer_id: str, hello: Handshake, timeout_s: float) -> Handshake:
+    def request(self, peer_id: str, hello: Handshake, timeout_s: float, *, at: str | None = None) -> Handshake:
         if self.refuse is not None:
             raise self.refuse
+        self.check_at(peer_id, at)
+        self.sent.append((self.addresses.get(peer_id), hello.session))
         return replace(handshake("remote"), session=hello.session)
+
+    def check_at(self, peer_id: str, at: str | None) -> None:
+        """As Channel.request(at=): nothing is sent where the path leads elsewhere."""
+        if at is not None and self.addresses.get(peer_id, at) != at:
+            raise PeerResetError(f"not sent: {peer_id!r} is reached at {self.addresses[peer_id]!r}, not {at!r}")
 
     def flush(self) -> bool:
         return True
@@ -189,7 +197,8 @@ class _HeldChannel(_Channel):
         self.held_at = held_at
         self.holding, self.release = threading.Event(), threading.Event()
 
-    def request(self, peer_id: str, hello: Handshake, timeout_s: float) -> Handshake:
+    def request(self, peer_id: str, hello: Handshake, timeout_s: float, *, at: str | None = None) -> Handshake:
+        self.check_at(peer_id, at)  # sent, then its answer held: the request is in flight
         if self.addresses.get(peer_id) == self.held_at:
             self.holding.set()
             assert self.release.wait(WAIT_S)
@@ -251,9 +260,44 @@ class _LivesChannel(_Channel):
         super().__init__()
         self.lives = lives
 
-    def request(self, peer_id: str, hello: Handshake, timeout_s: float) -> Handshake:
-        reply = super().request(peer_id, hello, timeout_s)
+    def request(self, peer_id: str, hello: Handshake, timeout_s: float, *, at: str | None = None) -> Handshake:
+        reply = super().request(peer_id, hello, timeout_s, at=at)
         return replace(reply, incarnation=self.lives[self.addresses[peer_id]])
+
+
+class _PreemptedChannel(_LivesChannel):
+    """The first request made while the path leads to ``held_at`` is held at its entry (its thread preempted
+    between PeerLinks' move of the channel and its hello) until ``release``."""
+
+    def __init__(self, lives: dict[str, int], held_at: str) -> None:
+        super().__init__(lives)
+        self.held_at = held_at
+        self.holding, self.release = threading.Event(), threading.Event()
+
+    def request(self, peer_id: str, hello: Handshake, timeout_s: float, *, at: str | None = None) -> Handshake:
+        if self.addresses.get(peer_id) == self.held_at and not self.holding.is_set():
+            self.holding.set()
+            assert self.release.wait(WAIT_S)
+        return super().request(peer_id, hello, timeout_s, at=at)
+
+
+def test_the_hello_of_a_handshake_a_later_life_took_over_never_reaches_the_later_life(parts: Any) -> None:
+    """The handshake with the earlier life moved the channel to its address and, before its hello went, one with
+    the later life took the gate over, moved the channel to its own address and installed. The earlier hello,
+    sent then, went where the channel led: to the later life, which installed that handshake (whose link no one
+    here opens) over the current one as the responder. PeerLinks asks the channel to send it only to the address
+    it shakes hands at (Channel.request(at=)): it is not sent, and the attempt fails as reset."""
+    peers, _, _, pool = parts
+    channel = _PreemptedChannel({"tcp://remote:1": 1, "tcp://remote:2": 2}, "tcp://remote:1")
+    peers._channel = channel  # noqa: SLF001
+    old = pool.submit(peers.ensure, PEER, "tcp://remote:1", False, 1)
+    assert channel.holding.wait(WAIT_S)
+    new = peers.ensure(PEER, "tcp://remote:2", False, 2)
+    channel.release.set()
+    with pytest.raises(PeerResetError):
+        old.result(WAIT_S)
+    assert peers.get(PEER) is new
+    assert [address for address, _ in channel.sent] == ["tcp://remote:2"], channel.sent
 
 
 def test_a_handshake_with_an_earlier_life_answered_just_before_a_later_life_took_over_installs_nothing(
