@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 
 from .._env import PP_PARTITION_VAR
-from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, SpanSet, TransferPlan, plan
+from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, SpanSet, TransferPlan, plan, pp_layer_spans
 
 __all__ = ["MAX_TOKENS", "add_parser", "parse_layout", "parse_tokens", "run"]
 
@@ -139,8 +139,8 @@ def run(args: argparse.Namespace) -> int:
     geometry = _geometry(args)
     for text, layout in ((args.src, src), (args.dst, dst)):
         if layout.layer_partition is not None and parse_layout(text).layer_partition is None:
-            try:  # its partition came from the environment: name the variable if it does not fit the model
-                layout.check(geometry)
+            try:  # its partition came from the environment: name the variable if it does not fit the model's layers
+                pp_layer_spans(geometry.num_layers, layout.pp_size, layout.layer_partition)
             except ValueError as err:
                 raise ValueError(f"{PP_PARTITION_VAR}={os.environ[PP_PARTITION_VAR]!r} (for layout {text!r}): {err}") from None
     result = plan(src, dst, geometry, parse_tokens(args.tokens))

@@ -175,3 +175,13 @@ def test_huge_token_counts_are_a_usage_error(tokens: str, end: str, capsys: pyte
     assert err == (f"ncclkv plan: error: bad --tokens {tokens!r}: tokens must end at {MAX_TOKENS} (2**30) at most, "
                    f"got {end}\n")
     assert parse_tokens(str(MAX_TOKENS)) == SpanSet([(0, MAX_TOKENS)])
+
+
+def test_a_layout_error_with_a_fitting_vllm_pp_layer_partition_does_not_blame_the_variable(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variable fits the model (16 + 16 layers): the layout's tp does not fit its kv-heads. The message is the
+    one without the variable, not that error under the variable's name."""
+    monkeypatch.setenv(PP_PARTITION_VAR, "16,16")
+    assert main(argv("tp=3,pp=2", "tp=1", "32", "8")) == 2
+    err = capsys.readouterr().err
+    assert err == "ncclkv plan: error: num_kv_heads=8 is neither divisible by nor a divisor of tp_size=3\n"
