@@ -24,6 +24,7 @@ import os
 from collections.abc import Mapping
 
 from .._env import PP_PARTITION_VAR
+from .._messages import MAX_MODEL_DIM
 from ..layout import DTYPE_SIZES, KVGeometry, ParallelLayout, SpanSet, TransferPlan, plan, pp_layer_spans
 
 __all__ = ["MAX_TOKENS", "add_parser", "parse_layout", "parse_tokens", "run"]
@@ -106,6 +107,11 @@ def parse_tokens(text: str) -> SpanSet:
 
 
 def _geometry(args: argparse.Namespace) -> KVGeometry:
+    # Past the handshake's bound no engine runs the model; far past it a span's len() (2**63) or the bytes as a
+    # float (10**308) raised OverflowError.
+    for option, value in (("--layers", args.layers), ("--kv-heads", args.kv_heads), ("--head-size", args.head_size)):
+        if value is not None and value > MAX_MODEL_DIM:
+            raise ValueError(f"{option} must be at most {MAX_MODEL_DIM} (what an engine's handshake accepts), got {value}")
     kv_heads = args.kv_heads
     if args.mla:
         if kv_heads not in (None, 1):

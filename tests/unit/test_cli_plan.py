@@ -11,6 +11,7 @@ import pytest
 
 from ncclkv._env import PP_PARTITION_VAR
 from ncclkv.cli import main
+from ncclkv._messages import MAX_MODEL_DIM
 from ncclkv.commands.plan import MAX_TOKENS, parse_layout, parse_tokens
 from ncclkv.layout import KVGeometry, ParallelLayout, SpanSet, plan
 
@@ -185,3 +186,20 @@ def test_a_layout_error_with_a_fitting_vllm_pp_layer_partition_does_not_blame_th
     assert main(argv("tp=3,pp=2", "tp=1", "32", "8")) == 2
     err = capsys.readouterr().err
     assert err == "ncclkv plan: error: num_kv_heads=8 is neither divisible by nor a divisor of tp_size=3\n"
+
+
+@pytest.mark.parametrize("option", ["--layers", "--kv-heads", "--head-size"])
+@pytest.mark.parametrize("value", [2**63, 10**310, MAX_MODEL_DIM + 1])
+def test_huge_model_dims_are_a_usage_error(option: str, value: int, capsys: pytest.CaptureFixture[str]) -> None:
+    """Old code: 10**310 layers or kv-heads, an OverflowError traceback (len() of a span past sys.maxsize); a head
+    size of 10**310, another (4096 tokens' bytes as a float); exit 1 both. 2**63, or just past the handshake's
+    bound: a plan printed that no engine could run."""
+    def dims(size: int) -> list[str]:
+        given = {"--layers": "32", "--kv-heads": "8", "--head-size": "128", option: str(size)}
+        return argv(SRC, DST, given["--layers"], given["--kv-heads"], "--head-size", given["--head-size"])
+
+    code, out, err = run_cli(capsys, dims(value))
+    assert (code, out) == (2, "")
+    assert err == (f"ncclkv plan: error: {option} must be at most {MAX_MODEL_DIM} (what an engine's handshake "
+                   f"accepts), got {value}\n")
+    assert main([*dims(MAX_MODEL_DIM), "--tokens", "1"]) == 0
