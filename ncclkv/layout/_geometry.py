@@ -156,6 +156,8 @@ class ParallelLayout:
         pp_layer_spans(geometry.num_layers, self.pp_size, self.layer_partition)
 
     def layer_span(self, geometry: KVGeometry, pp_rank: int) -> Span:
+        if not 0 <= pp_rank < self.pp_size:  # a negative index would name a stage counted from the last
+            raise ValueError(f"pp_rank={pp_rank} outside pp_size={self.pp_size} (tp={self.tp_size})")
         return pp_layer_spans(geometry.num_layers, self.pp_size, self.layer_partition)[pp_rank]
 
     def spec(self) -> str:

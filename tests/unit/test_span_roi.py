@@ -139,6 +139,13 @@ def test_parallel_layout() -> None:
     assert layout.layer_span(KVGeometry(7, 4, 64), 1) == Span(4, 7)
 
 
+@pytest.mark.parametrize("pp_rank", [2, -1, -3])
+def test_layer_span_refuses_a_stage_outside_the_layout(pp_rank: int) -> None:
+    """Old code: pp_rank 2 of 2 stages, an IndexError; -1, the last stage's layers, silently; -3, IndexError."""
+    with pytest.raises(ValueError, match=rf"^pp_rank={pp_rank} outside pp_size=2 \(tp=4\)$"):
+        ParallelLayout(4, 2).layer_span(KVGeometry(7, 4, 64), pp_rank)
+
+
 @pytest.mark.parametrize("partition", [("8", "8"), (8.0, 8.0), (True, 15), 16], ids=["str", "float", "bool", "int"])
 def test_parallel_layout_refuses_a_partition_of_other_than_ints(partition: object) -> None:
     """As tp_size and pp_size are: before, ("8", "8") was taken and check() failed with "'<' not supported
