@@ -43,6 +43,8 @@ class KVGeometry:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"KVGeometry.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.use_mla, bool):  # the handshake's wire type: anything else fails every handshake
+            raise ValueError(f"KVGeometry.use_mla must be a bool, got {self.use_mla!r}")
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"KVGeometry.dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
         if self.use_mla and self.num_kv_heads != 1:

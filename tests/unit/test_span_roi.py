@@ -118,6 +118,24 @@ def test_geometry() -> None:
             KVGeometry(bad, 8, 128)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("bad", [1, 0, None, "no", 1.0])
+def test_geometry_refuses_a_use_mla_that_is_not_a_bool(bad: object) -> None:
+    """Old code: accepted, the truthy ones read as MLA; the engine started, and every handshake failed at its
+    encode ("Handshake would be refused by the peer: Expected `bool`, got `int` - at `$.body.geometry.use_mla`"),
+    the handshake's wire type being a bool."""
+    with pytest.raises(ValueError, match=rf"^KVGeometry.use_mla must be a bool, got {bad!r}$"):
+        KVGeometry(32, 1, 128, use_mla=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("use_mla", [False, True])
+def test_an_accepted_geometry_goes_in_a_handshake(use_mla: bool) -> None:
+    from ncclkv.protocol import Envelope, Handshake, decode, encode
+
+    geometry = KVGeometry(32, 1, 128, use_mla=use_mla)
+    hello = Handshake.create("e", "producer", 0, ParallelLayout(), geometry, "tcp://127.0.0.1:5555", "127.0.0.1:6666")
+    assert decode(encode(Envelope("e", 1, None, hello))).body.geometry.to_geometry() == geometry
+
+
 def test_parallel_layout() -> None:
     layout = ParallelLayout(4, 2)
     assert layout.world_size == 8 and layout.rank(3, 1) == 7 and layout.coords(7) == (3, 1)
