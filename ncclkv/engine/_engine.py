@@ -319,11 +319,16 @@ class TransferEngine:
 
 
 def _check_request_id(request_id: object) -> None:
-    """What the protocol carries as a request id (a non-empty str of at most MAX_ID_CHARS): refused at the call,
-    not when its first message is refused on the way out, after the request was taken."""
+    """What the protocol carries as a request id (a non-empty str of at most MAX_ID_CHARS, encodable as UTF-8):
+    refused at the call, not when its first message is refused on the way out, after the request was taken."""
     if not isinstance(request_id, str) or not 1 <= len(request_id) <= MAX_ID_CHARS:
         what = f"{len(request_id)} chars" if isinstance(request_id, str) else type(request_id).__name__
         raise ValueError(f"request id must be a str of 1-{MAX_ID_CHARS} chars, got {what}: {request_id!r:.80}")
+    try:  # a lone surrogate (JSON's "\ud800"): the protocol's msgpack cannot encode it
+        request_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"request id must be encodable as UTF-8 (what the protocol carries), got "
+                         f"{request_id!r:.80}") from None
 
 
 def _check_num_tokens(request_id: str, num_tokens: object, what: str = "num_tokens") -> None:

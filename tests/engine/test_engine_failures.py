@@ -248,6 +248,26 @@ def test_bad_request_arguments_are_refused_at_the_call_naming_them() -> None:
         assert decode[0].mismatches(3, [2, 14], 20, Span(0, 20)) == []
 
 
+def test_a_request_id_the_protocol_cannot_encode_is_refused_at_the_call() -> None:
+    """A lone surrogate (JSON's "\\ud800", which json.loads takes) is a str of the right length that the
+    protocol's msgpack cannot encode: the engine took it (a hold, a push, a pull, a decline) and failed later,
+    on the way out ('cannot encode PullRequest'), or never (a hold nobody can name, kept hold_s)."""
+    with _pair() as (prefill, decode):
+        producer, consumer = prefill[0].engine, decode[0].engine
+        ref = engine_ref("prefill", ONE, prefill)
+        bad_id = "xfer-\ud800"
+        message = r"request id must be encodable as UTF-8 \(what the protocol carries\), got 'xfer-\\ud800'"
+        with pytest.raises(ValueError, match=message):
+            producer.finish(bad_id, [1, 2], 20)
+        with pytest.raises(ValueError, match=message):
+            producer.start_push(bad_id, engine_ref("decode", ONE, decode), [1, 2], 20)
+        with pytest.raises(ValueError, match=message):
+            consumer.expect(bad_id, ref, [1, 2], 20)
+        with pytest.raises(ValueError, match=message):
+            consumer.decline(bad_id, ref)
+        assert producer.num_in_flight == 0 and consumer.num_in_flight == 0  # nothing half-started
+
+
 def test_a_reference_whose_layout_differs_from_the_producers_handshake_fails_naming_both() -> None:
     """The reference says tp=1,pp=2 while the producer runs tp=2: the routes were planned from the reference,
     so the producer refused the pull naming routes ("asks routes ... but our plan gives ..."), not the cause.
