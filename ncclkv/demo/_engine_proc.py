@@ -189,8 +189,8 @@ class EngineProcess:
             raise RuntimeError(f"{self.name} is not running")
         try:
             if not _poll(self._conn, timeout_s):
-                if self._proc is not None and self._proc.poll() is not None:
-                    raise self._fail(f"ended while building ({_status(self._proc.returncode)})")
+                if self._proc is not None and _ended(self._proc):
+                    raise self._fail("ended while building", died=True)
                 return False
         except (EOFError, OSError):
             raise self._fail("died while building", died=True) from None
@@ -282,12 +282,17 @@ class EngineProcess:
         """``died``: its end of the socket closed, so the child is ending: how it ended (an exit code, a signal:
         often the only word of a crash) is waited for briefly and named."""
         ended = ""
-        if died and self._proc is not None:
-            with suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=_DYING_S)
-            if self._proc.returncode is not None:
-                ended = f" ({_status(self._proc.returncode)})"
+        proc = self._proc
+        if died and proc is not None:
+            # Not reaped here (close_all reaps it): till then its pid names its process group, which the kill
+            # must still reach (workers it spawned outlive it).
+            deadline = time.monotonic() + _DYING_S
+            while not _ended(proc) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            died = _ended(proc)
         close_all([self], timeout_s=0)
+        if died and proc is not None and proc.returncode is not None:
+            ended = f" ({_status(proc.returncode)})"
         return EngineError(f"{self.name} {what}{ended}\n--- log tail ({self.log_path}) ---\n{self.log_tail()}")
 
 
@@ -303,7 +308,7 @@ def _poll(conn: Connection, timeout_s: float) -> bool:
 
 def close_all(engines: Iterable[EngineProcess], timeout_s: float = 30.0) -> list[str]:
     """Ask every engine's child to exit, wait for them together (``timeout_s`` in all, 0: not at all), then
-    kill the process group of each one still running and reap it.
+    kill the process group of each one (the workers it spawned, whether or not it still runs) and reap it.
 
     No child outlives this call: a signal or an error that cuts the wait short still leads to the kill,
     which holds SIGINT and SIGTERM back until every child is gone.
@@ -316,15 +321,19 @@ def close_all(engines: Iterable[EngineProcess], timeout_s: float = 30.0) -> list
     try:
         if timeout_s > 0:
             for _, proc, conn in children:
-                if conn is not None and proc.poll() is None:
+                if conn is not None and not _ended(proc):
                     with suppress(OSError):
                         conn.send(("close",))
             deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and any(proc.poll() is None for _, proc, _ in children):
+            while time.monotonic() < deadline and not all(_ended(proc) for _, proc, _ in children):
                 time.sleep(0.05)
     finally:
         with signals_deferred():
-            late = [proc for _, proc, _ in children if proc.poll() is None]
+            late = [proc for _, proc, _ in children if not _ended(proc)]
+            for _, proc, _ in children:  # a child that ended by itself too: the workers it spawned may not have
+                if proc.returncode is None:  # not reaped: its pid still names its group
+                    with suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)
             kill_and_reap([proc for _, proc, _ in children], lambda proc: os.killpg(proc.pid, signal.SIGKILL))
             for engine, _, conn in children:
                 if conn is not None:
@@ -334,6 +343,17 @@ def close_all(engines: Iterable[EngineProcess], timeout_s: float = 30.0) -> list
         return []
     return [f"{engine.name} {how}" for engine, proc, _ in children
             if (how := _how_it_ended(proc, proc in late, timeout_s)) is not None]
+
+
+def _ended(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether the child ended, without reaping it (Popen.poll would): until it is reaped its pid stays taken, so
+    ``killpg(pid)`` still reaches the workers it spawned in its session, and no other group."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped by someone else
+        return proc.poll() is not None
 
 
 def _how_it_ended(proc: subprocess.Popen[bytes], killed: bool, timeout_s: float) -> str | None:

@@ -27,7 +27,7 @@ import pytest
 from ncclkv._signals import Stopped, signals_deferred, stop_on_signals
 from ncclkv._vllm_model import MARKER_FILE
 from ncclkv.cli import main
-from ncclkv.demo import DEMO_SPEC, EngineOptions, EngineProcess
+from ncclkv.demo import DEMO_SPEC, EngineError, EngineOptions, EngineProcess
 from ncclkv.demo._pd import _ABORT_S
 
 pytestmark = pytest.mark.multiprocess
@@ -424,7 +424,7 @@ def test_engines_not_built_by_the_timeout_fail_naming_it(tmp_path: Path, fake_en
 # kills itself (SIGKILL), "hang" never exits (a thread that does not end).
 DEMO_VLLM = {
     "__init__.py": '''
-import atexit, json, os, signal, threading, time
+import atexit, json, os, signal, subprocess, sys, threading, time
 from types import SimpleNamespace
 from vllm.v1.metrics.reader import Counter
 
@@ -454,6 +454,8 @@ class LLM:
                 info["single_started_meanwhile"] = os.path.exists(os.path.join(record, "single.started"))
             with open(os.path.join(record, self.role + ".json"), "w") as out:
                 json.dump(info, out)
+        if os.environ.get("FAKE_VLLM_WORKER"):  # a worker process in the engine's session, as vLLM's TP workers
+            self.worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         scheduler = SimpleNamespace(has_requests=lambda: False, requests={})
         self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler)))
         if self.role == os.environ.get("FAKE_VLLM_AT_EXIT_ROLE"):
@@ -613,3 +615,33 @@ def test_an_engine_that_dies_mid_request_is_reported_with_how_it_ended(
     with pytest.raises(EngineError, match=r"^single engine died while waiting for 'result' \(killed by SIGKILL\)\n"):
         engine.generate([[5, 6, 7]], max_tokens=2, timeout_s=30)
     assert engine.pid is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["mid-request", "at shutdown"])
+def test_an_engine_that_ends_by_itself_leaves_no_worker_behind(
+        tmp_path: Path, demo_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    """The engine child leads its own session so that the kill reaches every worker it spawned; but the group was
+    killed only while the child itself still ran: one that had ended by itself (killed mid-request, waited for
+    to name how it ended; or crashing as it closed) was reaped and its workers were left running."""
+    monkeypatch.setenv("FAKE_VLLM_WORKER", "1")
+    if when == "mid-request":
+        monkeypatch.setenv("FAKE_VLLM_GENERATE_DIES", "single")
+    else:
+        monkeypatch.setenv("FAKE_VLLM_AT_EXIT", "signal")
+        monkeypatch.setenv("FAKE_VLLM_AT_EXIT_ROLE", "single")
+    marker = demo_env["NCCLKV_TEST_MARK"]
+    engine = EngineProcess(EngineOptions(model_dir=tmp_path), tmp_path / "engine.log", name="single engine")
+    engine.start(timeout_s=30)
+    child = engine.pid
+    _wait_for(lambda: len(_marked(marker)) == 2, 30)  # the child and its worker
+    if when == "mid-request":
+        with pytest.raises(EngineError, match=r"^single engine died while waiting for 'result' \(killed by SIGKILL\)"):
+            engine.generate([[5, 6, 7]], max_tokens=2, timeout_s=30)
+    else:
+        assert engine.close(timeout_s=10) == ["single engine was killed by SIGKILL once asked to close"]
+    assert engine.pid is None
+    deadline = time.monotonic() + 10.0  # the worker is no child of ours to wait for: its SIGKILL lands by itself
+    while (left := _marked(marker)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert left == [], f"left behind by engine child {child}: {left}"
