@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import select
 import subprocess
 import sys
 import threading
@@ -286,6 +287,7 @@ _FINISHING_RANK = """
 import sys
 from ncclkv.launch import LaunchInfo
 from ncclkv.scenario._rendezvous import StoreRendezvous
+print("imported", flush=True)  # the other ranks wait 2 s for this one's value: not for its imports as well
 rendezvous = StoreRendezvous(LaunchInfo("env", 2, 3, 2, 3, "127.0.0.1", int(sys.argv[1])), prefix="t", deadline_s=20.0)
 rendezvous.exchange("2")
 rendezvous.finish()  # killed while it waits for the outcome, after it counted itself done
@@ -309,9 +311,11 @@ def test_rendezvous_finish_timeout_names_the_rank_that_never_read_the_outcome() 
 
     outcomes: list[object] = []
     ranks = threading.Thread(target=lambda: outcomes.extend(on_ranks(2, body)))
-    ranks.start()
-    child = subprocess.Popen([sys.executable, "-c", _FINISHING_RANK, str(port)])
+    child = subprocess.Popen([sys.executable, "-c", _FINISHING_RANK, str(port)], stdout=subprocess.PIPE, text=True)
     try:
+        # Its imports take seconds on a loaded machine, more than the ranks' deadline_s: the ranks start after them.
+        assert select.select([child.stdout], [], [], WAIT_S)[0] and child.stdout.readline() == "imported\n"
+        ranks.start()
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=WAIT_S))
         done_by = time.monotonic() + WAIT_S
         while not (prefixes and client.add(f"{prefixes[0]}/done", 0) == 1):  # rank 2 counted itself done
@@ -320,6 +324,7 @@ def test_rendezvous_finish_timeout_names_the_rank_that_never_read_the_outcome() 
     finally:
         child.kill()
         child.wait(WAIT_S)
+        child.stdout.close()
         killed.set()
     ranks.join(WAIT_S)
     assert outcomes[1] is None, outcomes
