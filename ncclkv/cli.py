@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -29,6 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"ncclkv {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader left (`ncclkv plan ... | head`): end as a tool killed by SIGPIPE does, without a traceback,
+        # and with stdout on /dev/null so that the interpreter's flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -163,6 +164,19 @@ def test_console_entry_in_a_subprocess() -> None:
     assert done.returncode == 0, done.stderr
     expected = plan(ParallelLayout(4, 1), ParallelLayout(2, 2), KVGeometry(32, 8, 128), 128)
     assert json.loads(done.stdout) == stringify(expected.to_json())
+
+
+def test_a_reader_that_leaves_early_ends_it_as_sigpipe_would_without_a_traceback() -> None:
+    """`ncclkv plan ... | head`: the plan is larger than the pipe holds, and the reader reads a few bytes and
+    leaves. The write failed with a BrokenPipeError traceback and exit 1; now exit 128 + SIGPIPE, stderr empty."""
+    command = [sys.executable, "-m", "ncclkv.cli", *argv("tp=64,pp=8", "tp=32,pp=16", "512", "64")]
+    with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.read(10) == b"plan tp=64"
+        proc.stdout.close()  # the reader leaves: the rest of the plan has nowhere to go
+        err = proc.stderr.read()
+        code = proc.wait(60)
+    assert (code, err) == (128 + signal.SIGPIPE, b"")
 
 
 @pytest.mark.parametrize(("tokens", "end"), [
