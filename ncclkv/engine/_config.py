@@ -14,7 +14,8 @@ from .._timeout import check_timeout
 from ..auth import ChannelAuth, load_channel_auth
 from ..channel import check_address
 from ..layout import KVGeometry, ParallelLayout
-from ..protocol import MAX_ID_CHARS
+from ..errors import ProtocolError
+from ..protocol import MAX_ID_CHARS, Envelope, Handshake, encode
 
 __all__ = [
     "DEFAULT_LAST_PIECE_BYTES", "DEFAULT_PULL_BATCH_BYTES", "EngineConfig", "EngineRef", "Role", "is_int",
@@ -113,6 +114,7 @@ class EngineConfig:
         if not is_int(self.rank) or not 0 <= self.rank < self.layout.world_size:
             raise ValueError(f"rank={self.rank!r} outside the layout's world_size={self.layout.world_size}")
         self.layout.check(self.geometry)
+        _check_handshake(self)
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("deadline_s", "heartbeat_s", "hold_s"):
@@ -286,3 +288,15 @@ def _incarnations(value: object) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"engine reference incarnations must be a list, got {value!r}")
     return tuple(hex_int(item, "engine reference incarnations must be '0x...' hex strings") for item in value)
+
+
+def _check_handshake(cfg: EngineConfig) -> None:
+    """ValueError if every peer would refuse this engine's handshake (a model dimension past the protocol's bounds,
+    e.g. num_layers > MAX_MODEL_DIM): at the call, not at each handshake once the engine runs. The addresses are
+    stand-ins: the engine's own are checked where it binds them."""
+    hello = Handshake.create(cfg.engine_id, cfg.role, cfg.rank, cfg.layout, cfg.geometry, "tcp://127.0.0.1:1",
+                             "127.0.0.1:1")
+    try:
+        encode(Envelope(cfg.peer_id, 0, None, hello))
+    except ProtocolError as exc:
+        raise ValueError(f"engine {cfg.engine_id!r}: every peer would refuse its handshake: {exc}") from None

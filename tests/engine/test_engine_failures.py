@@ -516,6 +516,10 @@ def test_an_engine_without_caches_says_so() -> None:
     ("hold_s", 2e9, ValueError, "hold_s must be a finite number of seconds > 0 (at most 1e+09), got 2000000000.0"),
     ("device", "tpu", ValueError, "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
     ("rank", True, ValueError, "rank=True outside"),
+    # Past the protocol's bounds: the engine started, and every handshake it sent was refused at encode.
+    ("geometry", KVGeometry(70000, 8, 128), ValueError,
+     "engine 'e': every peer would refuse its handshake: Handshake would be refused by the peer: malformed control "
+     "frame"),
 ])
 def test_engine_config_refuses_bad_values_naming_them(field: str, value: object, error: type[Exception],
                                                       message: str) -> None:
