@@ -194,7 +194,7 @@ class PeerLinks:
             if stale is not None:
                 raise PeerLostError(stale)
             if not self._channel.clock.wait(lambda s: gate.moving.acquire(timeout=s), self._deadline_s):
-                raise TransferTimeout(f"handshake with {peer_id!r}: a move of the channel to an earlier life of it "
+                raise TransferTimeout(f"handshake with {peer_id!r}: a move of the channel by another handshake with it "
                                       f"still in progress after {self._deadline_s}s")
             try:  # not in the middle of a handshake's move with an earlier life, whose gate this one took over
                 self._check_gate(peer_id, gate, control_addr)
