@@ -192,19 +192,30 @@ def test_a_producer_restarted_at_a_new_address_serves_the_next_pull(procs: Pool)
     assert new.call("take_sent", key="mv-p", rids=["b"])["b"].ok
 
 
+def _restarted_after_pushing(procs: Pool, name: str, *, name_life: bool = False
+                             ) -> tuple[Proc, Proc, Proc, EngineRef, EngineRef, EngineRef]:
+    """Producer ``name``-p on procs[0] pushed to consumer ``name``-d on procs[1] (which reached it only on its
+    ROUTER); procs[2] is a new process under the producer's engine id, at another address: (old, consumer, new,
+    the old producer's reference, the consumer's, the new producer's: naming its life if ``name_life``)."""
+    old, consumer, new = procs[0], procs[1], procs[2]
+    ref_old = _build(old, f"{name}-p", "producer")
+    ref_c = _build(consumer, f"{name}-d", "consumer")
+    sent, got = _push(old, ref_old, consumer, ref_c, _req("warm", 1, 0))
+    assert sent.ok and got.ok, (sent, got)
+    built = _build(new, f"{name}-p", "producer")
+    assert built.control_addrs != ref_old.control_addrs
+    ref_new = EngineRef(built.engine_id, built.layout, built.control_addrs,
+                        (new.call("incarnation", key=f"{name}-p"),)) if name_life else built
+    return old, consumer, new, ref_old, ref_c, ref_new
+
+
 def test_a_producer_that_only_reached_the_consumer_serves_the_next_pull_at_its_new_address(procs: Pool) -> None:
     """The producer pushed: its channel connected to the consumer's, which reached it only on its ROUTER. It
     restarted at another address while the old process is stopped (its connection stays). Given the new one's
     EngineRef, the consumer kept its handshake with the old life (connect() did nothing for a peer alive), and
     the pull went to the stopped one on its inbound path and failed at deadline_s ('nothing heard'). That
     life's handshake named its address: the consumer now moves to the new one at once."""
-    old, consumer, new = procs[0], procs[1], procs[2]
-    ref_old = _build(old, "imv-p", "producer")
-    ref_c = _build(consumer, "imv-d", "consumer")
-    sent, got = _push(old, ref_old, consumer, ref_c, _req("warm", 1, 0))
-    assert sent.ok and got.ok, (sent, got)
-    ref_new = _build(new, "imv-p", "producer")
-    assert ref_new.control_addrs != ref_old.control_addrs
+    old, consumer, new, ref_old, _, ref_new = _restarted_after_pushing(procs, "imv")
     stopped_at = old.signal(signal.SIGSTOP)
     try:
         outcome = _pull(new, "imv-p", consumer, "imv-d", ref_new, _req("b", 2, 1))
@@ -241,13 +252,7 @@ def test_the_loss_of_a_producer_that_only_reached_the_consumer_spares_a_pull_fro
     loss carried no address (None: 'everything of that peer id'), so it failed the request expected from the new
     life as well ('send failed'), where a loss of a life our DEALER reached spares it. The loss now carries the
     address that life's handshake named."""
-    old, consumer, new = procs[0], procs[1], procs[2]
-    ref_old = _build(old, "ilost-p", "producer")
-    ref_c = _build(consumer, "ilost-d", "consumer")
-    sent, got = _push(old, ref_old, consumer, ref_c, _req("warm", 1, 0))
-    assert sent.ok and got.ok, (sent, got)
-    ref_new = _build(new, "ilost-p", "producer")
-    assert ref_new.control_addrs != ref_old.control_addrs
+    old, consumer, new, ref_old, _, ref_new = _restarted_after_pushing(procs, "ilost")
     hung = [_req(f"hung{i}", 2 + i, 1 + i) for i in range(4)]  # as many as the rank's lane runs at once
     old.call("hold", key="ilost-p", reqs=hung)
     old.signal(signal.SIGSTOP)
@@ -332,14 +337,7 @@ def test_a_push_expected_from_a_restarted_producer_is_not_failed_by_the_loss_of_
     every push expected from the engine, this one included (PeerResetError 'it restarted'); the new producer's
     offer was then refused ('it already failed here'). A push whose reference names the life alive now is not
     the lost one's: it is left to that life."""
-    old, consumer, new = procs[0], procs[1], procs[2]
-    ref_old = _build(old, "rpush-p", "producer")
-    ref_c = _build(consumer, "rpush-d", "consumer")
-    sent, got = _push(old, ref_old, consumer, ref_c, _req("warm", 1, 0))
-    assert sent.ok and got.ok, (sent, got)
-    built = _build(new, "rpush-p", "producer")
-    ref_new = EngineRef(built.engine_id, built.layout, built.control_addrs,
-                        (new.call("incarnation", key="rpush-p"),))
+    old, consumer, new, _, ref_c, ref_new = _restarted_after_pushing(procs, "rpush", name_life=True)
     old.signal(signal.SIGSTOP)
     try:
         sent, got = _push(new, ref_new, consumer, ref_c, _req("b", 2, 1))

@@ -197,6 +197,31 @@ def test_params_naming_the_live_producer_at_a_wrong_address_fail_at_once_and_lea
     assert [line for line in logs if "now, no longer at" in line] == [], logs  # never taken as moved
 
 
+def _restarted_elsewhere(procs: Pool) -> tuple[Proc, Proc, Proc, EngineRef, EngineRef]:
+    """Producer fx-p on procs[0], the same engine id restarted at another address on procs[2] (a later life),
+    consumer fx-d on procs[1]; the old producer never answers a handshake: (old, consumer, new, old's reference,
+    new's)."""
+    old, consumer, new = procs[0], procs[1], procs[2]
+    ref_old = _build(old, "fx-p", "producer")
+    ref_new = _build(new, "fx-p", "producer")
+    _build(consumer, "fx-d", "consumer")
+    assert ref_old.control_addrs != ref_new.control_addrs and ref_old.incarnations < ref_new.incarnations
+    old.call("stall", key="fx-p", phase="handshake")
+    return old, consumer, new, ref_old, ref_new
+
+
+def _pull_from_the_new_life(old: Proc, consumer: Proc, new: Proc, ref_new: EngineRef, fresh: Req) -> float:
+    """Kill the old producer, then pull ``fresh`` naming the new life: it completes within FAST_S (not after the
+    dead address's deadline_s). Returns when the pull started."""
+    old.kill()
+    new.call("hold", key="fx-p", reqs=[fresh])
+    started = time.monotonic()
+    consumer.call("expect", key="fx-d", producer=ref_new, reqs=[fresh])
+    outcome = consumer.call("wait", key="fx-d", reqs=[fresh])[fresh.rid]
+    assert outcome.ok and outcome.at - started < FAST_S, (outcome.at - started, outcome)
+    return started
+
+
 def test_a_pull_from_the_restarted_producer_does_not_wait_for_a_handshake_at_the_dead_address(procs: Pool) -> None:
     """A pull to the producer's old address is shaking hands there (the old process never answers: it is stalled,
     then killed) when a pull naming the producer restarted at another address starts. Both wait on the consumer's
@@ -204,23 +229,12 @@ def test_a_pull_from_the_restarted_producer_does_not_wait_for_a_handshake_at_the
     with ... still in progress'. A handshake naming a later life (its incarnation) at another address than the one
     the gate is held for takes over: the old attempt is abandoned (the channel moves, its request fails as reset,
     and sent again it is refused as stale once the new life is met), and the new pull goes at once."""
-    old, consumer, new = procs[0], procs[1], procs[2]
-    ref_old = _build(old, "fx-p", "producer")
-    ref_new = _build(new, "fx-p", "producer")  # the same engine id, restarted at another address (a later life)
-    _build(consumer, "fx-d", "consumer")
-    (dead,), (live,) = ref_old.control_addrs, ref_new.control_addrs
-    assert dead != live and ref_old.incarnations < ref_new.incarnations
-    old.call("stall", key="fx-p", phase="handshake")  # it never answers a handshake
+    old, consumer, new, ref_old, ref_new = _restarted_elsewhere(procs)
+    (dead,) = ref_old.control_addrs
     stale = _req("stale", 1, 0)
     consumer.call("expect", key="fx-d", producer=ref_old, reqs=[stale])
     assert old.note() == ("stalled", "handshake")  # the consumer's handshake with the dead address holds its gate
-    old.kill()
-    fresh = _req("fresh", 2, 1)
-    new.call("hold", key="fx-p", reqs=[fresh])
-    started = time.monotonic()
-    consumer.call("expect", key="fx-d", producer=ref_new, reqs=[fresh])
-    outcome = consumer.call("wait", key="fx-d", reqs=[fresh])["fresh"]
-    assert outcome.ok and outcome.at - started < FAST_S, (outcome.at - started, outcome)
+    started = _pull_from_the_new_life(old, consumer, new, ref_new, _req("fresh", 2, 1))
     failed = consumer.call("wait", key="fx-d", reqs=[stale])["stale"]
     # The pull naming the dead life: its handshake was abandoned, and sent again it is refused as stale, at once.
     assert failed.error_type == "PeerLostError" and "stale reference to 'fx-p.r0'" in failed.message, failed
@@ -238,27 +252,16 @@ def test_a_pull_from_the_restarted_producer_does_not_queue_behind_pulls_running_
     hands there, three wait at the gate. The pull naming the restarted producer was queued in that lane behind
     them: it never reached the gate to take it over, and started only once the first of them failed, after
     deadline_s (fail-fast drops only the tasks queued for the dead address)."""
-    old, consumer, new = procs[0], procs[1], procs[2]
-    ref_old = _build(old, "fx-p", "producer")
-    ref_new = _build(new, "fx-p", "producer")  # the same engine id, restarted at another address (a later life)
-    _build(consumer, "fx-d", "consumer")
-    (dead,), (live,) = ref_old.control_addrs, ref_new.control_addrs
-    old.call("stall", key="fx-p", phase="handshake")  # it never answers a handshake
+    old, consumer, new, ref_old, ref_new = _restarted_elsewhere(procs)
+    (dead,) = ref_old.control_addrs
     stale = [_req(f"stale{i}", 1 + i, i) for i in range(4)]  # the lane's 4 tasks, all at the dead address
     consumer.call("expect", key="fx-d", producer=ref_old, reqs=stale)
     assert old.note() == ("stalled", "handshake")
     consumer.call("gate_users", key="fx-d", peer_id="fx-p.r0", count=len(stale))  # all 4 running, none queued
-    old.kill()
-    fresh = _req("fresh", 9, 8)
-    new.call("hold", key="fx-p", reqs=[fresh])
-    started = time.monotonic()
-    consumer.call("expect", key="fx-d", producer=ref_new, reqs=[fresh])
-    outcome = consumer.call("wait", key="fx-d", reqs=[fresh])["fresh"]
-    assert outcome.ok and outcome.at - started < FAST_S, (outcome.at - started, outcome)
+    started = _pull_from_the_new_life(old, consumer, new, ref_new, _req("fresh", 9, 8))
     for failed in consumer.call("wait", key="fx-d", reqs=stale).values():  # refused as stale, at once
         assert failed.error_type == "PeerLostError" and "stale reference to 'fx-p.r0'" in failed.message, failed
         assert failed.at - started < FAST_S, (failed.at - started, failed)
     assert _pull(new, consumer, ref_new, _req("after", 10, 9)).ok
     logs = consumer.call("logs")
     assert [line for line in logs if f"is at {dead!r} now" in line] == [], logs
-    assert live != dead

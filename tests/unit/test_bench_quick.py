@@ -278,7 +278,7 @@ def test_transfer_checks_every_path_s_bytes_so_a_fast_but_wrong_path_fails(
     """A link path that sends zeros instead of the slices is caught by the check after its round."""
     import torch
 
-    from benchmarks import _transfer_paths, bench_transfer
+    from benchmarks import _transfer_paths
 
     def wrong(self: _transfer_paths.Sender) -> None:
         zeros = torch.zeros_like(self.wires[0])
@@ -286,10 +286,16 @@ def test_transfer_checks_every_path_s_bytes_so_a_fast_but_wrong_path_fails(
             fut.result(_transfer_paths.WAIT_S)
 
     monkeypatch.setattr(_transfer_paths.Sender, "link_only", wrong)
+    _transfer_of_64_kib_fails_its_check(tmp_path, r"^64 KiB, link path, round 0: the receiver's wire buffers differ")
+
+
+def _transfer_of_64_kib_fails_its_check(out: Path, message: str) -> None:
+    """A bench transfer run of 64 KiB slices raises BytesDiffer matching ``message``."""
+    from benchmarks import _transfer_paths, bench_transfer
+
     params = bench_transfer.TransferParams(sizes=(64 << 10,), round_bytes=256 << 10, trip_sizes=(64 << 10,), trips=1)
-    with _common.BenchContext(_common.BenchOptions(quick=True, repeats=1, out=tmp_path)) as ctx:
-        with pytest.raises(_transfer_paths.BytesDiffer,
-                           match=r"^64 KiB, link path, round 0: the receiver's wire buffers differ"):
+    with _common.BenchContext(_common.BenchOptions(quick=True, repeats=1, out=out)) as ctx:
+        with pytest.raises(_transfer_paths.BytesDiffer, match=message):
             bench_transfer.run(ctx, params)
 
 
@@ -338,14 +344,10 @@ def test_transfer_checks_that_the_ncclkv_path_gathered_what_it_sent(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The sender's wire buffers start out holding the gathered slices (the raw and link paths send them), so an
     ncclkv path that sent them without gathering delivered the right bytes: its check must not rest on them."""
-    from benchmarks import _transfer_paths, bench_transfer
+    from benchmarks import _transfer_paths
 
     monkeypatch.setattr(_transfer_paths.Sender, "ncclkv", _send_without_gathering)
-    params = bench_transfer.TransferParams(sizes=(64 << 10,), round_bytes=256 << 10, trip_sizes=(64 << 10,), trips=1)
-    with _common.BenchContext(_common.BenchOptions(quick=True, repeats=1, out=tmp_path)) as ctx:
-        with pytest.raises(_transfer_paths.BytesDiffer,
-                           match=r"^64 KiB, ncclkv path, round 0: the receiver's cache differ"):
-            bench_transfer.run(ctx, params)
+    _transfer_of_64_kib_fails_its_check(tmp_path, r"^64 KiB, ncclkv path, round 0: the receiver's cache differ")
 
 
 def test_overlap_checks_that_the_link_path_gathered_what_it_sent(

@@ -903,6 +903,17 @@ def test_connecting_to_a_live_peer_at_another_address_replaces_its_path(make_cha
     assert a.request("B", Ready("still"), timeout_s=5) == Ack("still", None) and len(lost) == 1
 
 
+def _reached_by_handshakes(a: Channel, seen: list[Message], *peers: Channel) -> None:
+    """Each of ``peers`` connects to ``a`` and sends it a Handshake naming its own address (``a`` has no DEALER to
+    them: they only reached it); returns once ``a`` handed every one to its handler, which appends to ``seen``."""
+    hellos = [Handshake.create(f"{c.peer_id}-engine", "producer", 0, ParallelLayout(1, 1), KVGeometry(2, 2, 64),
+                               c.address, "h:2", incarnation=c.incarnation) for c in peers]
+    for channel, hello in zip(peers, hellos):
+        channel.connect("A", a.address)
+        channel.send("A", hello)
+    wait_until(lambda: sorted(map(repr, seen)) == sorted(map(repr, hellos)), WAIT_S)
+
+
 def test_connecting_to_a_peer_that_only_reached_us_at_another_address_than_its_handshake_named_replaces_it(
         make_channel: Callable[..., Channel]) -> None:
     """B reached A only through A's ROUTER (B connected; A never opened a DEALER to it), its handshake naming its
@@ -920,12 +931,7 @@ def test_connecting_to_a_peer_that_only_reached_us_at_another_address_than_its_h
     old = make_channel("B", on_message=lambda sender, body: heard_by_old.append(body), heartbeat_s=0.05,
                        deadline_s=30.0)  # it never answers: stopped
     stays = make_channel("C", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
-    hellos = [Handshake.create(f"{c.peer_id}-engine", "producer", 0, ParallelLayout(1, 1), KVGeometry(2, 2, 64),
-                               c.address, "h:2", incarnation=c.incarnation) for c in (old, stays)]
-    for channel, hello in zip((old, stays), hellos):
-        channel.connect("A", a.address)
-        channel.send("A", hello)
-    wait_until(lambda: sorted(map(repr, seen_by_a)) == sorted(map(repr, hellos)), WAIT_S)
+    _reached_by_handshakes(a, seen_by_a, old, stays)
 
     a.connect("C", stays.address)  # where its handshake said it is: its inbound path stays
     assert a.request("C", Ready("same"), timeout_s=5) == Ack("same", None)
@@ -982,12 +988,7 @@ def test_the_loss_of_a_peer_that_only_reached_us_carries_the_address_its_handsha
                      heartbeat_s=30.0, deadline_s=60.0)  # no heartbeat turns in between: no send fails first
     old = make_channel("B", heartbeat_s=0.05, deadline_s=60.0)
     closing = make_channel("C", heartbeat_s=0.05, deadline_s=60.0)
-    hellos = [Handshake.create(f"{c.peer_id}-engine", "producer", 0, ParallelLayout(1, 1), KVGeometry(2, 2, 64),
-                               c.address, "h:2", incarnation=c.incarnation) for c in (old, closing)]
-    for channel, hello in zip((old, closing), hellos):
-        channel.connect("A", a.address)
-        channel.send("A", hello)
-    wait_until(lambda: sorted(map(repr, seen)) == sorted(map(repr, hellos)), WAIT_S)
+    _reached_by_handshakes(a, seen, old, closing)
 
     old._io._say_bye = lambda: None  # noqa: SLF001 - it crashes: no Bye
     old.close()
