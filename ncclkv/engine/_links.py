@@ -80,6 +80,9 @@ class Peer:
     # map's entry removed when the link went could be written again by an announcement racing the removal.
     sent_seq: int = 0
     heard_seq: int = 0
+    # Set once this handshake is dropped, discarded or closed (its link is closed as soon as it opens): the
+    # link's rendezvous still waiting for the peer ends then, instead of holding its thread up to deadline_s.
+    cancel: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(slots=True, eq=False)
@@ -253,7 +256,7 @@ class PeerLinks:
             self._install(sender, remote, None, None)
             return replace(self._local, session=remote.session, open_link=False)
         link: Future[LinkBase] = Future()
-        self._install(sender, remote, link, self._link_id(sender, remote.session))
+        peer = self._install(sender, remote, link, self._link_id(sender, remote.session))
 
         def open_link() -> None:
             if not link.set_running_or_notify_cancel():  # close() came first: nothing to open
@@ -263,7 +266,9 @@ class PeerLinks:
                     raise TransferTimeout(f"handshake reply to {sender!r} not sent within {self._deadline_s}s")
                 opened = self._open_link(sender, self._data_plane.address, remote.session)
             except BaseException as err:  # recorded in the future, seen by whoever waits for the link
-                log.error("link to %s failed to open: %s", sender, err)
+                # dropped or closed meanwhile: its drop was logged, and nothing waits for this link any more
+                log.log(logging.INFO if peer.cancel.is_set() else logging.ERROR, "link to %s failed to open: %s",
+                        sender, err)
                 settle(link, error=err)
                 return
             settle(link, result=opened)  # a drop() or close() that came meanwhile closes it (its callback)
@@ -360,6 +365,7 @@ class PeerLinks:
         """Close the links of ``peers``, already out of ``_links`` (one still opening once it opens), fail what
         waits for them to open (``when_open``: at once, not when the open ends)."""
         for peer in peers:
+            peer.cancel.set()  # an open still meeting the peer ends now (_open_link)
             with self._lock:
                 waiting = self._waiting.get(peer.link_id) if peer.link_id is not None else None
                 if waiting is not None and waiting.peer is peer and waiting.error is None:
@@ -410,6 +416,7 @@ class PeerLinks:
         for entry in waiting:
             self._run_waiting(entry)
         for peer in peers:
+            peer.cancel.set()  # an open still meeting the peer ends now (_open_link)
             if peer.link is not None:
                 peer.link.cancel()  # a responder's open not started yet never starts
             _close_link(peer)
@@ -587,8 +594,23 @@ class PeerLinks:
         me = self._channel.peer_id
         link_rank = 0 if me < peer_id else 1
         link_id = self._link_id(peer_id, session)
+        with self._lock:
+            kept = self._links.get(link_id)
+        if kept is None:  # dropped or closed before its open started: it would be closed as soon as it opened
+            if self._closed:
+                raise ClosedError(f"engine peers were closed before link {link_id!r} to {peer_id!r} opened")
+            raise PeerLostError(f"link {link_id!r} to {peer_id!r} was dropped before it opened")
         log.debug("opening link %s to %s (rank %d, store %s)", link_id, peer_id, link_rank, store_addr)
-        link = self._data_plane.open_link(link_id, link_rank, store_addr, self._device, self._deadline_s)
+        try:
+            # Dropped or closed meanwhile (drop(), close()), it stops waiting for the peer: a peer lost between its
+            # handshake and the rendezvous held one of the link opener's threads up to deadline_s, and a handful
+            # of them every other peer's new links.
+            link = self._data_plane.open_link(link_id, link_rank, store_addr, self._device, self._deadline_s,
+                                              cancel=kept.cancel)
+        except BaseException as err:
+            if kept.cancel.is_set():
+                raise self._gone_error(kept) from err
+            raise
         log.debug("opened link %s to %s", link_id, peer_id)
         return link
 

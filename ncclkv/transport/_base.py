@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -122,6 +123,8 @@ class LinkFactory(Protocol):
         store_addr: str,
         device: torch.device | str,
         timeout_s: float,
+        *,
+        cancel: threading.Event | None = None,
     ) -> LinkBase: ...
 
     def close(self) -> None: ...

@@ -95,10 +95,11 @@ class DataPlane(LinkOpener):
         split_address(store_addr)
 
     def _connect(self, link_id: str, link_rank: int, store_addr: str, device: torch.device, deadline: float,
-                 op_timeout_s: float) -> TorchBackend:
+                 op_timeout_s: float, cancel: threading.Event | None) -> TorchBackend:
         client = self._client(store_addr, deadline)
         try:
-            return open_group(link_id, link_rank, store_addr, client, device, deadline, op_timeout_s, self._gloo)
+            return open_group(link_id, link_rank, store_addr, client, device, deadline, op_timeout_s, self._gloo,
+                              cancel)
         except (HandshakeError, ValueError):  # the store answered: the peer is incompatible, or the id reused
             raise
         except BaseException:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -123,6 +124,7 @@ def _make_group(
     deadline: float,
     op_timeout_s: float,
     gloo_device: Callable[[], object],
+    cancel: threading.Event | None = None,
 ) -> dist.ProcessGroup:
     if device.type == "cuda":
         from torch.distributed import ProcessGroupNCCL
@@ -138,7 +140,7 @@ def _make_group(
     options._timeout = _left(deadline)  # connecting to the peer; operations pass their own deadlines
     options._devices = [gloo_device()]
     options._threads = 1  # gloo's worker threads serve collectives; send/recv do not use them
-    return dist.ProcessGroupGloo(_PollingStore(store, deadline), link_rank, 2, options)
+    return dist.ProcessGroupGloo(_PollingStore(store, deadline, cancel), link_rank, 2, options)
 
 
 class _PollingStore(dist.Store):
@@ -146,10 +148,11 @@ class _PollingStore(dist.Store):
     whole length, and a responder meets every peer through one (its server object), so a peer that stopped before
     its gloo group set its address held every other peer's link opening through our store up to our deadline."""
 
-    def __init__(self, store: dist.Store, deadline: float) -> None:
+    def __init__(self, store: dist.Store, deadline: float, cancel: threading.Event | None = None) -> None:
         super().__init__()
         self._store = store
         self._deadline = deadline
+        self._cancel = cancel
 
     def set(self, key: str, value: str | bytes) -> None:
         self._store.set(key, value)
@@ -175,19 +178,26 @@ class _PollingStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         deadline = self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout.total_seconds())
-        if not _poll_all(self._store, keys, deadline):
+        if not _poll_all(self._store, keys, deadline, self._cancel):
+            if self._cancel is not None and self._cancel.is_set():
+                raise _Cancelled(f"rendezvous cancelled while waiting for keys {keys}")
             raise TimeoutError(f"wait timeout after {timeout}, keys: {keys}")
 
 
-def _poll(store: dist.Store, key: str, deadline: float) -> bool:
-    """Wait for ``key`` without a blocking store wait: those hold the (shared) client for their whole length."""
-    return _poll_all(store, [key], deadline)
+class _Cancelled(Exception):
+    """The rendezvous was cancelled (``open_group``'s ``cancel`` set) while it waited for the peer."""
 
 
-def _poll_all(store: dist.Store, keys: list[str], deadline: float) -> bool:
+def _poll(store: dist.Store, key: str, deadline: float, cancel: threading.Event | None = None) -> bool:
+    """Wait for ``key`` without a blocking store wait: those hold the (shared) client for their whole length.
+    False at ``deadline``, or once ``cancel`` is set."""
+    return _poll_all(store, [key], deadline, cancel)
+
+
+def _poll_all(store: dist.Store, keys: list[str], deadline: float, cancel: threading.Event | None = None) -> bool:
     pause = 0.0005
     while not store.check(keys):
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
             return False
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
@@ -203,6 +213,7 @@ def open_group(
     deadline: float,
     op_timeout_s: float,
     gloo_device: Callable[[], object],
+    cancel: threading.Event | None = None,
 ) -> TorchBackend:
     """Meet the peer through ``client`` (a connection to the TCPStore at ``store_addr``) and connect a 2-rank group.
 
@@ -210,6 +221,10 @@ def open_group(
     the peer's, so a peer that never joins is a :class:`TransferTimeout` we
     control, a gloo end facing an NCCL end is a :class:`HandshakeError`, and
     the group's own (blocking) rendezvous starts only once the peer is there.
+    Once ``cancel`` is set, the waits for the peer's keys (ours and gloo's)
+    end: :class:`TransferError` ("cancelled"), not a wait to the deadline for
+    a peer the caller gave up on (NCCL's own read of its unique id still
+    blocks).
 
     Once a gloo group is up, each end deletes its own ``gpu`` and ``backend``
     keys: the peer read them before it started its group, and ours connects
@@ -230,7 +245,9 @@ def open_group(
         gpu = _gpu_uuid(device) if device.type == "cuda" else ""
         store.set(f"gpu/{link_rank}", gpu)  # before the backend: the peer reads both once it sees the backend
         store.set(f"backend/{link_rank}", backend)
-        if not _poll(store, f"backend/{peer}", deadline):
+        if not _poll(store, f"backend/{peer}", deadline, cancel):
+            if cancel is not None and cancel.is_set():
+                raise _cancelled(where, peer)
             raise TransferTimeout(f"{where}: peer (link rank {peer}) did not join within {timeout_s:.3g} s")
         peer_backend = store.get(f"backend/{peer}").decode()
         if peer_backend != backend:
@@ -240,17 +257,23 @@ def open_group(
             # error gives the cause ("Last error: Duplicate GPU detected") after the line a TransferError keeps.
             raise HandshakeError(f"{where}: both ends are on the same GPU ({device}, {gpu}); NCCL needs one GPU "
                                  "per rank: give each rank its own device (CUDA_VISIBLE_DEVICES, LOCAL_RANK)")
-        pg = _make_group(store, link_rank, device, deadline, op_timeout_s, gloo_device)
+        pg = _make_group(store, link_rank, device, deadline, op_timeout_s, gloo_device, cancel)
         if device.type != "cuda":
             _forget_own_keys(store, link_rank, where)
     except (NcclKVError, ValueError):
         raise
     except Exception as exc:  # torch raises DistError subclasses and plain RuntimeErrors
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if cancel is not None and cancel.is_set():
+            raise _cancelled(where, peer) from exc
         if time.monotonic() >= deadline - 0.01 or _is_timeout(exc, text):
             raise TransferTimeout(f"{where}: peer (link rank {peer}) not connected within {timeout_s:.3g} s: {text}") from exc
         raise TransferError(f"{where}: cannot connect to peer (link rank {peer}): {text}") from exc
     return TorchBackend(pg, link_rank, device, store, f"ncclkv-link-{link_id}")
+
+
+def _cancelled(where: str, peer: int) -> TransferError:
+    return TransferError(f"{where}: rendezvous cancelled before the peer (link rank {peer}) joined")
 
 
 def _is_timeout(exc: Exception, text: str) -> bool:

@@ -30,6 +30,8 @@ from ._opener import LinkOpener
 
 __all__ = ["LoopbackHub", "LoopbackTransport", "loopback_pair"]
 
+_CANCEL_POLL_S = 0.05  # how often a rendezvous given a cancel event looks at it
+
 
 class _WireOp:
     def __init__(self, tensor: torch.Tensor) -> None:
@@ -188,7 +190,9 @@ class LoopbackHub:
         with self._cond:
             self._check(store_addr, link_id, link_rank)
 
-    def meet(self, store_addr: str, link_id: str, link_rank: int, deadline: float) -> _Wire:
+    def meet(self, store_addr: str, link_id: str, link_rank: int, deadline: float,
+             cancel: threading.Event | None = None) -> _Wire:
+        """Meet the other end by ``deadline``; or, once ``cancel`` is set, stop waiting (TransferError)."""
         key = (store_addr, link_id)
         where = f"link {link_id!r} (link rank {link_rank}, store {store_addr})"
         with self._cond:
@@ -210,7 +214,12 @@ class LoopbackHub:
                     del self._waiting[key]
                     self._used.add(key)
                     raise TransferTimeout(f"{where}: peer (link rank {1 - link_rank}) did not join in time")
-                self._cond.wait(left)
+                if cancel is not None and cancel.is_set():
+                    del self._waiting[key]
+                    self._used.add(key)
+                    raise TransferError(f"{where}: rendezvous cancelled before the peer (link rank {1 - link_rank}) "
+                                        "joined")
+                self._cond.wait(left if cancel is None else min(left, _CANCEL_POLL_S))
             if me.refused is not None:
                 raise ValueError(me.refused)
             return me.wire
@@ -236,5 +245,5 @@ class LoopbackTransport(LinkOpener):
         self.hub.check(store_addr, link_id, link_rank)
 
     def _connect(self, link_id: str, link_rank: int, store_addr: str, device: torch.device, deadline: float,
-                 op_timeout_s: float) -> _WireEnd:
-        return _WireEnd(self.hub.meet(store_addr, link_id, link_rank, deadline), link_rank)
+                 op_timeout_s: float, cancel: threading.Event | None) -> _WireEnd:
+        return _WireEnd(self.hub.meet(store_addr, link_id, link_rank, deadline, cancel), link_rank)

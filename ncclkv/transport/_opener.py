@@ -51,6 +51,7 @@ class LinkOpener(ABC):
         op_timeout_s: float | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
+        cancel: threading.Event | None = None,
     ) -> Link:
         """Connect with the peer by ``timeout_s`` and return our end of the link.
 
@@ -58,7 +59,8 @@ class LinkOpener(ABC):
         ``store_addr``, the other ``link_rank``); raises :class:`TransferTimeout`
         naming the link id and store address when it does not by the deadline.
         ``op_timeout_s`` (default ``timeout_s``) is the default deadline of each
-        send and receive.
+        send and receive. ``cancel``: once set, a rendezvous still waiting for the peer ends
+        (:class:`TransferError`) instead of waiting out the deadline (the caller gave up on the link).
         """
         # Every argument Link() checks is checked here, before we meet the peer: a refusal after that
         # would leave the peer with a link whose other end never exists.
@@ -75,7 +77,7 @@ class LinkOpener(ABC):
                 raise ValueError(f"link id {link_id!r} is already open on {self.kind} {self._address}")
             self._links[link_id] = None
         try:
-            backend = self._connect(link_id, link_rank, store_addr, dev, deadline, op_timeout)
+            backend = self._connect(link_id, link_rank, store_addr, dev, deadline, op_timeout, cancel)
         except BaseException:
             with self._lock:
                 self._links.pop(link_id, None)
@@ -114,8 +116,9 @@ class LinkOpener(ABC):
 
     @abstractmethod
     def _connect(self, link_id: str, link_rank: int, store_addr: str, device: torch.device, deadline: float,
-                 op_timeout_s: float) -> Backend:
-        """Meet the peer by ``deadline`` (a time.monotonic() value) and return the new link's backend."""
+                 op_timeout_s: float, cancel: threading.Event | None) -> Backend:
+        """Meet the peer by ``deadline`` (a time.monotonic() value), or until ``cancel`` is set, and return the new
+        link's backend."""
 
     def _forget(self, link: Link) -> None:
         with self._lock:

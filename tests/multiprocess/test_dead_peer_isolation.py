@@ -542,3 +542,72 @@ def test_close_with_pulls_queued_for_a_dead_producer_returns_at_once_and_fails_t
             with pytest.raises(ClosedError):
                 engine.wait(rid, timeout_s=0)
         assert not [t.name for t in threading.enumerate() if t.name.startswith("ncclkv-engine[decode.r0]")]
+
+
+# The link opener: a responder's rendezvous with a peer dropped after its handshake ends at the drop (real data
+# planes, one process).
+
+
+def test_peers_dropped_between_their_handshake_and_the_rendezvous_hold_no_link_opener() -> None:
+    """As many consumers as the producer rank has link openers pull from it and close right after the handshake,
+    before joining their links' rendezvous; the producer drops them (their Bye), and a new consumer's pull, whose
+    link needs an opener, lands at once. Before, each opener waited out deadline_s at the rendezvous of its dropped
+    peer: every other peer's new link waited behind them (the healthy pull took most of deadline_s)."""
+    from engine.kvsim import build_sides, close_sides, engine_ref
+
+    from ncclkv.engine._engine import _LINK_OPENERS
+
+    deadline_s = 8.0
+    made: list[list[Any]] = []
+    joined, reached = threading.Event(), [threading.Event() for _ in range(_LINK_OPENERS)]
+
+    def sides(engine_id: str, role: str) -> list[Any]:
+        made.append(build_sides(engine_id, ONE, GQA, CacheLayout.CPU, 16, role, deadline_s=deadline_s))
+        return made[-1]
+
+    def stops_before_the_rendezvous(answered: threading.Event) -> Callable[[str, str, str], Any]:
+        def open_link(peer_id: str, store_addr: str, session: str) -> Any:
+            answered.set()  # the handshake is answered: the producer's opener waits for us at the rendezvous
+            assert joined.wait(WAIT_S)
+            raise TransferError("stopped before joining the rendezvous")
+        return open_link
+
+    try:
+        prefill = sides("prefill", "producer")
+        producer = prefill[0].engine
+        ref = engine_ref("prefill", ONE, prefill)
+        for i in range(_LINK_OPENERS + 1):
+            prefill[0].fill(seed=20 + i, block_ids=[i], num_tokens=16)
+            producer.finish(f"r{i}", [i], 16)
+        victims = [sides(f"victim{i}", "consumer")[0].engine for i in range(_LINK_OPENERS)]
+        for i, victim in enumerate(victims):
+            victim._peers._open_link = stops_before_the_rendezvous(reached[i])  # noqa: SLF001
+            victim.expect(f"r{i}", ref, [0], 16)
+        for answered in reached:
+            assert answered.wait(WAIT_S)
+        plane = producer._data_plane  # noqa: SLF001 - the links it is opening (None until open)
+        _until(lambda: sum(link is None for link in plane._links.values()) == _LINK_OPENERS,  # noqa: SLF001
+               "every link opener of the producer rank at a victim's rendezvous")
+        joined.set()
+        for victim in victims:
+            victim.close()
+        lost = [victim.config.peer_id for victim in victims]
+        _until(lambda: not any(producer._channel.peer_alive(p) or producer._peers.get(p) for p in lost),  # noqa: SLF001
+               "the victims dropped by the producer rank")
+        healthy = sides("healthy", "consumer")[0]
+        started = time.monotonic()
+        healthy.engine.expect(f"r{_LINK_OPENERS}", ref, [1], 16)
+        error: BaseException | None = None
+        try:
+            healthy.engine.wait(f"r{_LINK_OPENERS}", timeout_s=2 * deadline_s)
+        except Exception as err:  # noqa: BLE001 - reported below, with the time it took
+            error = err
+        took = time.monotonic() - started
+        print(f"\n[dead peer] a new consumer's pull beside {_LINK_OPENERS} peers dropped before their rendezvous: "
+              f"{type(error).__name__ if error else 'landed'} after {took:.3f}s (deadline_s={deadline_s})")
+        assert error is None and took < HEALTHY_S, f"the healthy pull took {took:.2f}s: {error!r}"
+        assert healthy.mismatches(20 + _LINK_OPENERS, [1], 16, Span(0, 16)) == []
+        assert not any(link is None for link in plane._links.values())  # noqa: SLF001 - no open left waiting
+    finally:
+        joined.set()
+        close_sides(*made)

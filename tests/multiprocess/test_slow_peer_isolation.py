@@ -223,7 +223,8 @@ class _DataPlane:
         self.opening, self.release = threading.Event(), threading.Event()
         self.fail: BaseException | None = None
 
-    def open_link(self, link_id: str, link_rank: int, store_addr: str, device: str, timeout_s: float) -> _Link:
+    def open_link(self, link_id: str, link_rank: int, store_addr: str, device: str, timeout_s: float, *,
+                  cancel: threading.Event | None = None) -> _Link:
         self.opening.set()
         assert self.release.wait(WAIT_S)
         if self.fail is not None:

@@ -361,6 +361,45 @@ def test_a_peer_stalled_in_its_rendezvous_does_not_hold_another_peers_link_throu
         del peer
 
 
+@pytest.mark.parametrize("where", ["before the peer joined", "in gloo's rendezvous", "loopback"])
+def test_a_rendezvous_cancelled_while_it_waits_for_the_peer_ends_at_once(where: str) -> None:
+    """``open_link(cancel=...)``: the engine sets it when it drops the peer (or closes) while the link opens. A
+    responder's open waited out its deadline for a peer lost after its handshake, holding one of the engine's
+    link-opener threads; now it ends as the event is set, with a TransferError that says so."""
+    cancel = threading.Event()
+    with contextlib.ExitStack() as stack:
+        if where == "loopback":
+            hub = LoopbackHub()
+            plane: Any = stack.enter_context(closing(LoopbackTransport(hub)))
+        else:
+            plane = stack.enter_context(DataPlane(deadline_s=60))
+        with ThreadPoolExecutor(1) as pool:
+            opening = pool.submit(plane.open_link, "cancelled", 1, plane.address, "cpu", 30.0, cancel=cancel)
+            deadline = time.monotonic() + WAIT_S
+            if where == "in gloo's rendezvous":  # the peer published its backend, and stopped before gloo's keys
+                host, port = split_address(plane.address)
+                peer = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=WAIT_S))
+                stalled = dist.PrefixStore("ncclkv/cancelled", peer)
+                stalled.add("joined/0", 1)
+                stalled.set("gpu/0", "")
+                stalled.set("backend/0", "gloo")
+                while not stalled.check(["0/1"]):  # our end's gloo group published its address: it waits in gloo
+                    assert time.monotonic() < deadline and not opening.done(), "our end never reached gloo"
+                    time.sleep(0.01)
+            else:
+                while None not in plane._links.values():  # noqa: SLF001 - our end is meeting the peer
+                    assert time.monotonic() < deadline and not opening.done(), "our end never began its rendezvous"
+                    time.sleep(0.01)
+            cancelled_at = time.monotonic()
+            cancel.set()
+            with pytest.raises(TransferError, match="rendezvous cancelled") as caught:
+                opening.result(WAIT_S)
+            took = time.monotonic() - cancelled_at
+        assert not isinstance(caught.value, TransferTimeout)
+        assert took < 2.0, f"the cancelled open ended {took:.2f}s after the cancel (its deadline: 30 s)"
+        assert plane.links() == [] and not plane._links  # noqa: SLF001 - nothing kept of it
+
+
 def test_the_receive_being_posted_when_another_op_breaks_the_link_fails_with_the_cause() -> None:
     """A framed receive's poster waits for the next header while the receive before it is in flight; that one
     passes its deadline and breaks the link, whose abort then ends the header wait. The receive being posted was
