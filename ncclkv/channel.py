@@ -249,23 +249,27 @@ class Channel:
         key = curve_key(server_key, "server_key") if server_key is not None else None
         if key is not None and self.auth.curve is None:
             raise ValueError(f"server_key given for peer {peer_id!r} but this channel has no CURVE auth")
-        with self._lock:
+        with self._lock:  # the path's switch is queued under it too: see below
             self._check_open()
             # A peer that only reached us is where its handshake said (not where an earlier connect() was told)
             previous = self._peers.said_at(peer_id) or self._addresses.get(peer_id)
             self._addresses[peer_id] = address
             if previous is not None and previous != address:
                 self._peers.forget_said(peer_id)  # the path leads to ``address`` from now, for every request
-        if previous is not None and previous != address:
-            if self._peers.alive(peer_id):  # before the caller's next request: that one goes to the new address
-                self._on_lost(peer_id, f"connect() to it at {address!r}: it moved (restarted?) from {previous!r}",
-                              "reset", previous)
-            self._peers.add(peer_id, self.clock.now())  # alive for the caller's next request (renewed at the switch)
-            self._io.submit_connect(peer_id, address, key, replace=True)
-            return
-        # With CURVE the I/O thread binds the key even to a live peer (one that reached us first).
-        if self._peers.add(peer_id, self.clock.now()) or self.auth.curve is not None:
-            self._io.submit_connect(peer_id, address, key)
+                if self._peers.alive(peer_id):  # before the caller's next request: that one goes to the new address
+                    # Reported before the switch, as before: ahead of whatever the new path brings.
+                    failed, lost = self._lose_locked(peer_id, f"connect() to it at {address!r}: it moved "
+                                                              f"(restarted?) from {previous!r}", "reset", previous)
+                    for entry, error in failed:
+                        self._finish(entry, None, error)
+                    self._dispatcher.put_lost(peer_id, lost)
+                self._peers.add(peer_id, self.clock.now())  # alive for the next request (renewed at the switch)
+                # Queued as the address is recorded: a request another thread makes meanwhile, recorded at
+                # ``address`` (and let through by its ``at``), is queued after the switch, never on the old path.
+                self._io.submit_connect(peer_id, address, key, replace=True)
+            # With CURVE the I/O thread binds the key even to a live peer (one that reached us first).
+            elif self._peers.add(peer_id, self.clock.now()) or self.auth.curve is not None:
+                self._io.submit_connect(peer_id, address, key)
 
     def send(self, peer_id: str, body: Message, reply_to: int | None = None) -> int:
         """Queue ``body`` for ``peer_id`` and return its msg_id; thread-safe, never blocks.
@@ -489,18 +493,25 @@ class Channel:
         :class:`PeerLostError`, each carrying the loss's ``loss_seq`` and the ``address`` the life lost was
         reached at (None: not known), and the ``incarnation`` of the life lost when a new one replaced it (0: not
         that)."""
+        with self._lock:
+            failed, lost = self._lose_locked(peer_id, reason, how, address, incarnation)
+        for entry, error in failed:
+            self._finish(entry, None, error)
+        self._dispatcher.put_lost(peer_id, lost)
+
+    def _lose_locked(self, peer_id: str, reason: str, how: LossKind, address: str | None,
+                     incarnation: int = 0) -> tuple[list[tuple[_Pending, PeerLostError]], PeerLostError]:
+        """Under ``self._lock``: count the loss and take the requests it fails; returned with their errors, and the
+        error for ``on_peer_lost``, for the caller to finish and schedule (see :meth:`_on_lost`)."""
         kind = loss_error(how)
         seq = self._peers.next_loss_seq()
-        with self._lock:
-            # Not a request that went to another address since (connect() to a restarted life): not the lost one's.
-            mine = [k for k, v in self._pending.items() if v.peer_id == peer_id and lost_there(address, v.address)]
-            entries = [self._pending.pop(k) for k in mine]
-            self._expire_locked(mine)  # a peer that was only stalled may still answer
-        for entry in entries:
-            self._finish(entry, None, _stamped(kind(f"peer {peer_id!r} lost while waiting for a reply: {reason}"),
-                                               seq, address, incarnation))
-        self._dispatcher.put_lost(peer_id, _stamped(kind(f"peer {peer_id!r} lost: {reason}"), seq, address,
-                                                    incarnation))
+        # Not a request that went to another address since (connect() to a restarted life): not the lost one's.
+        mine = [k for k, v in self._pending.items() if v.peer_id == peer_id and lost_there(address, v.address)]
+        entries = [self._pending.pop(k) for k in mine]
+        self._expire_locked(mine)  # a peer that was only stalled may still answer
+        failed = [(entry, _stamped(kind(f"peer {peer_id!r} lost while waiting for a reply: {reason}"), seq, address,
+                                   incarnation)) for entry in entries]
+        return failed, _stamped(kind(f"peer {peer_id!r} lost: {reason}"), seq, address, incarnation)
 
 
 def new_incarnation() -> int:

@@ -974,6 +974,47 @@ def test_a_request_meant_for_another_address_than_the_channels_path_is_not_sent(
     assert heard == [Ready("here")]  # the refused one never went out: B's handler saw only the second
 
 
+def test_a_request_made_while_connect_moves_the_peer_goes_to_the_new_address(
+        make_channel: Callable[..., Channel]) -> None:
+    """connect() to a peer at another address recorded the new address under the channel's lock (what a
+    request's ``at`` is checked against) but queued the I/O thread's switch of the path after it let the lock go:
+    a request made by another thread in between passed ``at=`` the new address, and its frame, queued before the
+    switch, went on the old path, to the old life (stopped: it never answers), and waited out its timeout. Now
+    the switch is queued under that lock: a request the channel takes for the new address goes there."""
+    a = make_channel("A", heartbeat_s=0.05, deadline_s=30.0)
+    heard_by_old: list[Message] = []
+    old = make_channel("B", on_message=lambda sender, body: heard_by_old.append(body), heartbeat_s=0.05,
+                       deadline_s=30.0)  # it never answers: stopped
+    new = make_channel("B", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
+    a.connect("B", old.address)
+    wait_until(lambda: a.peer_incarnation("B") == old.incarnation, WAIT_S)
+
+    outcome: list[object] = []
+    queued = threading.Event()
+    submit_send, submit_connect = a._io.submit_send, a._io.submit_connect  # noqa: SLF001
+
+    def noted_send(peer_id: str, frame: bytes) -> None:
+        submit_send(peer_id, frame)
+        queued.set()
+
+    def racing_connect(peer_id: str, address: str, server_key: bytes | None = None, replace: bool = False) -> None:
+        if replace:  # another caller's request, made as this connect() switches the path
+            def ask() -> None:
+                try:
+                    outcome.append(a.request("B", Ready("raced"), timeout_s=3, at=new.address))
+                except BaseException as exc:  # noqa: BLE001 - recorded for the assert
+                    outcome.append(exc)
+            threading.Thread(target=ask, daemon=True).start()
+            queued.wait(1.0)  # queued by now unless the channel holds it until the switch is queued
+        submit_connect(peer_id, address, server_key, replace)
+
+    a._io.submit_send, a._io.submit_connect = noted_send, racing_connect  # noqa: SLF001
+    a.connect("B", new.address)
+    wait_until(lambda: outcome, WAIT_S)
+    assert outcome == [Ack("raced", None)], outcome  # before: TransferTimeout, the frame at the old life
+    assert Ready("raced") not in heard_by_old
+
+
 def test_the_loss_of_a_peer_that_only_reached_us_carries_the_address_its_handshake_named(
         make_channel: Callable[..., Channel]) -> None:
     """B and C reached A only through A's ROUTER, each handshake naming its address. B dies without a Bye and a
