@@ -542,8 +542,8 @@ class ConsumerSide:
         from that rank is kept: all its slices from it landed, or the plan gives it none from that rank).
 
         For a loss with a ``loss_seq`` (the channel's), a request expected after it was reported, or a pull
-        acknowledged under a handshake made after it, is not the lost one's, nor is a pull from the rank at
-        another address than the life lost (its ``address``: the producer restarted there); after a reset
+        acknowledged under a handshake made after it, is not the lost one's, nor is a pull or push from the rank
+        at another address than the life lost (its ``address``: the producer restarted there); after a reset
         (:class:`PeerResetError`: the producer is there, it only dropped us, restarted or moved), a pull not
         acknowledged yet is left to shake hands again, and so is a push whose reference names the producer rank's
         life heard now (it restarted: the lost life is the one it replaced, and the new one pushes this one)."""
@@ -563,9 +563,9 @@ class ConsumerSide:
                 named = req.producer.incarnation(rank) if req.push and replaced else 0
                 if named and named != replaced and named == self._channel.peer_incarnation(peer_id):
                     continue  # its reference names the life that replaced the lost one: that one pushes it
+                if not lost_there(lost_at, req.producer.control_addrs[rank]):  # another life's (a pull or a push)
+                    continue
                 if not req.push:
-                    if not lost_there(lost_at, req.producer.control_addrs[rank]):  # another life's
-                        continue
                     stamp = req.acked.get(rank)
                     if stamp is None and reset:  # its pull is still to be (re)sent, under a new handshake
                         continue

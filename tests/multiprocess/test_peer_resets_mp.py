@@ -345,3 +345,34 @@ def test_a_push_expected_from_a_restarted_producer_is_not_failed_by_the_loss_of_
         assert consumer.call("logs", contains="lost: it restarted"), consumer.call("logs")  # the old life's loss
     finally:
         old.kill()
+
+
+def test_a_push_expected_from_a_producer_at_its_new_address_is_not_failed_when_a_pull_moves_the_consumer_there(
+        procs: Pool) -> None:
+    """The producer pushed to the consumer, then hung (stopped) and was restarted at another address. The consumer
+    expects the next push from the new life, then pulls another request from it before the new one pushed (a
+    deployment where some requests are pushed, others pulled): the pull moves the consumer's channel to the new
+    address, which loses the old life (PeerResetError, its address the old one, no incarnation: no new one was
+    heard), and that loss failed every push expected from the engine, the one naming the new address included;
+    the new producer's offer was then refused ('it already failed here'). A push from the rank at another address
+    than the life lost is not that life's, as for a pull."""
+    old, consumer, new = procs[0], procs[1], procs[2]
+    ref_old = _build(old, "mpush-p", "producer")
+    ref_c = _build(consumer, "mpush-d", "consumer")
+    sent, got = _push(old, ref_old, consumer, ref_c, _req("warm", 1, 0))
+    assert sent.ok and got.ok, (sent, got)
+    built = _build(new, "mpush-p", "producer")
+    ref_new = EngineRef(built.engine_id, built.layout, built.control_addrs,
+                        (new.call("incarnation", key="mpush-p"),))
+    assert ref_new.control_addrs != ref_old.control_addrs
+    old.signal(signal.SIGSTOP)
+    try:
+        pushed = _req("b", 2, 1)
+        consumer.call("expect", key="mpush-d", producer=ref_new, reqs=[pushed], push=True)
+        assert _pull(new, "mpush-p", consumer, "mpush-d", ref_new, _req("c", 3, 2)).ok  # moves the channel
+        assert consumer.call("logs", contains="no longer at"), consumer.call("logs")  # it moved the channel
+        sent = new.call("push", key="mpush-p", req=pushed, consumer=ref_c)
+        got = consumer.call("wait", key="mpush-d", reqs=[pushed])["b"]
+        assert sent.ok and got.ok, (sent, got)  # before: PeerResetError "... connect() to it at ...: it moved"
+    finally:
+        old.kill()
