@@ -455,12 +455,12 @@ class IoLoop:
         sender, body = envelope.sender, envelope.body
         # Each life of a peer id starts every path to us with a heartbeat naming it (see _greet).
         incarnation = body.incarnation if isinstance(body, Heartbeat | Handshake) else 0
-        current = self._peers.replaced_life(sender, incarnation) if incarnation else 0
-        if current:  # refused, answered: a second process under the id hears why its requests fail
+        current = self._peers.replaced_life(sender, incarnation) if incarnation else None
+        if current is not None:  # refused, answered: a second process under the id hears why its requests fail
+            by = f"by {current:#x}, which speaks under that id now" if current else "by the life we moved the id to"
             self._gate.reject(sock, routing_id, origin, ProtocolError(
-                f"{sender!r} incarnation {incarnation:#x} was replaced by {current:#x}, which speaks under that id "
-                f"now: a late frame of a dead process, or two live processes share the peer id (each engine needs "
-                f"an engine_id of its own)"))
+                f"{sender!r} incarnation {incarnation:#x} was replaced {by}: a late frame of a dead process, or two "
+                f"live processes share the peer id (each engine needs an engine_id of its own)"))
             return
         said = self._peers.said_at(sender) if incarnation else ""  # where the life it may replace said it is
         replaced = self._peers.heard(sender, self._clock.now(), incarnation)

@@ -172,24 +172,28 @@ class PeerTable:
             state.said_at = ""  # the earlier life's: the new one is where its own handshake says
             return replaced
 
-    def replaced_life(self, peer_id: str, incarnation: int) -> int:
+    def replaced_life(self, peer_id: str, incarnation: int) -> int | None:
         """The current incarnation of ``peer_id`` when ``incarnation`` is one it replaced, and earlier (incarnations
-        grow with their channel's start time), else 0. Such a frame is a late one of a dead life, or comes from a
-        second live process under the peer id: taken as a restart, it would lose the live one (and the next frame
-        of that one the other again). A smaller incarnation never heard is still a restart: it may be a later
-        life on a host whose clock is behind."""
+        grow with their channel's start time), or one it was moved away from (:meth:`renew`) and none is heard
+        since (then 0); else None. Such a frame is a late one of a dead life, or comes from a second live process
+        under the peer id (the earlier one, still running on its connection to us): taken as a restart, it would
+        lose the live one (and the next frame of that one the other again). A smaller incarnation never heard is
+        still a restart: it may be a later life on a host whose clock is behind."""
         with self._lock:
             state = self._states.get(peer_id)
-            if (state is None or state.lost or not incarnation or incarnation >= state.incarnation
-                    or incarnation not in state.replaced):
-                return 0
+            if (state is None or state.lost or not incarnation or incarnation not in state.replaced
+                    or (state.incarnation and incarnation >= state.incarnation)):
+                return None
             return state.incarnation
 
     def renew(self, peer_id: str, now: float) -> None:
         """Start ``peer_id`` over, alive from ``now`` with no incarnation known (connected at a new address:
-        whoever answers there is taken as it is, not as a restart)."""
+        whoever answers there is taken as it is, not as a restart). The life it had is kept among those replaced:
+        still running, it may go on sending on its own connection to us (see :meth:`replaced_life`)."""
         with self._lock:
-            self._states[peer_id] = _PeerState(last_heard=now, last_echo=now)
+            old = self._states.get(peer_id)
+            replaced = () if old is None else (*old.replaced, old.incarnation) if old.incarnation else old.replaced
+            self._states[peer_id] = _PeerState(last_heard=now, last_echo=now, replaced=replaced[-_REPLACED_KEPT:])
             self._lost.pop(peer_id, None)
 
     def forget_incarnation(self, peer_id: str) -> None:

@@ -1015,6 +1015,41 @@ def test_a_request_made_while_connect_moves_the_peer_goes_to_the_new_address(
     assert Ready("raced") not in heard_by_old
 
 
+def test_the_earlier_life_still_running_after_connect_moved_its_peer_id_is_not_taken_back(
+        make_channel: Callable[..., Channel]) -> None:
+    """B reached A only through A's ROUTER, its handshake naming its address; a new B runs at another address
+    while the earlier one still runs (its channel heartbeats A on its connection). A is told the new address
+    and moves (the earlier life lost once). The earlier life's frames, still coming on its connection, must
+    not make A lose the new one (a 'restart' back to a life it replaced) nor take the peer id back to it:
+    every request at the new address is answered by the new B, and only the one loss is reported."""
+    lost: list[tuple[str, errors.PeerLostError]] = []
+    seen_by_a: list[Message] = []
+    a = make_channel("A", on_message=lambda sender, body: seen_by_a.append(body),
+                     on_peer_lost=lambda p, e: lost.append((p, e)), heartbeat_s=0.02, deadline_s=30.0)
+    heard_by_old: list[Message] = []
+    old = make_channel("B", on_message=lambda sender, body: heard_by_old.append(body), heartbeat_s=0.02,
+                       deadline_s=30.0)
+    hello = Handshake.create("B-engine", "producer", 0, ParallelLayout(1, 1), KVGeometry(2, 2, 64), old.address,
+                             "h:2", incarnation=old.incarnation)
+    old.connect("A", a.address)
+    old.send("A", hello)
+    wait_until(lambda: seen_by_a == [hello], WAIT_S)
+    new = make_channel("B", on_message=ack_ready, heartbeat_s=0.02, deadline_s=30.0)
+    a.connect("B", new.address)
+    outcomes: list[object] = []
+    until = time.monotonic() + 1.0  # some fifty heartbeats of the earlier life meanwhile
+    while time.monotonic() < until:
+        try:
+            outcomes.append(a.request("B", Ready("to the new one"), timeout_s=2, at=new.address))
+        except errors.NcclKVError as exc:
+            outcomes.append(exc)
+    assert outcomes and all(o == Ack("to the new one", None) for o in outcomes), [o for o in outcomes
+                                                                                  if not isinstance(o, Ack)][:3]
+    assert len(lost) == 1 and lost[0][1].address == old.address, lost
+    assert a.peer_incarnation("B") == new.incarnation and a.connected_address("B") == new.address
+    assert Ready("to the new one") not in heard_by_old
+
+
 def test_the_loss_of_a_peer_that_only_reached_us_carries_the_address_its_handshake_named(
         make_channel: Callable[..., Channel]) -> None:
     """B and C reached A only through A's ROUTER, each handshake naming its address. B dies without a Bye and a
