@@ -94,8 +94,18 @@ def signals_deferred() -> Iterator[None]:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        for signum in noted:  # after the mask: raise() delivers to this thread, and the handler runs here
+        _raise_again(noted)  # after the mask: raise() delivers to this thread, and the handler runs here
+
+
+def _raise_again(signums: list[int]) -> None:
+    """Raise each signal in turn; a handler that raises (KeyboardInterrupt, Stopped) does not keep the later ones
+    from running theirs (SIG_DFL's SIGTERM included): its exception goes on, a later one's names it as context."""
+    for index, signum in enumerate(signums):
+        try:
             signal.raise_signal(signum)
+        except BaseException:
+            _raise_again(signums[index + 1:])
+            raise
 
 
 def unblock_stop_signals() -> None:

@@ -261,6 +261,38 @@ def test_signals_deferred_holds_a_stop_back_while_another_thread_could_take_the_
     assert not set(signal.pthread_sigmask(signal.SIG_BLOCK, [])) & {signal.SIGINT, signal.SIGTERM}  # and the mask
 
 
+def test_signals_deferred_delivers_every_signal_it_held_back_even_when_a_handler_raises() -> None:
+    """SIGINT and SIGTERM both held back while another thread could take them: at the block's end each is delivered
+    to its handler. They were raised again one by one, and SIGINT's KeyboardInterrupt left the loop before SIGTERM's
+    turn: the SIGTERM was lost (its handler never ran; with SIG_DFL the process lived on)."""
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    ends = threading.Event()
+    other = threading.Thread(target=ends.wait, name="other-thread", daemon=True)  # its mask lets both signals in
+    other.start()
+    seen: list[str] = []
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("SIGTERM handled"))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with signals_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGTERM)
+                deadline = time.monotonic() + 0.5
+                while time.monotonic() < deadline:  # bytecode running: where a handler would run
+                    time.sleep(0.001)
+                seen.append("block ended")
+        deadline = time.monotonic() + 2.0
+        while "SIGTERM handled" not in seen and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+        ends.set()
+        other.join(5)
+    assert seen == ["block ended", "SIGTERM handled"]
+    assert not set(signal.pthread_sigmask(signal.SIG_BLOCK, [])) & {signal.SIGINT, signal.SIGTERM}
+
+
 # ------------------------------------------------------------------ the command
 
 @pytest.mark.timeout(90)
