@@ -49,8 +49,8 @@ _ZAP_JOIN_S = 2.0
 _MAX_SOCKETS = 8192  # ZMQ's default, 1023, held ~1000 peers; the descriptor limit (ulimit -n) is the real bound
 _BYE_LINGER_MS = 200  # on close: how long the Byes (and frames queued before them) may take to leave
 
-# kind, peer id, address / frame / flush event, server key
-_Command = tuple[str, str, str | bytes | threading.Event, bytes | None]
+# kind, peer id, address (a reconnect's: with the one it moved from) / frame / flush event, server key
+_Command = tuple[str, str, str | tuple[str, str] | bytes | threading.Event, bytes | None]
 
 
 @dataclass(slots=True)
@@ -148,9 +148,13 @@ class IoLoop:
         self._submit(("send", peer_id, frame, None))
 
     def submit_connect(self, peer_id: str, address: str, server_key: bytes | None = None,
-                       replace: bool = False) -> None:
-        """Open a DEALER to ``peer_id`` unless it has a path; ``replace``: drop its path first (it moved)."""
-        self._submit(("reconnect" if replace else "connect", peer_id, address, server_key))
+                       replace: str = "") -> None:
+        """Open a DEALER to ``peer_id`` unless it has a path; ``replace``: the address it moved from (its path there
+        is dropped first)."""
+        if replace:
+            self._submit(("reconnect", peer_id, (address, replace), server_key))
+        else:
+            self._submit(("connect", peer_id, address, server_key))
 
     def submit_flush(self) -> threading.Event:
         """An event set once every frame submitted before this call was handed to ZMQ."""
@@ -294,14 +298,16 @@ class IoLoop:
                 return
             if isinstance(arg, threading.Event):  # "flush": everything before it is with ZMQ now
                 arg.set()
-            elif kind in ("connect", "reconnect"):
-                if kind == "reconnect":  # it moved: its old path leads to no one, and it holds nothing of ours
-                    self._counters.peers_lost += int(peer_id in self._links)  # else counted when it was lost
-                    self._reset_due.pop(peer_id, None)
-                    self._drop_link(peer_id)
-                    # Whoever answers there is taken as it is (not as a restart), its deadline from now; after
-                    # the old path is gone, so nothing more of the old one is read.
-                    self._peers.renew(peer_id, self._clock.now())
+            elif isinstance(arg, tuple):  # "reconnect": it moved, its old path leads to no one, it holds nothing of ours
+                address, moved_from = arg
+                self._counters.peers_lost += int(peer_id in self._links)  # else counted when it was lost
+                self._reset_due.pop(peer_id, None)
+                self._drop_link(peer_id)
+                # Whoever answers there is taken as it is (not as a restart), its deadline from now; after
+                # the old path is gone, so nothing more of the old one is read.
+                self._peers.renew(peer_id, self._clock.now(), moved_from, address)
+                self._connect(peer_id, address, server_key)
+            elif kind == "connect":
                 self._connect(peer_id, str(arg), server_key)
             else:
                 self._send(peer_id, bytes(arg), counted=True)

@@ -98,6 +98,9 @@ class _PeerState:
     # peer that only reached us is ("": not said). Gone with the life (another incarnation, a new path); kept
     # once it is lost, until the peer id is heard or connected again (the life a loss is of, and where it was).
     said_at: str = ""
+    # The lives among ``replaced`` that connect() moved the peer id away from, with the address each was at: a
+    # move back to that address takes the life there as it is again (it may be the one alive: a wrong address).
+    moved_from: tuple[tuple[int, str], ...] = ()
 
 
 class PeerTable:
@@ -158,7 +161,9 @@ class PeerTable:
         with self._lock:
             state = self._states.get(peer_id)
             if state is None or state.lost:
-                self._states[peer_id] = _PeerState(last_heard=now, last_echo=now, incarnation=incarnation)
+                # Where the lives it was moved away from were is kept: a move back there takes them (see renew).
+                self._states[peer_id] = _PeerState(last_heard=now, last_echo=now, incarnation=incarnation,
+                                                   moved_from=() if state is None else state.moved_from)
                 self._lost.pop(peer_id, None)
                 return 0
             state.last_heard = max(state.last_heard, now)
@@ -186,14 +191,21 @@ class PeerTable:
                 return None
             return state.incarnation
 
-    def renew(self, peer_id: str, now: float) -> None:
+    def renew(self, peer_id: str, now: float, moved_from: str = "", address: str = "") -> None:
         """Start ``peer_id`` over, alive from ``now`` with no incarnation known (connected at a new address:
-        whoever answers there is taken as it is, not as a restart). The life it had is kept among those replaced:
-        still running, it may go on sending on its own connection to us (see :meth:`replaced_life`)."""
+        whoever answers there is taken as it is, not as a restart). The life it had (at ``moved_from``) is kept
+        among those replaced: still running, it may go on sending on its own connection to us (see
+        :meth:`replaced_life`); a life moved away from ``address`` earlier is no longer (moved back to it: the
+        move away was wrong, and that life may be the one alive)."""
         with self._lock:
             old = self._states.get(peer_id)
-            replaced = () if old is None else (*old.replaced, old.incarnation) if old.incarnation else old.replaced
-            self._states[peer_id] = _PeerState(last_heard=now, last_echo=now, replaced=replaced[-_REPLACED_KEPT:])
+            replaced, moved = ((), ()) if old is None else (old.replaced, old.moved_from)
+            if old is not None and old.incarnation:
+                replaced, moved = (*replaced, old.incarnation), (*moved, (old.incarnation, moved_from))
+            back = {life for life, at in moved if at == address}
+            replaced = tuple(life for life in replaced if life not in back)[-_REPLACED_KEPT:]
+            moved = tuple((life, at) for life, at in moved if life in replaced)
+            self._states[peer_id] = _PeerState(last_heard=now, last_echo=now, replaced=replaced, moved_from=moved)
             self._lost.pop(peer_id, None)
 
     def forget_incarnation(self, peer_id: str) -> None:

@@ -266,7 +266,7 @@ class Channel:
                 self._peers.add(peer_id, self.clock.now())  # alive for the next request (renewed at the switch)
                 # Queued as the address is recorded: a request another thread makes meanwhile, recorded at
                 # ``address`` (and let through by its ``at``), is queued after the switch, never on the old path.
-                self._io.submit_connect(peer_id, address, key, replace=True)
+                self._io.submit_connect(peer_id, address, key, replace=previous)
             # With CURVE the I/O thread binds the key even to a live peer (one that reached us first).
             elif self._peers.add(peer_id, self.clock.now()) or self.auth.curve is not None:
                 self._io.submit_connect(peer_id, address, key)

@@ -812,6 +812,74 @@ def test_a_peer_restarted_under_its_id_without_a_bye_is_reached_again(make_chann
     assert a.request("B", Ready("to the new one"), timeout_s=5) == Ack("to the new one", None)
 
 
+@pytest.mark.parametrize("b_connects", [False, True], ids=["answers-on-our-dealer", "answers-on-its-own"])
+def test_a_connect_back_to_the_address_a_peer_was_moved_away_from_takes_the_life_there_again(
+        make_channel: Callable[..., Channel], b_connects: bool) -> None:
+    """A reaches B; a wrong address for B (an edited reference) moves A's path there, where nothing answers, and
+    the life at B's address is lost once; A is then told B's real address again, before deadline_s. The life
+    there is the one alive: its frames (heartbeats, echoes of A's) must be taken, not refused as those of a life
+    A moved away from, so the peer id stays alive past deadline_s with that life's incarnation, and every request
+    is answered (A lost it again for 'none of our heartbeats echoed' after deadline_s)."""
+    from ncclkv.launch import free_port
+
+    lost: list[errors.PeerLostError] = []
+    a = make_channel("A", on_peer_lost=lambda p, e: lost.append(e), heartbeat_s=0.05, deadline_s=1.0)
+    b = make_channel("B", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
+    a.connect("B", b.address)
+    if b_connects:  # B's frames come on its own connection to A's ROUTER
+        b.connect("A", a.address)
+    assert a.request("B", Ready("first"), timeout_s=WAIT_S, at=b.address) == Ack("first", None)
+    wait_until(lambda: a.peer_incarnation("B") == b.incarnation, WAIT_S)
+    wrong = f"tcp://127.0.0.1:{free_port()}"
+    a.connect("B", wrong)
+    a.connect("B", b.address)  # back: B's life there is the only one
+    outcomes: list[object] = []
+    until = time.monotonic() + 2.5  # past deadline_s
+    while time.monotonic() < until:
+        try:
+            outcomes.append(a.request("B", Ready("back"), timeout_s=2, at=b.address))
+        except errors.NcclKVError as exc:
+            outcomes.append(exc)
+        time.sleep(0.05)
+    assert outcomes and all(o == Ack("back", None) for o in outcomes), [o for o in outcomes
+                                                                        if not isinstance(o, Ack)][:3]
+    assert [e.address for e in lost] == [b.address, wrong], lost
+    assert a.peer_alive("B") and a.peer_incarnation("B") == b.incarnation
+
+
+def test_a_connect_back_after_the_peer_was_lost_at_the_wrong_address_takes_the_life_there(
+        make_channel: Callable[..., Channel]) -> None:
+    """As above, but A waits past deadline_s at the wrong address: B is lost there, and B's life, which also
+    connected to A, is heard again on its own connection (alive, no address known for it). A is told B's real
+    address: a move, that life kept among those replaced; its frames on A's DEALER there must be taken, so every
+    request is answered and B is not lost once more (it was, after deadline_s, 'none of our heartbeats echoed')."""
+    from ncclkv.launch import free_port
+
+    lost: list[errors.PeerLostError] = []
+    a = make_channel("A", on_peer_lost=lambda p, e: lost.append(e), heartbeat_s=0.05, deadline_s=1.0)
+    b = make_channel("B", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
+    a.connect("B", b.address)
+    b.connect("A", a.address)  # B's own connection to A's ROUTER
+    assert a.request("B", Ready("first"), timeout_s=WAIT_S, at=b.address) == Ack("first", None)
+    wrong = f"tcp://127.0.0.1:{free_port()}"
+    a.connect("B", wrong)
+    wait_until(lambda: len(lost) == 2, WAIT_S)  # moved from B's address, then nothing heard at the wrong one
+    wait_until(lambda: a.peer_alive("B"), WAIT_S)  # heard again on its own connection
+    a.connect("B", b.address)
+    outcomes: list[object] = []
+    until = time.monotonic() + 2.5  # past deadline_s
+    while time.monotonic() < until:
+        try:
+            outcomes.append(a.request("B", Ready("back"), timeout_s=2, at=b.address))
+        except errors.NcclKVError as exc:
+            outcomes.append(exc)
+        time.sleep(0.05)
+    assert outcomes and all(o == Ack("back", None) for o in outcomes), [o for o in outcomes
+                                                                        if not isinstance(o, Ack)][:3]
+    assert [e.address for e in lost] == [b.address, wrong, wrong], lost
+    assert a.peer_alive("B") and a.peer_incarnation("B") == b.incarnation
+
+
 def test_a_loss_of_a_peers_dead_life_reported_after_a_connect_to_its_new_address_spares_the_new_ones_request(
         make_channel: Callable[..., Channel]) -> None:
     """B died without a Bye (its address went silent) and restarted elsewhere. The I/O thread gives the dead life
