@@ -153,9 +153,11 @@ class _PollingStore(dist.Store):
         self._store = store
         self._deadline = deadline
         self._cancel = cancel
+        self._set: list[str] = []  # the keys gloo set through us (its address): taken back if cancelled
 
     def set(self, key: str, value: str | bytes) -> None:
         self._store.set(key, value)
+        self._set.append(key)
 
     def get(self, key: str) -> bytes:
         self.wait([key], _left(self._deadline))
@@ -180,6 +182,13 @@ class _PollingStore(dist.Store):
         deadline = self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout.total_seconds())
         if not _poll_all(self._store, keys, deadline, self._cancel):
             if self._cancel is not None and self._cancel.is_set():
+                # A peer that comes later must not find our address: it would connect to our gloo listener (which
+                # keeps the connection) and get an open link to nothing. Without it, it times out at its deadline.
+                for key in self._set:
+                    try:
+                        self._store.delete_key(key)
+                    except Exception as exc:  # noqa: BLE001 - the rendezvous fails either way
+                        _log.debug("could not take back store key %r of a cancelled rendezvous: %r", key, exc)
                 raise _Cancelled(f"rendezvous cancelled while waiting for keys {keys}")
             raise TimeoutError(f"wait timeout after {timeout}, keys: {keys}")
 

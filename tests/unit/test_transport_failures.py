@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -398,6 +399,56 @@ def test_a_rendezvous_cancelled_while_it_waits_for_the_peer_ends_at_once(where: 
         assert not isinstance(caught.value, TransferTimeout)
         assert took < 2.0, f"the cancelled open ended {took:.2f}s after the cancel (its deadline: 30 s)"
         assert plane.links() == [] and not plane._links  # noqa: SLF001 - nothing kept of it
+
+
+def test_a_rendezvous_cancelled_in_gloos_wait_leaves_no_address_for_a_peer_that_comes_later(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our end is cancelled while gloo's rendezvous waits for the peer's address (ours published); the peer, late,
+    comes after that. Before, it found our address, connected to our gloo listener and got an open link to
+    nothing (its operations waited out their deadlines, never 'closed by peer'), and our process kept that
+    connection (one descriptor per such cancel). Now the cancelled end takes its address back: the late peer
+    never connects, and its open fails at its deadline."""
+    from ncclkv.transport import _group
+
+    make_group, cancelled = _group._make_group, threading.Event()
+
+    def late(store: Any, link_rank: int, *args: Any, **kwargs: Any) -> Any:
+        if link_rank == 0:  # the peer: it saw our backend, and starts its gloo group only once we were cancelled
+            assert cancelled.wait(WAIT_S)
+        return make_group(store, link_rank, *args, **kwargs)
+
+    monkeypatch.setattr(_group, "_make_group", late)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with DataPlane(deadline_s=60) as ours, DataPlane(deadline_s=60) as theirs, ThreadPoolExecutor(2) as pool:
+        host, port = split_address(ours.address)
+        probe = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=WAIT_S))
+        outcomes, before = [], 0
+        for i in range(3):
+            if i == 1:
+                before = fds()  # after one round: gloo's device and listener are up
+            cancel, link_id = threading.Event(), f"late{i}"
+            mine = pool.submit(ours.open_link, link_id, 1, ours.address, "cpu", 30.0, cancel=cancel)
+            peer = pool.submit(theirs.open_link, link_id, 0, ours.address, "cpu", 4.0)
+            deadline = time.monotonic() + WAIT_S
+            while not probe.check([f"ncclkv/{link_id}/0/1"]):  # our gloo group published its address
+                assert time.monotonic() < deadline and not mine.done(), "our end never reached gloo"
+                time.sleep(0.005)
+            cancel.set()
+            with pytest.raises(TransferError, match="rendezvous cancelled"):
+                mine.result(WAIT_S)
+            cancelled.set()
+            try:
+                peer.result(WAIT_S).close()
+                outcomes.append("opened")
+            except TransferTimeout:
+                outcomes.append("timed out")
+            cancelled.clear()
+        time.sleep(0.5)
+        assert outcomes == ["timed out"] * 3, outcomes
+        assert fds() <= before, f"{fds() - before} descriptors more after 2 cancelled opens"
 
 
 def test_the_receive_being_posted_when_another_op_breaks_the_link_fails_with_the_cause() -> None:
