@@ -101,6 +101,9 @@ class _PeerState:
     # The lives among ``replaced`` that connect() moved the peer id away from, with the address each was at: a
     # move back to that address takes the life there as it is again (it may be the one alive: a wrong address).
     moved_from: tuple[tuple[int, str], ...] = ()
+    # The lives among ``replaced`` a move back took as they are again: not refused while no life is heard at the
+    # address; once one is, they are lives it replaced again (one of them is the one heard, or restarted there).
+    taken_back: tuple[int, ...] = ()
 
 
 class PeerTable:
@@ -169,6 +172,9 @@ class PeerTable:
             state.last_heard = max(state.last_heard, now)
             if not incarnation or incarnation == state.incarnation:
                 return 0
+            if incarnation in state.taken_back:  # the life a move back took: not one this one replaced
+                state.replaced = tuple(life for life in state.replaced if life != incarnation)
+            state.taken_back = ()
             replaced, state.incarnation = state.incarnation, incarnation
             if replaced:
                 state.last_echo = max(state.last_echo, now)
@@ -187,7 +193,8 @@ class PeerTable:
         with self._lock:
             state = self._states.get(peer_id)
             if (state is None or state.lost or not incarnation or incarnation not in state.replaced
-                    or (state.incarnation and incarnation >= state.incarnation)):
+                    or (state.incarnation and incarnation >= state.incarnation)
+                    or (not state.incarnation and incarnation in state.taken_back)):
                 return None
             return state.incarnation
 
@@ -203,9 +210,12 @@ class PeerTable:
             if old is not None and old.incarnation:
                 replaced, moved = (*replaced, old.incarnation), (*moved, (old.incarnation, moved_from))
             back = {life for life, at in moved if at == address}
-            replaced = tuple(life for life in replaced if life not in back)[-_REPLACED_KEPT:]
-            moved = tuple((life, at) for life, at in moved if life in replaced)
-            self._states[peer_id] = _PeerState(last_heard=now, last_echo=now, replaced=replaced, moved_from=moved)
+            # Those lives stay among the replaced (taken_back): a later life restarted there, heard first, still
+            # replaced them, and their late frames are refused.
+            replaced = replaced[-_REPLACED_KEPT:]
+            moved = tuple((life, at) for life, at in moved if life in replaced and life not in back)
+            self._states[peer_id] = _PeerState(last_heard=now, last_echo=now, replaced=replaced, moved_from=moved,
+                                               taken_back=tuple(life for life in replaced if life in back))
             self._lost.pop(peer_id, None)
 
     def forget_incarnation(self, peer_id: str) -> None:

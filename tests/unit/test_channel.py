@@ -880,6 +880,43 @@ def test_a_connect_back_after_the_peer_was_lost_at_the_wrong_address_takes_the_l
     assert a.peer_alive("B") and a.peer_incarnation("B") == b.incarnation
 
 
+def test_a_connect_back_to_an_address_whose_life_restarted_meanwhile_still_refuses_the_old_lifes_late_frames(
+        make_channel: Callable[..., Channel]) -> None:
+    """A reaches B's life L at its address; a wrong address moves A away (L kept among those replaced). L's process
+    ends there and a new life M of B starts at the same address; A is told that address again. M is taken as it
+    is; a late frame of L heard after M (on its own connection to A's ROUTER) must be refused as a replaced
+    life's, as without the moves: it was taken for a restart back to L, losing M (and M's next frame L again)."""
+    from ncclkv.launch import free_port
+
+    lost: list[errors.PeerLostError] = []
+    a = make_channel("A", on_peer_lost=lambda p, e: lost.append(e), heartbeat_s=0.05, deadline_s=30.0)
+    port = free_port()
+    old = make_channel("B", bind_host="127.0.0.1", port=port, on_message=ack_ready, heartbeat_s=0.05,
+                       deadline_s=30.0)
+    address = old.address
+    a.connect("B", address)
+    assert a.request("B", Ready("to L"), timeout_s=WAIT_S, at=address) == Ack("to L", None)
+    wait_until(lambda: a.peer_incarnation("B") == old.incarnation, WAIT_S)
+    a.connect("B", f"tcp://127.0.0.1:{free_port()}")  # wrong
+    old.close()
+    new = make_channel("B", bind_host="127.0.0.1", port=port, on_message=ack_ready, heartbeat_s=0.05,
+                       deadline_s=30.0)
+    assert new.address == address and new.incarnation > old.incarnation
+    a.connect("B", address)  # back: the life there now is M
+    assert a.request("B", Ready("to M"), timeout_s=WAIT_S, at=address) == Ack("to M", None)
+    wait_until(lambda: a.peer_incarnation("B") == new.incarnation, WAIT_S)
+    losses = len(lost)
+    with raw_dealer(a.address, b"B") as late:  # a late frame of L, after M was heard
+        late.send(encode(Envelope("B", 1, None, Heartbeat(1, time.monotonic_ns(), old.incarnation))))
+        got = _read_until(late, lambda e: isinstance(e.body, ErrorMsg), WAIT_S)  # before: echoed, taken
+    refusals = [e.body for e in got if isinstance(e.body, ErrorMsg)]
+    assert len(refusals) == 1 and refusals[0].code is ErrorCode.PROTOCOL, got
+    assert f"incarnation {old.incarnation:#x} was replaced by {new.incarnation:#x}" in refusals[0].text
+    assert a.request("B", Ready("M again"), timeout_s=WAIT_S, at=address) == Ack("M again", None)
+    assert len(lost) == losses, lost[losses:]
+    assert a.peer_alive("B") and a.peer_incarnation("B") == new.incarnation
+
+
 def test_a_loss_of_a_peers_dead_life_reported_after_a_connect_to_its_new_address_spares_the_new_ones_request(
         make_channel: Callable[..., Channel]) -> None:
     """B died without a Bye (its address went silent) and restarted elsewhere. The I/O thread gives the dead life
