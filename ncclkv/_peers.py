@@ -213,7 +213,8 @@ class PeerTable:
             # Those lives stay among the replaced (taken_back): a later life restarted there, heard first, still
             # replaced them, and their late frames are refused.
             replaced = replaced[-_REPLACED_KEPT:]
-            moved = tuple((life, at) for life, at in moved if life in replaced and life not in back)
+            # At most as many as lives are kept: one life moved from address to address gathers one each.
+            moved = tuple((life, at) for life, at in moved if life in replaced and life not in back)[-_REPLACED_KEPT:]
             self._states[peer_id] = _PeerState(last_heard=now, last_echo=now, replaced=replaced, moved_from=moved,
                                                taken_back=tuple(life for life in replaced if life in back))
             self._lost.pop(peer_id, None)

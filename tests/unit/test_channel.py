@@ -786,6 +786,20 @@ def test_message_ids_start_at_random() -> None:
     assert len(firsts) == 8 and all(0 < i < 2**62 for i in firsts)
 
 
+def test_where_a_life_was_moved_away_from_is_kept_for_as_many_lives_as_are_kept() -> None:
+    """One life connect() moved from address to address (lost at each, heard again on its own connection to us)
+    gathered one record of where it was per move, without bound."""
+    from ncclkv._peers import _REPLACED_KEPT, PeerTable
+
+    table, life = PeerTable(), 0x1234
+    table.heard("B", 0.0, life)
+    for move in range(50):
+        table.renew("B", 0.0, moved_from=f"tcp://h:{move}", address=f"tcp://h:{move + 1}")
+        table.mark_lost("B", "nothing heard at the wrong address")
+        table.heard("B", 0.0, life)  # again, on its own connection
+    assert len(table._states["B"].moved_from) <= _REPLACED_KEPT  # noqa: SLF001
+
+
 def test_a_peer_restarted_under_its_id_without_a_bye_is_reached_again(make_channel: Callable[..., Channel]) -> None:
     """B dies without a Bye and comes back under the same id at a new address within deadline_s, and asks: A
     hears it on its ROUTER while its own path to B is a DEALER to the dead address. The new B's first frame (a
