@@ -826,6 +826,20 @@ def test_a_peer_restarted_under_its_id_without_a_bye_is_reached_again(make_chann
     assert a.request("B", Ready("to the new one"), timeout_s=5) == Ack("to the new one", None)
 
 
+def _every_request_answered_past_the_deadline(a: Channel, peer_id: str, address: str) -> None:
+    """Requests to ``peer_id`` at ``address`` every 50 ms for 2.5 s (past deadline_s=1.0): each answered."""
+    outcomes: list[object] = []
+    until = time.monotonic() + 2.5
+    while time.monotonic() < until:
+        try:
+            outcomes.append(a.request(peer_id, Ready("back"), timeout_s=2, at=address))
+        except errors.NcclKVError as exc:
+            outcomes.append(exc)
+        time.sleep(0.05)
+    assert outcomes and all(o == Ack("back", None) for o in outcomes), [o for o in outcomes
+                                                                        if not isinstance(o, Ack)][:3]
+
+
 @pytest.mark.parametrize("b_connects", [False, True], ids=["answers-on-our-dealer", "answers-on-its-own"])
 def test_a_connect_back_to_the_address_a_peer_was_moved_away_from_takes_the_life_there_again(
         make_channel: Callable[..., Channel], b_connects: bool) -> None:
@@ -847,16 +861,7 @@ def test_a_connect_back_to_the_address_a_peer_was_moved_away_from_takes_the_life
     wrong = f"tcp://127.0.0.1:{free_port()}"
     a.connect("B", wrong)
     a.connect("B", b.address)  # back: B's life there is the only one
-    outcomes: list[object] = []
-    until = time.monotonic() + 2.5  # past deadline_s
-    while time.monotonic() < until:
-        try:
-            outcomes.append(a.request("B", Ready("back"), timeout_s=2, at=b.address))
-        except errors.NcclKVError as exc:
-            outcomes.append(exc)
-        time.sleep(0.05)
-    assert outcomes and all(o == Ack("back", None) for o in outcomes), [o for o in outcomes
-                                                                        if not isinstance(o, Ack)][:3]
+    _every_request_answered_past_the_deadline(a, "B", b.address)
     assert [e.address for e in lost] == [b.address, wrong], lost
     assert a.peer_alive("B") and a.peer_incarnation("B") == b.incarnation
 
@@ -880,16 +885,7 @@ def test_a_connect_back_after_the_peer_was_lost_at_the_wrong_address_takes_the_l
     wait_until(lambda: len(lost) == 2, WAIT_S)  # moved from B's address, then nothing heard at the wrong one
     wait_until(lambda: a.peer_alive("B"), WAIT_S)  # heard again on its own connection
     a.connect("B", b.address)
-    outcomes: list[object] = []
-    until = time.monotonic() + 2.5  # past deadline_s
-    while time.monotonic() < until:
-        try:
-            outcomes.append(a.request("B", Ready("back"), timeout_s=2, at=b.address))
-        except errors.NcclKVError as exc:
-            outcomes.append(exc)
-        time.sleep(0.05)
-    assert outcomes and all(o == Ack("back", None) for o in outcomes), [o for o in outcomes
-                                                                        if not isinstance(o, Ack)][:3]
+    _every_request_answered_past_the_deadline(a, "B", b.address)
     assert [e.address for e in lost] == [b.address, wrong, wrong], lost
     assert a.peer_alive("B") and a.peer_incarnation("B") == b.incarnation
 
@@ -1033,6 +1029,20 @@ def _reached_by_handshakes(a: Channel, seen: list[Message], *peers: Channel) -> 
     wait_until(lambda: sorted(map(repr, seen)) == sorted(map(repr, hellos)), WAIT_S)
 
 
+def _a_and_an_old_b(make_channel: Callable[..., Channel], heartbeat_s: float) -> tuple[
+        Channel, Channel, list[tuple[str, errors.PeerLostError]], list[Message], list[Message]]:
+    """A, recording the peers it loses and what its handler is given, and B, recording what its handler is given
+    and answering nothing: (a, b, lost, seen_by_a, heard_by_b)."""
+    lost: list[tuple[str, errors.PeerLostError]] = []
+    seen_by_a: list[Message] = []
+    heard_by_b: list[Message] = []
+    a = make_channel("A", on_message=lambda sender, body: seen_by_a.append(body),
+                     on_peer_lost=lambda p, e: lost.append((p, e)), heartbeat_s=heartbeat_s, deadline_s=30.0)
+    b = make_channel("B", on_message=lambda sender, body: heard_by_b.append(body), heartbeat_s=heartbeat_s,
+                     deadline_s=30.0)
+    return a, b, lost, seen_by_a, heard_by_b
+
+
 def test_connecting_to_a_peer_that_only_reached_us_at_another_address_than_its_handshake_named_replaces_it(
         make_channel: Callable[..., Channel]) -> None:
     """B reached A only through A's ROUTER (B connected; A never opened a DEALER to it), its handshake naming its
@@ -1042,13 +1052,7 @@ def test_connecting_to_a_peer_that_only_reached_us_at_another_address_than_its_h
     timeout. Now the life whose handshake named another address moved: it is lost at once (PeerResetError
     naming both addresses, the loss carrying the old one), and the request goes to the new address. A peer
     connected to at the address its handshake named keeps its inbound path."""
-    lost: list[tuple[str, errors.PeerLostError]] = []
-    seen_by_a: list[Message] = []
-    a = make_channel("A", on_message=lambda sender, body: seen_by_a.append(body),
-                     on_peer_lost=lambda p, e: lost.append((p, e)), heartbeat_s=0.05, deadline_s=30.0)
-    heard_by_old: list[Message] = []
-    old = make_channel("B", on_message=lambda sender, body: heard_by_old.append(body), heartbeat_s=0.05,
-                       deadline_s=30.0)  # it never answers: stopped
+    a, old, lost, seen_by_a, heard_by_old = _a_and_an_old_b(make_channel, 0.05)  # the old B never answers: stopped
     stays = make_channel("C", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
     _reached_by_handshakes(a, seen_by_a, old, stays)
 
@@ -1141,13 +1145,7 @@ def test_the_earlier_life_still_running_after_connect_moved_its_peer_id_is_not_t
     and moves (the earlier life lost once). The earlier life's frames, still coming on its connection, must
     not make A lose the new one (a 'restart' back to a life it replaced) nor take the peer id back to it:
     every request at the new address is answered by the new B, and only the one loss is reported."""
-    lost: list[tuple[str, errors.PeerLostError]] = []
-    seen_by_a: list[Message] = []
-    a = make_channel("A", on_message=lambda sender, body: seen_by_a.append(body),
-                     on_peer_lost=lambda p, e: lost.append((p, e)), heartbeat_s=0.02, deadline_s=30.0)
-    heard_by_old: list[Message] = []
-    old = make_channel("B", on_message=lambda sender, body: heard_by_old.append(body), heartbeat_s=0.02,
-                       deadline_s=30.0)
+    a, old, lost, seen_by_a, heard_by_old = _a_and_an_old_b(make_channel, 0.02)
     hello = Handshake.create("B-engine", "producer", 0, ParallelLayout(1, 1), KVGeometry(2, 2, 64), old.address,
                              "h:2", incarnation=old.incarnation)
     old.connect("A", a.address)

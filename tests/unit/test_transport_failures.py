@@ -300,15 +300,22 @@ def test_a_store_connection_keeps_the_store_timeout_not_its_first_links_deadline
     assert p0._gloo_device is None and p1._gloo_device is None  # noqa: SLF001 - close() let it go
 
 
+def _peer_keys(address: str, link_id: str, gpu: str, backend: str) -> dist.PrefixStore:
+    """Link rank 0's keys for ``link_id`` in the store at ``address``, set by hand as a peer's open would (it joined,
+    its GPU and backend), and nothing after them; returns the link's view of that store."""
+    host, port = split_address(address)
+    peer = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=WAIT_S))
+    keys = dist.PrefixStore(f"ncclkv/{link_id}", peer)
+    keys.add("joined/0", 1)
+    keys.set("gpu/0", gpu)
+    keys.set("backend/0", backend)
+    return keys
+
+
 def test_a_handshake_refusal_keeps_the_store_connection() -> None:
     """The peer's store answered (it says nccl where we are gloo): the connection is fine, keep it."""
     with DataPlane() as p0, DataPlane() as p1:
-        host, port = split_address(p0.address)
-        other = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=WAIT_S))
-        squatted = dist.PrefixStore("ncclkv/mixed", other)
-        squatted.add("joined/0", 1)
-        squatted.set("gpu/0", "GPU-x")
-        squatted.set("backend/0", "nccl")
+        squatted = _peer_keys(p0.address, "mixed", "GPU-x", "nccl")
         with pytest.raises(HandshakeError, match="this end uses gloo on cpu, the peer uses nccl"):
             p1.open_link("mixed", 1, p0.address, "cpu", WAIT_S)
         kept = p1._clients.get(p0.address)  # noqa: SLF001
@@ -316,7 +323,7 @@ def test_a_handshake_refusal_keeps_the_store_connection() -> None:
         with pytest.raises(ValueError, match="already joined"):
             p1.open_link("mixed", 1, p0.address, "cpu", WAIT_S)
         assert p1._clients.get(p0.address) is kept  # noqa: SLF001
-        del other
+        del squatted
 
 
 def test_a_gloo_link_leaves_only_its_joined_keys_of_ours_in_the_store() -> None:
@@ -339,12 +346,8 @@ def test_a_peer_stalled_in_its_rendezvous_does_not_hold_another_peers_link_throu
     gloo's blocking store wait, which holds that connection for its whole length: every other peer's link opening
     through our store waited behind it, up to the stalled link's deadline."""
     with DataPlane(deadline_s=60) as responder, DataPlane(deadline_s=60) as healthy:
-        host, port = split_address(responder.address)
-        peer = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=WAIT_S))  # the stalled peer's
-        stalled = dist.PrefixStore("ncclkv/stalled", peer)
-        stalled.add("joined/0", 1)
-        stalled.set("gpu/0", "")
-        stalled.set("backend/0", "gloo")  # ... and it stops here: its gloo group never sets its address
+        # The stalled peer's keys: it stops there, its gloo group never sets its address.
+        stalled = _peer_keys(responder.address, "stalled", "", "gloo")
         with ThreadPoolExecutor(3) as pool:
             waiting = pool.submit(responder.open_link, "stalled", 1, responder.address, "cpu", 8.0)
             deadline = time.monotonic() + WAIT_S
@@ -359,7 +362,7 @@ def test_a_peer_stalled_in_its_rendezvous_does_not_hold_another_peers_link_throu
             assert links[1].recv((2,), torch.float32).result(WAIT_S).tolist() == [1.0, 1.0]
             with pytest.raises(TransferTimeout, match="'stalled'"):
                 waiting.result(20.0)
-        del peer
+        del stalled
 
 
 @pytest.mark.parametrize("where", ["before the peer joined", "in gloo's rendezvous", "loopback"])
@@ -378,12 +381,7 @@ def test_a_rendezvous_cancelled_while_it_waits_for_the_peer_ends_at_once(where: 
             opening = pool.submit(plane.open_link, "cancelled", 1, plane.address, "cpu", 30.0, cancel=cancel)
             deadline = time.monotonic() + WAIT_S
             if where == "in gloo's rendezvous":  # the peer published its backend, and stopped before gloo's keys
-                host, port = split_address(plane.address)
-                peer = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=WAIT_S))
-                stalled = dist.PrefixStore("ncclkv/cancelled", peer)
-                stalled.add("joined/0", 1)
-                stalled.set("gpu/0", "")
-                stalled.set("backend/0", "gloo")
+                stalled = _peer_keys(plane.address, "cancelled", "", "gloo")
                 while not stalled.check(["0/1"]):  # our end's gloo group published its address: it waits in gloo
                     assert time.monotonic() < deadline and not opening.done(), "our end never reached gloo"
                     time.sleep(0.01)
