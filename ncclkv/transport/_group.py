@@ -181,14 +181,15 @@ class _PollingStore(dist.Store):
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         deadline = self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout.total_seconds())
         if not _poll_all(self._store, keys, deadline, self._cancel):
+            # Cancelled or past the deadline: a peer that comes later must not find our address: it would connect
+            # to our gloo listener (which keeps the connection) and get an open link to nothing. Without it, it
+            # times out at its own deadline.
+            for key in self._set:
+                try:
+                    self._store.delete_key(key)
+                except Exception as exc:  # noqa: BLE001 - the rendezvous fails either way
+                    _log.debug("could not take back store key %r of a failed rendezvous: %r", key, exc)
             if self._cancel is not None and self._cancel.is_set():
-                # A peer that comes later must not find our address: it would connect to our gloo listener (which
-                # keeps the connection) and get an open link to nothing. Without it, it times out at its deadline.
-                for key in self._set:
-                    try:
-                        self._store.delete_key(key)
-                    except Exception as exc:  # noqa: BLE001 - the rendezvous fails either way
-                        _log.debug("could not take back store key %r of a cancelled rendezvous: %r", key, exc)
                 raise _Cancelled(f"rendezvous cancelled while waiting for keys {keys}")
             raise TimeoutError(f"wait timeout after {timeout}, keys: {keys}")
 

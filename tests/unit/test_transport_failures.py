@@ -399,13 +399,14 @@ def test_a_rendezvous_cancelled_while_it_waits_for_the_peer_ends_at_once(where: 
         assert plane.links() == [] and not plane._links  # noqa: SLF001 - nothing kept of it
 
 
+@pytest.mark.parametrize("ended_by", ["cancel", "its deadline"])
 def test_a_rendezvous_cancelled_in_gloos_wait_leaves_no_address_for_a_peer_that_comes_later(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Our end is cancelled while gloo's rendezvous waits for the peer's address (ours published); the peer, late,
-    comes after that. Before, it found our address, connected to our gloo listener and got an open link to
-    nothing (its operations waited out their deadlines, never 'closed by peer'), and our process kept that
-    connection (one descriptor per such cancel). Now the cancelled end takes its address back: the late peer
-    never connects, and its open fails at its deadline."""
+        monkeypatch: pytest.MonkeyPatch, ended_by: str) -> None:
+    """Our end is cancelled (or reaches its deadline) while gloo's rendezvous waits for the peer's address (ours
+    published); the peer, late, comes after that. Before, it found our address, connected to our gloo listener
+    and got an open link to nothing (its operations waited out their deadlines, never 'closed by peer'), and our
+    process kept that connection (one descriptor per such open). Now the failed end takes its address back: the
+    late peer never connects, and its open fails at its deadline."""
     from ncclkv.transport import _group
 
     make_group, cancelled = _group._make_group, threading.Event()
@@ -428,15 +429,21 @@ def test_a_rendezvous_cancelled_in_gloos_wait_leaves_no_address_for_a_peer_that_
             if i == 1:
                 before = fds()  # after one round: gloo's device and listener are up
             cancel, link_id = threading.Event(), f"late{i}"
-            mine = pool.submit(ours.open_link, link_id, 1, ours.address, "cpu", 30.0, cancel=cancel)
+            mine = pool.submit(ours.open_link, link_id, 1, ours.address, "cpu",
+                               30.0 if ended_by == "cancel" else 1.5, cancel=cancel)
             peer = pool.submit(theirs.open_link, link_id, 0, ours.address, "cpu", 4.0)
             deadline = time.monotonic() + WAIT_S
             while not probe.check([f"ncclkv/{link_id}/0/1"]):  # our gloo group published its address
                 assert time.monotonic() < deadline and not mine.done(), "our end never reached gloo"
                 time.sleep(0.005)
-            cancel.set()
-            with pytest.raises(TransferError, match="rendezvous cancelled"):
-                mine.result(WAIT_S)
+            if ended_by == "cancel":
+                cancel.set()
+                with pytest.raises(TransferError, match="rendezvous cancelled"):
+                    mine.result(WAIT_S)
+            else:
+                with pytest.raises(TransferTimeout):
+                    mine.result(WAIT_S)
+            assert not probe.check([f"ncclkv/{link_id}/0/1"]), "our end's address is still there"
             cancelled.set()
             try:
                 peer.result(WAIT_S).close()
@@ -446,7 +453,7 @@ def test_a_rendezvous_cancelled_in_gloos_wait_leaves_no_address_for_a_peer_that_
             cancelled.clear()
         time.sleep(0.5)
         assert outcomes == ["timed out"] * 3, outcomes
-        assert fds() <= before, f"{fds() - before} descriptors more after 2 cancelled opens"
+        assert fds() <= before, f"{fds() - before} descriptors more after 2 failed opens"
 
 
 def test_the_receive_being_posted_when_another_op_breaks_the_link_fails_with_the_cause() -> None:
