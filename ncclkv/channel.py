@@ -251,18 +251,15 @@ class Channel:
             raise ValueError(f"server_key given for peer {peer_id!r} but this channel has no CURVE auth")
         with self._lock:  # the path's switch is queued under it too: see below
             self._check_open()
-            # A peer that only reached us is where its handshake said (not where an earlier connect() was told)
-            previous = self._peers.said_at(peer_id) or self._addresses.get(peer_id)
+            previous = self._reached_at_locked(peer_id)
             self._addresses[peer_id] = address
             if previous is not None and previous != address:
                 self._peers.forget_said(peer_id)  # the path leads to ``address`` from now, for every request
                 if self._peers.alive(peer_id):  # before the caller's next request: that one goes to the new address
                     # Reported before the switch, as before: ahead of whatever the new path brings.
-                    failed, lost = self._lose_locked(peer_id, f"connect() to it at {address!r}: it moved "
-                                                              f"(restarted?) from {previous!r}", "reset", previous)
-                    for entry, error in failed:
-                        self._finish(entry, None, error)
-                    self._dispatcher.put_lost(peer_id, lost)
+                    self._report_loss(peer_id, *self._lose_locked(
+                        peer_id, f"connect() to it at {address!r}: it moved (restarted?) from {previous!r}", "reset",
+                        previous))
                 self._peers.add(peer_id, self.clock.now())  # alive for the next request (renewed at the switch)
                 # Queued as the address is recorded: a request another thread makes meanwhile, recorded at
                 # ``address`` (and let through by its ``at``), is queued after the switch, never on the old path.
@@ -340,7 +337,13 @@ class Channel:
         handshake named (kept once it is lost, as the address given to :meth:`connect` is), else the address
         :meth:`connect` was last given for it; None if neither."""
         with self._lock:
-            return self._peers.said_at(peer_id, lost_too=True) or self._addresses.get(peer_id)
+            return self._reached_at_locked(peer_id, lost_too=True)
+
+    def _reached_at_locked(self, peer_id: str, *, lost_too: bool = False) -> str | None:
+        """Under ``self._lock``: where a request to ``peer_id`` goes: a peer that only reached us is where its
+        handshake said (not where an earlier connect() was told), else where connect() was last told; None if
+        neither (``lost_too``: the life lost last counts, see :meth:`connected_address`)."""
+        return self._peers.said_at(peer_id, lost_too=lost_too) or self._addresses.get(peer_id)
 
     @property
     def loss_seq(self) -> int:
@@ -412,13 +415,12 @@ class Channel:
                     why, how = self._peers.loss(peer_id)
                     raise loss_error(how)(f"peer {peer_id!r} was lost before {type(body).__name__} could be sent: "
                                           f"{why or 'nothing heard within the deadline'}")
-                pending.address = self._peers.said_at(peer_id) or self._addresses.get(peer_id)
+                pending.address = self._reached_at_locked(peer_id)
                 if at is not None and pending.address is not None and pending.address != at:
                     # Checked under the lock connect() moves the path under: the frame would reach another life.
-                    moved = PeerResetError(f"{type(body).__name__} for peer {peer_id!r} at {at!r} not sent: the "
-                                           f"channel reaches it at {pending.address!r} now (it moved)")
-                    moved.address = at
-                    raise moved
+                    raise PeerResetError(
+                        f"{type(body).__name__} for peer {peer_id!r} at {at!r} not sent: the channel reaches it at "
+                        f"{pending.address!r} now (it moved)").stamped(address=at)
                 self._pending[msg_id] = pending
             self._io.submit_send(peer_id, frame)
         return msg_id
@@ -495,6 +497,11 @@ class Channel:
         that)."""
         with self._lock:
             failed, lost = self._lose_locked(peer_id, reason, how, address, incarnation)
+        self._report_loss(peer_id, failed, lost)
+
+    def _report_loss(self, peer_id: str, failed: list[tuple[_Pending, PeerLostError]], lost: PeerLostError) -> None:
+        """Fail the requests :meth:`_lose_locked` took, and schedule ``on_peer_lost`` (neither waits: under the lock
+        or not)."""
         for entry, error in failed:
             self._finish(entry, None, error)
         self._dispatcher.put_lost(peer_id, lost)
@@ -509,9 +516,9 @@ class Channel:
         mine = [k for k, v in self._pending.items() if v.peer_id == peer_id and lost_there(address, v.address)]
         entries = [self._pending.pop(k) for k in mine]
         self._expire_locked(mine)  # a peer that was only stalled may still answer
-        failed = [(entry, _stamped(kind(f"peer {peer_id!r} lost while waiting for a reply: {reason}"), seq, address,
-                                   incarnation)) for entry in entries]
-        return failed, _stamped(kind(f"peer {peer_id!r} lost: {reason}"), seq, address, incarnation)
+        failed = [(entry, kind(f"peer {peer_id!r} lost while waiting for a reply: {reason}").stamped(
+            seq, address, incarnation)) for entry in entries]
+        return failed, kind(f"peer {peer_id!r} lost: {reason}").stamped(seq, address, incarnation)
 
 
 def new_incarnation() -> int:
@@ -521,11 +528,6 @@ def new_incarnation() -> int:
     an earlier life than the one alive is told stale (``engine._links``) as long as the hosts' clocks are closer
     than the time between two lives (a process restart)."""
     return (time.time_ns() // 1_000_000) << INCARNATION_RANDOM_BITS | secrets.randbits(INCARNATION_RANDOM_BITS)
-
-
-def _stamped(error: PeerLostError, seq: int, address: str | None, incarnation: int = 0) -> PeerLostError:
-    error.loss_seq, error.address, error.incarnation = seq, address, incarnation
-    return error
 
 
 def check_address(address: object) -> None:

@@ -7,6 +7,8 @@ each carrying the values that disagree in its message.
 
 from __future__ import annotations
 
+from typing import Self
+
 __all__ = [
     "CapacityError",
     "ClosedError",
@@ -58,6 +60,11 @@ class PeerLostError(NcclKVError):
     loss_seq: int | None = None
     address: str | None = None
     incarnation: int = 0
+
+    def stamped(self, loss_seq: int | None = None, address: str | None = None, incarnation: int = 0) -> Self:
+        """This error, its loss's ``loss_seq``, ``address`` and ``incarnation`` set (see the class)."""
+        self.loss_seq, self.address, self.incarnation = loss_seq, address, incarnation
+        return self
 
 
 class PeerClosedError(PeerLostError):

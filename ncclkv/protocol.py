@@ -49,7 +49,7 @@ from ._messages import *  # noqa: F403 - the message types and limits, re-export
 from ._messages import Envelope, Handshake
 from .errors import HandshakeError, ProtocolError
 
-__all__ = ["DEFAULT_MAX_FRAME_BYTES", "check_compatible", "decode", "encode"]
+__all__ = ["DEFAULT_MAX_FRAME_BYTES", "check_compatible", "check_encodable_id", "decode", "encode"]
 __all__ += _messages.__all__  # one list of the message names: _messages.__all__
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -93,6 +93,15 @@ def encode(envelope: Envelope, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -
 
 # What a mismatch most often means, beyond a different model.
 _HINTS = {"num_layers": " (a speculative drafter's KV layers count as layers: both sides need the same drafter)"}
+
+
+def check_encodable_id(name: str, value: str) -> None:
+    """ValueError naming ``name`` unless the id ``value`` encodes as UTF-8, as the frames' msgpack needs: a lone
+    surrogate (JSON's "\\ud800", which json.loads takes) does not, and would fail only on the way out."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} must be encodable as UTF-8 (what the protocol carries), got {value!r:.80}") from None
 
 
 def check_compatible(local: Handshake, remote: Handshake) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..engine import EngineRef
 from ..engine._config import hex_int, is_int
 from ..hashing import BlockHash, ExtraKeys, hash_block_tokens, hash_request_tokens
-from ..protocol import MAX_HOLD, MAX_ID_CHARS
+from ..protocol import MAX_HOLD, MAX_ID_CHARS, check_encodable_id
 
 __all__ = ["PARAMS_VERSION", "PrefillIntent", "RemotePrefill", "parse_params", "token_hash"]
 
@@ -72,11 +72,7 @@ class RemotePrefill:
                 type(self.transfer_id).__name__
             raise ValueError(f"transfer_id must be a str of 1-{MAX_ID_CHARS} chars (what the protocol carries), "
                              f"got {what}: {self.transfer_id!r:.80}")
-        try:  # a lone surrogate (JSON's "\ud800", which json.loads takes): the protocol's msgpack cannot encode it
-            self.transfer_id.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"transfer_id must be encodable as UTF-8 (what the protocol carries), got "
-                             f"{self.transfer_id!r:.80}") from None
+        check_encodable_id("transfer_id", self.transfer_id)
         if not is_int(self.num_tokens) or self.num_tokens < 1:
             raise ValueError(f"remote_num_tokens must be an int >= 1, got {self.num_tokens!r}")
         if not is_int(self.hash_block_size) or self.hash_block_size < 1:

@@ -14,7 +14,8 @@ from ..channel import Channel, ReplyThen
 from ..errors import ClosedError, HandshakeError, PeerLostError, PeerResetError, ProtocolError
 from ..layout import SpanSet
 from ..paged import CacheLayout
-from ..protocol import MAX_HOLD, MAX_ID_CHARS, Announce, Done, ErrorMsg, Handshake, Message, PullRequest, PushOffer
+from ..protocol import (MAX_HOLD, MAX_ID_CHARS, Announce, Done, ErrorMsg, Handshake, Message, PullRequest, PushOffer,
+                        check_encodable_id)
 from ..transport import DataPlane, LinkFactory
 from ._caches import RankCaches
 from ._config import EngineConfig, EngineRef, is_int, parse_peer_id
@@ -139,8 +140,7 @@ class TransferEngine:
     def save_layer(self, request_id: str, layer: int) -> None:
         """Push mode: ``layer`` of ``request_id`` is computed; its slices go on the wire. Returns at once."""
         self._check_open()
-        if not is_int(layer):  # a bool is in every span (True: layer 1), and no Announce carries it
-            raise ValueError(f"request {request_id!r}: layer must be an int (a global layer index), got {layer!r}")
+        _check_layer(request_id, layer)
         self._producer.save_layer(request_id, layer)
 
     def finish(self, request_id: str, block_ids: Sequence[int] | None = None, num_tokens: int | None = None, *,
@@ -222,8 +222,7 @@ class TransferEngine:
 
         ``timeout_s``: None waits as long as the request makes progress (``deadline_s`` without any fails it);
         0 only looks; else a number of seconds > 0 (``ValueError`` for nan, inf or a negative one)."""
-        if not is_int(layer):
-            raise ValueError(f"request {request_id!r}: layer must be an int (a global layer index), got {layer!r}")
+        _check_layer(request_id, layer)
         self._consumer.wait_layer(request_id, layer, None if timeout_s is None else _wait_timeout(timeout_s))
 
     def wait(self, request_id: str, timeout_s: float | None = None) -> None:
@@ -324,11 +323,14 @@ def _check_request_id(request_id: object) -> None:
     if not isinstance(request_id, str) or not 1 <= len(request_id) <= MAX_ID_CHARS:
         what = f"{len(request_id)} chars" if isinstance(request_id, str) else type(request_id).__name__
         raise ValueError(f"request id must be a str of 1-{MAX_ID_CHARS} chars, got {what}: {request_id!r:.80}")
-    try:  # a lone surrogate (JSON's "\ud800"): the protocol's msgpack cannot encode it
-        request_id.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"request id must be encodable as UTF-8 (what the protocol carries), got "
-                         f"{request_id!r:.80}") from None
+    check_encodable_id("request id", request_id)
+
+
+def _check_layer(request_id: str, layer: object) -> None:
+    """A layer index as the protocol carries it: an int, not a bool (every span holds True, as layer 1) nor a
+    numpy int (no Announce carries either)."""
+    if not is_int(layer):
+        raise ValueError(f"request {request_id!r}: layer must be an int (a global layer index), got {layer!r}")
 
 
 def _check_num_tokens(request_id: str, num_tokens: object, what: str = "num_tokens") -> None:

@@ -539,10 +539,8 @@ class PeerLinks:
         came from where the channel moved since."""
         if gate.taken_over is None:
             return
-        error = PeerResetError(f"handshake with {peer_id!r} at {address!r} abandoned: one with a later life of it, "
-                               f"at {gate.taken_over!r}, took over")
-        error.address = address
-        raise error
+        raise PeerResetError(f"handshake with {peer_id!r} at {address!r} abandoned: one with a later life of it, "
+                             f"at {gate.taken_over!r}, took over").stamped(address=address)
 
     def _run_waiting(self, waiting: _Waiting) -> None:
         """Run what waits for ``waiting.peer``'s link, in order, unless another thread is at it (it runs what

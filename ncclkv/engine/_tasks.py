@@ -91,7 +91,7 @@ def _like(error: BaseException, text: str) -> BaseException:
     except Exception:  # noqa: BLE001 - a type with another constructor
         copy = TransferError(text)
     if isinstance(error, PeerLostError) and isinstance(copy, PeerLostError):
-        copy.loss_seq, copy.address = error.loss_seq, error.address
+        copy.stamped(error.loss_seq, error.address, error.incarnation)
     return copy
 
 
@@ -122,7 +122,6 @@ class _Task:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     on_skip: Callable[[BaseException], None] | None
-    at: str | None = None  # the address it reaches its peer at (None: not said)
     future: Future[Any] = field(default_factory=Future)
 
 
@@ -188,7 +187,7 @@ class PeerTasks(Executor):
         thread that failed it, and the future is cancelled. ``at``: the address it reaches ``peer`` at; each address
         of a peer has a lane of its own (another address is another life of the peer id, restarted there: its
         tasks must not wait behind those still waiting ``deadline_s`` on the dead one)."""
-        return self._submit(_PeerKey(peer, at), _Task(fn, args, {}, on_skip, at))
+        return self._submit(_PeerKey(peer, at), _Task(fn, args, {}, on_skip))
 
     def fail_queued(self, peer: Hashable, error: BaseException, at: str | None = None) -> int:
         """Fail the tasks queued in ``peer``'s lane now (not those running) with ``error`` (``on_skip``);

@@ -153,7 +153,7 @@ class _PollingStore(dist.Store):
         self._store = store
         self._deadline = deadline
         self._cancel = cancel
-        self._set: list[str] = []  # the keys gloo set through us (its address): taken back if cancelled
+        self._set: list[str] = []  # the keys gloo set through us (its address): taken back if the rendezvous fails
 
     def set(self, key: str, value: str | bytes) -> None:
         self._store.set(key, value)
@@ -179,8 +179,9 @@ class _PollingStore(dist.Store):
         return self._store.num_keys()
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        deadline = self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout.total_seconds())
-        if not _poll_all(self._store, keys, deadline, self._cancel):
+        deadline = self._deadline if timeout is None else \
+            min(self._deadline, time.monotonic() + timeout.total_seconds())
+        if not _poll(self._store, keys, deadline, self._cancel):
             # Cancelled or past the deadline: a peer that comes later must not find our address: it would connect
             # to our gloo listener (which keeps the connection) and get an open link to nothing. Without it, it
             # times out at its own deadline.
@@ -198,13 +199,9 @@ class _Cancelled(Exception):
     """The rendezvous was cancelled (``open_group``'s ``cancel`` set) while it waited for the peer."""
 
 
-def _poll(store: dist.Store, key: str, deadline: float, cancel: threading.Event | None = None) -> bool:
-    """Wait for ``key`` without a blocking store wait: those hold the (shared) client for their whole length.
+def _poll(store: dist.Store, keys: list[str], deadline: float, cancel: threading.Event | None = None) -> bool:
+    """Wait for ``keys`` without a blocking store wait: those hold the (shared) client for their whole length.
     False at ``deadline``, or once ``cancel`` is set."""
-    return _poll_all(store, [key], deadline, cancel)
-
-
-def _poll_all(store: dist.Store, keys: list[str], deadline: float, cancel: threading.Event | None = None) -> bool:
     pause = 0.0005
     while not store.check(keys):
         if time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
@@ -255,7 +252,7 @@ def open_group(
         gpu = _gpu_uuid(device) if device.type == "cuda" else ""
         store.set(f"gpu/{link_rank}", gpu)  # before the backend: the peer reads both once it sees the backend
         store.set(f"backend/{link_rank}", backend)
-        if not _poll(store, f"backend/{peer}", deadline, cancel):
+        if not _poll(store, [f"backend/{peer}"], deadline, cancel):
             if cancel is not None and cancel.is_set():
                 raise _cancelled(where, peer)
             raise TransferTimeout(f"{where}: peer (link rank {peer}) did not join within {timeout_s:.3g} s")
