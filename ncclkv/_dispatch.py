@@ -24,10 +24,15 @@ log = logging.getLogger("ncclkv.channel")
 
 class ReplyThen(NamedTuple):
     """A handler's reply plus work to start once the reply is queued: e.g. a rendezvous the peer
-    can join only after it read the reply (started earlier, it could hold this process up first)."""
+    can join only after it read the reply (started earlier, it could hold this process up first).
+
+    ``unsent`` runs instead of ``then`` when the reply did not go out (the protocol refused it and an error
+    reply went instead, the peer was lost, the channel closed, the send failed), with why: the peer never
+    read it, so no work that waits for it may start."""
 
     reply: Message
     then: Callable[[], None]
+    unsent: Callable[[BaseException], None] | None = None
 
 
 MessageHandler = Callable[[str, Message], Message | ReplyThen | None]
@@ -152,40 +157,56 @@ class Dispatcher:
             text = f"peer {self._peer_id!r} has no message handler"
             self._reply(sender, envelope.msg_id, ErrorMsg(request_id, ErrorCode.UNSUPPORTED, text), request_id)
             return
-        then: Callable[[], None] | None = None
+        follow_up: ReplyThen | None = None
         try:
             reply = self._on_message(sender, body)
             if isinstance(reply, ReplyThen):
-                reply, then = reply
+                follow_up, reply = reply, reply.reply
         except Exception as exc:
             self._counters.handler_errors += 1
             log.exception("channel %r: handler failed on %s from %r", self._peer_id, type(body).__name__, sender)
             reply = None if isinstance(body, ErrorMsg) else _error_reply(exc, request_id)
+        unsent: BaseException | None = None
         if reply is not None:
-            self._reply(sender, envelope.msg_id, reply, request_id)
-        if then is not None:
             try:
-                then()
-            except Exception:
-                self._counters.handler_errors += 1
-                log.exception("channel %r: follow-up of the reply to %r failed", self._peer_id, sender)
+                unsent = self._reply(sender, envelope.msg_id, reply, request_id)
+            except BaseException as exc:  # whatever else stops the reply: the follow-up learns it was not sent
+                if follow_up is not None:
+                    self._follow(sender, follow_up, exc)
+                raise
+        if follow_up is not None:
+            self._follow(sender, follow_up, unsent)
 
-    def _reply(self, sender: str, msg_id: int, reply: Message, request_id: str | None) -> None:
+    def _follow(self, sender: str, follow_up: ReplyThen, unsent: BaseException | None) -> None:
+        """Run ``follow_up.then`` once its reply went out, else (``unsent``: why not) ``follow_up.unsent``."""
+        try:
+            if unsent is None:
+                follow_up.then()
+            elif follow_up.unsent is not None:
+                follow_up.unsent(unsent)
+        except Exception:
+            self._counters.handler_errors += 1
+            log.exception("channel %r: follow-up of the reply to %r failed", self._peer_id, sender)
+
+    def _reply(self, sender: str, msg_id: int, reply: Message, request_id: str | None) -> BaseException | None:
+        """Send ``reply``; None once it is queued, else why it was not (an error reply may have gone instead)."""
         try:
             self._send_reply(sender, reply, msg_id)
-            return
+            return None
         except (ProtocolError, TypeError) as exc:  # the handler returned a body the peer would refuse
             self._counters.handler_errors += 1
             log.error("channel %r: handler reply to %r refused: %s", self._peer_id, sender, exc)
             text = f"reply refused by the protocol: {exc}"[:MAX_TEXT_CHARS]
+            refused: BaseException = exc
             reply = ErrorMsg(request_id, ErrorCode.INTERNAL, text)
         except (NcclKVError, ValueError) as exc:  # peer lost or channel closed meanwhile
             log.warning("channel %r: could not reply to %r: %s", self._peer_id, sender, exc)
-            return
+            return exc
         try:
             self._send_reply(sender, reply, msg_id)
         except (NcclKVError, ValueError) as exc:
             log.warning("channel %r: could not report the refused reply to %r: %s", self._peer_id, sender, exc)
+        return refused
 
 
 def _error_reply(exc: Exception, request_id: str | None) -> ErrorMsg:

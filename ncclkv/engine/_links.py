@@ -273,10 +273,17 @@ class PeerLinks:
                 return
             settle(link, result=opened)  # a drop() or close() that came meanwhile closes it (its callback)
 
+        def not_sent(why: BaseException) -> None:
+            # The peer never read our reply: it will not come to the rendezvous, so no open waits there for it.
+            log.info("handshake reply to %s not sent (%s: %s): link %s not opened", sender, type(why).__name__, why,
+                     peer.link_id)
+            settle(link, error=why)
+            self._discard(peer)  # only this one: a link of an earlier handshake with the peer stays
+
         reply = replace(self._local, session=remote.session, open_link=True)
         # open_link settles the link whatever fails in it; should anything escape, the link's waiters see it.
         return ReplyThen(reply, lambda: submit_task(self._link_opener, f"link open to {sender}",
-                                                    lambda err: settle(link, error=err), open_link))
+                                                    lambda err: settle(link, error=err), open_link), not_sent)
 
     def request(self, peer_id: str, control_addr: str, message: Message, need_link: bool, what: str,
                 incarnation: int = 0, check: Callable[[Peer], None] | None = None) -> Peer:

@@ -481,6 +481,28 @@ def test_a_failing_follow_up_is_counted_and_the_channel_keeps_serving(make_chann
     assert a.request("B", Ready("r2"), timeout_s=WAIT_S) == Ack("r2", None)
 
 
+def test_a_reply_then_whose_reply_the_protocol_refuses_runs_its_unsent_path_not_its_follow_up(
+        make_channel: Callable[..., Channel]) -> None:
+    """The reply was refused on the way out (an error reply went instead): the peer never read it, so the
+    follow-up (a rendezvous it would join after reading it) must not start; ``unsent`` learns why instead."""
+    followed: list[str] = []
+    unsent: list[BaseException] = []
+
+    def on_message(sender: str, body: Message) -> Message | ReplyThen | None:
+        request_id = body.request_id  # type: ignore[union-attr]
+        reply = Ack("", None) if request_id == "refused" else Ack(request_id, None)  # an empty id: refused
+        return ReplyThen(reply, lambda: followed.append(request_id), unsent.append)
+
+    b = make_channel("B", on_message=on_message, **FAST)
+    a = make_channel("A", **FAST)
+    a.connect("B", b.address)
+    with pytest.raises(errors.TransferError, match="reply refused by the protocol"):
+        a.request("B", Ready("refused"), timeout_s=WAIT_S)
+    assert a.request("B", Ready("sent"), timeout_s=WAIT_S) == Ack("sent", None)  # handled after the first
+    wait_until(lambda: followed == ["sent"], WAIT_S)
+    assert len(unsent) == 1 and isinstance(unsent[0], errors.ProtocolError), unsent
+
+
 # -- review fixes: replies no request waits for, close, bad times and ids, start, the reply race ---------------
 
 def test_a_reply_no_request_waits_for_is_dropped_not_dispatched(

@@ -1,5 +1,6 @@
 """ncclkv.engine._links.PeerLinks with a stand-in channel and data plane: links that finish opening after
-the peer was dropped or the engine closed, and the per-peer handshake gates."""
+the peer was dropped or the engine closed, and the per-peer handshake gates; and, on real ZMQ channels and a
+real gloo data plane, a responder's handshake reply that is not sent."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ import pytest
 from msgspec.structs import replace
 
 from ncclkv.auth import ChannelAuth
-from ncclkv.channel import ReplyThen
+from ncclkv.channel import Channel, ReplyThen
 from ncclkv.engine._links import PeerLinks
-from ncclkv.errors import ClosedError, PeerLostError, PeerResetError, TransferTimeout
+from ncclkv.errors import (ClosedError, PeerLostError, PeerResetError, ProtocolError, TransferError,
+                           TransferTimeout)
 from ncclkv.layout import KVGeometry, ParallelLayout
-from ncclkv.protocol import Handshake
+from ncclkv.protocol import Ack, Handshake, Message, Ready
+from ncclkv.transport import DataPlane
+
+from _channel_helpers import wait_until
 
 WAIT_S = 10.0
 _MOVE_S = 1.0  # what a handshake takes here, on a busy machine: far more than it needs
@@ -371,3 +376,95 @@ def test_a_handshake_with_an_earlier_life_past_its_check_of_the_gate_never_moves
     assert channel.connected_address(PEER) == "tcp://remote:2", channel.moves
     assert channel.moves[-1] == "tcp://remote:2" and peers.get(PEER) is new.result()
     assert peers._connecting == {}  # noqa: SLF001
+
+
+# -- the responder's reply not sent: its link is not opened (real ZMQ channels, a real gloo data plane) -------
+
+_DEEP = KVGeometry(400, 2, 64)
+
+
+def _deep_handshake(engine_id: str, layout: ParallelLayout) -> Handshake:
+    return Handshake.create(engine_id, "both", 0, layout, _DEEP, "tcp://h:1", "h:2")
+
+
+class _CountingOpener(ThreadPoolExecutor):
+    """The link opener: counts the opens submitted to it (each takes a thread up to the open's deadline_s)."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.submitted = 0
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize("why", ["refused by the protocol", "peer closed"])
+def test_a_handshake_reply_that_is_not_sent_opens_no_link(why: str) -> None:
+    """The responder's handshake reply did not go out: the protocol refused it (an error reply went instead), or
+    the initiator closed before the dispatcher got to it. The follow-up that opens the responder's end still ran:
+    an open took a link opener thread and waited at the rendezvous for a peer that never got the reply (up to
+    deadline_s when the peer is alive, until its loss is dispatched else), the handshake kept as the current one
+    meanwhile. Now nothing is opened, and the handshake, its link (failed with why) and what is kept for it go at
+    once."""
+    if why == "refused by the protocol":  # its reply, 1158 bytes with the envelope, is over its 1024-byte limit
+        responder_engine, layout = "r" * 200, ParallelLayout(1, 400, (1,) * 400)
+    else:
+        responder_engine, layout = "responder", ParallelLayout(1, 1)
+    local = _deep_handshake(responder_engine, layout)
+    installed: list[Any] = []
+    hold, held = threading.Event(), threading.Event()
+
+    def on_message(sender: str, body: Message) -> Any:
+        if isinstance(body, Handshake):
+            reply = peers.on_handshake(sender, body)
+            installed.append(peers.get(sender))
+            return reply
+        if body == Ready("hold"):  # holds the dispatcher: what comes next waits behind it
+            held.set()
+            assert hold.wait(WAIT_S)
+        return Ack(body.request_id, None)  # type: ignore[union-attr]
+
+    opener = _CountingOpener()
+    plane = DataPlane("127.0.0.1", deadline_s=30.0)
+    b = Channel(f"{responder_engine}.r0", on_message=on_message, bind_host="127.0.0.1", max_frame_bytes=1024,
+                heartbeat_s=0.05, deadline_s=30.0,
+                on_peer_lost=lambda lost, err: peers.drop(lost, err, before=err.loss_seq, at=err.address))
+    a = Channel("initiator.r0", bind_host="127.0.0.1", heartbeat_s=0.05, deadline_s=30.0)
+    peers = PeerLinks(replace(local, control_addr=b.address, data_addr=plane.address), b, plane, opener, "cpu",
+                      30.0)
+    try:
+        a.connect(b.peer_id, b.address)
+        hello = replace(_deep_handshake("initiator", ParallelLayout(1, 1)), control_addr=a.address, session="s" * 32,
+                        open_link=True)
+        if why == "refused by the protocol":
+            with pytest.raises(TransferError, match="reply refused by the protocol"):
+                a.request(b.peer_id, hello, WAIT_S)
+            # Handled after the handshake, follow-up included (one dispatcher, in arrival order).
+            assert a.request(b.peer_id, Ready("after"), WAIT_S) == Ack("after", None)
+        else:
+            a.send(b.peer_id, Ready("hold"))
+            assert held.wait(WAIT_S)
+            a.send(b.peer_id, hello)
+            a.close()  # its Bye: the responder loses it before its dispatcher gets to the handshake
+            wait_until(lambda: not b.peer_alive(a.peer_id), WAIT_S)
+            hold.set()
+            # The loss, dispatched after the handshake, drops it (if nothing did before).
+            wait_until(lambda: bool(installed) and peers.get(a.peer_id) is None, WAIT_S)
+        peer = installed[0]
+        link_id = peer.link_id
+        # Before, an open was started, and (refused) the handshake stayed the current one while it waited for the
+        # peer (up to deadline_s: 30 s here).
+        assert opener.submitted == 0, f"an open was started for a reply the peer never got: {peer.link}"
+        assert peers.get(a.peer_id) is None and peers.kept(link_id) is None
+        assert peer.link.done() and peer.cancel.is_set()
+        error = peer.link.exception()
+        assert isinstance(error, ProtocolError if why == "refused by the protocol" else PeerLostError), error
+        assert plane.links() == []
+    finally:
+        hold.set()
+        a.close()
+        b.close()
+        peers.close()
+        opener.shutdown(wait=True, cancel_futures=True)
+        plane.close()
