@@ -62,6 +62,9 @@ class _Produce:
     transfer_id: str | None = None  # set in the step that completes the prompt (hold or push issued)
     hold: int = 0  # pull: the number the workers hold it under, named in its params (0 for a push)
     preemptions: int = 0  # the request's num_preemptions when that hold or push was issued
+    # The prompt tokens that hold or push covers: a streaming-input session (vLLM's resumable request) appends
+    # more prompt to the request after it, and its params name what is held, not the grown prompt.
+    num_tokens: int = 0
 
 
 def _prefilled_for(request: Request, remote: RemotePrefill) -> bool:
@@ -210,6 +213,7 @@ class SchedulerSide:
                     request.num_computed_tokens + scheduled < request.num_prompt_tokens:
                 continue
             produce.transfer_id, produce.preemptions = _new_transfer_id(), request.num_preemptions
+            produce.num_tokens = request.num_prompt_tokens
             (block_ids, *_) = block_ids_of(req_id)
             if produce.push_to is None:
                 # Chosen here, not by the workers: request_finished writes it into the params before the
@@ -263,7 +267,14 @@ class SchedulerSide:
         self._held.add(req_id)
         out = None
         if request.status in _SENT_STATUSES:
-            out = self._remote_prefill(request, produce, block_ids, request.num_prompt_tokens)
+            num = produce.num_tokens
+            if request.num_prompt_tokens != num:
+                # A streaming-input session (resumable) whose prompt grew after the hold or push: the params name
+                # the tokens held (a prefix of its prompt), and a decode computes the rest itself.
+                log.info("ncclkv: request %s (a streaming-input session) has %d prompt tokens; its first %d were "
+                         "held or pushed when their prompt completed, and its params name those",
+                         req_id, request.num_prompt_tokens, num)
+            out = self._remote_prefill(request, produce, block_ids[:-(-num // self._block_size)], num)
         if out is None and produce.push_to is None:  # no decode will pull: release the hold now
             self._releases.append(produce.transfer_id)
         return True, (out.to_dict() if out is not None else None)

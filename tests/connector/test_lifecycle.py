@@ -15,11 +15,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core import EngineCore
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from ncclkv._vllm_model import eagle_speculative_config
 from ncclkv.connector import RemotePrefill
@@ -600,3 +603,45 @@ def test_a_consumer_asked_to_prefill_for_a_remote_decode_says_so(engines: list[E
     said = [r.getMessage() for r in caplog.records if "asks to be prefilled for a remote decode" in r.getMessage()]
     assert said == ["ncclkv: request p-0 asks to be prefilled for a remote decode, but this engine is a pure consumer "
                     "(kv_role=kv_consumer): no KV is kept or sent for it"], said
+
+
+def _session_chunk(req_id: str, prompt: list[int], params: dict[str, Any] | None, *, resumable: bool = True) -> Request:
+    """One input chunk of a vLLM streaming-input session (AsyncLLM with an input stream): every chunk is a
+    resumable request of the session's id, max_tokens 1; the end of the stream is a plain one (prompt [0])."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                              extra_args=None if params is None else {"kv_transfer_params": params})
+    return Request(req_id, list(prompt), sampling, None, block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+                   resumable=resumable)
+
+
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+def test_a_streaming_input_session_prefilled_for_a_remote_decode_names_the_prompt_it_held(
+        engines: list[EngineSim], model_dir: Path, push: bool) -> None:
+    """A streaming-input session (vLLM's resumable requests) with do_remote_decode: its first chunk's prompt is
+    held (or pushed) when it completes; the session goes on with a second chunk, and its stream ends while that
+    chunk runs, so vLLM finishes it with the second chunk's output and calls request_finished once. Before, the
+    params named the grown prompt (85 tokens) under the transfer that holds the first 45: the decode's pull was
+    refused ('asks tokens up to 85, beyond the 45 held'; a push: 'pushed with 45 tokens, expected here with 85')
+    and the request failed under kv_load_failure_policy fail. Now they name the 45 held: the decode loads those
+    and computes the rest."""
+    first, second = make_prompts([45, 40], seed=3)
+    expected = _reference(engines, model_dir, [first + second])
+    prefill, decode = _pair(engines, model_dir, policy="fail")
+    intent = {"do_remote_decode": True, **({"remote_decode": decode.ref} if push else {})}
+    prefill.scheduler.add_request(_session_chunk("s", first, intent))
+    prefill.run(lambda: "s" in prefill.finished)  # the first chunk's output: the session waits for more input
+    assert prefill.finished.pop("s").kv_transfer_params is None
+    assert prefill.scheduler.requests["s"].status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    prefill.scheduler.add_request(_session_chunk("s", second, intent))
+    prefill.scheduler.add_request(_session_chunk("s", [0], intent, resumable=False))  # the stream ends meanwhile
+    prefill.run(lambda: "s" in prefill.finished)
+    params = prefill.finished["s"].kv_transfer_params
+    assert params is not None
+    decode.add("d", first + second, MAX_TOKENS, params)
+    decode.run(lambda: "d" in decode.finished, also=(prefill,))
+    assert decode.finished["d"].finish_reason == "length" and decode.load_errors == set()
+    assert params["remote_num_tokens"] == 45 and len(params["remote_block_ids"]) == 2
+    assert decode.outputs(["d"]) == expected and decode.mismatches == []
+    assert decode.computed["d"] == 40 + MAX_TOKENS - 1  # the second chunk, then decode
+    assert _bytes(decode, "bytes_received") == 45 * CELL_BYTES * NUM_LAYERS
+    _settle(prefill, decode)
