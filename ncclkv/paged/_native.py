@@ -10,6 +10,9 @@ block ids included.
 
 from __future__ import annotations
 
+import os
+import threading
+
 import torch
 
 from .._env import MAX_COPY_THREADS, env_settings
@@ -20,6 +23,15 @@ from ._spec import PagedCacheSpec, part_views
 __all__ = ["copy_part", "move_amx", "move_parts", "part_geometry", "set_copy_threads"]
 
 _threads_chosen = False  # set_copy_threads ran: NCCLKV_COPY_THREADS no longer applies
+_threads_lock = threading.Lock()  # the choice and the kernel's number change together
+
+
+def _lock_anew_in_child() -> None:  # a fork while another thread held the lock would leave it held for good
+    global _threads_lock
+    _threads_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_lock_anew_in_child)
 
 
 def set_copy_threads(threads: int) -> int:
@@ -34,13 +46,19 @@ def set_copy_threads(threads: int) -> int:
     global _threads_chosen
     if not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= MAX_COPY_THREADS:
         raise ValueError(f"copy threads must be an int in 1..{MAX_COPY_THREADS}, got {threads!r}")
-    _threads_chosen = True
-    return int(_kernel.set_threads(threads))
+    with _threads_lock:
+        _threads_chosen = True
+        return int(_kernel.set_threads(threads))
 
 
 def _threads_from_env() -> None:
+    global _threads_chosen
     if not _threads_chosen:  # read at the first copy, not at import: a bad variable fails the copy that needs it
-        set_copy_threads(env_settings().copy_threads)
+        threads = env_settings().copy_threads
+        with _threads_lock:
+            if not _threads_chosen:  # a set_copy_threads while the variable was read stands
+                _threads_chosen = True
+                _kernel.set_threads(threads)
 
 # (byte offset from the cache's data_ptr to the part's first element, byte strides [block, token, head, dim])
 _Geometry = tuple[tuple[int, tuple[int, ...]], ...]

@@ -287,6 +287,64 @@ def test_copy_threads_come_from_the_environment_until_set(monkeypatch, copy_thre
     assert set_copy_threads(1) == 3  # the first copy applied the variable
 
 
+def test_a_first_copy_reading_the_environment_leaves_a_concurrent_set_copy_threads_standing(monkeypatch,
+                                                                                             copy_threads) -> None:
+    """A first copy reads NCCLKV_COPY_THREADS while another thread chooses the threads itself: the choice stands.
+
+    The copy had seen no choice made, read the variable, and then applied it over the one made meanwhile."""
+    import threading
+
+    from ncclkv.paged import _native
+
+    copy_threads(1)
+    monkeypatch.setattr(_native, "_threads_chosen", False)
+    monkeypatch.setenv("NCCLKV_COPY_THREADS", "2")
+    reading, chosen = threading.Event(), threading.Event()
+    real_settings = _native.env_settings
+
+    def settings_read_while_another_thread_chooses():
+        settings = real_settings()
+        reading.set()
+        assert chosen.wait(30), "the other thread never chose"
+        return settings
+
+    monkeypatch.setattr(_native, "env_settings", settings_read_while_another_thread_chooses)
+    cache, spec, ids, tokens, heads = big_case("cpu", random.Random(5))
+    out = torch.empty(spec.wire_shape(len(tokens), len(heads)), dtype=torch.bfloat16)
+    with ThreadPoolExecutor(1) as pool:
+        copy = pool.submit(gather, cache, spec, ids, tokens, heads, out)
+        assert reading.wait(30), "the first copy never read the environment"
+        set_copy_threads(4)
+        chosen.set()
+        copy.result(60)
+    assert set_copy_threads(1) == 4  # the choice made, not the variable the copy read before it
+
+
+def _choose_threads_in_child(conn) -> None:
+    conn.send(set_copy_threads(2))
+
+
+def test_a_child_forked_while_the_threads_lock_was_held_can_still_choose_threads(copy_threads) -> None:
+    """The lock that keeps a choice and the variable apart is made anew in a forked child (held by a parent
+    thread at the fork, it would be held for good there)."""
+    from ncclkv.paged import _native
+
+    copy_threads(3)
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    with _native._threads_lock:
+        proc = ctx.Process(target=_choose_threads_in_child, args=(child,))
+        proc.start()
+    try:
+        assert parent.poll(60), "the forked child's set_copy_threads did not return within 60 s"
+        assert parent.recv() == 3  # what the parent had chosen before the fork
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
+
+
 def test_copy_workers_are_named_and_take_no_signals(copy_threads) -> None:
     """Signals go to the process's own threads (Python's handlers run on the main one), never to a worker."""
     copy_threads(3)
