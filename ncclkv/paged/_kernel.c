@@ -165,6 +165,10 @@ __attribute__((target("avx2"))) static void transpose_u16_avx2(const uint16_t *s
 
 static void transpose(const char *src, Py_ssize_t src_stride, char *dst, Py_ssize_t dst_stride, Py_ssize_t rows,
                       Py_ssize_t cols, Py_ssize_t elem) {
+    /* The typed loops read elements as uint16/32/64 words: only where both ends are aligned to one (a CPU_AMX
+     * cache or wire at an odd element offset moves element pairs from 2-byte-aligned addresses). */
+    if (((uintptr_t)src | (uintptr_t)dst) % (uintptr_t)elem)
+        goto bytes;
 #ifdef HAVE_AVX2_TRANSPOSE
     if (elem == 2 && have_avx2 && rows % 16 == 0 && cols % 16 == 0) {
         transpose_u16_avx2((const uint16_t *)src, src_stride, (uint16_t *)dst, dst_stride, rows, cols);
@@ -182,10 +186,12 @@ static void transpose(const char *src, Py_ssize_t src_stride, char *dst, Py_ssiz
     case 1: TRANSPOSE_LOOPS(uint8_t, 1, NO_BLOCK); return;
     case 8: TRANSPOSE_LOOPS(uint64_t, 1, NO_BLOCK); return;
     default:
-        for (Py_ssize_t i = 0; i < rows; i++)
-            for (Py_ssize_t j = 0; j < cols; j++)
-                memcpy(dst + (j * dst_stride + i) * elem, src + (i * src_stride + j) * elem, (size_t)elem);
+        break;
     }
+bytes:
+    for (Py_ssize_t i = 0; i < rows; i++)
+        for (Py_ssize_t j = 0; j < cols; j++)
+            memcpy(dst + (j * dst_stride + i) * elem, src + (i * src_stride + j) * elem, (size_t)elem);
 }
 
 /* A transposed tile of one head: wire[t, d] (row stride w_row bytes) <-> cache[d * s_dim + t * elem]. */

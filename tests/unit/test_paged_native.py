@@ -385,3 +385,41 @@ def test_a_slice_of_few_blocks_wakes_no_more_threads_than_blocks() -> None:
     done = subprocess.run([sys.executable, "-c", _FEW_BLOCKS], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["2"]  # the caller and two workers
+
+
+def _at_odd_offset(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` one element into a wider buffer: a storage offset that is no multiple of 2 elements."""
+    flat = torch.empty(tensor.numel() + 1, dtype=tensor.dtype)
+    moved = flat[1:].view(tensor.shape)
+    moved.copy_(tensor)
+    assert moved.data_ptr() % 4 == 2
+    return moved
+
+
+@pytest.mark.parametrize("odd", ["cache", "wire", "both"])
+def test_an_amx_cache_or_wire_at_an_odd_element_offset_moves_what_the_torch_ops_move(odd: str) -> None:
+    """CPU_AMX keys move in element pairs; at an odd element offset the pairs are 2-byte aligned, and the kernel
+    moves them byte-wise rather than as (misaligned) 4-byte words, which C leaves undefined."""
+    rng = random.Random(7)
+    cache, _ = make_cache("cpu_amx", 12, 16, 2, 32, torch.bfloat16, rng)
+    if odd != "wire":
+        cache = _at_odd_offset(cache)
+    spec = PagedCacheSpec.from_tensor(cache, LAYOUTS["cpu_amx"])
+    ids, tokens, heads = rng.sample(range(12), 12), Span(3, 12 * 16 - 5), Span(0, 2)
+    shape = spec.wire_shape(len(tokens), len(heads))
+    expected = torch.empty(shape, dtype=torch.bfloat16)
+    gather(cache, spec, ids, tokens, heads, expected, kernel="torch")
+    got = torch.empty(shape, dtype=torch.bfloat16)
+    if odd != "cache":
+        got = _at_odd_offset(got)
+    gather(cache, spec, ids, tokens, heads, got, kernel="native")
+    assert same_bytes(got, expected)
+
+    wire = random_bits(shape, torch.bfloat16, rng)
+    if odd != "cache":
+        wire = _at_odd_offset(wire)
+    by_torch, by_native = cache.clone(), _at_odd_offset(cache) if odd != "wire" else cache.clone()
+    scatter(wire, by_torch, spec, ids, tokens, heads, kernel="torch")
+    scatter(wire, by_native, spec, ids, tokens, heads, kernel="native")
+    assert same_bytes(by_native, by_torch)
+    assert not same_bytes(by_native, cache)
