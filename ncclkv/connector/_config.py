@@ -38,6 +38,15 @@ class NcclKVConfig:
         How long a producer keeps a request's blocks for a consumer that has
         not pulled them, from the step that completed its prompt; then they
         are freed and the pull fails.
+    free_wait_s
+        Producer: when vLLM cannot allocate blocks for a running request it
+        asks whether held blocks will be freed soon (``has_pending_block_frees``)
+        before it preempts one: the answer is yes while a request that
+        finished here within this many seconds still holds its blocks for a
+        transfer (a pull, a push, a release). Its running requests then wait
+        (step after step) instead of being preempted and recomputed; past it
+        (a decode engine slow to pull) vLLM preempts as without the
+        connector. 0: never wait. Capped by ``hold_s`` in effect.
     piece_bytes
         Producer: send each layer's slice of a route in token pieces of at most
         this many bytes, each announced alone, so the gather, the wire and the
@@ -90,6 +99,7 @@ class NcclKVConfig:
     staging_bytes: int | None = None
     bind_host: str | None = None
     hold_s: float = 120.0
+    free_wait_s: float = 5.0
     piece_bytes: int = 0
     last_piece_bytes: int = DEFAULT_LAST_PIECE_BYTES
     pull_batch_bytes: int = DEFAULT_PULL_BATCH_BYTES
@@ -107,6 +117,8 @@ class NcclKVConfig:
             value = getattr(self, name)
             if value is not None:  # its type was checked above: only ValueError can come
                 check_timeout(f"kv_connector_extra_config[{name!r}]", value)
+        if self.free_wait_s != 0:
+            check_timeout("kv_connector_extra_config['free_wait_s'] (0: never wait)", self.free_wait_s)
         if self.heartbeat_s is not None and self.deadline_s is not None and self.heartbeat_s >= self.deadline_s:
             raise ValueError(f"kv_connector_extra_config['heartbeat_s']={self.heartbeat_s:g} must be below "
                              f"'deadline_s'={self.deadline_s:g}: a peer silent for deadline_s is lost")

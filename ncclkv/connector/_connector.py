@@ -10,6 +10,7 @@ scheduler role (engine core)
     update_connector_output      finished sends / receives, load errors, the workers' staging events
     request_finished             P: keep the blocks, return the decode side's kv_transfer_params
     take_events                  D: pushed KV stored in / removed from staging, once all workers agree
+    has_pending_block_frees      P: out of blocks, wait for a recent hold's free instead of preempting
 worker role (one per TP x PP rank; owns a TransferEngine)
     register_kv_caches           detect the cache layout, map layer names, start the engine
     start_load_kv                register holds, start loads (engine.expect)
@@ -175,6 +176,11 @@ class NcclKVConnector(KVConnectorBase_V1):
 
     def take_events(self) -> Iterable[Any]:
         return self._sched().take_events()
+
+    def has_pending_block_frees(self) -> bool:
+        """P: a request finished less than ``free_wait_s`` ago still holds blocks for a transfer: vLLM waits for
+        them instead of preempting a running request (``SchedulerSide.has_pending_block_frees``)."""
+        return self._sched().has_pending_block_frees()
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """A load fills the request's own blocks in every group."""

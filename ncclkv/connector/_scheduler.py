@@ -27,9 +27,10 @@ import logging
 import os
 import secrets
 import tempfile
+import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +94,10 @@ def extra_keys(request: Request, num_tokens: int) -> ExtraKeys:
 
 
 class SchedulerSide:
-    def __init__(self, engine_id: str, config: NcclKVConfig, producer: bool, consumer: bool, block_size: int) -> None:
+    def __init__(self, engine_id: str, config: NcclKVConfig, producer: bool, consumer: bool, block_size: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._engine_id, self._config, self._block_size = engine_id, config, block_size
+        self._clock = clock
         self._producer, self._consumer = producer, consumer
         self._ref: EngineRef | None = None
         self._params: dict[str, PrefillIntent | RemotePrefill | None] = {}
@@ -108,7 +111,8 @@ class SchedulerSide:
         self._spent: OrderedDict[str, None] = OrderedDict()
         self._declines: list[DeclineJob] = []
         self._loading: set[str] = set()  # async loads not yet reported finished
-        self._held: set[str] = set()  # producer: blocks kept until finished_sending
+        # Producer: blocks kept until finished_sending -> the clock when request_finished kept them (in that order).
+        self._held: dict[str, float] = {}
         self._produce: dict[str, _Produce] = {}
         self._loads: list[LoadJob] = []
         self._releases: list[str] = []
@@ -232,7 +236,8 @@ class SchedulerSide:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self._loading.difference_update(output.finished_recving or ())
-        self._held.difference_update(output.finished_sending or ())
+        for req_id in output.finished_sending or ():
+            self._held.pop(req_id, None)
         if isinstance(output.kv_cache_events, NcclKVEvents):
             workers = self._ref.layout.world_size if self._ref is not None else 1
             self._events.add(output.kv_cache_events.get_all_events(), workers)
@@ -264,7 +269,7 @@ class SchedulerSide:
             # still name it, so the workers drop the transfer and never report it sent. Nothing is held.
             return False, None
         # The workers hold (or are pushing from) these blocks: free them when they report the transfer done.
-        self._held.add(req_id)
+        self._held[req_id] = self._clock()
         out = None
         if request.status in _SENT_STATUSES:
             num = produce.num_tokens
@@ -278,6 +283,18 @@ class SchedulerSide:
         if out is None and produce.push_to is None:  # no decode will pull: release the hold now
             self._releases.append(produce.transfer_id)
         return True, (out.to_dict() if out is not None else None)
+
+    def has_pending_block_frees(self) -> bool:
+        """vLLM, out of blocks for a running request: whether to wait for held blocks rather than preempt. True
+        while a request that finished at most ``free_wait_s`` ago holds its blocks for a transfer: its decode
+        engine is likely to pull (or decline) soon, and a release or push ends within steps. An older hold's
+        decode engine may never come (it ends only after ``hold_s``): waiting for it could stall the running
+        requests that long, so vLLM preempts. The blocks freed are not compared with those vLLM needs (it does
+        not say): a request still short after the frees waits until the last hold is ``free_wait_s`` old."""
+        if not self._held or self._config.free_wait_s == 0:
+            return False
+        newest = next(reversed(self._held.values()))  # kept in order
+        return self._clock() - newest < self._config.free_wait_s
 
     def take_events(self) -> Iterable[Any]:
         """Pushed KV stored in / removed from the workers' staging (``medium="ncclkv_staging"``), once

@@ -27,6 +27,7 @@ def test_extra_config_defaults_and_values() -> None:
     assert NcclKVConfig().piece_bytes == 0 and NcclKVConfig.from_extra({"piece_bytes": 4 << 20}).piece_bytes == 4 << 20
     assert NcclKVConfig().last_piece_bytes == 0
     assert NcclKVConfig().pull_batch_bytes == 4 << 20
+    assert NcclKVConfig().free_wait_s == 5.0 and NcclKVConfig.from_extra({"free_wait_s": 0}).free_wait_s == 0
     assert NcclKVConfig.from_extra({"pull_batch_bytes": 0}).pull_batch_bytes == 0
     assert NcclKVConfig.from_extra({"last_piece_bytes": 4 << 20}).last_piece_bytes == 4 << 20
     with pytest.raises(AttributeError):
@@ -44,6 +45,9 @@ def test_unknown_keys_are_named() -> None:
     ({"deadline_s": 0}, r"'deadline_s'.* must be a finite number of seconds > 0 \(at most 1e\+09\), got 0"),
     ({"hold_s": float("inf")}, r"'hold_s'.* must be a finite number of seconds > 0 .*got inf"),
     ({"hold_s": 1e10}, r"'hold_s'.* must be a finite number of seconds > 0 .*got 10000000000.0"),
+    ({"free_wait_s": -1.0}, r"'free_wait_s'\] \(0: never wait\) must be a finite number of seconds > 0 .*got -1.0"),
+    ({"free_wait_s": float("nan")}, r"'free_wait_s'.* must be a finite number of seconds > 0 .*got nan"),
+    ({"free_wait_s": None}, "'free_wait_s'.* must be float, got NoneType"),
     ({"staging_bytes": 2.5}, "'staging_bytes'.* must be int or None"),
     ({"staging_bytes": 0}, "'staging_bytes'.* must be >= 1"),
     ({"cache_layout": "nhd"}, "'cache_layout'.*'nhd' is not one of"),
