@@ -489,7 +489,7 @@ class IoLoop:
             else:  # another life: it holds nothing of ours
                 del self._reset_due[sender]
         if isinstance(body, Bye):
-            if self._peers.mark_lost(sender, "it closed its channel"):
+            if self._peers.mark_lost(sender, "it closed its channel", "closed"):  # later calls: PeerClosedError
                 self._lose(sender, "it closed its channel", "closed")
             return
         if isinstance(body, Reset):

@@ -287,6 +287,37 @@ def test_a_closing_channel_says_bye_and_its_peer_drops_it_at_once(
     assert [r.getMessage() for r in about if r.levelno >= logging.WARNING] == []
 
 
+def test_a_send_or_request_to_a_peer_that_said_bye_raises_peer_closed_error(
+        make_channel: Callable[..., Channel]) -> None:
+    """A peer that said Bye is lost on purpose: the requests that waited fail with PeerClosedError, and so must the
+    calls made after (send, request, a handler's reply: a ReplyThen's ``unsent``), not a plain PeerLostError as
+    for a peer that went silent."""
+    slow = dict(heartbeat_s=0.05, deadline_s=30.0)
+    unsent: list[BaseException] = []
+    hold, held = threading.Event(), threading.Event()
+
+    def on_message(sender: str, body: Message) -> Message | ReplyThen | None:
+        if body == Ready("hold"):  # holds the dispatcher until the Bye was taken; then replies
+            held.set()
+            assert hold.wait(WAIT_S)
+        return ReplyThen(Ack(body.request_id, None), lambda: None, unsent.append)  # type: ignore[union-attr]
+
+    stays = make_channel("stays", on_message=on_message, **slow)
+    closes = make_channel("closes", **slow)
+    closes.connect("stays", stays.address)
+    closes.send("stays", Ready("hold"))
+    assert held.wait(WAIT_S)
+    closes.close()
+    wait_until(lambda: not stays.peer_alive("closes"), WAIT_S)
+    hold.set()
+    with pytest.raises(errors.PeerClosedError, match="it closed its channel"):
+        stays.send("closes", Ready("x"))
+    with pytest.raises(errors.PeerClosedError, match="it closed its channel"):
+        stays.request("closes", Ready("y"), timeout_s=WAIT_S)
+    wait_until(lambda: bool(unsent), WAIT_S)
+    assert isinstance(unsent[0], errors.PeerClosedError), unsent
+
+
 def _capture(sink: list[BaseException], call: Callable[[], object]) -> None:
     try:
         call()
