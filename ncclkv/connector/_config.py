@@ -44,9 +44,9 @@ class NcclKVConfig:
         before it preempts one: the answer is yes while a request that
         finished here within this many seconds still holds its blocks for a
         transfer (a pull, a push, a release). Its running requests then wait
-        (step after step) instead of being preempted and recomputed; past it
-        (a decode engine slow to pull) vLLM preempts as without the
-        connector. 0: never wait. Capped by ``hold_s`` in effect.
+        (step after step, this long at most) instead of being preempted and
+        recomputed; past it (a decode engine slow to pull) vLLM preempts as
+        without the connector. 0: never wait. Capped by ``hold_s`` in effect.
     piece_bytes
         Producer: send each layer's slice of a route in token pieces of at most
         this many bytes, each announced alone, so the gather, the wire and the

@@ -113,6 +113,10 @@ class SchedulerSide:
         self._loading: set[str] = set()  # async loads not yet reported finished
         # Producer: blocks kept until finished_sending -> the clock when request_finished kept them (in that order).
         self._held: dict[str, float] = {}
+        # Producer: the clock at the first of the consecutive schedule() calls that has_pending_block_frees answered
+        # True (None: the last one did not), and whether the current one did.
+        self._stalled_since: float | None = None
+        self._stalled_now = False
         self._produce: dict[str, _Produce] = {}
         self._loads: list[LoadJob] = []
         self._releases: list[str] = []
@@ -202,6 +206,11 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput, block_ids_of: Any) -> NcclKVMetadata:
         """``block_ids_of(req_id)`` gives a request's block ids per group (vLLM's cache manager)."""
+        # The end of a schedule(): a running request that waited in it for held blocks waits on in the next one, and
+        # one that did not ends the stall has_pending_block_frees bounds.
+        if not self._stalled_now:
+            self._stalled_since = None
+        self._stalled_now = False
         preempted = frozenset(scheduler_output.preempted_req_ids or ())
         holds, pushes = [], []
         for req_id, produce in self._produce.items():
@@ -290,11 +299,19 @@ class SchedulerSide:
         engine is likely to pull (or decline) soon, and a release or push ends within steps. An older hold's
         decode engine may never come (it ends only after ``hold_s``): waiting for it could stall the running
         requests that long, so vLLM preempts. The blocks freed are not compared with those vLLM needs (it does
-        not say): a request still short after the frees waits until the last hold is ``free_wait_s`` old."""
+        not say): a request still short after the frees waits until the last hold is ``free_wait_s`` old. And
+        running requests wait ``free_wait_s`` at most, from the first of the consecutive steps they waited in:
+        on a busy engine new holds keep coming, each taking blocks a running request needed, and it would
+        never move."""
         if not self._held or self._config.free_wait_s == 0:
             return False
+        now = self._clock()
         newest = next(reversed(self._held.values()))  # kept in order
-        return self._clock() - newest < self._config.free_wait_s
+        since = now if self._stalled_since is None else self._stalled_since
+        if now - newest >= self._config.free_wait_s or now - since >= self._config.free_wait_s:
+            return False
+        self._stalled_since, self._stalled_now = since, True
+        return True
 
     def take_events(self) -> Iterable[Any]:
         """Pushed KV stored in / removed from the workers' staging (``medium="ncclkv_staging"``), once

@@ -108,3 +108,63 @@ def test_a_consumer_never_waits(engines: list[EngineSim], model_dir: Path) -> No
     assert not decode.connector.has_pending_block_frees()
     decode.run(lambda: "a" in decode.finished and "b" in decode.finished)
     _settle(decode)
+
+
+
+def test_a_stream_of_new_holds_stalls_a_running_request_free_wait_s_at_most(engines: list[EngineSim],
+                                                                             model_dir: Path) -> None:
+    """A busy prefill engine: a running request's next chunk needs 2 blocks while 1 is free, and every step a
+    new request takes that block, completes its prompt and is held (its decode engine pulls the oldest hold,
+    whose block then comes free). The newest hold is always less than free_wait_s old, yet the running request
+    waits free_wait_s at most, counted from the first step it waited: then vLLM preempts it, as without the
+    connector. Before, the answer stayed True while new holds came: the running request never moved (128 tokens
+    computed, no preemption), however long the stream went on."""
+    clock = FakeTime()
+    prefill = EngineSim.build("prefill", model_dir, "kv_producer", {**FAST, "hold_s": 600.0, "free_wait_s": 5.0},
+                              num_blocks=NUM_BLOCKS)
+    engines.append(prefill)
+    prefill.connector._sched()._clock = clock
+    # Chunks of 2 blocks while another request waits, so a new request gets token budget beside it.
+    prefill.scheduler.scheduler_config.long_prefill_token_threshold = 2 * BLOCK_SIZE
+    decode = EngineSim.build("decode", model_dir, "kv_consumer", FAST)
+    engines.append(decode)
+    small = make_prompts([20] * 12, seed=11)  # a block each
+    added: list[str] = []
+
+    def add_small() -> None:
+        added.append(f"w-{len(added)}")
+        prefill.add(added[-1], small[len(added) - 1], 1, {"do_remote_decode": True})
+
+    prefill.add("r", make_prompts([6 * BLOCK_SIZE], seed=12)[0], 1)  # 6 blocks, fits the 7 when it is admitted
+    running = prefill.scheduler.requests["r"]
+    for _ in range(2):
+        add_small()
+        prefill.step()
+    assert running.num_computed_tokens == 4 * BLOCK_SIZE and all(w in prefill.finished for w in added)
+    assert prefill.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 1  # its next chunk needs 2
+    requested: list[str] = []
+
+    def pull_held() -> None:
+        for w in added:
+            if w in prefill.finished and w not in requested:
+                decode.add(f"d-{w}", small[added.index(w)], 1, prefill.finished[w].kv_transfer_params)
+                requested.append(w)
+
+    start = clock.t
+    while len(added) < len(small):
+        add_small()
+        prefill.step()
+        if running.num_preemptions or running.num_computed_tokens != 4 * BLOCK_SIZE:
+            break
+        assert added[-1] in prefill.finished  # it took the free block and is held: the newest hold is new
+        oldest = next(w for w in added if w not in requested)  # the decode engine pulls it: its block comes free
+        decode.add(f"d-{oldest}", small[added.index(oldest)], 1, prefill.finished[oldest].kv_transfer_params)
+        requested.append(oldest)
+        decode.run(lambda: f"d-{oldest}" in decode.finished and oldest not in prefill.scheduler.requests,
+                   also=(prefill,))
+        clock.t += 1.0
+    assert (running.num_computed_tokens, running.num_preemptions, clock.t - start) == (0, 1, 5.0)
+    decode.run(lambda: (pull_held(), "r" in prefill.finished and
+                        all(f"d-{w}" in decode.finished for w in added))[1], also=(prefill,))
+    assert prefill.mismatches == [] and decode.mismatches == [] and decode.load_errors == set()
+    _settle(prefill, decode)
