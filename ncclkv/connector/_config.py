@@ -47,6 +47,9 @@ class NcclKVConfig:
         (step after step, this long at most) instead of being preempted and
         recomputed; past it (a decode engine slow to pull) vLLM preempts as
         without the connector. 0: never wait. Capped by ``hold_s`` in effect.
+        1 s by default: the wait stalls every running request behind the one
+        that did not fit, and a pull of even a long prompt's KV takes a small
+        part of that; a hold older than this is a decode engine busy or gone.
     piece_bytes
         Producer: send each layer's slice of a route in token pieces of at most
         this many bytes, each announced alone, so the gather, the wire and the
@@ -99,7 +102,7 @@ class NcclKVConfig:
     staging_bytes: int | None = None
     bind_host: str | None = None
     hold_s: float = 120.0
-    free_wait_s: float = 5.0
+    free_wait_s: float = 1.0
     piece_bytes: int = 0
     last_piece_bytes: int = DEFAULT_LAST_PIECE_BYTES
     pull_batch_bytes: int = DEFAULT_PULL_BATCH_BYTES

@@ -27,7 +27,7 @@ def test_extra_config_defaults_and_values() -> None:
     assert NcclKVConfig().piece_bytes == 0 and NcclKVConfig.from_extra({"piece_bytes": 4 << 20}).piece_bytes == 4 << 20
     assert NcclKVConfig().last_piece_bytes == 0
     assert NcclKVConfig().pull_batch_bytes == 4 << 20
-    assert NcclKVConfig().free_wait_s == 5.0 and NcclKVConfig.from_extra({"free_wait_s": 0}).free_wait_s == 0
+    assert NcclKVConfig().free_wait_s == 1.0 and NcclKVConfig.from_extra({"free_wait_s": 0}).free_wait_s == 0
     assert NcclKVConfig.from_extra({"pull_batch_bytes": 0}).pull_batch_bytes == 0
     assert NcclKVConfig.from_extra({"last_piece_bytes": 4 << 20}).last_piece_bytes == 4 << 20
     with pytest.raises(AttributeError):
