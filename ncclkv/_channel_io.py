@@ -38,7 +38,7 @@ from ._clock import ActiveClock
 from ._peers import MAX_LOST_PEERS, Counters, LossKind, PeerTable
 from .auth import ChannelAuth
 from .errors import ProtocolError, TransferTimeout
-from .protocol import MAX_TEXT_CHARS, Bye, Envelope, Handshake, Heartbeat, Reset, encode
+from .protocol import MAX_TEXT_CHARS, Bye, Envelope, ErrorCode, ErrorMsg, Handshake, Heartbeat, Reset, encode
 
 __all__ = ["IoLoop"]
 
@@ -47,6 +47,8 @@ log = logging.getLogger("ncclkv.channel")
 _BATCH = 256  # frames read from one socket per poll, so no socket starves the others
 _ZAP_JOIN_S = 2.0
 _MAX_SOCKETS = 8192  # ZMQ's default, 1023, held ~1000 peers; the descriptor limit (ulimit -n) is the real bound
+_REPLACED_WHY = (": a late frame of a dead process, or two live processes share the peer id (each engine needs an "
+                 "engine_id of its own)")  # the end of a refusal of a replaced life's frame (see IoLoop._handle)
 _BYE_LINGER_MS = 200  # on close: how long the Byes (and frames queued before them) may take to leave
 
 # kind, peer id, address (a reconnect's: with the one it moved from) / frame / flush event, server key
@@ -119,6 +121,9 @@ class IoLoop:
         self._reset_due: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self._hb_seq = 0
         self.address = ""
+        # How a peer's refusal of this life as one a later life of our peer id replaced begins (see _handle): it names
+        # our own incarnation, so it is ours, and this life is alive to read it: another process uses the peer id.
+        self._refused_as = f"{peer_id!r} incarnation {incarnation:#x} was replaced by 0x"
         self._thread = threading.Thread(target=self._run, name=f"ncclkv-channel-io[{peer_id}]", daemon=True)
 
     # -- called from other threads -------------------------------------------------
@@ -462,11 +467,12 @@ class IoLoop:
         # Each life of a peer id starts every path to us with a heartbeat naming it (see _greet).
         incarnation = body.incarnation if isinstance(body, Heartbeat | Handshake) else 0
         current = self._peers.replaced_life(sender, incarnation) if incarnation else None
-        if current is not None:  # refused, answered: a second process under the id hears why its requests fail
-            by = f"by {current:#x}, which speaks under that id now" if current else "by the life we moved the id to"
+        if current is not None:  # refused, answered: a second process under the id hears why (see _refused_as)
+            at = self._address(sender) if current else None
+            by = (f"by {current:#x}, which speaks under that id now{'' if at is None else f' from {at!r}'}" if current
+                  else "by the life we moved the id to")
             self._gate.reject(sock, routing_id, origin, ProtocolError(
-                f"{sender!r} incarnation {incarnation:#x} was replaced {by}: a late frame of a dead process, or two "
-                f"live processes share the peer id (each engine needs an engine_id of its own)"))
+                f"{sender!r} incarnation {incarnation:#x} was replaced {by}{_REPLACED_WHY}"))
             return
         said = self._peers.said_at(sender) if incarnation else ""  # where the life it may replace said it is
         replaced = self._peers.heard(sender, self._clock.now(), incarnation)
@@ -488,6 +494,12 @@ class IoLoop:
                 self._send_reset(sender)
             else:  # another life: it holds nothing of ours
                 del self._reset_due[sender]
+        if (isinstance(body, ErrorMsg) and envelope.reply_to is None and body.request_id is None
+                and body.code is ErrorCode.PROTOCOL and body.text.startswith(self._refused_as)):
+            # The sender refuses us as a life of our peer id that a later one replaced: that one is another live
+            # process (a dead life never reads this). Nothing we send there is taken while it runs.
+            self._declare_lost(sender, self._duplicate(sender, body.text), "duplicate")
+            return
         if isinstance(body, Bye):
             if self._peers.mark_lost(sender, "it closed its channel", "closed"):  # later calls: PeerClosedError
                 self._lose(sender, "it closed its channel", "closed")
@@ -517,6 +529,16 @@ class IoLoop:
             return
         self._counters.received += 1
         self._deliver(envelope)
+
+    def _duplicate(self, peer_id: str, refusal: str) -> str:
+        """Why ``peer_id`` is lost: its ``refusal`` (see :attr:`_refused_as`) says another live process under our
+        peer id replaced us there."""
+        where = self._address(peer_id)
+        said = refusal[:-len(_REPLACED_WHY)] if refusal.endswith(_REPLACED_WHY) else refusal
+        return (f"{'it' if where is None else repr(where)} refuses our frames: it took another process under our peer "
+                f"id for a restart of ours ({said}); two live processes use the peer id {self._peer_id!r}: this one, "
+                f"incarnation {self._incarnation:#x} at {self.address!r}, and that one (each engine needs an "
+                f"engine_id of its own)")
 
     def _frame(self, body: Heartbeat | Bye | Reset, reply_to: int | None) -> bytes:
         envelope = Envelope(self._peer_id, self._peers.next_msg_id(), reply_to, body)
@@ -590,10 +612,10 @@ class IoLoop:
         address = self._address(peer_id)
         self._drop_link(peer_id)
         self._counters.peers_lost += 1
-        log.log(logging.INFO if kind == "closed" else logging.WARNING, "channel %r: peer %r lost: %s", self._peer_id,
-                peer_id, reason)
+        level = {"closed": logging.INFO, "duplicate": logging.ERROR}.get(kind, logging.WARNING)  # duplicate: a config mistake
+        log.log(level, "channel %r: peer %r lost: %s", self._peer_id, peer_id, reason)
         incarnation = self._peers.incarnation(peer_id)
-        if kind == "closed":  # it is gone on purpose: nothing of it is left to reset
+        if kind in ("closed", "duplicate"):  # gone on purpose, or it holds nothing of ours: nothing to reset
             self._reset_due.pop(peer_id, None)
         elif incarnation:  # it may only be stopped or cut off, and come back holding what we drop now
             self._reset_due.pop(peer_id, None)

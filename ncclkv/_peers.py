@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .errors import PeerAuthError, PeerClosedError, PeerLostError, PeerResetError
+from .errors import DuplicatePeerIdError, PeerAuthError, PeerClosedError, PeerLostError, PeerResetError
 
 __all__ = ["Budget", "Counters", "LossKind", "PeerTable", "loss_error", "lost_there"]
 
@@ -18,10 +18,11 @@ MAX_LOST_PEERS = 4096  # lost peers remembered (to raise PeerLostError, not "unk
 
 # How a peer was lost: it went silent or unreachable ("lost"), said Bye ("closed"), what it held about us, or we
 # about it, is gone while it is there ("reset": it declared us lost, restarted, or moved to another address), or it
-# cannot authenticate with us, for certain ("auth": a refused handshake, keys or secrets that differ).
-LossKind = Literal["lost", "closed", "reset", "auth"]
+# cannot authenticate with us, for certain ("auth": a refused handshake, keys or secrets that differ), or it refuses
+# us because another live process under our peer id replaced us there ("duplicate").
+LossKind = Literal["lost", "closed", "reset", "auth", "duplicate"]
 _LOSS_ERRORS: dict[str, type[PeerLostError]] = {"closed": PeerClosedError, "reset": PeerResetError,
-                                                "auth": PeerAuthError}
+                                                "auth": PeerAuthError, "duplicate": DuplicatePeerIdError}
 
 
 def loss_error(kind: LossKind) -> type[PeerLostError]:

@@ -23,7 +23,8 @@ Threads (all named ``ncclkv-channel-*``, all joined by :meth:`Channel.close`):
   :class:`PeerClosedError` for a peer that closed its channel and said so, a
   :class:`PeerAuthError` for one whose handshake or frames fail authentication
   (as soon as that is certain, not at ``deadline_s``), a
-  :class:`PeerLostError` for one that went silent); handlers may call
+  :class:`DuplicatePeerIdError` for one that refuses this channel as a life of its peer id that another live
+  process replaced there, a :class:`PeerLostError` for one that went silent); handlers may call
   ``send`` and ``request``. A returned body is sent as the reply; an exception
   is logged and answered with an :class:`ErrorMsg` (never for an incoming
   ``ErrorMsg``, so two peers cannot ping-pong errors). Should the thread end
@@ -491,7 +492,9 @@ class Channel:
         """On the I/O thread (or in ``connect``, for a peer that moved): fail the requests waiting on ``peer_id``
         and schedule ``on_peer_lost``, with a :class:`PeerClosedError` (``how="closed"``: it said Bye), a
         :class:`PeerResetError` (``"reset"``: what it held about us, or we about it, is gone while it is there),
-        a :class:`PeerAuthError` (``"auth"``: it cannot authenticate with us, for certain) or a
+        a :class:`PeerAuthError` (``"auth"``: it cannot authenticate with us, for certain), a
+        :class:`DuplicatePeerIdError` (``"duplicate"``: it refuses us, another live process under our peer id
+        replaced us there) or a
         :class:`PeerLostError`, each carrying the loss's ``loss_seq`` and the ``address`` the life lost was
         reached at (None: not known), and the ``incarnation`` of the life lost when a new one replaced it (0: not
         that)."""

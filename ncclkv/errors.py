@@ -12,6 +12,7 @@ from typing import Self
 __all__ = [
     "CapacityError",
     "ClosedError",
+    "DuplicatePeerIdError",
     "HandshakeError",
     "InsecureFileError",
     "NcclKVError",
@@ -76,6 +77,13 @@ class PeerAuthError(PeerLostError):
     we were given is not its key, one side has no CURVE, or its frames and ours fail the shared secret's MAC. Lost
     as soon as ZMQ or the peer shows it, not at ``deadline_s``; the message names the address and why. Not
     transient: asking again fails the same way until the keys or secrets are set alike (docs/SECURITY.md)."""
+
+
+class DuplicatePeerIdError(PeerLostError):
+    """Another live process uses this channel's peer id (two engines given one ``engine_id``): a peer refuses our
+    frames because it took that process, a later life of the id, for our restart. Only a live process can read that
+    refusal (a dead life's late frames are refused to no one), so it is certain. The message names the peer id,
+    both lives and where each is. Not transient: asking again fails the same way while the other one runs."""
 
 
 class PeerResetError(PeerLostError):

@@ -24,6 +24,7 @@ from ncclkv._channel_io import IoLoop
 from ncclkv.layout import KVGeometry, ParallelLayout
 from ncclkv.channel import THREAD_PREFIX, Channel, ReplyThen
 from ncclkv.protocol import (
+    INCARNATION_RANDOM_BITS,
     Ack,
     Announce,
     Bye,
@@ -1399,3 +1400,44 @@ def test_a_replaced_earlier_life_heard_again_is_refused_not_taken_for_a_restart(
         peer.send(encode(Envelope("peer", 7, None, Ready("the next life asks"))))
         _read_until(peer, lambda e: e.reply_to == 7, WAIT_S)
         assert len(lost) == 2 and "incarnation 0x200 is gone, 0x50 speaks" in str(lost[1][1])
+
+
+def test_a_process_whose_peer_id_a_second_live_process_took_gets_a_typed_error_naming_both(
+        make_channel: Callable[..., Channel]) -> None:
+    """Two live processes under one peer id 'A' (a copied engine_id) both reach B. B takes the later one, A2, for a
+    restart of A1, and ZMQ gives B's route for 'A' to the connection made last (ROUTER_HANDOVER): A1 hears nothing,
+    loses B after deadline_s and connects again (as an engine does for its next request), and B refuses its frames
+    as a replaced life's. Before, that refusal was dropped as a message no one asked for, and A1's request went
+    through on the stolen route (the next one of A2 went nowhere): A1 never learned why. The refusal names A1's
+    own incarnation, which only a live A1 can read (a dead life's late frame is never answered to anyone): A1 loses B
+    at once with DuplicatePeerIdError naming the peer id, both lives and both addresses, and so does its request."""
+    lost: list[errors.PeerLostError] = []
+    b = make_channel("B", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
+    a1 = make_channel("A", on_message=ack_ready, on_peer_lost=lambda p, e: lost.append(e), heartbeat_s=0.05,
+                      deadline_s=0.5)
+    # A later start (incarnations grow with it, by the ms): A2 is the later life.
+    wait_until(lambda: time.time_ns() // 1_000_000 > a1.incarnation >> INCARNATION_RANDOM_BITS, WAIT_S)
+    a2 = make_channel("A", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
+    assert a2.incarnation > a1.incarnation
+    a1.connect("B", b.address)
+    assert a1.request("B", Ready("from A1"), timeout_s=WAIT_S) == Ack("from A1", None)
+    a2.connect("B", b.address)
+    hello = Handshake.create("A-engine", "consumer", 0, ParallelLayout(1, 1), KVGeometry(2, 2, 64), a2.address,
+                             "h:2", incarnation=a2.incarnation)
+    a2.send("B", hello)  # where A2 is, as an engine's handshake says
+    assert a2.request("B", Ready("from A2"), timeout_s=WAIT_S) == Ack("from A2", None)
+    assert b.peer_incarnation("A") == a2.incarnation and b.connected_address("A") == a2.address
+    wait_until(lambda: len(lost) == 1, WAIT_S)  # A1 hears nothing of B any more
+    assert type(lost[0]).__name__ == "PeerLostError", lost  # 'nothing heard': nothing said why yet
+    a1.connect("B", b.address)
+    with pytest.raises(errors.PeerLostError) as caught:  # before: answered on the route taken from A2
+        a1.request("B", Ready("from A1 again"), timeout_s=WAIT_S)
+    wait_until(lambda: len(lost) == 2, WAIT_S)
+    for error in (caught.value, lost[1]):
+        assert isinstance(error, errors.DuplicatePeerIdError), error
+        text = str(error)
+        assert "two live processes use the peer id 'A'" in text, text
+        assert f"this one, incarnation {a1.incarnation:#x} at {a1.address!r}" in text, text
+        assert f"replaced by {a2.incarnation:#x}, which speaks under that id now from {a2.address!r}" in text, text
+        assert repr(b.address) in text, text
+    assert b.peer_incarnation("A") == a2.incarnation  # B keeps the live life it has
