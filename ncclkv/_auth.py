@@ -489,7 +489,7 @@ class FrameGate:
 
     def reject(
         self, sock: zmq.Socket, routing_id: bytes | None, origin: bytes, exc: ProtocolError, authentic: bool = True,
-        renamed: bool = False,
+        renamed: bool = False, code: ErrorCode = ErrorCode.PROTOCOL, incarnation: int = 0,
     ) -> None:
         """Count and log a bad frame; if ``authentic``, tell its sender why on the socket it came in on; if not,
         and it came to our ROUTER under an id of its own in shared-secret mode, answer :data:`REFUSED_NOTICE`
@@ -498,7 +498,9 @@ class FrameGate:
 
         ``renamed``: it came in under a routing id ZMQ made up. Most often that is a peer's old connection, renamed
         by our ROUTER when the peer reset its path to us (ROUTER_HANDOVER), whose last frames still arrive: no
-        sign of an intruder, so INFO, with that explanation (else it read as spoofing after every reset)."""
+        sign of an intruder, so INFO, with that explanation (else it read as spoofing after every reset).
+
+        ``code`` and ``incarnation``: the answer's (``replaced_life`` and the life refused; else ``protocol``)."""
         self._counters.rejected += 1
         now = time.monotonic()
         if renamed:
@@ -516,7 +518,8 @@ class FrameGate:
         if authentic:
             # <= 4 UTF-8 bytes a char: the reply fits any max_frame_bytes >= 1024
             text = str(exc)[: min(MAX_TEXT_CHARS, (self._max_frame_bytes - 512) // 4)]
-            envelope = Envelope(self._peer_id, self._next_msg_id(), None, ErrorMsg(None, ErrorCode.PROTOCOL, text))
+            envelope = Envelope(self._peer_id, self._next_msg_id(), None,
+                                ErrorMsg(None, code, text, incarnation=incarnation))
             frame = self.seal(origin, encode(envelope, self._max_frame_bytes), from_router=routing_id is not None)
         else:
             frame = REFUSED_NOTICE

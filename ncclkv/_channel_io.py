@@ -121,9 +121,6 @@ class IoLoop:
         self._reset_due: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self._hb_seq = 0
         self.address = ""
-        # How a peer's refusal of this life as one a later life of our peer id replaced begins (see _handle): it names
-        # our own incarnation, so it is ours, and this life is alive to read it: another process uses the peer id.
-        self._refused_as = f"{peer_id!r} incarnation {incarnation:#x} was replaced by 0x"
         self._thread = threading.Thread(target=self._run, name=f"ncclkv-channel-io[{peer_id}]", daemon=True)
 
     # -- called from other threads -------------------------------------------------
@@ -467,12 +464,16 @@ class IoLoop:
         # Each life of a peer id starts every path to us with a heartbeat naming it (see _greet).
         incarnation = body.incarnation if isinstance(body, Heartbeat | Handshake) else 0
         current = self._peers.replaced_life(sender, incarnation) if incarnation else None
-        if current is not None:  # refused, answered: a second process under the id hears why (see _refused_as)
+        if current is not None:  # refused, answered: a second process under the id hears why (replaced_life, naming it)
             at = self._address(sender) if current else None
             by = (f"by {current:#x}, which speaks under that id now{'' if at is None else f' from {at!r}'}" if current
                   else "by the life we moved the id to")
             self._gate.reject(sock, routing_id, origin, ProtocolError(
-                f"{sender!r} incarnation {incarnation:#x} was replaced {by}{_REPLACED_WHY}"))
+                f"{sender!r} incarnation {incarnation:#x} was replaced {by}{_REPLACED_WHY}"),
+                # Only a later life heard under the id is another process for certain: the life a connect() moved the
+                # id away from (none heard at the new address yet) is still ours, the move may be what is wrong.
+                code=ErrorCode.REPLACED_LIFE if current else ErrorCode.PROTOCOL,
+                incarnation=incarnation if current else 0)
             return
         said = self._peers.said_at(sender) if incarnation else ""  # where the life it may replace said it is
         replaced = self._peers.heard(sender, self._clock.now(), incarnation)
@@ -494,10 +495,11 @@ class IoLoop:
                 self._send_reset(sender)
             else:  # another life: it holds nothing of ours
                 del self._reset_due[sender]
-        if (isinstance(body, ErrorMsg) and envelope.reply_to is None and body.request_id is None
-                and body.code is ErrorCode.PROTOCOL and body.text.startswith(self._refused_as)):
-            # The sender refuses us as a life of our peer id that a later one replaced: that one is another live
-            # process (a dead life never reads this). Nothing we send there is taken while it runs.
+        if (isinstance(body, ErrorMsg) and body.code is ErrorCode.REPLACED_LIFE and envelope.reply_to is None
+                and body.incarnation == self._incarnation):
+            # The sender refuses this life as one of our peer id that a later one replaced: that one is another live
+            # process (a dead life never reads this). Nothing we send there is taken while it runs. Decided by the
+            # code and the incarnation it names; its text is only for the humans reading the loss.
             self._declare_lost(sender, self._duplicate(sender, body.text), "duplicate")
             return
         if isinstance(body, Bye):
@@ -531,8 +533,8 @@ class IoLoop:
         self._deliver(envelope)
 
     def _duplicate(self, peer_id: str, refusal: str) -> str:
-        """Why ``peer_id`` is lost: its ``refusal`` (see :attr:`_refused_as`) says another live process under our
-        peer id replaced us there."""
+        """Why ``peer_id`` is lost: its ``refusal`` (``replaced_life``, naming this life) says another live process
+        under our peer id replaced us there; its text, which names that one, is quoted."""
         where = self._address(peer_id)
         said = refusal[:-len(_REPLACED_WHY)] if refusal.endswith(_REPLACED_WHY) else refusal
         return (f"{'it' if where is None else repr(where)} refuses our frames: it took another process under our peer "

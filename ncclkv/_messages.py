@@ -49,8 +49,10 @@ __all__ = [
 # 5: Heartbeat.incarnation, Handshake.incarnation, Reset, ErrorCode.PEER_RESET; 6: Reset.incarnation;
 # 7: incarnations grow with their channel's start time (INCARNATION_RANDOM_BITS), so lives can be ordered;
 # 8: Announce.num_layers (a pull sends a route's consecutive small layers in one tensor); 9: PullRequest.hold (the
-# hold of a request id a pull or decline is for: a late one is no longer taken for the id's next hold)
-PROTOCOL_VERSION = 10
+# hold of a request id a pull or decline is for: a late one is no longer taken for the id's next hold); 10: the hold in
+# Announce, Done and ErrorMsg; 11: ErrorCode.REPLACED_LIFE and ErrorMsg.incarnation (the refusal of a life of the
+# receiver's peer id that a later one replaced, naming that life: decided by code and incarnation, never by its text)
+PROTOCOL_VERSION = 11
 # The low bits of an incarnation that are random; above them, the channel's start time in ms since the epoch.
 INCARNATION_RANDOM_BITS = 20
 MAX_SHAPE_DIMS = 8
@@ -332,6 +334,10 @@ class ErrorCode(str, enum.Enum):
     INTERNAL = "internal"
     # The receiver holds no handshake with the sender (it declared it lost, or it restarted): shake hands again.
     PEER_RESET = "peer_reset"
+    # The frame's life of this peer id was replaced by another (a later incarnation heard since): refused. Sent with
+    # ``ErrorMsg.incarnation`` naming the refused life; the life it names, reading it, knows that another live
+    # process uses its peer id (a dead life reads nothing).
+    REPLACED_LIFE = "replaced_life"
 
 
 # Exception class <-> code, most specific first (TransferTimeout is a TransferError).
@@ -346,6 +352,9 @@ _CODE_OF: tuple[tuple[type[BaseException], ErrorCode], ...] = (
     (errors.ClosedError, ErrorCode.CLOSED),
 )
 _ERROR_OF: dict[ErrorCode, type[errors.NcclKVError]] = {code: cls for cls, code in _CODE_OF}  # type: ignore[misc]
+# Only received: a DuplicatePeerIdError raised here is a loss of a peer (sent as peer_lost), not a refusal of the
+# receiver's life of its peer id.
+_ERROR_OF[ErrorCode.REPLACED_LIFE] = errors.DuplicatePeerIdError
 
 
 class ErrorMsg(_Tagged, frozen=True, forbid_unknown_fields=True, tag="err"):
@@ -353,6 +362,8 @@ class ErrorMsg(_Tagged, frozen=True, forbid_unknown_fields=True, tag="err"):
     code: ErrorCode
     text: Text
     hold: HoldNumber = 0  # for a pull: its hold number (PullRequest.hold); 0: a push, or not named
+    # For ``replaced_life``: the incarnation refused, the receiver's own if it is that life; 0: not named (other codes)
+    incarnation: Incarnation = 0
 
     @classmethod
     def from_exception(cls, exc: BaseException, request_id: str | None = None, hold: int = 0) -> ErrorMsg:

@@ -12,8 +12,9 @@ an :class:`Envelope`::
 growing with its start time, so a peer id restarted is told from its earlier
 life, and the later of two lives has the larger one; 0: not given, never
 compared); ``Reset`` carries the receiver's, the one life it is for (never 0:
-a channel acts only on a Reset naming its own). ``PullRequest.hold`` names the
-hold of the request id a pull is for (0: not named). Every field is required on
+a channel acts only on a Reset naming its own); ``ErrorMsg.incarnation`` names
+the life a ``replaced_life`` refusal is for (0: not named, any other code).
+``PullRequest.hold`` names the hold of the request id a pull is for (0: not named). Every field is required on
 the wire except ``Announce.piece`` (absent: nil, the whole route),
 ``Announce.num_layers`` (absent: 1) and ``PullRequest.hold`` (absent: 0)
 (:func:`encode` always writes them), unknown fields and tags are refused (so a build of an older

@@ -974,7 +974,8 @@ def test_a_connect_back_to_an_address_whose_life_restarted_meanwhile_still_refus
         late.send(encode(Envelope("B", 1, None, Heartbeat(1, time.monotonic_ns(), old.incarnation))))
         got = _read_until(late, lambda e: isinstance(e.body, ErrorMsg), WAIT_S)  # before: echoed, taken
     refusals = [e.body for e in got if isinstance(e.body, ErrorMsg)]
-    assert len(refusals) == 1 and refusals[0].code is ErrorCode.PROTOCOL, got
+    assert len(refusals) == 1 and refusals[0].code is ErrorCode.REPLACED_LIFE, got
+    assert refusals[0].incarnation == old.incarnation, got
     assert f"incarnation {old.incarnation:#x} was replaced by {new.incarnation:#x}" in refusals[0].text
     assert a.request("B", Ready("M again"), timeout_s=WAIT_S, at=address) == Ack("M again", None)
     assert len(lost) == losses, lost[losses:]
@@ -1392,7 +1393,8 @@ def test_a_replaced_earlier_life_heard_again_is_refused_not_taken_for_a_restart(
         peer.send(encode(Envelope("peer", 5, None, Ready("after the old life's frame"))))
         got = _read_until(peer, lambda e: e.reply_to == 5, WAIT_S)
         refusals = [e.body for e in got if isinstance(e.body, ErrorMsg)]
-        assert len(refusals) == 1 and refusals[0].code is ErrorCode.PROTOCOL, got
+        assert len(refusals) == 1 and refusals[0].code is ErrorCode.REPLACED_LIFE, got  # before: protocol
+        assert refusals[0].incarnation == 0x100 and refusals[0].request_id is None, got  # the life refused
         assert "'peer' incarnation 0x100 was replaced by 0x200, which speaks under that id now" in refusals[0].text
         assert got[-1].body == Ack("after the old life's frame", None)
         assert len(lost) == 1 and server.peer_alive("peer") and server.peer_incarnation("peer") == 0x200
@@ -1441,3 +1443,28 @@ def test_a_process_whose_peer_id_a_second_live_process_took_gets_a_typed_error_n
         assert f"replaced by {a2.incarnation:#x}, which speaks under that id now from {a2.address!r}" in text, text
         assert repr(b.address) in text, text
     assert b.peer_incarnation("A") == a2.incarnation  # B keeps the live life it has
+
+
+def test_a_refusal_of_our_life_is_told_by_its_code_and_the_incarnation_it_names_never_by_its_text(
+        make_channel: Callable[..., Channel]) -> None:
+    """A peer's refusal of this life as one a later life of our peer id replaced is the code replaced_life naming
+    our incarnation (ErrorMsg.incarnation). Before, it was recognised by the start of its text under the code
+    protocol: any protocol error whose text began so (a peer quoting our frame's words, another build's wording)
+    lost the peer as a duplicate, and a refusal worded otherwise was missed. Now the text decides nothing: a
+    protocol error with the same words, and a replaced_life refusal naming another life of our peer id (a dead
+    one's, read by us), leave the peer alone; replaced_life naming ours loses it with DuplicatePeerIdError."""
+    lost: list[tuple[str, errors.PeerLostError]] = []
+    a = make_channel("A", on_message=ack_ready, on_peer_lost=lambda p, e: lost.append((p, e)), heartbeat_s=0.2,
+                     deadline_s=30.0)
+    words = f"'A' incarnation {a.incarnation:#x} was replaced by 0x1, which speaks under that id now"
+    with raw_dealer(a.address, b"B") as b:
+        b.send(encode(Envelope("B", 1, None, ErrorMsg(None, ErrorCode.PROTOCOL, words))))
+        b.send(encode(Envelope("B", 2, None, ErrorMsg(None, ErrorCode.REPLACED_LIFE, "x",
+                                                      incarnation=a.incarnation + 1))))
+        b.send(encode(Envelope("B", 3, None, Ready("still there?"))))
+        _read_until(b, lambda e: e.reply_to == 3, WAIT_S)  # answered: neither refusal lost B
+        assert lost == [] and a.peer_alive("B"), lost
+        b.send(encode(Envelope("B", 4, None, ErrorMsg(None, ErrorCode.REPLACED_LIFE, "y", incarnation=a.incarnation))))
+        wait_until(lambda: len(lost) == 1, WAIT_S)
+    assert lost[0][0] == "B" and isinstance(lost[0][1], errors.DuplicatePeerIdError), lost
+    assert f"two live processes use the peer id 'A': this one, incarnation {a.incarnation:#x}" in str(lost[0][1])

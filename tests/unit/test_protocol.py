@@ -203,10 +203,11 @@ def test_a_reset_must_name_the_incarnation_it_is_for(mutate, needle: str) -> Non
 def test_the_protocol_version_counts_batched_layers_and_hold_numbers() -> None:
     """7 made incarnations grow with their channel's start time (a 6's are random, which a 7 would misorder), 8
     added Announce.num_layers (a 7 refuses its field), 9 PullRequest.hold (an 8 refuses its field), 10 the hold in
-    Announce, Done and ErrorMsg (a 9 refuses their field): each refuses the other's handshakes on the version."""
-    assert PROTOCOL_VERSION == 10
-    for older in (7, 8, 9):
-        with pytest.raises(errors.HandshakeError, match=f"protocol_version mismatch: local 10, remote {older}"):
+    Announce, Done and ErrorMsg (a 9 refuses their field), 11 ErrorCode.REPLACED_LIFE and ErrorMsg.incarnation (a 10
+    refuses the field): each refuses the other's handshakes on the version."""
+    assert PROTOCOL_VERSION == 11
+    for older in (7, 8, 9, 10):
+        with pytest.raises(errors.HandshakeError, match=f"protocol_version mismatch: local 11, remote {older}"):
             check_compatible(handshake(), msgspec.structs.replace(handshake(role="consumer"), protocol_version=older))
 
 
@@ -389,6 +390,21 @@ def test_error_messages_map_to_typed_errors_and_back(error: type[errors.NcclKVEr
     raised = wire.to_exception("prefill-0")
     assert type(raised) is error
     assert "prefill-0" in str(raised) and "req-9" in str(raised) and "detail 42" in str(raised)
+
+
+def test_a_replaced_life_refusal_names_its_incarnation_and_reads_as_a_duplicate_peer_id() -> None:
+    """replaced_life (11): a refusal of a life of the receiver's peer id, naming it in ErrorMsg.incarnation (0 for
+    other codes, bounded as every incarnation); read as DuplicatePeerIdError. A DuplicatePeerIdError raised here
+    (the loss of a peer) goes out as peer_lost: only a refusal names the receiver's own life."""
+    wire = decode(encode(Envelope("p", 1, None, ErrorMsg(None, ErrorCode.REPLACED_LIFE, "r", incarnation=5)))).body
+    assert isinstance(wire, ErrorMsg) and (wire.code, wire.incarnation) == (ErrorCode.REPLACED_LIFE, 5)
+    assert type(wire.to_exception("b")) is errors.DuplicatePeerIdError
+    assert ErrorMsg.from_exception(errors.DuplicatePeerIdError("lost")).code is ErrorCode.PEER_LOST
+    assert ErrorMsg(None, ErrorCode.PROTOCOL, "x").incarnation == 0
+    raw = msgspec.to_builtins(Envelope("p", 1, None, ErrorMsg(None, ErrorCode.REPLACED_LIFE, "r", incarnation=5)))
+    raw["body"]["incarnation"] = -1
+    with pytest.raises(errors.ProtocolError, match="malformed control frame"):
+        decode(msgspec.msgpack.encode(raw))
 
 
 def test_untyped_errors_become_internal_and_long_text_is_cut() -> None:
