@@ -35,7 +35,7 @@ import zmq
 
 from ._auth import FrameGate, HandshakeWatch, ZapGuard, configure_curve_client
 from ._clock import ActiveClock
-from ._peers import MAX_LOST_PEERS, Counters, LossKind, PeerTable
+from ._peers import MAX_LOST_PEERS, Budget, Counters, LossKind, PeerTable
 from .auth import ChannelAuth
 from .errors import ProtocolError, TransferTimeout
 from .protocol import MAX_TEXT_CHARS, Bye, Envelope, ErrorCode, ErrorMsg, Handshake, Heartbeat, Reset, encode
@@ -50,6 +50,8 @@ _MAX_SOCKETS = 8192  # ZMQ's default, 1023, held ~1000 peers; the descriptor lim
 _REPLACED_WHY = (": a late frame of a dead process, or two live processes share the peer id (each engine needs an "
                  "engine_id of its own)")  # the end of a refusal of a replaced life's frame (see IoLoop._handle)
 _BYE_LINGER_MS = 200  # on close: how long the Byes (and frames queued before them) may take to leave
+# ERROR lines about two live processes under one peer id: each flip between them would log one, and fail requests
+_DUPLICATE_LOGS_PER_S, _DUPLICATE_LOG_BURST = 0.1, 3.0
 
 # kind, peer id, address (a reconnect's: with the one it moved from) / frame / flush event, server key
 _Command = tuple[str, str, str | tuple[str, str] | bytes | threading.Event, bytes | None]
@@ -121,6 +123,12 @@ class IoLoop:
         self._reset_due: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self._hb_seq = 0
         self.address = ""
+        # Peer ids whose routing id on our ROUTER a replaced life holds (ZMQ gives it to the connection made last):
+        # a refused frame of that life came on it. Its plain frames there (no incarnation: requests, replies, a
+        # Reset, a Bye) are that life's, never the live one's, and are refused too, until a life not replaced
+        # greets on it (every channel's new path starts with a heartbeat naming its life). Oldest first, bounded.
+        self._held_by_replaced: OrderedDict[str, int] = OrderedDict()
+        self._duplicate_logs = Budget(_DUPLICATE_LOGS_PER_S, _DUPLICATE_LOG_BURST)
         self._thread = threading.Thread(target=self._run, name=f"ncclkv-channel-io[{peer_id}]", daemon=True)
 
     # -- called from other threads -------------------------------------------------
@@ -463,7 +471,17 @@ class IoLoop:
         sender, body = envelope.sender, envelope.body
         # Each life of a peer id starts every path to us with a heartbeat naming it (see _greet).
         incarnation = body.incarnation if isinstance(body, Heartbeat | Handshake) else 0
+        on_route = routing_id is not None  # on our ROUTER: under the sender's own id (FrameGate.admit checks it)
+        held = self._held_by_replaced.get(sender) if on_route and self._held_by_replaced else None
+        if held is not None and not incarnation:  # the replaced life's plain frame: refused too (see __init__)
+            if not isinstance(body, ErrorMsg):  # never answer an error with one
+                self._gate.reject(sock, routing_id, origin, ProtocolError(
+                    f"{sender!r} incarnation {held:#x} was replaced (its frames on this connection are refused)"
+                    f"{_REPLACED_WHY}"), code=ErrorCode.REPLACED_LIFE, incarnation=held)
+            return
         current = self._peers.replaced_life(sender, incarnation) if incarnation else None
+        if held is not None and current is None:  # a life not replaced took the routing id back
+            del self._held_by_replaced[sender]
         if current is not None:  # refused, answered: a second process under the id hears why (replaced_life, naming it)
             at = self._address(sender) if current else None
             by = (f"by {current:#x}, which speaks under that id now{'' if at is None else f' from {at!r}'}" if current
@@ -474,6 +492,8 @@ class IoLoop:
                 # id away from (none heard at the new address yet) is still ours, the move may be what is wrong.
                 code=ErrorCode.REPLACED_LIFE if current else ErrorCode.PROTOCOL,
                 incarnation=incarnation if current else 0)
+            if current:
+                self._replaced_heard(sender, incarnation, current, body, on_route)
             return
         said = self._peers.said_at(sender) if incarnation else ""  # where the life it may replace said it is
         replaced = self._peers.heard(sender, self._clock.now(), incarnation)
@@ -531,6 +551,37 @@ class IoLoop:
             return
         self._counters.received += 1
         self._deliver(envelope)
+
+    def _replaced_heard(self, peer_id: str, incarnation: int, current: int, body: Heartbeat | Handshake,
+                        on_route: bool) -> None:
+        """A frame of ``peer_id``'s life ``incarnation``, which ``current`` replaced, was refused. Heard more than a
+        heartbeat interval after that, while ``current`` is alive, it is no late frame of a dead process: two live
+        processes use the peer id. Logged at ERROR (rate-limited), naming both lives and where each is; if it came
+        on our ROUTER under the id, ZMQ gave it our route for the id: what we send the id goes to it, so the id is
+        lost as a duplicate (DuplicatePeerIdError on what waited, and on our requests until a life not replaced
+        greets us again). Its plain frames on that route are refused from then on (also while the id is lost:
+        else the first one would make the replaced life the id's again)."""
+        since = self._peers.replaced_for(peer_id, self._clock.now())
+        if since is not None and since <= self._heartbeat_s:  # may be a late frame of a dead one, just replaced
+            return
+        if on_route:
+            self._held_by_replaced.pop(peer_id, None)
+            self._held_by_replaced[peer_id] = incarnation
+            while len(self._held_by_replaced) > MAX_LOST_PEERS:
+                self._held_by_replaced.popitem(last=False)
+        if since is None:  # the live one is lost (or was never heard since a move): nothing to tell apart now
+            return
+        where = body.control_addr if isinstance(body, Handshake) else None
+        live_at = self._address(peer_id)
+        why = (f"two live processes use the peer id {peer_id!r} (each engine needs an engine_id of its own): "
+               f"incarnation {incarnation:#x}{'' if where is None else f' at {where!r}'}, which {current:#x}"
+               f"{'' if live_at is None else f' at {live_at!r}'} replaced {since:.1f}s ago, is heard again")
+        link = self._links.get(peer_id)
+        if on_route and link is not None and link.dealer is None:  # our path to the id leads to the replaced one
+            self._declare_lost(peer_id, f"{why}, and took our route to the peer id: what we send it goes there",
+                               "duplicate")
+        elif self._duplicate_logs.take(time.monotonic()):
+            log.error("channel %r: %s; its frames are refused", self._peer_id, why)
 
     def _duplicate(self, peer_id: str, refusal: str) -> str:
         """Why ``peer_id`` is lost: its ``refusal`` (``replaced_life``, naming this life) says another live process
@@ -615,6 +666,8 @@ class IoLoop:
         self._drop_link(peer_id)
         self._counters.peers_lost += 1
         level = {"closed": logging.INFO, "duplicate": logging.ERROR}.get(kind, logging.WARNING)  # duplicate: a config mistake
+        if kind == "duplicate" and not self._duplicate_logs.take(time.monotonic()):
+            level = logging.WARNING  # rate-limited: each flip between the two processes loses it once more
         log.log(level, "channel %r: peer %r lost: %s", self._peer_id, peer_id, reason)
         incarnation = self._peers.incarnation(peer_id)
         if kind in ("closed", "duplicate"):  # gone on purpose, or it holds nothing of ours: nothing to reset

@@ -105,6 +105,9 @@ class _PeerState:
     # The lives among ``replaced`` a move back took as they are again: not refused while no life is heard at the
     # address; once one is, they are lives it replaced again (one of them is the one heard, or restarted there).
     taken_back: tuple[int, ...] = ()
+    # The clock when ``incarnation`` replaced the life before it (None: it replaced none); kept over a loss, as
+    # ``replaced`` is: how long a replaced life heard again has been replaced (see replaced_for).
+    replaced_at: float | None = None
 
 
 class PeerTable:
@@ -166,8 +169,13 @@ class PeerTable:
             state = self._states.get(peer_id)
             if state is None or state.lost:
                 # Where the lives it was moved away from were is kept: a move back there takes them (see renew).
-                self._states[peer_id] = _PeerState(last_heard=now, last_echo=now, incarnation=incarnation,
-                                                   moved_from=() if state is None else state.moved_from)
+                # So are the lives it replaced: a loss (of the live one, gone silent) does not make them restarts
+                # (before, the replaced one of two processes under the id, heard next, was taken as the id's).
+                self._states[peer_id] = _PeerState(
+                    last_heard=now, last_echo=now, incarnation=incarnation,
+                    moved_from=() if state is None else state.moved_from,
+                    replaced=() if state is None else tuple(life for life in state.replaced if life != incarnation),
+                    replaced_at=None if state is None else state.replaced_at)
                 self._lost.pop(peer_id, None)
                 return 0
             state.last_heard = max(state.last_heard, now)
@@ -181,6 +189,7 @@ class PeerTable:
                 state.last_echo = max(state.last_echo, now)
                 state.rtt_s = None
                 state.replaced = (*state.replaced, replaced)[-_REPLACED_KEPT:]
+                state.replaced_at = now
             state.said_at = ""  # the earlier life's: the new one is where its own handshake says
             return replaced
 
@@ -190,14 +199,24 @@ class PeerTable:
         since (then 0); else None. Such a frame is a late one of a dead life, or comes from a second live process
         under the peer id (the earlier one, still running on its connection to us): taken as a restart, it would
         lose the live one (and the next frame of that one the other again). A smaller incarnation never heard is
-        still a restart: it may be a later life on a host whose clock is behind."""
+        still a restart: it may be a later life on a host whose clock is behind. Also while the peer id is lost,
+        if a later life was heard: the replaced one is no restart of it either."""
         with self._lock:
             state = self._states.get(peer_id)
-            if (state is None or state.lost or not incarnation or incarnation not in state.replaced
+            if (state is None or not incarnation or incarnation not in state.replaced
                     or (state.incarnation and incarnation >= state.incarnation)
-                    or (not state.incarnation and incarnation in state.taken_back)):
+                    or (not state.incarnation and (state.lost or incarnation in state.taken_back))):
                 return None
             return state.incarnation
+
+    def replaced_for(self, peer_id: str, now: float) -> float | None:
+        """How long the live life of ``peer_id`` has replaced the one before it, by ``now``; None when the peer id
+        is lost, unknown, or its life replaced none."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            if state is None or state.lost or state.replaced_at is None:
+                return None
+            return now - state.replaced_at
 
     def renew(self, peer_id: str, now: float, moved_from: str = "", address: str = "") -> None:
         """Start ``peer_id`` over, alive from ``now`` with no incarnation known (connected at a new address:

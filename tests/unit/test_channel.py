@@ -1468,3 +1468,59 @@ def test_a_refusal_of_our_life_is_told_by_its_code_and_the_incarnation_it_names_
         wait_until(lambda: len(lost) == 1, WAIT_S)
     assert lost[0][0] == "B" and isinstance(lost[0][1], errors.DuplicatePeerIdError), lost
     assert f"two live processes use the peer id 'A': this one, incarnation {a.incarnation:#x}" in str(lost[0][1])
+
+
+def test_the_peer_both_processes_under_one_id_reach_loses_the_id_as_a_duplicate_and_takes_nothing_of_the_replaced_one(
+        make_channel: Callable[..., Channel], caplog: pytest.LogCaptureFixture) -> None:
+    """Two live processes under one peer id 'A' reach B; B took the later one, A2, for a restart of A1. A1, having
+    lost B for silence, connects again and takes B's route for 'A' (ZMQ gives it to the connection made last):
+    what B sends 'A' goes to A1. Before, B refused A1's heartbeat but took its plain frames that followed on that
+    route as the id's: A1's Reset dropped B's handshake with A2 (PeerResetError), A1's request reached B's handler
+    as from 'A', and once B lost the id (its sends failed when A1 went) it forgot that A1 was replaced: A1's next
+    greeting was taken as the id's life, B's requests to 'A' went to A1, and A2's next one 'restarted' it again,
+    B flipping between them and never saying why above WARNING. Now B loses 'A' at once with DuplicatePeerIdError
+    (logged at ERROR, naming both lives and where A2 is), its requests to 'A' fail so, A1's plain frames there are
+    refused, and A1 stays refused after the loss."""
+    caplog.set_level(logging.INFO, logger="ncclkv")
+    lost_by_b: list[errors.PeerLostError] = []
+    lost_by_a1: list[errors.PeerLostError] = []
+    to_b: list[str] = []
+
+    def b_handles(sender: str, body: Message) -> Message | None:
+        if isinstance(body, Ready):
+            to_b.append(body.request_id)
+        return ack_ready(sender, body)
+
+    b = make_channel("B", on_message=b_handles, on_peer_lost=lambda p, e: lost_by_b.append(e), heartbeat_s=0.05,
+                     deadline_s=30.0)
+    a1 = make_channel("A", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_a1.append(e), heartbeat_s=0.05,
+                      deadline_s=0.5)
+    wait_until(lambda: time.time_ns() // 1_000_000 > a1.incarnation >> INCARNATION_RANDOM_BITS, WAIT_S)
+    a2 = make_channel("A", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
+    a1.connect("B", b.address)
+    assert a1.request("B", Ready("from A1"), timeout_s=WAIT_S) == Ack("from A1", None)
+    a2.connect("B", b.address)
+    a2.send("B", Handshake.create("A-engine", "consumer", 0, ParallelLayout(1, 1), KVGeometry(2, 2, 64), a2.address,
+                                  "h:2", incarnation=a2.incarnation))
+    assert a2.request("B", Ready("from A2"), timeout_s=WAIT_S) == Ack("from A2", None)
+    assert b.request("A", Ready("to A2"), timeout_s=WAIT_S) == Ack("to A2", None)
+    assert len(lost_by_b) == 1 and type(lost_by_b[0]) is errors.PeerResetError  # A2 taken for A1's restart
+    wait_until(lambda: len(lost_by_a1) == 1, WAIT_S)  # A1 hears nothing of B any more
+    a1.connect("B", b.address)  # greeting, Reset (it had lost B), request: on the route it takes
+    with pytest.raises(errors.DuplicatePeerIdError):
+        a1.request("B", Ready("from A1 again"), timeout_s=WAIT_S)
+    wait_until(lambda: len(lost_by_b) >= 2, WAIT_S)
+    assert [type(e) for e in lost_by_b[1:]] == [errors.DuplicatePeerIdError], lost_by_b  # before: A1's Reset's
+    text = str(lost_by_b[1])
+    assert "two live processes use the peer id 'A'" in text and f"incarnation {a1.incarnation:#x}" in text, text
+    assert f"{a2.incarnation:#x} at {a2.address!r} replaced" in text, text
+    errors_logged = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "channel 'B'" in
+                     r.getMessage()]
+    assert errors_logged and "two live processes use the peer id 'A'" in errors_logged[0], errors_logged
+    with pytest.raises(errors.DuplicatePeerIdError, match="two live processes use the peer id 'A'"):
+        b.request("A", Ready("to A"), timeout_s=WAIT_S)  # before: sent on the route A1 holds
+    a1.connect("B", b.address)  # again: B still knows A1 was replaced
+    with pytest.raises(errors.DuplicatePeerIdError):
+        a1.request("B", Ready("from A1 a third time"), timeout_s=WAIT_S)
+    assert to_b == ["from A1", "from A2"], to_b  # before: A1's later requests reached B's handler as from 'A'
+    assert b.peer_incarnation("A") == a2.incarnation  # before: A1's, taken again once B had lost the id
