@@ -395,6 +395,14 @@ def _own_free_port(addr: str, launcher: str, derived_from: str | None = None) ->
                          f"its own rendezvous store there: {advice}") from None
 
 
+def _master_port(env: Mapping[str, str]) -> int:
+    """MASTER_PORT (set), checked to be a TCP port: every launcher's, a lone process's included."""
+    port = _int_var(env, "MASTER_PORT")
+    if not 0 < port < 65536:
+        raise ValueError(f"MASTER_PORT={port} is not a TCP port")
+    return port
+
+
 def _master(env: Mapping[str, str], launcher: str, rank: int, world_size: int, local_size: int | None,
             local_size_name: str) -> tuple[str, int]:
     addr = env.get("MASTER_ADDR")
@@ -417,10 +425,7 @@ def _master(env: Mapping[str, str], launcher: str, rank: int, world_size: int, l
                 f"and MASTER_ADDR is not set"
             )
     if env.get("MASTER_PORT"):
-        port = _int_var(env, "MASTER_PORT")
-        if not 0 < port < 65536:
-            raise ValueError(f"MASTER_PORT={port} is not a TCP port")
-        return addr, port
+        return addr, _master_port(env)
     if world_size == 1:
         derived = None if env.get("MASTER_ADDR") else (
             "derived from the Slurm node list" if launcher == "slurm" else "derived: every rank runs on this node")
@@ -441,7 +446,7 @@ def discover(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     launcher = _detect(env)
     if launcher == "single":
         addr = env.get("MASTER_ADDR") or "127.0.0.1"
-        port = _int_var(env, "MASTER_PORT") if env.get("MASTER_PORT") else _own_free_port(addr, "single")
+        port = _master_port(env) if env.get("MASTER_PORT") else _own_free_port(addr, "single")
         return LaunchInfo("single", 0, 1, 0, 1, addr, port)
 
     rank_var, size_var, local_var, local_size_var = _VARS[launcher]

@@ -282,6 +282,9 @@ def test_innermost_launcher_wins() -> None:
         ({k: v for k, v in TORCHRUN.items() if k != "LOCAL_RANK"}, ["LOCAL_RANK"]),
         ({**TORCHRUN, "WORLD_SIZE": "eight"}, ["WORLD_SIZE='eight'"]),
         ({**TORCHRUN, "MASTER_PORT": "70000"}, ["MASTER_PORT=70000"]),
+        # No launcher (one process): its MASTER_PORT was taken as given, 70000 and 0 included.
+        ({"MASTER_PORT": "70000"}, ["MASTER_PORT=70000", "not a TCP port"]),
+        ({"MASTER_PORT": "0"}, ["MASTER_PORT=0", "not a TCP port"]),
         ({**OPENMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, ["MASTER_ADDR"]),
         ({"RANK": "0", "WORLD_SIZE": "2"}, ["MASTER_PORT"]),
         ({**MPICH, "MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "5"}, ["local size 5", "PMI_SIZE=3"]),
