@@ -49,8 +49,9 @@ def _checked_run(parser: argparse.ArgumentParser, args: argparse.Namespace,
     values when the launcher variables, an NCCLKV_* value, the P/D options or the kind's options are wrong."""
     try:
         info = discover()
+        settings = env_settings()  # checks every NCCLKV_* value, before anything connects (--deadline given or not)
         if args.deadline is None:
-            args.deadline = env_settings().deadline_s  # checks every NCCLKV_* value, before anything connects
+            args.deadline = settings.deadline_s
         checked_topology(args, info)  # every kind's P/D options, whatever the kind makes of them
         return info, module.check(args, info)
     except ValueError as exc:

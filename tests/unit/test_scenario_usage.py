@@ -53,6 +53,12 @@ def use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
     # --kill-at without --kill-rank was ignored: nothing injected, and the run passed as if it had been.
     (2, ["--kind", "ring", "--kill-at", "2"], {}, "--kill-at 2 needs --kill-rank"),
     (2, ["--kind", "ring"], {"NCCLKV_COPY_THREADS": "99"}, "NCCLKV_COPY_THREADS='99' must be <= 16"),
+    # With --deadline and --bind-host given (the launch scripts pass --bind-host auto) nothing read NCCLKV_* before
+    # the run: rank 0 hosted the store, then its data plane raised (a traceback, exit 1), the others exit 3.
+    (2, ["--kind", "ring", "--deadline", "5", "--bind-host", "auto"],
+     {"NCCLKV_COPY_THREADS": "99", "GLOO_SOCKET_IFNAME": None}, "NCCLKV_COPY_THREADS='99' must be <= 16"),
+    (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1", "--deadline", "5", "--bind-host", "127.0.0.1"],
+     {"NCCLKV_PAGED_KERNEL": "fast"}, "NCCLKV_PAGED_KERNEL='fast' must be one of native, torch"),
     (2, ["--kind", "ring"], {"MASTER_PORT": None}, "env job of world_size=2 needs MASTER_PORT"),
     # 192.0.2.0/24 is TEST-NET-1: no host's own address. It ended as OSError [Errno 99] in the data plane.
     (2, ["--kind", "ring", "--bind-host", "192.0.2.7"], {}, "--bind-host '192.0.2.7' is not an address of this host"),
