@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .._timeout import MAX_TIMEOUT_S, check_timeout
+from ..auth import load_channel_auth
 from ..engine import EngineConfig, EngineRef, TransferEngine
 from ..errors import TransferTimeout
 from ..launch import LaunchInfo
@@ -321,6 +322,10 @@ def check(args: argparse.Namespace, info: LaunchInfo) -> TransferRun:
         except ValueError as exc:
             raise ValueError(f"--{side}-tp {layout.tp_size} --{side}-pp {layout.pp_size}: {exc}") from None
     check_kill(cfg, topology, info.world_size)
+    try:  # what every engine's EngineConfig loads, once the store is up: a bad value is a usage error here
+        load_channel_auth()
+    except ValueError as exc:
+        raise ValueError(f"NCCLKV_SHARED_SECRET* / NCCLKV_CURVE_*: {exc}") from None
     return TransferRun(topology, cfg, resolve_device(args.device, info), resolve_bind_host(args.bind_host, info),
                        args.json_out)
 

@@ -59,6 +59,12 @@ def use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
      {"NCCLKV_COPY_THREADS": "99", "GLOO_SOCKET_IFNAME": None}, "NCCLKV_COPY_THREADS='99' must be <= 16"),
     (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1", "--deadline", "5", "--bind-host", "127.0.0.1"],
      {"NCCLKV_PAGED_KERNEL": "fast"}, "NCCLKV_PAGED_KERNEL='fast' must be one of native, torch"),
+    # The engines' channel authentication was first read by EngineConfig, once rank 0 hosted the store: a traceback
+    # and exit 1 on every rank, naming ChannelAuth.shared_secret, no variable.
+    (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1"], {"NCCLKV_SHARED_SECRET": "tooshort"},
+     "NCCLKV_SHARED_SECRET* / NCCLKV_CURVE_*: ChannelAuth.shared_secret has 8 bytes; use at least 32"),
+    (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1"], {"NCCLKV_CURVE_SECRET_FILE": "/nonexistent/k"},
+     "NCCLKV_SHARED_SECRET* / NCCLKV_CURVE_*: "),
     (2, ["--kind", "ring"], {"MASTER_PORT": None}, "env job of world_size=2 needs MASTER_PORT"),
     # 192.0.2.0/24 is TEST-NET-1: no host's own address. It ended as OSError [Errno 99] in the data plane.
     (2, ["--kind", "ring", "--bind-host", "192.0.2.7"], {}, "--bind-host '192.0.2.7' is not an address of this host"),
