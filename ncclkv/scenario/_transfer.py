@@ -36,8 +36,8 @@ from ._registry import ScenarioError, report
 from ._rendezvous import StoreRendezvous
 from ._topology import PDTopology, RankPlace
 
-__all__ = ["HELP", "TransferConfig", "TransferRun", "add_arguments", "check", "check_kill", "config_from_args",
-           "pair_of", "run", "summary_json", "transfer_on_rank"]
+__all__ = ["HELP", "TransferConfig", "TransferRun", "add_arguments", "check", "check_json_out", "check_kill",
+           "config_from_args", "pair_of", "run", "summary_json", "transfer_on_rank"]
 
 HELP = "prefill engines send KV to decode engines (pull or push), checked byte-exact on every decode rank"
 PRODUCER_LAYOUT, PRODUCER_BLOCK = CacheLayout.CPU, 16
@@ -285,6 +285,18 @@ def check_kill(cfg: TransferConfig, topology: PDTopology, world_size: int) -> No
         raise ValueError(f"--kill-rank {rank}: prefill[{instance}] pushes none of the {len(cfg.tokens)} requests")
 
 
+def check_json_out(path: str | None, rank: int) -> None:
+    """Rank 0 writes ``--json-out`` once every rank has finished: a path it cannot write is refused before the run
+    (ValueError naming it), not found after it. Other ranks write nothing (their nodes may lack the folder)."""
+    if path is None or rank != 0:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--json-out {path!r}: no folder {folder} to write it into")
+    if os.path.isdir(path) or not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise ValueError(f"--json-out {path!r}: not a file rank 0 can write")
+
+
 def config_from_args(args: argparse.Namespace) -> TransferConfig:
     """The requests and the geometry the options describe (ValueError naming the values)."""
     requests = sized(args, "requests", _SIZES[0], _SMALL_SIZES[0])
@@ -322,6 +334,7 @@ def check(args: argparse.Namespace, info: LaunchInfo) -> TransferRun:
         except ValueError as exc:
             raise ValueError(f"--{side}-tp {layout.tp_size} --{side}-pp {layout.pp_size}: {exc}") from None
     check_kill(cfg, topology, info.world_size)
+    check_json_out(args.json_out, info.rank)
     try:  # what every engine's EngineConfig loads, once the store is up: a bad value is a usage error here
         load_channel_auth()
     except ValueError as exc:

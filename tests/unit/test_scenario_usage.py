@@ -65,6 +65,12 @@ def use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
      "NCCLKV_SHARED_SECRET* / NCCLKV_CURVE_*: ChannelAuth.shared_secret has 8 bytes; use at least 32"),
     (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1"], {"NCCLKV_CURVE_SECRET_FILE": "/nonexistent/k"},
      "NCCLKV_SHARED_SECRET* / NCCLKV_CURVE_*: "),
+    # Rank 0 wrote the summary once every rank had finished: a folder that is not there cost the whole run, then a
+    # traceback and exit 1 on rank 0 alone.
+    (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1", "--json-out", "/nonexistent-ncclkv/summary.json"],
+     {}, "--json-out '/nonexistent-ncclkv/summary.json': no folder /nonexistent-ncclkv to write it into"),
+    (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1", "--json-out", "/"], {},
+     "--json-out '/': not a file rank 0 can write"),
     (2, ["--kind", "ring"], {"MASTER_PORT": None}, "env job of world_size=2 needs MASTER_PORT"),
     # 192.0.2.0/24 is TEST-NET-1: no host's own address. It ended as OSError [Errno 99] in the data plane.
     (2, ["--kind", "ring", "--bind-host", "192.0.2.7"], {}, "--bind-host '192.0.2.7' is not an address of this host"),
