@@ -60,11 +60,13 @@ class LaunchInfo:
     # wrote there is still there in the next one: keys must carry the attempt (StoreRendezvous does).
     attempt: int = 0
     # Slurm's SLURM_STEP_ID (0 elsewhere): steps of one job given the same MASTER_PORT keep their keys apart.
+    # Under another launcher whose MASTER_PORT was derived from the Slurm job (none exported), that step's.
     step_id: int = 0
-    # Slurm's SLURM_JOB_ID; under Open MPI its PMIx namespace (PMIX_NAMESPACE, one per mpiexec run); None elsewhere:
-    # in the rendezvous keys and the identity the hosting rank publishes, so that a rank of another job or run that
-    # meets this job's store (derived ports collide; two mpiexec runs of one batch script derive one) is refused
-    # at once.
+    # Slurm's SLURM_JOB_ID; under Open MPI its PMIx namespace (PMIX_NAMESPACE, one per mpiexec run); under another
+    # launcher (or Open MPI without a namespace) whose MASTER_PORT was derived from the Slurm job, that job's id;
+    # None elsewhere: in the rendezvous keys and the identity the hosting rank publishes, so that a rank of another
+    # job or run that meets this job's store (derived ports collide; two mpiexec runs of one batch script derive
+    # one) is refused at once.
     job_id: str | None = None
 
     @property
@@ -509,5 +511,10 @@ def discover(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     job_id = str(_int_var(env, "SLURM_JOB_ID")) if launcher == "slurm" and env.get("SLURM_JOB_ID") else None
     if launcher == "openmpi":  # every mpiexec run its own, shared by its ranks: runs on one port tell each other apart
         job_id = env.get("PMIX_NAMESPACE") or None
+    if job_id is None and launcher != "slurm" and world_size > 1 and not env.get("MASTER_PORT") and env.get(
+            "SLURM_JOB_ID"):
+        # The port was derived from the Slurm job and step (_master): so is the identity, or a rank of a job whose
+        # derived port collides (J and J+12000) would join this job's store as one of its own.
+        job_id, step_id = str(_int_var(env, "SLURM_JOB_ID")), _slurm_step_id(env)
     return LaunchInfo(launcher, rank, world_size, local_rank, local_size, addr, port, store_hosted, gpus_per_task,
                       attempt, step_id, job_id)

@@ -198,6 +198,48 @@ def test_two_mpiexec_runs_on_one_port_are_refused_not_mixed() -> None:
     assert results == {0: ["a0", "a1"], 1: ["a0", "a1"]}
 
 
+def hydra_rank(rank: int, job: int, world: int = 2) -> dict[str, str]:
+    """Rank ``rank`` of MPICH's ``mpiexec -n world`` (Hydra) started by a one-node batch script of job ``job``."""
+    return {**BATCH_STEP, "SLURM_JOB_ID": str(job), "PMI_RANK": str(rank), "PMI_SIZE": str(world),
+            "MPI_LOCALRANKID": str(rank), "MPI_LOCALNRANKS": str(world)}
+
+
+@pytest.mark.parametrize("launcher", ["mpich", "env"])
+def test_other_launchers_of_jobs_whose_derived_ports_collide_are_refused_not_mixed(launcher: str) -> None:
+    """Jobs 5000 and 17000 derive one MASTER_PORT from SLURM_JOB_ID under Hydra's mpiexec or hand-placed RANK and
+    WORLD_SIZE too, but their identity carried no job ('mpich no job id world_size 2'): job 17000's rank 1 met job
+    5000's store and joined its exchange."""
+    def rank_env(rank: int, job: int) -> dict[str, str]:
+        if launcher == "mpich":
+            return hydra_rank(rank, job)
+        return {**BATCH_STEP, "SLURM_JOB_ID": str(job), "RANK": str(rank), "WORLD_SIZE": "2"}
+
+    first, second = discover(rank_env(0, 5000)), discover(rank_env(1, 17000))
+    assert (first.launcher, first.master_port) == (launcher, second.master_port)  # derived from the job ids
+    on_port = {"master_addr": "127.0.0.1", "master_port": free_port()}
+    host = StoreRendezvous(LaunchInfo(**{**_fields(first), **on_port}), prefix="p", deadline_s=WAIT_S)
+    with pytest.raises(ForeignStoreError) as err:
+        StoreRendezvous(LaunchInfo(**{**_fields(second), **on_port}), prefix="p", deadline_s=WAIT_S)
+    text = str(err.value)
+    assert f"{launcher} job 5000 step 0" in text and f"{launcher} job 17000 step 0" in text, text
+    # Job 5000 is untouched: its own rank 1 joins, and both finish.
+    own = discover(rank_env(1, 5000))
+    results: dict[int, list[str]] = {}
+    thread = threading.Thread(target=lambda: (results.setdefault(0, host.exchange("a0")), host.finish()))
+    thread.start()
+    peer = StoreRendezvous(LaunchInfo(**{**_fields(own), **on_port}), prefix="p", deadline_s=WAIT_S)
+    results[1] = peer.exchange("a1")
+    peer.finish()
+    thread.join(WAIT_S)
+    assert results == {0: ["a0", "a1"], 1: ["a0", "a1"]}
+
+
+def test_an_exported_master_port_keeps_other_launchers_without_a_job() -> None:
+    """Ranks given MASTER_PORT may run where no Slurm variable is (ssh to another node): no job in the identity."""
+    info = discover({**hydra_rank(1, 5000), "MASTER_PORT": "29500"})
+    assert (info.launcher, info.job_id, info.step_id) == ("mpich", None, 0)
+
+
 _LAUNCHER_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_",
                       "MASTER_ADDR", "MASTER_PORT", "OMPI_", "PMI", "MPI_LOCAL", "SLURM", "NCCLKV_", "GLOO_")
 
