@@ -139,7 +139,10 @@ def _raise_bad_token(token_ids: object, what: str) -> None:
     for index, token in enumerate(token_ids):
         if _is_boolean(token) or not hasattr(token, "__index__"):
             raise TypeError(f"{what}[{index}] must be an int, got {type(token).__name__} {token!r}")
-        value = token.__index__()
+        try:
+            value = token.__index__()
+        except TypeError:  # an __index__ that refuses (a float or multi-element tensor): no int either
+            raise TypeError(f"{what}[{index}] must be an int, got {type(token).__name__} {token!r}") from None
         if not 0 <= value < 2**64:
             raise ValueError(f"{what}[{index}]={value} is not a token id in [0, 2**64)")
 

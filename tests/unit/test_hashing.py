@@ -224,6 +224,9 @@ def test_block_hash_value() -> None:
         (2, [1, 2.0], None, TypeError, r"token_ids\[1\] must be an int, got float 2.0"),
         (2, [True, 1], None, TypeError, r"token_ids\[0\] must be an int, got bool True"),
         (2, [1, torch.tensor(True)], None, TypeError, r"token_ids\[1\] must be an int, got Tensor"),
+        # __index__ present but refusing (a float or multi-element tensor): named like any other non-int
+        (2, [1, torch.tensor(1.5)], None, TypeError, r"token_ids\[1\] must be an int, got Tensor"),
+        (2, [torch.tensor([1, 2]), 1], None, TypeError, r"token_ids\[0\] must be an int, got Tensor"),
         (2, [np.bool_(True), 1], None, TypeError, r"token_ids\[0\] must be an int, got bool"),
         (2, [1, None], None, TypeError, r"token_ids\[1\] must be an int, got NoneType"),
         (2, "abc", None, TypeError, "got str"),
