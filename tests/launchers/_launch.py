@@ -66,19 +66,28 @@ def sbatch_wait(script: Sequence[str], *, env: dict[str, str], out: Path) -> tup
     return done, out.read_text() if out.exists() else "(no job output)"
 
 
-def unused_port() -> int:
-    """A free TCP port below the kernel's ephemeral range, so no outgoing connection or bind(0) takes it meanwhile."""
-    low = 32768
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
-        low = int(ports.read().split()[0])
-    for port in random.sample(range(20000, min(low, 32768)), 64):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port found below the ephemeral range")
+def unused_port(port_range: tuple[int, int] | None = None) -> int:
+    """A free TCP port outside the kernel's ephemeral range, so no outgoing connection or bind(0) takes it meanwhile:
+    one from 20000 up to the range's start, else one above its end; a port bind(0) gives where the range leaves
+    neither (1024-65535). ``port_range``: that range, (low, high); default: the kernel's
+    (/proc/sys/net/ipv4/ip_local_port_range)."""
+    if port_range is None:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            low, high = (int(text) for text in ports.read().split()[:2])
+    else:
+        low, high = port_range
+    # A container's range often starts at 1024 (or below 20000 + 64): nothing below it, then above it.
+    for candidates in (range(20000, min(low, 32768)), range(high + 1, 65536)):
+        for port in random.sample(candidates, min(64, len(candidates))):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def child_env(**extra: str) -> dict[str, str]:
