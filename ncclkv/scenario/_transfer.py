@@ -293,7 +293,9 @@ def check_json_out(path: str | None, rank: int) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"--json-out {path!r}: no folder {folder} to write it into")
-    if os.path.isdir(path) or not os.access(path if os.path.exists(path) else folder, os.W_OK):
+    # A trailing slash names a folder (abspath drops it): open() refuses it even where none is there.
+    if path.endswith(os.sep) or os.path.isdir(path) or not os.access(path if os.path.exists(path) else folder,
+                                                                        os.W_OK):
         raise ValueError(f"--json-out {path!r}: not a file rank 0 can write")
 
 

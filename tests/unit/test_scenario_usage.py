@@ -71,6 +71,12 @@ def use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
      {}, "--json-out '/nonexistent-ncclkv/summary.json': no folder /nonexistent-ncclkv to write it into"),
     (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1", "--json-out", "/"], {},
      "--json-out '/': not a file rank 0 can write"),
+    # A path ending in a slash names a folder: one not there, or a file followed by a slash, passed the check (the
+    # folder above it is there), then rank 0 alone ended with IsADirectoryError and exit 1 after the whole run.
+    (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1", "--json-out", "/nonexistent-ncclkv/"], {},
+     "--json-out '/nonexistent-ncclkv/': not a file rank 0 can write"),
+    (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1", "--json-out", "/etc/passwd/"], {},
+     "--json-out '/etc/passwd/': not a file rank 0 can write"),
     (2, ["--kind", "ring"], {"MASTER_PORT": None}, "env job of world_size=2 needs MASTER_PORT"),
     # 192.0.2.0/24 is TEST-NET-1: no host's own address. It ended as OSError [Errno 99] in the data plane.
     (2, ["--kind", "ring", "--bind-host", "192.0.2.7"], {}, "--bind-host '192.0.2.7' is not an address of this host"),
