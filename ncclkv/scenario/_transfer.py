@@ -290,6 +290,8 @@ def check_json_out(path: str | None, rank: int) -> None:
     (ValueError naming it), not found after it. Other ranks write nothing (their nodes may lack the folder)."""
     if path is None or rank != 0:
         return
+    if not path:  # else the folder above the working directory would be checked, and nothing written
+        raise ValueError("--json-out '': names no file")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"--json-out {path!r}: no folder {folder} to write it into")

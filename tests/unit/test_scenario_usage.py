@@ -77,6 +77,10 @@ def use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
      "--json-out '/nonexistent-ncclkv/': not a file rank 0 can write"),
     (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1", "--json-out", "/etc/passwd/"], {},
      "--json-out '/etc/passwd/': not a file rank 0 can write"),
+    # An empty path: the folder above the working directory was checked (refused or not by where the run
+    # started), and then nothing written.
+    (2, ["--kind", "transfer", "--prefill", "1", "--decode", "1", "--json-out", ""], {},
+     "--json-out '': names no file"),
     (2, ["--kind", "ring"], {"MASTER_PORT": None}, "env job of world_size=2 needs MASTER_PORT"),
     # 192.0.2.0/24 is TEST-NET-1: no host's own address. It ended as OSError [Errno 99] in the data plane.
     (2, ["--kind", "ring", "--bind-host", "192.0.2.7"], {}, "--bind-host '192.0.2.7' is not an address of this host"),
