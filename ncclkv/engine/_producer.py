@@ -30,7 +30,7 @@ from .._affinity import pinned
 from ..channel import Channel
 from ..errors import (CapacityError, PeerLostError, PeerResetError, ProtocolError, ShapeMismatchError, TransferError,
                       TransferTimeout)
-from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, cached_plan
+from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, routes_between
 from ..paged import SlotMap
 from ..protocol import MAX_TEXT_CHARS, Ack, Announce, Done, ErrorCode, ErrorMsg, PullRequest, RouteMsg
 from ..transport import LinkBase
@@ -325,9 +325,11 @@ class ProducerSide:
             raise ProtocolError(f"pull from {sender!r} names engine {pull.consumer_engine_id!r} rank {pull.dst_rank}")
         routes = [Route(m.src, m.dst, *m.spans()) for m in pull.routes]
         if routes:
+            # Our plan of this one link: the whole plan's work is every consumer rank's boxes times the pull's
+            # spans (a peer declaring 4096 ranks and pulling 4096 one-token spans: 16.7 M routes), and not cached.
             tokens = SpanSet(r.tokens for r in routes)
-            want = cached_plan(self._layout, peer.remote.layout.to_layout(), self._geometry, tokens)
-            mine = [r for r in want.routes_from(self._rank) if r.dst == pull.dst_rank]
+            mine = list(routes_between(self._layout, peer.remote.layout.to_layout(), self._geometry, tokens,
+                                       self._rank, pull.dst_rank))
             if sorted(routes) != sorted(mine):
                 raise ProtocolError(
                     f"pull for {pull.request_id!r} from {sender!r} asks routes {routes} but our plan gives {mine}"

@@ -21,7 +21,7 @@ from ._roi import Roi
 from ._shard import head_blocks, shard_roi, token_set
 from ._span import Span, SpanSet
 
-__all__ = ["PlanError", "Route", "TransferPlan", "cached_plan", "plan"]
+__all__ = ["PlanError", "Route", "TransferPlan", "cached_plan", "plan", "routes_between"]
 
 
 class PlanError(ValueError):
@@ -259,6 +259,24 @@ def plan(src_layout: ParallelLayout, dst_layout: ParallelLayout, geometry: KVGeo
         routes = sorted(Route(p.src, p.dst, p.layers, p.heads, span) for p in _pieces(src_layout, dst_layout, geometry)
                         for span in tokens)
     return TransferPlan(src_layout, dst_layout, geometry, tokens, tuple(routes))
+
+
+def routes_between(src_layout: ParallelLayout, dst_layout: ParallelLayout, geometry: KVGeometry,
+                   tokens: SpanSet | int, src: int, dst: int) -> tuple[Route, ...]:
+    """The routes :func:`plan` gives the one link from source rank ``src`` to destination rank ``dst``, in its
+    order: ``[r for r in plan(...).routes_from(src) if r.dst == dst]``, without planning the other links. Its
+    work is that link's boxes times the spans of ``tokens``, where the whole plan's is every link's boxes times
+    them (a pull names one link: a peer that declares thousands of ranks and pulls many spans would otherwise
+    have the whole plan built, millions of routes). ValueError names a rank outside its layout."""
+    src_layout.check(geometry)
+    dst_layout.check(geometry)
+    for side, rank, layout in (("src", src, src_layout), ("dst", dst, dst_layout)):
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world_size:
+            raise ValueError(f"{side} rank {rank!r} outside {layout.spec()} ({layout.world_size} ranks)")
+    tokens = token_set(tokens)
+    pieces = _pieces(src_layout, dst_layout, geometry)  # sorted: a link's boxes lie together
+    link = pieces[bisect_left(pieces, (src, dst)):bisect_left(pieces, (src, dst + 1))]
+    return tuple(sorted(Route(p.src, p.dst, p.layers, p.heads, span) for p in link for span in tokens))
 
 
 @lru_cache(maxsize=256)

@@ -9,6 +9,8 @@ naming it in its offers.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from ncclkv.channel import Channel
 from ncclkv.engine import EngineConfig, EngineRef, TransferEngine
 from ncclkv.engine._producer import MAX_PARKED_PULLS_PER_PEER
 from ncclkv.errors import NcclKVError
-from ncclkv.layout import MAX_WORLD_SIZE, KVGeometry, ParallelLayout, SpanSet, plan
+from ncclkv.layout import MAX_WORLD_SIZE, KVGeometry, ParallelLayout, Route, SpanSet, plan
 from ncclkv.paged import CacheLayout
 from ncclkv.protocol import Handshake, LayoutMsg, PullRequest, PushOffer, RouteMsg
 
@@ -27,11 +29,12 @@ NONE = ChannelAuth()
 WAIT_S = 10.0
 
 
-def peer(name: str, role: str, engine: TransferEngine, layout: ParallelLayout = ONE) -> Channel:
+def peer(name: str, role: str, engine: TransferEngine, layout: ParallelLayout = ONE,
+         geometry: KVGeometry = GEOMETRY) -> Channel:
     channel = Channel(f"{name}.r0", auth=NONE, deadline_s=WAIT_S)
     target = f"{engine.config.engine_id}.r0"
     channel.connect(target, engine.address)
-    channel.request(target, Handshake.create(name, role, 0, layout, GEOMETRY, channel.address, "127.0.0.1:1",
+    channel.request(target, Handshake.create(name, role, 0, layout, geometry, channel.address, "127.0.0.1:1",
                                              session="s"), WAIT_S)
     return channel
 
@@ -80,6 +83,43 @@ def test_pulls_for_requests_not_held_are_parked_up_to_a_bound_per_peer() -> None
     finally:
         evil.close()
         honest.close()
+        producer.close()
+
+
+def test_a_pull_of_many_token_spans_is_checked_against_its_own_link_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer declaring 4096 ranks (MLA: each needs every layer of ours) pulls 64 one-token spans. The producer
+    checks the pull against the plan of that one link (one box per span); it used to plan every consumer rank for
+    every span (262,144 routes here, on the message thread that serves every peer, kept in the plan cache; 16.7 M
+    for the 4096 spans a pull may carry), to keep 64 of them."""
+    mla = KVGeometry(num_layers=2, num_kv_heads=1, head_size=8, dtype="float32", use_mla=True)
+    wide = ParallelLayout(MAX_WORLD_SIZE, 1)
+    producer = TransferEngine(EngineConfig("prefill", 0, ONE, mla, role="producer", auth=NONE, deadline_s=WAIT_S))
+    evil = peer("evil", "consumer", producer, wide, mla)
+    spans = 64
+    # What our plan gives the link to consumer rank 0: all our layers, the latent, one route per token span.
+    routes = tuple(RouteMsg(0, 0, (0, 2), (0, 1), (2 * i, 2 * i + 1)) for i in range(spans))
+    made = itertools.count()
+    checked = Route.__post_init__
+
+    def counted(route: Route) -> None:
+        next(made)
+        checked(route)
+    try:
+        monkeypatch.setattr(Route, "__post_init__", counted)
+        answer = request(evil, "prefill.r0", PullRequest("r", 0, "evil", routes, 2 * spans))
+        built = next(made)
+        monkeypatch.undo()
+        assert not isinstance(answer, NcclKVError), answer  # the pull matches our plan: parked until "r" is held
+        assert producer.num_in_flight == 1
+        # The pull's own routes, and our plan of its link: as many again.
+        assert built <= 2 * spans, f"checking a pull of {spans} routes built {built} routes"
+        # A pull that is not our plan of its link is still refused.
+        odd = RouteMsg(0, 0, (0, 1), (0, 1), (999, 1000))  # one layer of the two
+        wrong = request(evil, "prefill.r0", PullRequest("w", 0, "evil", routes[:-1] + (odd,), 1000))
+        assert isinstance(wrong, NcclKVError) and "asks routes" in str(wrong), wrong
+    finally:
+        monkeypatch.undo()
+        evil.close()
         producer.close()
 
 

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ncclkv.layout import KVGeometry, ParallelLayout, PlanError, Route, Span, SpanSet, TransferPlan, plan, shard_roi
+from ncclkv.layout import (KVGeometry, ParallelLayout, PlanError, Route, Span, SpanSet, TransferPlan, plan, routes_between,
+                           shard_roi)
 from ncclkv.layout._plan import _merge, _Piece, _pieces, _run_lengths
 from ncclkv.layout._shard import head_blocks
 
@@ -137,6 +138,35 @@ def test_plan_properties(case: tuple[ParallelLayout, ParallelLayout, KVGeometry,
     assert sum(send.values()) == sum(recv.values())
     assert sorted(sum((result.routes_from(s) for s in send), ())) == list(result.routes)
     assert sorted(sum((result.routes_to(d) for d in recv), ())) == list(result.routes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=cases(), holes=st.lists(st.integers(0, 3400), max_size=6))
+def test_routes_between_is_the_plan_of_one_link(case: tuple[ParallelLayout, ParallelLayout, KVGeometry, SpanSet],
+                                                holes: list[int]) -> None:
+    """Every (src, dst) link, PP splits and partitions, MLA, replicated heads, token sets with holes (one-token
+    holes punched too): what a producer checks a pull against is what the consumer's whole plan gave it."""
+    src, dst, geometry, tokens = case
+    tokens = tokens.difference(SpanSet([(h, h + 1) for h in holes]))
+    whole = plan(src, dst, geometry, tokens)
+    for s in range(src.world_size):
+        for d in range(dst.world_size):
+            link = routes_between(src, dst, geometry, tokens, s, d)
+            assert link == tuple(r for r in whole.routes_from(s) if r.dst == d), (s, d)
+            assert link == tuple(r for r in whole.routes_to(d) if r.src == s), (s, d)
+            assert len(link) <= len(tokens.spans)  # one box a link: its work is the pull's spans
+    count = tokens.bounds.stop  # a token count: [0, count)
+    last = src.world_size - 1, dst.world_size - 1
+    assert routes_between(src, dst, geometry, count, *last) == tuple(
+        r for r in plan(src, dst, geometry, count).routes_from(last[0]) if r.dst == last[1])
+
+
+def test_routes_between_names_a_rank_outside_its_layout() -> None:
+    for src_rank, dst_rank, match in ((2, 0, r"src rank 2 outside tp=2,pp=1 \(2 ranks\)"),
+                                      (0, 4, r"dst rank 4 outside tp=2,pp=2 \(4 ranks\)"),
+                                      (-1, 0, r"src rank -1 outside"), (0, True, r"dst rank True outside")):
+        with pytest.raises(ValueError, match=match):
+            routes_between(ParallelLayout(2, 1), ParallelLayout(2, 2), G32x8, 10, src_rank, dst_rank)
 
 
 @st.composite
