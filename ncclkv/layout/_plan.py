@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from ._geometry import KVGeometry, ParallelLayout, pp_layer_spans
 from ._roi import Roi
-from ._shard import head_blocks, shard_roi, token_set
+from ._shard import head_blocks, shard_heads, shard_roi, token_set
 from ._span import Span, SpanSet
 
 __all__ = ["PlanError", "Route", "TransferPlan", "cached_plan", "plan", "routes_between"]
@@ -274,9 +274,23 @@ def routes_between(src_layout: ParallelLayout, dst_layout: ParallelLayout, geome
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world_size:
             raise ValueError(f"{side} rank {rank!r} outside {layout.spec()} ({layout.world_size} ranks)")
     tokens = token_set(tokens)
-    pieces = _pieces(src_layout, dst_layout, geometry)  # sorted: a link's boxes lie together
-    link = pieces[bisect_left(pieces, (src, dst)):bisect_left(pieces, (src, dst + 1))]
+    link = _link_pieces(src_layout, dst_layout, geometry, src, dst)
     return tuple(sorted(Route(p.src, p.dst, p.layers, p.heads, span) for p in link for span in tokens))
+
+
+@lru_cache(maxsize=4096)
+def _link_pieces(src_layout: ParallelLayout, dst_layout: ParallelLayout, geometry: KVGeometry, src: int,
+                 dst: int) -> tuple[_Piece, ...]:
+    """The boxes of :func:`_pieces` on the link ``src -> dst`` alone, from the deal of ``src``'s holder set only:
+    a source rank holds one head block of one stage, so all its boxes come from that set's deal, one a
+    destination at most (none to merge). Work in the destination's ranks, where :func:`_pieces` costs both
+    layouts' ranks times each other; what is kept is that link's box."""
+    tp_rank, pp_rank = src_layout.coords(src)
+    stage = pp_layer_spans(geometry.num_layers, src_layout.pp_size, src_layout.layer_partition)[pp_rank]
+    block, tp_ranks = next((b, ranks) for b, ranks in head_blocks(geometry, src_layout.tp_size) if tp_rank in ranks)
+    holders = [src_layout.rank(r, pp_rank) for r in tp_ranks]
+    return tuple(p for p in _deal(_units(stage, block, _needs(dst_layout, geometry)), holders) if p.dst == dst and
+                 p.src == src)
 
 
 @lru_cache(maxsize=256)
@@ -284,15 +298,28 @@ def _pieces(src_layout: ParallelLayout, dst_layout: ParallelLayout, geometry: KV
     """The boxes (no tokens) of :func:`plan`: a function of the layouts and the geometry alone."""
     stages = pp_layer_spans(geometry.num_layers, src_layout.pp_size, src_layout.layer_partition)
     blocks = head_blocks(geometry, src_layout.tp_size)
-    needs = [shard_roi(dst_layout, geometry, d, 1) for d in range(dst_layout.world_size)]
+    needs = _needs(dst_layout, geometry)
     pieces: list[_Piece] = []
     for pp_rank, stage in enumerate(stages):
         for block, tp_ranks in blocks:
-            units = [(d, stage.intersect(need.layers), block.intersect(need.heads)) for d, need in enumerate(needs)]
-            units = [(d, layers, heads) for d, layers, heads in units if not (layers.empty or heads.empty)]
             holders = [src_layout.rank(tp_rank, pp_rank) for tp_rank in tp_ranks]
-            pieces += _deal(units, holders)
+            pieces += _deal(_units(stage, block, needs), holders)
     return tuple(_merge(pieces))
+
+
+def _needs(layout: ParallelLayout, geometry: KVGeometry) -> list[tuple[Span, Span]]:
+    """(layers, heads) of each rank's shard, in rank order (:func:`shard_roi`'s, the pipeline split computed once,
+    not once a rank)."""
+    layout.check(geometry)
+    stages = pp_layer_spans(geometry.num_layers, layout.pp_size, layout.layer_partition)
+    return [(stages[rank // layout.tp_size], shard_heads(geometry, layout.tp_size, rank % layout.tp_size))
+            for rank in range(layout.world_size)]
+
+
+def _units(stage: Span, block: Span, needs: list[tuple[Span, Span]]) -> list[tuple[int, Span, Span]]:
+    """What each destination rank needs of one source stage and head block: (dst, layers, heads), the empty left out."""
+    units = [(d, stage.intersect(layers), block.intersect(heads)) for d, (layers, heads) in enumerate(needs)]
+    return [(d, layers, heads) for d, layers, heads in units if not (layers.empty or heads.empty)]
 
 
 def _deal(units: list[tuple[int, Span, Span]], holders: list[int]) -> list[_Piece]:

@@ -10,6 +10,7 @@ naming it in its offers.
 from __future__ import annotations
 
 import itertools
+import tracemalloc
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from ncclkv.channel import Channel
 from ncclkv.engine import EngineConfig, EngineRef, TransferEngine
 from ncclkv.engine._producer import MAX_PARKED_PULLS_PER_PEER
 from ncclkv.errors import NcclKVError
-from ncclkv.layout import MAX_WORLD_SIZE, KVGeometry, ParallelLayout, Route, SpanSet, plan
+from ncclkv.layout import MAX_WORLD_SIZE, KVGeometry, ParallelLayout, Route, Span, SpanSet, plan
 from ncclkv.paged import CacheLayout
 from ncclkv.protocol import Handshake, LayoutMsg, PullRequest, PushOffer, RouteMsg
 
@@ -118,6 +119,44 @@ def test_a_pull_of_many_token_spans_is_checked_against_its_own_link_alone(monkey
         wrong = request(evil, "prefill.r0", PullRequest("w", 0, "evil", routes[:-1] + (odd,), 1000))
         assert isinstance(wrong, NcclKVError) and "asks routes" in str(wrong), wrong
     finally:
+        monkeypatch.undo()
+        evil.close()
+        producer.close()
+
+
+def test_a_pull_from_a_declared_layout_of_4096_ranks_plans_in_its_ranks_and_keeps_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of an 8 x 8 producer (64 layers, 8 kv-heads) checks one small pull from a consumer declaring 64 x 64
+    ranks. Its plan of the link deals its own holder set's boxes over the 4096 consumer ranks, once; it used to
+    plan every box of both layouts, each of its 64 stage-head blocks against every consumer rank, and each
+    consumer rank's shard from its layout's whole pipeline split again (some 1.5 M spans, seconds on the message
+    thread), then keep all 4096 links' boxes in the boxes cache (256 layout pairs: any peer can declare a new
+    layout, a new VLLM_PP_LAYER_PARTITION, at each handshake)."""
+    geometry = KVGeometry(num_layers=64, num_kv_heads=8, head_size=4, dtype="float32")  # its own: planned afresh
+    producer = TransferEngine(EngineConfig("prefill", 0, ParallelLayout(8, 8), geometry, role="producer", auth=NONE,
+                                           deadline_s=WAIT_S))
+    evil = peer("evil", "consumer", producer, ParallelLayout(64, 64), geometry)
+    # Rank 0 holds layers [0, 8) of head 0; consumer rank 0 needs layer 0 of head 0 (replicated on 8 TP ranks).
+    routes = (RouteMsg(0, 0, (0, 1), (0, 1), (0, 16)),)
+    made = itertools.count()
+    checked = Span.__post_init__
+
+    def counted(span: Span) -> None:
+        next(made)
+        checked(span)
+    tracemalloc.start()
+    try:
+        monkeypatch.setattr(Span, "__post_init__", counted)
+        answer = request(evil, "prefill.r0", PullRequest("r", 0, "evil", routes, 16))
+        built = next(made)
+        monkeypatch.undo()
+        kept = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/ncclkv/layout/*")])
+        kept_bytes = sum(stat.size for stat in kept.statistics("filename"))
+        assert not isinstance(answer, NcclKVError), answer  # the pull matches our plan: parked until "r" is held
+        assert built <= 8 * 4096, f"checking a pull of one route from 4096 declared ranks built {built} spans"
+        assert kept_bytes < 256 << 10, f"the plans of layout code keep {kept_bytes} bytes after one pull"
+    finally:
+        tracemalloc.stop()
         monkeypatch.undo()
         evil.close()
         producer.close()
