@@ -479,7 +479,8 @@ class IoLoop:
                     f"{sender!r} incarnation {held:#x} was replaced (its frames on this connection are refused)"
                     f"{_REPLACED_WHY}"), code=ErrorCode.REPLACED_LIFE, incarnation=held)
             return
-        current = self._peers.replaced_life(sender, incarnation) if incarnation else None
+        current = (self._peers.replaced_life(sender, incarnation, self._clock.now(), self._deadline_s) if incarnation
+                   else None)
         if held is not None and current is None:  # a life not replaced took the routing id back
             del self._held_by_replaced[sender]
         if current is not None:  # refused, answered: a second process under the id hears why (replaced_life, naming it)

@@ -193,19 +193,22 @@ class PeerTable:
             state.said_at = ""  # the earlier life's: the new one is where its own handshake says
             return replaced
 
-    def replaced_life(self, peer_id: str, incarnation: int) -> int | None:
+    def replaced_life(self, peer_id: str, incarnation: int, now: float, deadline_s: float) -> int | None:
         """The current incarnation of ``peer_id`` when ``incarnation`` is one it replaced, and earlier (incarnations
         grow with their channel's start time), or one it was moved away from (:meth:`renew`) and none is heard
         since (then 0); else None. Such a frame is a late one of a dead life, or comes from a second live process
         under the peer id (the earlier one, still running on its connection to us): taken as a restart, it would
         lose the live one (and the next frame of that one the other again). A smaller incarnation never heard is
         still a restart: it may be a later life on a host whose clock is behind. Also while the peer id is lost,
-        if a later life was heard: the replaced one is no restart of it either."""
+        if a later life was heard: the replaced one is no restart of it either, until that later life is gone as
+        far as we can tell (it said Bye, or nothing of it was heard for more than ``deadline_s`` by ``now``): then
+        the replaced one, still running, is the peer id's only process, and is taken again."""
         with self._lock:
             state = self._states.get(peer_id)
             if (state is None or not incarnation or incarnation not in state.replaced
                     or (state.incarnation and incarnation >= state.incarnation)
-                    or (not state.incarnation and (state.lost or incarnation in state.taken_back))):
+                    or (not state.incarnation and (state.lost or incarnation in state.taken_back))
+                    or (state.lost and (state.lost_kind == "closed" or now - state.last_heard > deadline_s))):
                 return None
             return state.incarnation
 

@@ -1524,3 +1524,33 @@ def test_the_peer_both_processes_under_one_id_reach_loses_the_id_as_a_duplicate_
         a1.request("B", Ready("from A1 a third time"), timeout_s=WAIT_S)
     assert to_b == ["from A1", "from A2"], to_b  # before: A1's later requests reached B's handler as from 'A'
     assert b.peer_incarnation("A") == a2.incarnation  # before: A1's, taken again once B had lost the id
+
+
+@pytest.mark.parametrize("gone", ["bye", "silent"])
+def test_a_replaced_life_is_taken_again_once_the_life_that_replaced_it_is_gone(
+        make_channel: Callable[..., Channel], gone: str) -> None:
+    """B took A2 for a restart of A1 (both heard). A2 then goes: it closes its channel (a Bye), or nothing of it
+    is heard for deadline_s (killed, its host gone). A1, still running (the process the restart or the copy under
+    the id was meant to replace, or the one an operator kept after the duplicate was reported), is the peer id's
+    only process now. Before, B refused A1's frames for ever once A2 was lost (the lives replaced are kept over a
+    loss): its every request failed with DuplicatePeerIdError until B's channel restarted. Now it is taken again."""
+    b = make_channel("B", on_message=ack_ready, heartbeat_s=0.05, deadline_s=0.5 if gone == "silent" else 30.0)
+    with raw_dealer(b.address, b"A") as a1:
+        a1.send(encode(Envelope("A", 1, None, Heartbeat(1, time.monotonic_ns(), 0x100))))
+        a1.send(encode(Envelope("A", 2, None, Ready("from A1"))))
+        _read_until(a1, lambda e: e.reply_to == 2, WAIT_S)
+    with raw_dealer(b.address, b"A") as a2:  # connected later: it holds B's route for 'A'
+        a2.send(encode(Envelope("A", 3, None, Heartbeat(3, time.monotonic_ns(), 0x200))))  # A1's 'restart'
+        a2.send(encode(Envelope("A", 4, None, Ready("from A2"))))
+        _read_until(a2, lambda e: e.reply_to == 4, WAIT_S)
+        assert b.peer_incarnation("A") == 0x200
+        if gone == "bye":
+            a2.send(encode(Envelope("A", 5, None, Bye())))
+        wait_until(lambda: not b.peer_alive("A"), WAIT_S)  # silent: lost for nothing heard for deadline_s
+    with raw_dealer(b.address, b"A") as a1_again:  # A1's next request: a new path, greeted first
+        a1_again.send(encode(Envelope("A", 6, None, Heartbeat(6, time.monotonic_ns(), 0x100))))
+        a1_again.send(encode(Envelope("A", 7, None, Ready("from A1, alone now"))))
+        got = _read_until(a1_again, lambda e: e.reply_to == 7, WAIT_S)
+    assert [e.body for e in got if isinstance(e.body, ErrorMsg)] == [], got  # before: refused as replaced_life
+    assert got[-1].body == Ack("from A1, alone now", None), got
+    assert b.peer_alive("A") and b.peer_incarnation("A") == 0x100
