@@ -149,12 +149,17 @@ class PeerTable:
             return self._loss_seq
 
     def add(self, peer_id: str, now: float) -> bool:
-        """Start tracking ``peer_id`` from ``now``; False if it is already alive (nothing changes)."""
+        """Start tracking ``peer_id`` from ``now``; False if it is already alive (nothing changes). A lost one keeps
+        the lives it replaced and where those it was moved away from were, as when it is heard again (see
+        :meth:`heard`): a connect() to it does not make a replaced life still running a restart."""
         with self._lock:
             state = self._states.get(peer_id)
             if state is not None and not state.lost:
                 return False
-            self._states[peer_id] = _PeerState(last_heard=now, last_echo=now)
+            self._states[peer_id] = _PeerState(
+                last_heard=now, last_echo=now, moved_from=() if state is None else state.moved_from,
+                replaced=() if state is None else state.replaced,
+                replaced_at=None if state is None else state.replaced_at)
             self._lost.pop(peer_id, None)
             return True
 

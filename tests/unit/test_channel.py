@@ -1554,3 +1554,52 @@ def test_a_replaced_life_is_taken_again_once_the_life_that_replaced_it_is_gone(
     assert [e.body for e in got if isinstance(e.body, ErrorMsg)] == [], got  # before: refused as replaced_life
     assert got[-1].body == Ack("from A1, alone now", None), got
     assert b.peer_alive("A") and b.peer_incarnation("A") == 0x100
+
+
+def test_a_connect_to_a_peer_id_lost_as_a_duplicate_still_refuses_the_replaced_life(
+        make_channel: Callable[..., Channel]) -> None:
+    """Two live processes under one peer id 'A': B took A2 for A1's restart, then A1 took B's route and B lost 'A'
+    as a duplicate. B's next request to 'A' connects to it first (as an engine's does), and A2 answers there. Before,
+    that connect() forgot the lives replaced (the peer table started the lost id over with nothing known): A1's next
+    greeting was taken for a restart of A2 (PeerResetError on B's side, 'incarnation <A2> is gone, 0x100 speaks'),
+    B's path to A2 was dropped for A1's route, and A1's request reached B's handler as the id's. Now A1 stays
+    refused: B keeps A2."""
+    lost_by_b: list[errors.PeerLostError] = []
+    lost_by_a2: list[errors.PeerLostError] = []
+    to_b: list[str] = []
+
+    def b_handles(sender: str, body: Message) -> Message | None:
+        if isinstance(body, Ready):
+            to_b.append(body.request_id)
+        return ack_ready(sender, body)
+
+    b = make_channel("B", on_message=b_handles, on_peer_lost=lambda p, e: lost_by_b.append(e), heartbeat_s=0.05,
+                     deadline_s=30.0)
+    a2 = make_channel("A", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_a2.append(e), heartbeat_s=0.05,
+                      deadline_s=0.5)
+    with raw_dealer(b.address, b"A") as a1:  # an earlier life than A2 (0x100)
+        a1.send(encode(Envelope("A", 1, None, Heartbeat(1, time.monotonic_ns(), 0x100))))
+        a1.send(encode(Envelope("A", 2, None, Ready("from A1"))))
+        _read_until(a1, lambda e: e.reply_to == 2, WAIT_S)
+    a2.connect("B", b.address)
+    assert a2.request("B", Ready("from A2"), timeout_s=WAIT_S) == Ack("from A2", None)
+    assert b.peer_incarnation("A") == a2.incarnation  # A2 taken for A1's restart
+    time.sleep(0.2)  # a time, not an order: more than heartbeat_s after A2 replaced A1 (no late frame of a dead A1)
+    with raw_dealer(b.address, b"A") as a1:  # A1 takes B's route for 'A'
+        a1.send(encode(Envelope("A", 3, None, Heartbeat(3, time.monotonic_ns(), 0x100))))
+        _read_until(a1, lambda e: isinstance(e.body, ErrorMsg), WAIT_S)
+        wait_until(lambda: any(isinstance(e, errors.DuplicatePeerIdError) for e in lost_by_b), WAIT_S)
+    wait_until(lambda: lost_by_a2 != [], WAIT_S)  # A2 hears nothing of B on the route A1 took: it drops B
+    b.connect("A", a2.address)  # B's next request to 'A' connects first
+    wait_until(lambda: b.peer_alive("A") and b.peer_incarnation("A") == a2.incarnation, WAIT_S)
+    with raw_dealer(b.address, b"A") as a1:  # A1's next request
+        a1.send(encode(Envelope("A", 4, None, Heartbeat(4, time.monotonic_ns(), 0x100))))
+        a1.send(encode(Envelope("A", 5, None, Ready("from A1 again"))))
+        got = _read_until(a1, lambda e: isinstance(e.body, ErrorMsg) or e.reply_to == 5, WAIT_S)
+        refusal = got[-1].body  # before: Ack('from A1 again')
+        assert isinstance(refusal, ErrorMsg) and refusal.code is ErrorCode.REPLACED_LIFE, got
+        assert refusal.incarnation == 0x100, got
+    assert b.request("A", Ready("to A"), timeout_s=WAIT_S) == Ack("to A", None)  # on B's path to A2
+    assert b.peer_incarnation("A") == a2.incarnation, lost_by_b  # before: 0x100
+    assert not any("0x100 speaks" in str(e) for e in lost_by_b), lost_by_b
+    assert to_b == ["from A1", "from A2"], to_b
