@@ -176,11 +176,14 @@ class PeerTable:
                 # Where the lives it was moved away from were is kept: a move back there takes them (see renew).
                 # So are the lives it replaced: a loss (of the live one, gone silent) does not make them restarts
                 # (before, the replaced one of two processes under the id, heard next, was taken as the id's).
+                # Another life heard now replaced the one lost too: that one (stopped, cut off) may run again.
+                replaced, replaced_at = ((), None) if state is None else (state.replaced, state.replaced_at)
+                if state is not None and state.incarnation and incarnation and incarnation != state.incarnation:
+                    replaced, replaced_at = (*replaced, state.incarnation)[-_REPLACED_KEPT:], now
                 self._states[peer_id] = _PeerState(
                     last_heard=now, last_echo=now, incarnation=incarnation,
                     moved_from=() if state is None else state.moved_from,
-                    replaced=() if state is None else tuple(life for life in state.replaced if life != incarnation),
-                    replaced_at=None if state is None else state.replaced_at)
+                    replaced=tuple(life for life in replaced if life != incarnation), replaced_at=replaced_at)
                 self._lost.pop(peer_id, None)
                 return 0
             state.last_heard = max(state.last_heard, now)

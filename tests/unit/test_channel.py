@@ -1603,3 +1603,35 @@ def test_a_connect_to_a_peer_id_lost_as_a_duplicate_still_refuses_the_replaced_l
     assert b.peer_incarnation("A") == a2.incarnation, lost_by_b  # before: 0x100
     assert not any("0x100 speaks" in str(e) for e in lost_by_b), lost_by_b
     assert to_b == ["from A1", "from A2"], to_b
+
+
+def test_a_life_lost_then_replaced_by_a_later_one_is_refused_when_it_comes_back(
+        make_channel: Callable[..., Channel]) -> None:
+    """A2 stops (SIGSTOP, a host stall) longer than B's deadline_s: B loses it for silence. Its restart A3 (a later
+    life) reaches B and is taken. A2 then runs again, still alive, and reaches B on a new connection. Before, the
+    life lost was not among those A3 replaced (a life heard after a loss replaced nothing): A2 was taken for a
+    restart of A3, B lost the live A3 (PeerResetError 'incarnation 0x300 is gone, 0x200 speaks under its id now')
+    and served A2 as the id until A3's next frame 'restarted' it back. Now A2 is refused as a replaced life (it
+    reads replaced_life naming itself: DuplicatePeerIdError), and B keeps A3."""
+    lost_by_b: list[errors.PeerLostError] = []
+    b = make_channel("B", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_b.append(e), heartbeat_s=0.05,
+                     deadline_s=0.5)
+    with raw_dealer(b.address, b"A") as a2:
+        a2.send(encode(Envelope("A", 1, None, Heartbeat(1, time.monotonic_ns(), 0x200))))
+        a2.send(encode(Envelope("A", 2, None, Ready("from A2"))))
+        _read_until(a2, lambda e: e.reply_to == 2, WAIT_S)
+        wait_until(lambda: not b.peer_alive("A"), WAIT_S)  # A2 stopped: nothing heard for deadline_s
+    with raw_dealer(b.address, b"A") as a3:
+        a3.send(encode(Envelope("A", 3, None, Heartbeat(3, time.monotonic_ns(), 0x300))))
+        a3.send(encode(Envelope("A", 4, None, Ready("from A3"))))
+        _read_until(a3, lambda e: e.reply_to == 4, WAIT_S)
+        assert b.peer_alive("A") and b.peer_incarnation("A") == 0x300
+        with raw_dealer(b.address, b"A") as a2_again:  # A2 runs again: a new path, greeted first
+            a2_again.send(encode(Envelope("A", 5, None, Heartbeat(5, time.monotonic_ns(), 0x200))))
+            a2_again.send(encode(Envelope("A", 6, None, Ready("from A2 again"))))
+            got = _read_until(a2_again, lambda e: isinstance(e.body, ErrorMsg) or e.reply_to == 6, WAIT_S)
+            refusal = got[-1].body  # before: Ack('from A2 again')
+            assert isinstance(refusal, ErrorMsg) and refusal.code is ErrorCode.REPLACED_LIFE, got
+            assert refusal.incarnation == 0x200 and "replaced by 0x300" in refusal.text, got
+    assert b.peer_incarnation("A") == 0x300, lost_by_b  # before: 0x200
+    assert not any("0x200 speaks" in str(e) for e in lost_by_b), lost_by_b
