@@ -80,7 +80,7 @@ class IoLoop:
         peers: PeerTable,
         counters: Counters,
         deliver: Callable[[Envelope], None],
-        lost: Callable[..., None],  # peer id, reason, how, address lost at[, incarnation lost: a restart]
+        lost: Callable[..., None],  # peer id, reason, how, address lost at[, incarnation lost: a restart, left it]
         auth: ChannelAuth,
         clock: ActiveClock,
         incarnation: int,
@@ -624,9 +624,10 @@ class IoLoop:
         reason = f"it restarted: incarnation {old:#x} is gone, {new:#x} speaks under its id now"
         log.warning("channel %r: peer %r lost: %s", self._peer_id, peer_id, reason)
         link, address = self._links.get(peer_id), self._address(peer_id) or said_at or None
-        if via_router and link is not None and link.dealer is not None:
+        left = via_router and link is not None and link.dealer is not None  # our DEALER's address leads to no one now
+        if left:
             self._drop_link(peer_id)
-        self._lost(peer_id, reason, "reset", address, old)
+        self._lost(peer_id, reason, "reset", address, old, left)
 
     def _beat(self) -> None:
         beat = self._heartbeat()

@@ -336,7 +336,8 @@ class Channel:
     def connected_address(self, peer_id: str) -> str | None:
         """Where this channel reaches ``peer_id``: for a peer that only reached us, the control address its
         handshake named (kept once it is lost, as the address given to :meth:`connect` is), else the address
-        :meth:`connect` was last given for it; None if neither."""
+        :meth:`connect` was last given for it (not once the life there restarted on a connection to us: the new one
+        only reached us); None if neither."""
         with self._lock:
             return self._reached_at_locked(peer_id, lost_too=True)
 
@@ -488,7 +489,7 @@ class Channel:
                         self.peer_id, envelope.sender, envelope.reply_to, envelope.body)
 
     def _on_lost(self, peer_id: str, reason: str, how: LossKind, address: str | None = None,
-                 incarnation: int = 0) -> None:
+                 incarnation: int = 0, left: bool = False) -> None:
         """On the I/O thread (or in ``connect``, for a peer that moved): fail the requests waiting on ``peer_id``
         and schedule ``on_peer_lost``, with a :class:`PeerClosedError` (``how="closed"``: it said Bye), a
         :class:`PeerResetError` (``"reset"``: what it held about us, or we about it, is gone while it is there),
@@ -497,8 +498,12 @@ class Channel:
         replaced us there) or a
         :class:`PeerLostError`, each carrying the loss's ``loss_seq`` and the ``address`` the life lost was
         reached at (None: not known), and the ``incarnation`` of the life lost when a new one replaced it (0: not
-        that)."""
+        that). ``left``: that new one spoke on a connection to us, and our DEALER to ``address`` is gone: the
+        address connect() was given is no longer where the peer id is reached (else a connect() to where the new
+        life is would take it for a life that moved away, and lose it)."""
         with self._lock:
+            if left and address is not None and self._addresses.get(peer_id) == address:
+                del self._addresses[peer_id]
             failed, lost = self._lose_locked(peer_id, reason, how, address, incarnation)
         self._report_loss(peer_id, failed, lost)
 

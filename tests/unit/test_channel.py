@@ -1047,6 +1047,38 @@ def test_a_peer_restarted_at_the_same_address_is_lost_at_its_first_frame(make_ch
     assert a.request("B", Ready("to the new one"), timeout_s=5) == Ack("to the new one", None)
 
 
+def test_a_connect_to_where_a_life_restarted_on_a_connection_to_us_is_no_move(
+        make_channel: Callable[..., Channel]) -> None:
+    """B connected to A1; A1 died (no Bye) and its restart A2, at another address, reached B on B's ROUTER (B lost
+    A1 there, PeerResetError, and dropped its DEALER to A1's address). B's next connect() to 'A' names A2's address
+    (its new reference). Before, connect() still took A1's address for where 'A' was reached, so it took the live
+    A2 for a life that moved away: it lost A2 (PeerResetError 'it moved (restarted?) from <A1's address>') and
+    counted it among the lives replaced, so A2's echoes and heartbeats were refused ('replaced by the life we moved
+    the id to') and B lost the healthy A2 once more after deadline_s ('none of our heartbeats echoed'), A2 losing B
+    alike. Now the address the restarted life left is no longer where 'A' is reached: one loss (the restart), and
+    A2 is served on both sides."""
+    lost_by_b: list[errors.PeerLostError] = []
+    b = make_channel("B", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_b.append(e), **FAST)
+    a1 = make_channel("A", on_message=ack_ready, **FAST)
+    b.connect("A", a1.address)
+    assert b.request("A", Ready("to A1"), timeout_s=WAIT_S) == Ack("to A1", None)
+    a1._io._say_bye = lambda: None  # noqa: SLF001 - it crashes: no Bye
+    a1.close()
+    a2 = make_channel("A", on_message=ack_ready, **FAST)
+    a2.connect("B", b.address)  # its greeting reaches B's ROUTER: A1's restart
+    assert a2.request("B", Ready("from A2"), timeout_s=WAIT_S) == Ack("from A2", None)
+    assert b.peer_incarnation("A") == a2.incarnation and b.loss_seq == 1
+    b.connect("A", a2.address)
+    assert b.loss_seq == 1, lost_by_b  # before: 2, A2 lost as 'moved (restarted?) from' A1's address
+    end = time.monotonic() + 3 * b.deadline_s  # longer than a loss for want of echoes would take
+    while time.monotonic() < end:
+        assert b.request("A", Ready("to A2"), timeout_s=WAIT_S) == Ack("to A2", None)
+        assert a2.request("B", Ready("from A2"), timeout_s=WAIT_S) == Ack("from A2", None)
+    assert b.loss_seq == 1 and a2.loss_seq == 0, lost_by_b
+    assert b.stats.rejected == 0 and b.peer_incarnation("A") == a2.incarnation
+    assert [type(e) for e in lost_by_b] == [errors.PeerResetError], lost_by_b
+
+
 def test_connecting_to_a_live_peer_at_another_address_replaces_its_path(make_channel: Callable[..., Channel]) -> None:
     """connect() did nothing for a peer alive: told that B restarted at a new address, A kept sending to the old
     one. Now what waited for the old one fails at once (PeerResetError naming both addresses), on_peer_lost
