@@ -171,6 +171,18 @@ def open_mpi_rank(rank: int, namespace: str, world: int = 2) -> dict[str, str]:
             "PMIX_RANK": str(rank), "PMIX_NAMESPACE": namespace}
 
 
+def assert_own_rank_joins(host: StoreRendezvous, own: LaunchInfo, on_port: dict[str, object]) -> None:
+    """The hosting rank's own rank 1 (``own``) joins its exchange, and both finish."""
+    results: dict[int, list[str]] = {}
+    thread = threading.Thread(target=lambda: (results.setdefault(0, host.exchange("a0")), host.finish()))
+    thread.start()
+    peer = StoreRendezvous(LaunchInfo(**{**_fields(own), **on_port}), prefix="p", deadline_s=WAIT_S)
+    results[1] = peer.exchange("a1")
+    peer.finish()
+    thread.join(WAIT_S)
+    assert results == {0: ["a0", "a1"], 1: ["a0", "a1"]}
+
+
 def test_two_mpiexec_runs_on_one_port_are_refused_not_mixed() -> None:
     """Two mpiexec runs of one batch script derive one MASTER_PORT from SLURM_JOB_ID (two runs given one exported
     port do too): the second run's rank 1 met the first run's store under the same identity ('openmpi no job id
@@ -187,15 +199,7 @@ def test_two_mpiexec_runs_on_one_port_are_refused_not_mixed() -> None:
     text = str(err.value)
     assert "prterun-vm-27999@1" in text and "prterun-vm-29658@1" in text and "MASTER_PORT" in text, text
     # The first run is untouched: its own rank 1 joins, and both finish.
-    own = discover(open_mpi_rank(1, "prterun-vm-27999@1"))
-    results: dict[int, list[str]] = {}
-    thread = threading.Thread(target=lambda: (results.setdefault(0, host.exchange("a0")), host.finish()))
-    thread.start()
-    peer = StoreRendezvous(LaunchInfo(**{**_fields(own), **on_port}), prefix="p", deadline_s=WAIT_S)
-    results[1] = peer.exchange("a1")
-    peer.finish()
-    thread.join(WAIT_S)
-    assert results == {0: ["a0", "a1"], 1: ["a0", "a1"]}
+    assert_own_rank_joins(host, discover(open_mpi_rank(1, "prterun-vm-27999@1")), on_port)
 
 
 def hydra_rank(rank: int, job: int, world: int = 2) -> dict[str, str]:
@@ -223,15 +227,7 @@ def test_other_launchers_of_jobs_whose_derived_ports_collide_are_refused_not_mix
     text = str(err.value)
     assert f"{launcher} job 5000 step 0" in text and f"{launcher} job 17000 step 0" in text, text
     # Job 5000 is untouched: its own rank 1 joins, and both finish.
-    own = discover(rank_env(1, 5000))
-    results: dict[int, list[str]] = {}
-    thread = threading.Thread(target=lambda: (results.setdefault(0, host.exchange("a0")), host.finish()))
-    thread.start()
-    peer = StoreRendezvous(LaunchInfo(**{**_fields(own), **on_port}), prefix="p", deadline_s=WAIT_S)
-    results[1] = peer.exchange("a1")
-    peer.finish()
-    thread.join(WAIT_S)
-    assert results == {0: ["a0", "a1"], 1: ["a0", "a1"]}
+    assert_own_rank_joins(host, discover(rank_env(1, 5000)), on_port)
 
 
 def test_an_exported_master_port_keeps_other_launchers_without_a_job() -> None:
