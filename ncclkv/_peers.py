@@ -97,7 +97,8 @@ class _PeerState:
     replaced: tuple[int, ...] = ()
     # The control address this life's handshake named, heard on our ROUTER while we had no DEALER to it: where a
     # peer that only reached us is ("": not said). Gone with the life (another incarnation, a new path); kept
-    # once it is lost, until the peer id is heard or connected again (the life a loss is of, and where it was).
+    # once it is lost, until the peer id is connected again or another life is heard (the life a loss is of, and
+    # where it was), and when that life is heard again (a life has one address).
     said_at: str = ""
     # The lives among ``replaced`` that connect() moved the peer id away from, with the address each was at: a
     # move back to that address takes the life there as it is again (it may be the one alive: a wrong address).
@@ -180,8 +181,12 @@ class PeerTable:
                 replaced, replaced_at = ((), None) if state is None else (state.replaced, state.replaced_at)
                 if state is not None and state.incarnation and incarnation and incarnation != state.incarnation:
                     replaced, replaced_at = (*replaced, state.incarnation)[-_REPLACED_KEPT:], now
+                # The life lost, heard again (its own life, or a frame naming none: another would have greeted first)
+                # is where its handshake said (a life has one address): else connect() there took it for a move.
+                heard_life, said_at = ((state.incarnation, state.said_at) if state is not None and state.incarnation
+                                       and incarnation in (0, state.incarnation) else (incarnation, ""))
                 self._states[peer_id] = _PeerState(
-                    last_heard=now, last_echo=now, incarnation=incarnation,
+                    last_heard=now, last_echo=now, incarnation=heard_life, said_at=said_at,
                     moved_from=() if state is None else state.moved_from,
                     replaced=tuple(life for life in replaced if life != incarnation), replaced_at=replaced_at)
                 self._lost.pop(peer_id, None)
@@ -276,8 +281,9 @@ class PeerTable:
 
     def said_at(self, peer_id: str, *, lost_too: bool = False) -> str:
         """Where the live life of ``peer_id``, which only reached us, said it is (its handshake's control address);
-        "" when none said so. ``lost_too``: or the life lost last, until the peer id is heard or connected again
-        (where the life a loss is of was, as the address connect() was given is kept)."""
+        "" when none said so (the life lost last, heard again, still did). ``lost_too``: or the life lost last,
+        until the peer id is connected again or another life is heard (where the life a loss is of was, as the
+        address connect() was given is kept)."""
         with self._lock:
             state = self._states.get(peer_id)
             return "" if state is None or (state.lost and not lost_too) else state.said_at
