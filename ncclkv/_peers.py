@@ -109,6 +109,9 @@ class _PeerState:
     # The clock when ``incarnation`` replaced the life before it (None: it replaced none); kept over a loss, as
     # ``replaced`` is: how long a replaced life heard again has been replaced (see replaced_for).
     replaced_at: float | None = None
+    # First heard on our ROUTER after the life before it (another incarnation) was lost, with no connect() since:
+    # the address connect() was last given is that lost life's, not where this one is (see came_after_loss).
+    after_loss: bool = False
 
 
 class PeerTable:
@@ -188,7 +191,9 @@ class PeerTable:
                 self._states[peer_id] = _PeerState(
                     last_heard=now, last_echo=now, incarnation=heard_life, said_at=said_at,
                     moved_from=() if state is None else state.moved_from,
-                    replaced=tuple(life for life in replaced if life != incarnation), replaced_at=replaced_at)
+                    replaced=tuple(life for life in replaced if life != incarnation), replaced_at=replaced_at,
+                    after_loss=bool(state is not None and state.incarnation and incarnation
+                                    and incarnation != state.incarnation))
                 self._lost.pop(peer_id, None)
                 return 0
             state.last_heard = max(state.last_heard, now)
@@ -270,6 +275,22 @@ class PeerTable:
             state = self._states.get(peer_id)
             if state is not None and not state.lost and state.incarnation == incarnation:
                 state.said_at = address
+
+    def came_after_loss(self, peer_id: str) -> bool:
+        """Whether the live life of ``peer_id`` was first heard (on our ROUTER: a lost peer has no DEALER) after the
+        life before it, another incarnation, was lost, and connect() was not given an address for it since: the
+        address connect() was given before is where the lost life was, not where this one is."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            return state is not None and not state.lost and state.after_loss
+
+    def given_address(self, peer_id: str) -> None:
+        """``connect()`` was given an address for ``peer_id``: that address counts again (see
+        :meth:`came_after_loss`)."""
+        with self._lock:
+            state = self._states.get(peer_id)
+            if state is not None:
+                state.after_loss = False
 
     def forget_said(self, peer_id: str) -> None:
         """``connect()`` moved ``peer_id`` elsewhere: where its life said it is no longer leads to it (before the

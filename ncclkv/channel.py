@@ -254,6 +254,7 @@ class Channel:
             self._check_open()
             previous = self._reached_at_locked(peer_id)
             self._addresses[peer_id] = address
+            self._peers.given_address(peer_id)
             if previous is not None and previous != address:
                 self._peers.forget_said(peer_id)  # the path leads to ``address`` from now, for every request
                 if self._peers.alive(peer_id):  # before the caller's next request: that one goes to the new address
@@ -336,16 +337,20 @@ class Channel:
     def connected_address(self, peer_id: str) -> str | None:
         """Where this channel reaches ``peer_id``: for a peer that only reached us, the control address its
         handshake named (kept once it is lost, as the address given to :meth:`connect` is), else the address
-        :meth:`connect` was last given for it (not once the life there restarted on a connection to us: the new one
-        only reached us); None if neither."""
+        :meth:`connect` was last given for it (not once the life there restarted on a connection to us, or was lost
+        and another life reached us: the new one only reached us); None if neither."""
         with self._lock:
             return self._reached_at_locked(peer_id, lost_too=True)
 
     def _reached_at_locked(self, peer_id: str, *, lost_too: bool = False) -> str | None:
         """Under ``self._lock``: where a request to ``peer_id`` goes: a peer that only reached us is where its
         handshake said (not where an earlier connect() was told), else where connect() was last told; None if
-        neither (``lost_too``: the life lost last counts, see :meth:`connected_address`)."""
-        return self._peers.said_at(peer_id, lost_too=lost_too) or self._addresses.get(peer_id)
+        neither (``lost_too``: the life lost last counts, see :meth:`connected_address`). Not where connect() was
+        told while the life alive was first heard after the loss of the one there (it only reached us)."""
+        said = self._peers.said_at(peer_id, lost_too=lost_too)
+        if said or self._peers.came_after_loss(peer_id):
+            return said or None
+        return self._addresses.get(peer_id)
 
     @property
     def loss_seq(self) -> int:

@@ -1079,6 +1079,41 @@ def test_a_connect_to_where_a_life_restarted_on_a_connection_to_us_is_no_move(
     assert [type(e) for e in lost_by_b] == [errors.PeerResetError], lost_by_b
 
 
+@pytest.mark.parametrize("lost_by", ["bye", "silence"])
+def test_a_connect_to_where_a_life_heard_after_the_loss_of_the_one_we_connected_to_is_no_move(
+        make_channel: Callable[..., Channel], lost_by: str) -> None:
+    """B connected to A1; A1 went (said Bye, or died and B lost it for silence: B's DEALER to A1's address
+    dropped), and its successor A2, at another address, reached B on B's ROUTER. B's next connect() to 'A' names A2's
+    address. Before, A1's address (the one connect() was last given) was still taken for where 'A' is, so B took the
+    live A2 for a life that moved away: it lost A2 (PeerResetError 'it moved (restarted?) from <A1's address>'),
+    refused its echoes and heartbeats ('replaced by the life we moved the id to') and lost it once more after
+    deadline_s, A2 losing B alike (as for a restart heard while A1 was alive, before 2e43e80). Now a life heard on
+    our ROUTER after the loss of another is not taken as reached where that one was: one loss (A1's)."""
+    lost_by_b: list[errors.PeerLostError] = []
+    b = make_channel("B", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_b.append(e), **FAST)
+    a1 = make_channel("A", on_message=ack_ready, **FAST)
+    b.connect("A", a1.address)
+    assert b.request("A", Ready("to A1"), timeout_s=WAIT_S) == Ack("to A1", None)
+    if lost_by == "silence":
+        a1._io._say_bye = lambda: None  # noqa: SLF001 - it crashes: no Bye
+    a1.close()
+    wait_until(lambda: b.loss_seq == 1, WAIT_S)
+    a2 = make_channel("A", on_message=ack_ready, **FAST)
+    a2.connect("B", b.address)
+    assert a2.request("B", Ready("from A2"), timeout_s=WAIT_S) == Ack("from A2", None)
+    assert b.peer_incarnation("A") == a2.incarnation and b.loss_seq == 1
+    assert b.connected_address("A") is None  # before: A1's address
+    b.connect("A", a2.address)
+    assert b.loss_seq == 1, lost_by_b  # before: 2, A2 lost as 'moved (restarted?) from' A1's address
+    assert b.connected_address("A") == a2.address
+    end = time.monotonic() + 3 * b.deadline_s  # longer than a loss for want of echoes would take
+    while time.monotonic() < end:
+        assert b.request("A", Ready("to A2"), timeout_s=WAIT_S) == Ack("to A2", None)
+        assert a2.request("B", Ready("from A2"), timeout_s=WAIT_S) == Ack("from A2", None)
+    assert b.loss_seq == 1 and a2.loss_seq == 0, lost_by_b
+    assert b.stats.rejected == 0 and b.peer_incarnation("A") == a2.incarnation
+
+
 def test_a_life_that_only_reached_us_keeps_where_its_handshake_said_it_is_when_heard_again_after_a_loss(
         make_channel: Callable[..., Channel]) -> None:
     """B connected to A1 (its DEALER at A1's address); A1 closed and its successor A2, at another address, reached
