@@ -21,7 +21,7 @@ import torch
 
 from ..channel import Channel
 from ..errors import ClosedError, NcclKVError, TransferError
-from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, cached_plan
+from ..layout import KVGeometry, ParallelLayout, Route, Span, SpanSet, routes_from_rank
 from ..paged import SlotMap
 from ..protocol import MAX_EXTRA_KEYS, MAX_PUSH_TOKENS, MAX_TEXT_CHARS, Done, ErrorMsg, PushBlocks, PushOffer, RouteMsg
 from ..transport import LinkBase
@@ -112,9 +112,11 @@ class Pusher:
                              f"blocks of {blocks.block_size} in {num_tokens} tokens hold "
                              f"{num_tokens // blocks.block_size * blocks.block_size}")
         by_dst: dict[str, list[Route]] = {}
-        # The plan the consumer checks this push's offer against (cached there too): prompt lengths repeat.
+        # Our routes of the plan the consumer checks this push's offer against, ours alone: the consumer's layout
+        # comes from its reference (a client's kv_transfer_params), and the whole plan costs both layouts' ranks
+        # times each other (4096 named ranks: seconds here, on the forward, and megabytes kept by the plan cache).
         tokens = SpanSet.range(0, num_tokens)
-        for route in cached_plan(self._layout, consumer.layout, self._geometry, tokens).routes_from(self._rank):
+        for route in routes_from_rank(self._layout, consumer.layout, self._geometry, tokens, self._rank):
             by_dst.setdefault(consumer.peer_id(route.dst), []).append(route)
         state = PushState(request_id, slots, by_dst, _blocks_msg(request_id, blocks, self._channel.max_frame_bytes))
         with self._lock:

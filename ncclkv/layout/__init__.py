@@ -5,7 +5,7 @@ unit-tested and property-tested in one process.
 """
 
 from ._geometry import DTYPE_SIZES, MAX_WORLD_SIZE, KVGeometry, ParallelLayout, pp_layer_spans
-from ._plan import PlanError, Route, TransferPlan, cached_plan, plan, routes_between
+from ._plan import PlanError, Route, TransferPlan, cached_plan, plan, routes_between, routes_from_rank
 from ._roi import Roi
 from ._shard import shard_roi
 from ._span import Span, SpanSet
@@ -25,5 +25,6 @@ __all__ = [
     "plan",
     "pp_layer_spans",
     "routes_between",
+    "routes_from_rank",
     "shard_roi",
 ]

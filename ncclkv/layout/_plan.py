@@ -21,7 +21,7 @@ from ._roi import Roi
 from ._shard import head_blocks, shard_heads, shard_roi, token_set
 from ._span import Span, SpanSet
 
-__all__ = ["PlanError", "Route", "TransferPlan", "cached_plan", "plan", "routes_between"]
+__all__ = ["PlanError", "Route", "TransferPlan", "cached_plan", "plan", "routes_between", "routes_from_rank"]
 
 
 class PlanError(ValueError):
@@ -278,19 +278,41 @@ def routes_between(src_layout: ParallelLayout, dst_layout: ParallelLayout, geome
     return tuple(sorted(Route(p.src, p.dst, p.layers, p.heads, span) for p in link for span in tokens))
 
 
+def routes_from_rank(src_layout: ParallelLayout, dst_layout: ParallelLayout, geometry: KVGeometry,
+                     tokens: SpanSet | int, src: int) -> tuple[Route, ...]:
+    """The routes :func:`plan` gives source rank ``src``, in its order: ``plan(...).routes_from(src)``, without
+    planning the other source ranks (:func:`_rank_pieces`). Its work is the destination's ranks once and ``src``'s
+    boxes (one a destination rank at most) times the spans of ``tokens``, where the whole plan's is both layouts'
+    ranks times each other (a push to an engine whose reference, a client's ``kv_transfer_params``, names 4096
+    ranks: seconds on the forward). Nothing is kept. ValueError names a rank outside its layout."""
+    src_layout.check(geometry)
+    dst_layout.check(geometry)
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < src_layout.world_size:
+        raise ValueError(f"src rank {src!r} outside {src_layout.spec()} ({src_layout.world_size} ranks)")
+    tokens = token_set(tokens)
+    return tuple(sorted(Route(p.src, p.dst, p.layers, p.heads, span)
+                        for p in _rank_pieces(src_layout, dst_layout, geometry, src) for span in tokens))
+
+
 @lru_cache(maxsize=4096)
 def _link_pieces(src_layout: ParallelLayout, dst_layout: ParallelLayout, geometry: KVGeometry, src: int,
                  dst: int) -> tuple[_Piece, ...]:
-    """The boxes of :func:`_pieces` on the link ``src -> dst`` alone, from the deal of ``src``'s holder set only:
-    a source rank holds one head block of one stage, so all its boxes come from that set's deal, one a
-    destination at most (none to merge). Work in the destination's ranks, where :func:`_pieces` costs both
-    layouts' ranks times each other; what is kept is that link's box."""
+    """The boxes of :func:`_pieces` on the link ``src -> dst`` alone (:func:`_rank_pieces`'s to ``dst``). Work in
+    the destination's ranks, where :func:`_pieces` costs both layouts' ranks times each other; what is kept is that
+    link's box."""
+    return tuple(p for p in _rank_pieces(src_layout, dst_layout, geometry, src) if p.dst == dst)
+
+
+def _rank_pieces(src_layout: ParallelLayout, dst_layout: ParallelLayout, geometry: KVGeometry,
+                 src: int) -> list[_Piece]:
+    """The boxes of :func:`_pieces` from source rank ``src`` alone, from the deal of ``src``'s holder set only: a
+    source rank holds one head block of one stage, so all its boxes come from that set's deal, one a destination
+    at most (none to merge)."""
     tp_rank, pp_rank = src_layout.coords(src)
     stage = pp_layer_spans(geometry.num_layers, src_layout.pp_size, src_layout.layer_partition)[pp_rank]
     block, tp_ranks = next((b, ranks) for b, ranks in head_blocks(geometry, src_layout.tp_size) if tp_rank in ranks)
     holders = [src_layout.rank(r, pp_rank) for r in tp_ranks]
-    return tuple(p for p in _deal(_units(stage, block, _needs(dst_layout, geometry)), holders) if p.dst == dst and
-                 p.src == src)
+    return [p for p in _deal(_units(stage, block, _needs(dst_layout, geometry)), holders) if p.src == src]
 
 
 @lru_cache(maxsize=256)

@@ -24,6 +24,8 @@ from ncclkv.layout import MAX_WORLD_SIZE, KVGeometry, ParallelLayout, Route, Spa
 from ncclkv.paged import CacheLayout
 from ncclkv.protocol import Handshake, LayoutMsg, PullRequest, PushOffer, RouteMsg
 
+from .kvsim import RankSide
+
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32")
 ONE = ParallelLayout(1, 1)
 NONE = ChannelAuth()
@@ -189,3 +191,44 @@ def test_a_push_offer_speaks_only_for_its_sender_and_never_fails_anothers_staged
         evil.close()
         prefill.close()
         consumer.close()
+
+
+def test_a_push_to_a_named_layout_of_4096_ranks_plans_its_own_rank_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of an 8 x 8 producer (64 layers, 8 kv-heads) starts a push to an engine whose reference names 64 x 64
+    ranks (a client's kv_transfer_params carry it: ``remote_decode``, parsed on the prefill side and pushed to on
+    the model's forward, before any handshake). Its routes deal its own holder set's boxes over the 4096 consumer
+    ranks, once; it used to plan every box of both layouts (every producer rank's routes, some 1.5 M spans, seconds
+    on the forward of every producer rank) to keep its own, then keep that whole plan in the plan cache (256
+    entries: each new prompt length or layout a client names, some megabytes each)."""
+    geometry = KVGeometry(num_layers=64, num_kv_heads=8, head_size=4, dtype="float32")  # its own: planned afresh
+    mine = ParallelLayout(8, 8)
+    side = RankSide.build("prefill", 0, mine, geometry, CacheLayout.FLASH_NHD, 16, 4, "producer", auth=NONE,
+                          deadline_s=WAIT_S)
+    producer = side.engine
+    wide = ParallelLayout(64, 64)
+    # Every rank at our own address: the offers are refused at once (it answers as another peer), none hangs.
+    ref = EngineRef("big", wide, (producer.address,) * wide.world_size)
+    made = itertools.count()
+    checked = Span.__post_init__
+
+    def counted(span: Span) -> None:
+        next(made)
+        checked(span)
+    tracemalloc.start()
+    try:
+        monkeypatch.setattr(Span, "__post_init__", counted)
+        producer.start_push("p", ref, [0, 1], 32)
+        built = next(made)
+        monkeypatch.undo()
+        kept = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/ncclkv/layout/*")])
+        kept_bytes = sum(stat.size for stat in kept.statistics("filename"))
+        assert built <= 8 * 4096, f"starting a push to 4096 named ranks built {built} spans"
+        assert kept_bytes < 256 << 10, f"the plans of layout code keep {kept_bytes} bytes after one push"
+        # Its routes are the whole plan's routes from rank 0, in their order.
+        whole = plan(mine, wide, geometry, 32).routes_from(0)
+        by_dst = producer._producer._pusher._pushes["p"].by_dst  # noqa: SLF001
+        assert by_dst == {ref.peer_id(d): [r for r in whole if r.dst == d] for d in sorted({r.dst for r in whole})}
+    finally:
+        tracemalloc.stop()
+        monkeypatch.undo()
+        producer.close()

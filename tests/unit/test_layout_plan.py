@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ncclkv.layout import (KVGeometry, ParallelLayout, PlanError, Route, Span, SpanSet, TransferPlan, plan, routes_between,
-                           shard_roi)
+                           routes_from_rank, shard_roi)
 from ncclkv.layout._plan import _merge, _Piece, _pieces, _run_lengths
 from ncclkv.layout._shard import head_blocks
 
@@ -159,6 +159,27 @@ def test_routes_between_is_the_plan_of_one_link(case: tuple[ParallelLayout, Para
     last = src.world_size - 1, dst.world_size - 1
     assert routes_between(src, dst, geometry, count, *last) == tuple(
         r for r in plan(src, dst, geometry, count).routes_from(last[0]) if r.dst == last[1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=cases(), holes=st.lists(st.integers(0, 3400), max_size=6))
+def test_routes_from_rank_is_the_plan_of_one_source_rank(
+        case: tuple[ParallelLayout, ParallelLayout, KVGeometry, SpanSet], holes: list[int]) -> None:
+    """Every source rank, the same cases: what a producer rank pushes (its routes to every consumer rank) is what
+    the whole plan gives it, in its order, one box a destination rank."""
+    src, dst, geometry, tokens = case
+    tokens = tokens.difference(SpanSet([(h, h + 1) for h in holes]))
+    whole = plan(src, dst, geometry, tokens)
+    for s in range(src.world_size):
+        mine = routes_from_rank(src, dst, geometry, tokens, s)
+        assert mine == whole.routes_from(s), s
+        assert len(mine) <= dst.world_size * len(tokens.spans)
+    count = tokens.bounds.stop
+    assert routes_from_rank(src, dst, geometry, count, src.world_size - 1) == plan(
+        src, dst, geometry, count).routes_from(src.world_size - 1)
+    for bad in (src.world_size, -1, True):
+        with pytest.raises(ValueError, match=rf"src rank {bad!r} outside {src.spec()}"):
+            routes_from_rank(src, dst, geometry, tokens, bad)  # type: ignore[arg-type]
 
 
 def test_routes_between_names_a_rank_outside_its_layout() -> None:
