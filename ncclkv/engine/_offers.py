@@ -9,6 +9,8 @@ decides what to do with a checked offer).
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import NcclKVError, PeerLostError, PeerResetError, ProtocolError
@@ -18,7 +20,11 @@ from ._expected import as_ncclkv
 from ._push_stage import SliceKey
 from ._staging import BlockTokens
 
-__all__ = ["CheckedOffer", "check_offer", "refused_offer"]
+__all__ = ["CheckedOffer", "check_offer", "refused_offer", "routes_text"]
+
+# Routes an error names of a list it compares with another: a pull or offer carries up to MAX_ROUTES (4096), and the
+# whole of both lists was half a megabyte of text a refusal, logged at ERROR with no rate limit.
+_SHOWN_ROUTES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +52,8 @@ def check_offer(offer: PushOffer, sender: str, producer: Handshake, layout: Para
                        SpanSet.range(0, offer.num_tokens)).routes_to(rank)
     mine = sorted(r for r in want if r.src == src)
     if routes != mine:
-        raise ProtocolError(f"push of {offer.request_id!r} from {sender!r} offers {routes}, our plan gives {mine}")
+        raise ProtocolError(f"push of {offer.request_id!r} from {sender!r} offers {routes_text(routes, mine)}, "
+                            f"our plan gives {routes_text(mine, routes)}")
     nbytes = sum(r.nbytes(geometry) for r in routes)
     if offer.nbytes != nbytes:
         raise ProtocolError(f"push of {offer.request_id!r} from {sender!r} says {offer.nbytes} B, routes hold {nbytes} B")
@@ -82,3 +89,19 @@ def _offered_blocks(offer: PushOffer, sender: str) -> BlockTokens | None:
         return BlockTokens(msg.token_ids, msg.block_size, msg.extra_keys)
     except (TypeError, ValueError) as err:
         raise ProtocolError(f"push of {offer.request_id!r} from {sender!r}: bad blocks: {err}") from None
+
+
+def routes_text(routes: Sequence[Route], other: Sequence[Route]) -> str:
+    """``routes`` as an error that compares them with ``other`` names them: the list itself when it holds at most
+    ``_SHOWN_ROUTES``, else its count and the first of them that ``other`` lacks (counted with repeats)."""
+    if len(routes) <= _SHOWN_ROUTES:
+        return str(list(routes))
+    left = Counter(other)
+    lacking = []
+    for route in routes:
+        if left[route]:
+            left[route] -= 1
+        else:
+            lacking.append(route)
+    first = f", the first {min(len(lacking), _SHOWN_ROUTES)}: " + ", ".join(map(repr, lacking[:_SHOWN_ROUTES]))
+    return f"[{len(routes)} routes, {len(lacking)} of them not in the other list{first if lacking else ''}]"

@@ -37,6 +37,7 @@ from ..transport import LinkBase
 from ._caches import RankCaches, WireLease
 from ._config import EngineRef, holds_differ, peer_id
 from ._links import Peer, PeerLinks
+from ._offers import routes_text
 from ._push import BlockReads, Pusher, SliceHooks, tell
 from ._recent import RecentEnds
 from ._staging import BlockTokens
@@ -332,7 +333,8 @@ class ProducerSide:
                                        self._rank, pull.dst_rank))
             if sorted(routes) != sorted(mine):
                 raise ProtocolError(
-                    f"pull for {pull.request_id!r} from {sender!r} asks routes {routes} but our plan gives {mine}"
+                    f"pull for {pull.request_id!r} from {sender!r} asks routes {routes_text(routes, mine)} but our plan "
+                    f"gives {routes_text(mine, routes)}"
                 )
         return routes
 

@@ -10,6 +10,7 @@ naming it in its offers.
 from __future__ import annotations
 
 import itertools
+import logging
 import tracemalloc
 
 import pytest
@@ -232,3 +233,58 @@ def test_a_push_to_a_named_layout_of_4096_ranks_plans_its_own_rank_alone(monkeyp
         tracemalloc.stop()
         monkeypatch.undo()
         producer.close()
+
+
+def test_a_pull_that_is_not_our_plan_is_logged_in_a_bounded_text(caplog: pytest.LogCaptureFixture) -> None:
+    """A consumer pulls 4096 one-token spans (the most a pull carries, some 100 KB on the wire), each of the wrong
+    layers. The producer refuses it, logged at ERROR with its traceback, naming both counts and the first routes
+    that differ; it used to list both route lists whole (4096 routes each: half a megabyte of log a pull, no rate
+    limit: any handshaken peer, or a version skew on every pull). Short lists are still named whole (above)."""
+    mla = KVGeometry(num_layers=2, num_kv_heads=1, head_size=8, dtype="float32", use_mla=True)
+    producer = TransferEngine(EngineConfig("prefill", 0, ONE, mla, role="producer", auth=NONE, deadline_s=WAIT_S))
+    evil = peer("evil", "consumer", producer, ONE, mla)
+    spans = 4096
+    # Our plan gives the link every layer, the latent, one route a token span: these ask layer 0 alone.
+    routes = tuple(RouteMsg(0, 0, (0, 1), (0, 1), (2 * i, 2 * i + 1)) for i in range(spans))
+    try:
+        with caplog.at_level(logging.ERROR):
+            wrong = request(evil, "prefill.r0", PullRequest("w", 0, "evil", routes, 2 * spans))
+        assert isinstance(wrong, NcclKVError), wrong
+        logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert logged, caplog.text
+        size = max(len(caplog.handler.format(r)) for r in logged)
+        assert size < 16 << 10, f"one refused pull logged {size} chars"
+        for text in (str(wrong), caplog.text):  # the counts and the first routes that differ, both ways
+            assert "asks routes [4096 routes, 4096 of them not in the other list, the first 8: Route(src 0 -> dst 0: " \
+                   "layers [0,1) heads [0,1) tokens [0,1))" in text, text[:2000]
+            assert "our plan gives [4096 routes, 4096 of them not in the other list, the first 8: Route(src 0 -> " \
+                   "dst 0: layers [0,2) heads [0,1) tokens [0,1))" in text, text[:2000]
+    finally:
+        evil.close()
+        producer.close()
+
+
+def test_a_push_offer_that_is_not_our_plan_is_logged_in_a_bounded_text(caplog: pytest.LogCaptureFixture) -> None:
+    """The same for a push offer of 4096 one-token routes (our plan gives the link one): named by its count and its
+    first routes our plan lacks, where the whole list was a quarter of a megabyte of log an offer."""
+    consumer = TransferEngine(EngineConfig("decode", 0, ONE, GEOMETRY, role="consumer", auth=NONE,
+                                           staging_bytes=64 << 10, deadline_s=WAIT_S, hold_s=30.0))
+    consumer.register({layer: torch.zeros(16, 2, 4, 16) for layer in range(2)}, CacheLayout.CPU)
+    evil = peer("evil", "producer", consumer)
+    spans = 4096
+    routes = tuple(RouteMsg(0, 0, (0, 2), (0, 2), (i, i + 1)) for i in range(spans))
+    try:
+        with caplog.at_level(logging.ERROR):
+            wrong = request(evil, "decode.r0", PushOffer("w", 0, "evil", routes, spans, 1 << 20, None))
+        assert isinstance(wrong, NcclKVError), wrong
+        logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert logged, caplog.text
+        size = max(len(caplog.handler.format(r)) for r in logged)
+        assert size < 16 << 10, f"one refused push offer logged {size} chars"
+        for text in (str(wrong), caplog.text):
+            assert "offers [4096 routes, 4096 of them not in the other list, the first 8: Route(src 0 -> dst 0: " \
+                   "layers [0,2) heads [0,2) tokens [0,1))" in text, text[:2000]
+            assert "our plan gives [Route(src 0 -> dst 0: layers [0,2) heads [0,2) tokens [0,4096))]" in text, text[:2000]
+    finally:
+        evil.close()
+        consumer.close()
