@@ -130,7 +130,8 @@ class ConsumerSide:
                 self._ended.forget_refusal(request_id)
             if refused is not None:
                 what = (self._ended.pull_ended_text(request_id, producer.engine_id, refused.since, self._clock.now())
-                        if refused.pulled else "its push failed before it was expected")
+                        if refused.pulled else "a push of it expected here before failed or was aborted"
+                        if refused.expected else "its push failed before it was expected")
                 req.error = type(refused.error)(f"request {request_id!r}: {what}: {refused.error}")
             taken = self._stage.take(request_id) if push else None
             if taken is not None:
@@ -222,7 +223,7 @@ class ConsumerSide:
                     self._note_ended_pull(req, now)
                     if req.error is not None:  # a late offer for it is refused, a pull of it again too
                         self._remember_refusal(request_id, req.producer.engine_id, as_ncclkv(req.error),
-                                               pulled=not req.push, hold=req.hold)
+                                               pulled=not req.push, hold=req.hold, expected=req.push)
             self._ended.expire(now)
             for request_id, staged in self._stage.expire(now, self._hold_s):  # pushed, never expected here
                 if staged.error is None:
@@ -247,7 +248,7 @@ class ConsumerSide:
                 req.error = TransferError(f"request {request_id!r} aborted")
             if req is not None:  # a later offer for it is refused, not staged for no one; a pull of it again too
                 self._remember_refusal(request_id, req.producer.engine_id, as_ncclkv(req.error),
-                                       pulled=not req.push, hold=req.hold)
+                                       pulled=not req.push, hold=req.hold, expected=req.push)
                 self._note_ended_pull(req, self._clock.now())
             self._cond.notify_all()
             limit = time.monotonic() + self._deadline_s
@@ -511,6 +512,12 @@ class ConsumerSide:
                 return
             if req is None and peer is not None and self._late_for_pull(err.request_id, peer.remote.engine_id):
                 log.info("error from %s for %s, a pull that ended here: %s", sender, err.request_id, err.text)
+                return
+            if req is None and peer is not None and self._late_for_expected_push(err.request_id,
+                                                                                  peer.remote.engine_id):
+                # Its producer's answer to a push expected here that already ended (failed, aborted): that end stays
+                # the refusal, not a push failing before it was expected.
+                log.info("error from %s for %s, a push that ended here: %s", sender, err.request_id, err.text)
                 return
             if req is None and peer is not None:  # a push that failed before it was expected here
                 self._fail_unexpected_push_locked(err.request_id, peer.remote.engine_id, err.to_exception(sender))
@@ -848,11 +855,11 @@ class ConsumerSide:
             self._stage.fail(request_id, staged, error)
 
     def _remember_refusal(self, request_id: str, producer_engine_id: str, error: NcclKVError,
-                          pulled: bool = False, hold: int = 0) -> None:
+                          pulled: bool = False, hold: int = 0, expected: bool = False) -> None:
         """Under ``self._cond``: ``request_id`` from ``producer_engine_id`` ended here with ``error`` (a push
         refused, failed or expired here; an expected request failed or aborted, ``pulled`` if it was a pull, of
-        hold number ``hold``)."""
-        self._ended.refuse(request_id, producer_engine_id, error, self._clock.now(), pulled, hold)
+        hold number ``hold``, ``expected`` if it was a push)."""
+        self._ended.refuse(request_id, producer_engine_id, error, self._clock.now(), pulled, hold, expected)
 
     def _note_ended_pull(self, req: Expected, now: float) -> None:
         """Under ``self._cond``: ``req`` ended here (reported or aborted); if it was a pull, a producer's error for
@@ -864,6 +871,12 @@ class ConsumerSide:
         """Under ``self._cond``: whether an error from ``producer_engine_id`` for ``request_id``, neither expected
         nor staged here, answers a pull of it that ended here (or its decline), rather than telling of a push."""
         return self._ended.pulled_from(request_id, producer_engine_id) and self._stage.get(request_id) is None
+
+    def _late_for_expected_push(self, request_id: str, producer_engine_id: str) -> bool:
+        """Under ``self._cond``: whether an error from ``producer_engine_id`` for ``request_id``, neither expected
+        nor staged here, answers a push of it that was expected here and ended (failed or aborted)."""
+        refused = self._ended.refusal(request_id, producer_engine_id)
+        return refused is not None and refused.expected and self._stage.get(request_id) is None
 
     def _stall_at(self, req: Expected) -> float:
         """When ``req`` counts as stalled (see ``_stall_limit``)."""

@@ -39,6 +39,7 @@ class Refusal(NamedTuple):
     error: NcclKVError
     pulled: bool  # a pull expected here ended unloaded (no push failed)
     hold: int  # that pull's hold number (0: not named, or a push)
+    expected: bool = False  # a push expected here ended unloaded (failed or aborted after it was expected)
 
 
 class EndedTransfers:
@@ -46,15 +47,15 @@ class EndedTransfers:
 
     def __init__(self, hold_s: float) -> None:
         self._hold_s = hold_s
-        self._refused: RecentEnds[tuple[str, NcclKVError, bool, int]] = RecentEnds(hold_s, MAX_REFUSALS)
+        self._refused: RecentEnds[tuple[str, NcclKVError, bool, int, bool]] = RecentEnds(hold_s, MAX_REFUSALS)
         self._pulled: RecentEnds[str] = RecentEnds(hold_s, MAX_ENDED_PULLS)
 
     def refuse(self, request_id: str, producer_engine_id: str, error: NcclKVError, now: float,
-               pulled: bool = False, hold: int = 0) -> None:
+               pulled: bool = False, hold: int = 0, expected: bool = False) -> None:
         """``request_id`` from ``producer_engine_id`` ended here with ``error`` (``pulled``: it was a pull, of
-        hold number ``hold``)."""
+        hold number ``hold``; ``expected``: a push expected here)."""
         # Its type and text, not the error itself: a traceback would keep its frames' buffers alive for hold_s.
-        self._refused.note(request_id, now, (producer_engine_id, type(error)(str(error)), pulled, hold))
+        self._refused.note(request_id, now, (producer_engine_id, type(error)(str(error)), pulled, hold, expected))
 
     def refusal(self, request_id: str, producer_engine_id: str) -> Refusal | None:
         """Why ``request_id`` from ``producer_engine_id`` is refused here; None if it is not, or only from
@@ -62,8 +63,8 @@ class EndedTransfers:
         entry = self._refused.get(request_id)
         if entry is None or entry[1][0] != producer_engine_id:
             return None
-        since, (_, error, pulled, hold) = entry
-        return Refusal(since, error, pulled, hold)
+        since, (_, error, pulled, hold, expected) = entry
+        return Refusal(since, error, pulled, hold, expected)
 
     def forget_refusal(self, request_id: str) -> None:
         """An expect() of the id's push took its refusal (it failed with it)."""

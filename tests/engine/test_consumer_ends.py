@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ncclkv.errors import PeerLostError, PeerResetError, TransferError
+from ncclkv.errors import NcclKVError, PeerLostError, PeerResetError, ShapeMismatchError, TransferError
 from ncclkv.layout import ParallelLayout, Span
 from ncclkv.paged import CacheLayout
 from ncclkv.transport import LoopbackHub, LoopbackTransport
@@ -180,6 +180,45 @@ def test_a_push_under_the_id_of_a_pull_that_failed_here_is_refused_like_a_pull_a
         text = str(raised.value)
         assert text.startswith(f"request 'X': {said}") and "its tensors may still arrive" in text, text
         assert "is no longer held" in text and "push failed" not in text, text
+    finally:
+        close_sides(prefill, decode)
+
+
+@pytest.mark.parametrize("end", ["aborted", "failed"])
+def test_an_expect_again_of_a_push_that_ended_after_it_was_expected_names_that_end(end: str) -> None:
+    """A push expected here ends unloaded: aborted, or failed (pushed with another token count: its offer is
+    refused, and the producer's error for it, the refusal coming back as its push ends, arrives after the request
+    was reported). An expect of it again fails at once, as designed, with words that say what happened: it was
+    expected here and ended. Before, it said "its push failed before it was expected", though it was expected,
+    and once that producer's late error came, the remembered cause became that error instead."""
+    hub = LoopbackHub()
+    prefill = build_sides("prefill", ONE, GQA, CacheLayout.CPU, 16, "producer", transports=[LoopbackTransport(hub)])
+    decode = build_sides("decode", ONE, GQA, CacheLayout.CPU, 16, "consumer", hold_s=600.0,
+                         transports=[LoopbackTransport(hub)])
+    try:
+        ref, producer = engine_ref("decode", ONE, decode), engine_ref("prefill", ONE, prefill)
+        engine = decode[0].engine
+        engine.expect("p", producer, [0, 1], 20, push=True)
+        if end == "aborted":
+            engine.abort("p")
+            cause = "request 'p' aborted"
+        else:
+            prefill[0].engine.start_push("p", ref, [0, 1], 21)  # refused at its offer: the request fails here
+            first = _outcomes(decode[0], "p")["p"]
+            assert isinstance(first, ShapeMismatchError), first
+            late = _after_calls(engine._consumer, "on_error", 1, lambda sender, err: err.request_id == "p")  # noqa: SLF001
+            for layer in range(GQA.num_layers):
+                prefill[0].engine.save_layer("p", layer)
+            prefill[0].engine.finish("p")
+            assert isinstance(_sent(prefill[0], "p"), ShapeMismatchError)
+            assert late.wait(WAIT_S), "the producer's error for p never came"
+            cause = "expected here with 20 tokens, pushed with 21"
+        engine.expect("p", producer, [0, 1], 20, push=True)
+        with pytest.raises(NcclKVError) as raised:
+            engine.wait("p", timeout_s=WAIT_S)
+        text = str(raised.value)
+        assert text.startswith("request 'p': a push of it expected here before failed or was aborted: "), text
+        assert cause in text and "before it was expected" not in text and "replied error" not in text, text
     finally:
         close_sides(prefill, decode)
 
