@@ -110,7 +110,8 @@ class _PeerState:
     # ``replaced`` is: how long a replaced life heard again has been replaced (see replaced_for).
     replaced_at: float | None = None
     # First heard on our ROUTER after the life before it (another incarnation) was lost, with no connect() since:
-    # the address connect() was last given is that lost life's, not where this one is (see came_after_loss).
+    # the address connect() was last given is that lost life's, not where this one is (see came_after_loss). Kept
+    # when this life is lost in turn and heard again.
     after_loss: bool = False
 
 
@@ -186,14 +187,16 @@ class PeerTable:
                     replaced, replaced_at = (*replaced, state.incarnation)[-_REPLACED_KEPT:], now
                 # The life lost, heard again (its own life, or a frame naming none: another would have greeted first)
                 # is where its handshake said (a life has one address): else connect() there took it for a move.
-                heard_life, said_at = ((state.incarnation, state.said_at) if state is not None and state.incarnation
-                                       and incarnation in (0, state.incarnation) else (incarnation, ""))
+                again = bool(state is not None and state.incarnation and incarnation in (0, state.incarnation))
+                heard_life, said_at = (state.incarnation, state.said_at) if again else (incarnation, "")
+                # So did it come after the loss of the life before it, if it did (no connect() since: given_address).
+                after_loss = (state.after_loss if again else
+                              bool(state is not None and state.incarnation and incarnation))
                 self._states[peer_id] = _PeerState(
                     last_heard=now, last_echo=now, incarnation=heard_life, said_at=said_at,
                     moved_from=() if state is None else state.moved_from,
                     replaced=tuple(life for life in replaced if life != incarnation), replaced_at=replaced_at,
-                    after_loss=bool(state is not None and state.incarnation and incarnation
-                                    and incarnation != state.incarnation))
+                    after_loss=after_loss)
                 self._lost.pop(peer_id, None)
                 return 0
             state.last_heard = max(state.last_heard, now)

@@ -1159,6 +1159,50 @@ def test_a_life_that_only_reached_us_keeps_where_its_handshake_said_it_is_when_h
     assert [type(e) for e in lost_by_b] == [errors.PeerClosedError, errors.PeerLostError], lost_by_b
 
 
+def test_a_life_heard_after_the_loss_of_the_one_we_connected_to_is_no_move_when_heard_again_after_its_own_loss(
+        make_channel: Callable[..., Channel]) -> None:
+    """B connected to A1; A1 said Bye and its successor A2, at another address, reached B on B's ROUTER with no
+    handshake (B knows no address of it). A2 then stalled past B's deadline_s (B lost it) and ran again: its next
+    frames, on its own connection, made it alive at B. Before, the life heard again lost what said it came after the
+    loss of the one B connected to, so B took A1's address (the one connect() was last given) for where 'A' is
+    again: B's next connect() to A2's address lost the live A2 (PeerResetError 'it moved (restarted?) from <A1's
+    address>'). Now it still came after that loss: no address known, and the connect() is no move."""
+    lost_by_b: list[errors.PeerLostError] = []
+    b = make_channel("B", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_b.append(e), **FAST)
+    a1 = make_channel("A", on_message=ack_ready, **FAST)
+    b.connect("A", a1.address)
+    assert b.request("A", Ready("to A1"), timeout_s=WAIT_S) == Ack("to A1", None)
+    a1.close()
+    wait_until(lambda: b.loss_seq == 1, WAIT_S)  # it said Bye
+    a2 = make_channel("A", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)  # it keeps B while it stalls
+    a2.connect("B", b.address)
+    assert a2.request("B", Ready("from A2"), timeout_s=WAIT_S) == Ack("from A2", None)
+    assert b.connected_address("A") is None
+    stalled, resume = threading.Event(), threading.Event()
+    beat = a2._io._beat  # noqa: SLF001
+
+    def stalled_beat() -> None:  # its I/O thread stops once (nothing sent, nothing echoed) until resumed
+        if not stalled.is_set():
+            stalled.set()
+            resume.wait(WAIT_S)
+        beat()
+
+    a2._io._beat = stalled_beat  # type: ignore[method-assign]  # noqa: SLF001
+    wait_until(lambda: b.loss_seq == 2, WAIT_S)  # nothing heard for deadline_s
+    resume.set()
+    wait_until(lambda: b.peer_alive("A"), WAIT_S)  # heard again on its own connection
+    assert b.peer_incarnation("A") == a2.incarnation
+    assert b.connected_address("A") is None  # before: A1's address
+    b.connect("A", a2.address)
+    assert b.loss_seq == 2, lost_by_b  # before: 3, A2 lost as 'moved (restarted?) from' A1's address
+    assert b.connected_address("A") == a2.address
+    end = time.monotonic() + 3 * b.deadline_s  # longer than a loss for want of echoes would take
+    while time.monotonic() < end:
+        assert b.request("A", Ready("to A2"), timeout_s=WAIT_S) == Ack("to A2", None)
+    assert b.loss_seq == 2 and b.peer_incarnation("A") == a2.incarnation, lost_by_b
+    assert [type(e) for e in lost_by_b] == [errors.PeerClosedError, errors.PeerLostError], lost_by_b
+
+
 def test_connecting_to_a_live_peer_at_another_address_replaces_its_path(make_channel: Callable[..., Channel]) -> None:
     """connect() did nothing for a peer alive: told that B restarted at a new address, A kept sending to the old
     one. Now what waited for the old one fails at once (PeerResetError naming both addresses), on_peer_lost
