@@ -284,8 +284,8 @@ class Channel:
         """Send ``body`` and wait for the reply to it (``timeout_s`` defaults to ``deadline_s``).
 
         ``at``: the address the caller means to reach ``peer_id`` at. If the channel's path to it leads
-        elsewhere now (:meth:`connected_address`: another caller moved it since), nothing is sent:
-        :class:`PeerResetError`, its ``address`` ``at``.
+        elsewhere now (:meth:`connected_address`: another caller moved it since, or None: another life of it
+        reached us since, at an address not known), nothing is sent: :class:`PeerResetError`, its ``address`` ``at``.
 
         Raises :class:`TransferTimeout` past the deadline, :class:`PeerLostError`
         if the peer is lost meanwhile (:class:`PeerAuthError` as soon as its
@@ -423,11 +423,14 @@ class Channel:
                     raise loss_error(how)(f"peer {peer_id!r} was lost before {type(body).__name__} could be sent: "
                                           f"{why or 'nothing heard within the deadline'}")
                 pending.address = self._reached_at_locked(peer_id)
-                if at is not None and pending.address is not None and pending.address != at:
-                    # Checked under the lock connect() moves the path under: the frame would reach another life.
+                if at is not None and pending.address != at:
+                    # Checked under the lock connect() moves the path under: the frame would reach another life (None:
+                    # one that only reached us since, at an address not known: a restart, or a life after a loss).
+                    where = (f"at {pending.address!r} now (it moved)" if pending.address is not None else
+                             "only on another life's connection to us now (it restarted, or was lost)")
                     raise PeerResetError(
-                        f"{type(body).__name__} for peer {peer_id!r} at {at!r} not sent: the channel reaches it at "
-                        f"{pending.address!r} now (it moved)").stamped(address=at)
+                        f"{type(body).__name__} for peer {peer_id!r} at {at!r} not sent: the channel reaches it "
+                        f"{where}").stamped(address=at)
                 self._pending[msg_id] = pending
             self._io.submit_send(peer_id, frame)
         return msg_id

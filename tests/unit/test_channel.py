@@ -1308,6 +1308,37 @@ def test_a_request_meant_for_another_address_than_the_channels_path_is_not_sent(
     assert heard == [Ready("here")]  # the refused one never went out: B's handler saw only the second
 
 
+def test_a_request_meant_for_a_life_whose_successor_only_reached_us_is_not_sent(
+        make_channel: Callable[..., Channel]) -> None:
+    """B connected to A1 at X; A1 died without a Bye and its successor A2, at another address, reached B on B's
+    ROUTER (a restart: B's DEALER to X dropped, B's path to 'A' is A2's connection to us, at no address B knows).
+    A request meant for 'A' at X (a handshake started for A1, its connect() done before A2 greeted) must not reach
+    A2: there A2 would take it for its current handshake with us. Before, no known address passed for X and the
+    request went to A2 (Ack from A2's handler); now PeerResetError, its address X, and A2 hears nothing."""
+    heard: list[Message] = []
+
+    def answer(sender: str, body: Message) -> Message | None:
+        heard.append(body)
+        return ack_ready(sender, body)
+
+    b = make_channel("B", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)
+    a1 = make_channel("A", on_message=ack_ready, **FAST)
+    b.connect("A", a1.address)
+    assert b.request("A", Ready("to A1"), timeout_s=WAIT_S, at=a1.address) == Ack("to A1", None)
+    x = a1.address
+    a1._io._say_bye = lambda: None  # type: ignore[method-assign]  # noqa: SLF001 - it crashes: no Bye
+    a1.close()
+    a2 = make_channel("A", on_message=answer, **FAST)
+    a2.connect("B", b.address)
+    wait_until(lambda: b.peer_incarnation("A") == a2.incarnation and b.loss_seq == 1, WAIT_S)  # A1 lost: restarted
+    assert b.connected_address("A") is None
+    with pytest.raises(errors.PeerResetError, match=rf"Ready for peer 'A' at {re.escape(repr(x))} not sent") as moved:
+        b.request("A", Ready("meant for A1"), timeout_s=WAIT_S, at=x)  # before: Ack('meant for A1') from A2
+    assert moved.value.address == x
+    assert a2.request("B", Ready("from A2"), timeout_s=WAIT_S) == Ack("from A2", None)  # after B's refused frame
+    assert heard == [] and b.peer_alive("A") and b.loss_seq == 1
+
+
 def test_a_request_made_while_connect_moves_the_peer_goes_to_the_new_address(
         make_channel: Callable[..., Channel]) -> None:
     """connect() to a peer at another address recorded the new address under the channel's lock (what a
