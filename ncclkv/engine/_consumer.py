@@ -594,15 +594,16 @@ class ConsumerSide:
 
     def _lost(self, peer_id: str, address: str) -> bool:
         """Whether the life of ``peer_id`` at ``address`` is gone (a decline to it there is skipped): the channel
-        gave up the peer, which we shook hands with or connected to there, or reaches it at another address now
-        (it restarted there). Sent, a decline would connect to the lost life anew: the channel would count it
+        gave up the peer, which we shook hands with or connected to there (or we shook hands there with a life of it
+        that a later one replaced), or reaches it at another address now (it restarted there). Sent, a decline would connect to the lost life anew: the channel would count it
         alive for another deadline_s, and its loss, reported once more then, would fail the requests expected from
         the peer id meanwhile; to a dead address while the peer lives at another one, it would hold the peer's
         handshake gate for deadline_s, or move the channel back there (a life never met is not told stale)."""
         at = self._channel.connected_address(peer_id)
         if self._channel.peer_alive(peer_id):
             return at is not None and at != address
-        return at == address or self._peers.known(peer_id) is not None
+        # The channel knows where the life lost last was; an earlier life's address, that life replaced, is dead too.
+        return at == address or self._peers.known(peer_id) is not None or self._peers.replaced_at(peer_id, address)
 
     def _pull(self, req: Expected, src: int, routes: list[Route], tokens: SpanSet) -> None:
         """On the executor, in producer rank ``src``'s lane: ask it for ``routes`` of ``req``.

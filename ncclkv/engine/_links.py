@@ -150,6 +150,14 @@ class PeerLinks:
         with self._lock:
             return self._peers.get(peer_id)
 
+    def replaced_at(self, peer_id: str, address: str) -> bool:
+        """Whether a life of ``peer_id`` we shook hands with was at ``address`` and a later life, which we shook
+        hands with at another address, replaced it: what is sent there reaches a dead life (or a restart there, which
+        a reference naming that address was not made for)."""
+        with self._lock:
+            lives = self._lives.get(peer_id)
+            return lives is not None and address != lives.address and address in lives.superseded.values()
+
     def known(self, peer_id: str) -> Peer | None:
         """``get``, but first let a handshake we started with ``peer_id`` get its reply (up to the deadline).
 

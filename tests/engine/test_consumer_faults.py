@@ -708,3 +708,47 @@ def test_a_pull_from_a_restarted_producer_is_not_failed_by_the_loss_of_its_dead_
         assert decode[0].mismatches(3, [3, 4], 20, Span(0, 20)) == []
         _until(lambda: engine._consumer._decliner.queued == 0, "the decline gone")  # noqa: SLF001
         assert channel.connected_address("prefill.r0") == ref.control_addrs[0] and channel.peer_alive("prefill.r0")
+
+
+def test_a_decline_to_an_earlier_life_s_address_is_skipped_once_the_later_life_that_reached_us_is_lost() -> None:
+    """The consumer pulled from the producer's first life at X (a handshake there), which then closed; its second
+    life, at Y, pushed to the consumer (its handshake on the consumer's ROUTER named Y) and closed too. A decline of a
+    request made for the first life (a reference with no incarnation) was sent: the channel knew where the life lost
+    last was (Y) and took X for a life never met, so it connected to the dead X again, held the peer id alive there
+    for deadline_s and reported it lost once more (failing what was expected from the producer meanwhile). Now X,
+    the address of a life we shook hands with and saw replaced, is a lost life's too: the decline is skipped."""
+    deadline_s = 2.0
+    hub = LoopbackHub()
+    first = _sides(hub, "prefill", "producer")
+    decode = _sides(hub, "decode", "consumer", deadline_s=deadline_s, hold_s=600.0)
+    second: list[RankSide] = []
+    try:
+        engine = decode[0].engine
+        channel, decliner = engine._channel, engine._consumer._decliner  # noqa: SLF001
+        start_pull("r1", first, decode, 1, [1, 2], [1, 2], 20)
+        engine.wait("r1", timeout_s=WAIT_S)
+        dead_at = first[0].engine.address
+        close_sides(first)
+        _until(lambda: not channel.peer_alive("prefill.r0") and channel.loss_seq == 1, "the first life lost")
+        second = _sides(hub, "prefill", "producer")
+        engine.expect("p2", engine_ref("prefill", ONE, second), [3, 4], 20, push=True)
+        second[0].fill(seed=2, block_ids=[5, 6], num_tokens=20)
+        _push(second[0], "p2", engine_ref("decode", ONE, decode), [5, 6], 20)
+        engine.wait("p2", timeout_s=WAIT_S)
+        assert _sent(second[0], "p2") is None
+        assert channel.connected_address("prefill.r0") == second[0].engine.address
+        close_sides(second)
+        _until(lambda: not channel.peer_alive("prefill.r0") and channel.loss_seq == 2, "the second life lost")
+        connects: list[str] = []
+        connect = channel.connect
+
+        def counted_connect(peer_id: str, address: str, **kwargs: Any) -> None:
+            connects.append(address)
+            connect(peer_id, address, **kwargs)
+        channel.connect = counted_connect  # type: ignore[method-assign]
+        engine.decline("old", EngineRef("prefill", ONE, (dead_at,)))  # made for the first life, naming none
+        _until(lambda: decliner.queued == 0, "the decline gone", timeout_s=3 * deadline_s)
+        assert connects == [], connects  # before: [X], the dead first life's address
+        assert not channel.peer_alive("prefill.r0") and channel.loss_seq == 2, channel.stats
+    finally:
+        close_sides(first, second, decode)
