@@ -592,7 +592,7 @@ class ConsumerSide:
     def _alive(self, peer_id: str) -> bool:
         return self._channel.peer_alive(peer_id)
 
-    def _lost(self, peer_id: str, address: str) -> bool:
+    def _lost(self, peer_id: str, address: str, incarnation: int = 0) -> bool:
         """Whether the life of ``peer_id`` at ``address`` is gone (a decline to it there is skipped): the channel
         gave up the peer, which we shook hands with or connected to there (or we shook hands there with a life of it
         that a later one replaced), or reaches it at another address now (it restarted there). Sent, a decline would connect to the lost life anew: the channel would count it
@@ -603,7 +603,8 @@ class ConsumerSide:
         if self._channel.peer_alive(peer_id):
             return at is not None and at != address
         # The channel knows where the life lost last was; an earlier life's address, that life replaced, is dead too.
-        return at == address or self._peers.known(peer_id) is not None or self._peers.replaced_at(peer_id, address)
+        return (at == address or self._peers.known(peer_id) is not None
+                or self._peers.replaced_at(peer_id, address, incarnation))
 
     def _pull(self, req: Expected, src: int, routes: list[Route], tokens: SpanSet) -> None:
         """On the executor, in producer rank ``src``'s lane: ask it for ``routes`` of ``req``.

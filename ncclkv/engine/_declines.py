@@ -31,13 +31,14 @@ class Decliner:
     """Sends declines in a lane per producer rank, at most ``MAX_DECLINES_QUEUED`` queued.
 
     ``send(request_id, producer, src, hold)`` sends producer rank ``src`` a pull of nothing (for the hold of
-    the id numbered ``hold``, 0: not named) and returns once it is acknowledged; ``lost(peer_id, address)``: the
-    peer's life at that address is gone, given up by the channel there or restarted elsewhere (its decline is
-    skipped); ``alive(peer_id)``: the channel hears it (see ``fail_fast``).
+    the id numbered ``hold``, 0: not named) and returns once it is acknowledged; ``lost(peer_id, address,
+    incarnation)``: the peer's life at that address (the life the reference names, 0: none) is gone, given up by
+    the channel there or restarted elsewhere (its decline is skipped); ``alive(peer_id)``: the channel hears it
+    (see ``fail_fast``).
     """
 
     def __init__(self, name: str, send: Callable[[str, EngineRef, int, int], object],
-                 lost: Callable[[str, str], bool],
+                 lost: Callable[[str, str, int], bool],
                  alive: Callable[[str], bool], cpus: frozenset[int] | None = None) -> None:
         self._send, self._lost, self._alive = send, lost, alive
         self._lanes = PeerTasks(_DECLINE_THREADS, name, initializer=pin_this_thread, initargs=(cpus,))
@@ -78,7 +79,7 @@ class Decliner:
         """In producer rank ``src``'s lane: decline to it, best effort; a lost one is skipped."""
         peer_id = producer.peer_id(src)
         try:
-            if self._lost(peer_id, producer.control_addrs[src]):
+            if self._lost(peer_id, producer.control_addrs[src], producer.incarnation(src)):
                 log.info("not declining %s to %s: it was lost (it frees the blocks after hold_s)", request_id, peer_id)
                 return
             self._send(request_id, producer, src, hold)

@@ -150,13 +150,15 @@ class PeerLinks:
         with self._lock:
             return self._peers.get(peer_id)
 
-    def replaced_at(self, peer_id: str, address: str) -> bool:
+    def replaced_at(self, peer_id: str, address: str, incarnation: int = 0) -> bool:
         """Whether a life of ``peer_id`` we shook hands with was at ``address`` and a later life, which we shook
         hands with at another address, replaced it: what is sent there reaches a dead life (or a restart there, which
-        a reference naming that address was not made for)."""
+        a reference naming that address was not made for). ``incarnation``: the life the reference names (0: not
+        known); one later than every life we shook hands with is a restart at ``address``, not a replaced life."""
         with self._lock:
             lives = self._lives.get(peer_id)
-            return lives is not None and address != lives.address and address in lives.superseded.values()
+            return (lives is not None and address != lives.address and address in lives.superseded.values()
+                    and (not incarnation or incarnation in lives.superseded or incarnation < lives.incarnation))
 
     def known(self, peer_id: str) -> Peer | None:
         """``get``, but first let a handshake we started with ``peer_id`` get its reply (up to the deadline).

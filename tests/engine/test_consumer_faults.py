@@ -11,6 +11,7 @@ forced with events, never sleeps.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -19,7 +20,9 @@ from typing import Any
 
 import pytest
 
+from ncclkv.channel import Channel
 from ncclkv.engine import BlockTokens, EngineRef
+from ncclkv.engine import _engine as engine_module
 from ncclkv.engine._engine import _TASKS_PER_PEER as TASKS_PER_PEER
 from ncclkv.errors import (ClosedError, NcclKVError, PeerLostError, ShapeMismatchError, TransferError,
                            TransferTimeout)
@@ -752,3 +755,47 @@ def test_a_decline_to_an_earlier_life_s_address_is_skipped_once_the_later_life_t
         assert not channel.peer_alive("prefill.r0") and channel.loss_seq == 2, channel.stats
     finally:
         close_sides(first, second, decode)
+
+
+def test_a_decline_to_a_life_restarted_at_an_earlier_life_s_address_is_sent() -> None:
+    """As above, the first life at X replaced by the second at Y, which reached the consumer and was lost; then a
+    third life started at X again, the first's port. A decline of a request made for that third life, its reference
+    naming its incarnation (never met: a restart, not the replaced first life), was skipped as one to the first
+    life's address, and the live third producer held the request's blocks for hold_s. It is sent: the producer frees
+    them now."""
+    deadline_s = 2.0
+    hub = LoopbackHub()
+    first = _sides(hub, "prefill", "producer")
+    decode = _sides(hub, "decode", "consumer", deadline_s=deadline_s)
+    second: list[RankSide] = []
+    third: list[RankSide] = []
+    try:
+        engine = decode[0].engine
+        channel = engine._channel  # noqa: SLF001
+        start_pull("r1", first, decode, 1, [1, 2], [1, 2], 20)
+        engine.wait("r1", timeout_s=WAIT_S)
+        first_at = first[0].engine.address
+        close_sides(first)
+        _until(lambda: not channel.peer_alive("prefill.r0") and channel.loss_seq == 1, "the first life lost")
+        second = _sides(hub, "prefill", "producer")
+        engine.expect("p2", engine_ref("prefill", ONE, second), [3, 4], 20, push=True)
+        second[0].fill(seed=2, block_ids=[5, 6], num_tokens=20)
+        _push(second[0], "p2", engine_ref("decode", ONE, decode), [5, 6], 20)
+        engine.wait("p2", timeout_s=WAIT_S)
+        assert _sent(second[0], "p2") is None
+        close_sides(second)
+        _until(lambda: not channel.peer_alive("prefill.r0") and channel.loss_seq == 2, "the second life lost")
+        saved = engine_module.Channel
+        engine_module.Channel = functools.partial(Channel, port=int(first_at.rpartition(":")[2]))  # type: ignore[misc]
+        try:
+            third = _sides(hub, "prefill", "producer", hold_s=600.0)
+        finally:
+            engine_module.Channel = saved  # type: ignore[misc]
+        assert third[0].engine.address == first_at
+        third[0].fill(seed=3, block_ids=[1, 2], num_tokens=20)
+        third[0].engine.finish("r3", [1, 2], 20)
+        ref = EngineRef("prefill", ONE, (first_at,), incarnations=(third[0].engine.incarnation,))
+        engine.decline("r3", ref)
+        assert _sent(third[0], "r3") is None  # before: held for hold_s (the decline skipped), not reported
+    finally:
+        close_sides(first, second, third, decode)
