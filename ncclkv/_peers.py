@@ -109,7 +109,8 @@ class _PeerState:
     # The clock when ``incarnation`` replaced the life before it (None: it replaced none); kept over a loss, as
     # ``replaced`` is: how long a replaced life heard again has been replaced (see replaced_for).
     replaced_at: float | None = None
-    # First heard on our ROUTER after the life before it (another incarnation) was lost, with no connect() since:
+    # First heard on our ROUTER after the life before it (another incarnation) was lost (or with no state: a peer
+    # never known, or one forgotten once lost), with no connect() since:
     # the address connect() was last given is that lost life's, not where this one is (see came_after_loss). Kept
     # when this life is lost in turn and heard again.
     after_loss: bool = False
@@ -189,9 +190,10 @@ class PeerTable:
                 # is where its handshake said (a life has one address): else connect() there took it for a move.
                 again = bool(state is not None and state.incarnation and incarnation in (0, state.incarnation))
                 heard_life, said_at = (state.incarnation, state.said_at) if again else (incarnation, "")
-                # So did it come after the loss of the life before it, if it did (no connect() since: given_address).
+                # So did it come after the loss of the life before it, if it did (no connect() since: given_address),
+                # or of one this table forgot (MAX_LOST_PEERS): the address connect() was given is not where it is.
                 after_loss = (state.after_loss if again else
-                              bool(state is not None and state.incarnation and incarnation))
+                              bool(state is None or (state.incarnation and incarnation)))
                 self._states[peer_id] = _PeerState(
                     last_heard=now, last_echo=now, incarnation=heard_life, said_at=said_at,
                     moved_from=() if state is None else state.moved_from,

@@ -19,6 +19,7 @@ import pytest
 import zmq
 
 from ncclkv import channel as channel_module
+from ncclkv import _peers as peers_module
 from ncclkv import errors
 from ncclkv._channel_io import IoLoop
 from ncclkv.layout import KVGeometry, ParallelLayout
@@ -1822,3 +1823,32 @@ def test_a_life_lost_then_replaced_by_a_later_one_is_refused_when_it_comes_back(
             assert refusal.incarnation == 0x200 and "replaced by 0x300" in refusal.text, got
     assert b.peer_incarnation("A") == 0x300, lost_by_b  # before: 0x200
     assert not any("0x200 speaks" in str(e) for e in lost_by_b), lost_by_b
+
+
+def test_a_connect_to_where_a_life_heard_after_its_predecessor_was_forgotten_is_no_move(
+        make_channel: Callable[..., Channel], monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, B connected to A1, which closed; then so many other peers were lost that B's peer table forgot A
+    (the oldest lost peer past MAX_LOST_PEERS), and A's successor A2, at another address, reached B on B's ROUTER.
+    Before, A2 was first heard with no earlier state, so A1's address (the one connect() was last given, still in
+    the channel) was taken for where A is: B's connect() to A2's address lost the live A2 ('it moved (restarted?)
+    from <A1's address>'). Now a life first heard with no state is not taken as reached where connect() was told."""
+    monkeypatch.setattr(peers_module, "MAX_LOST_PEERS", 1)
+    lost_by_b: list[errors.PeerLostError] = []
+    b = make_channel("B", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_b.append(e), **FAST)
+    a1 = make_channel("A", on_message=ack_ready, **FAST)
+    b.connect("A", a1.address)
+    assert b.request("A", Ready("to A1"), timeout_s=WAIT_S) == Ack("to A1", None)
+    a1.close()
+    wait_until(lambda: b.loss_seq == 1, WAIT_S)
+    c = make_channel("C", on_message=ack_ready, **FAST)
+    b.connect("C", c.address)
+    assert b.request("C", Ready("to C"), timeout_s=WAIT_S) == Ack("to C", None)
+    c.close()
+    wait_until(lambda: b.loss_seq == 2, WAIT_S)  # A forgotten: only one lost peer is remembered
+    a2 = make_channel("A", on_message=ack_ready, **FAST)
+    a2.connect("B", b.address)
+    assert a2.request("B", Ready("from A2"), timeout_s=WAIT_S) == Ack("from A2", None)
+    assert b.connected_address("A") is None  # before: A1's address
+    b.connect("A", a2.address)
+    assert b.loss_seq == 2, lost_by_b  # before: 3, A2 lost as 'moved (restarted?) from' A1's address
+    assert b.request("A", Ready("to A2"), timeout_s=WAIT_S) == Ack("to A2", None)
