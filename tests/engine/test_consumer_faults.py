@@ -79,6 +79,18 @@ def _link_id(side: RankSide, peer_id: str) -> str | None:
     return None if peer is None else peer.link_id
 
 
+def _recorded_connects(channel: Channel) -> list[str]:
+    """The addresses ``channel.connect()`` is given from now on, in order (each connect still made)."""
+    connects: list[str] = []
+    connect = channel.connect
+
+    def counted_connect(peer_id: str, address: str, **kwargs: Any) -> None:
+        connects.append(address)
+        connect(peer_id, address, **kwargs)
+    channel.connect = counted_connect  # type: ignore[method-assign]
+    return connects
+
+
 def test_a_wire_buffer_that_cannot_be_taken_fails_its_request_alone_and_keeps_the_link_in_step(
         gloo_pair: tuple[list[RankSide], list[RankSide]]) -> None:
     prefill, decode = gloo_pair
@@ -476,13 +488,7 @@ def test_a_decline_to_a_producer_lost_before_its_handshake_leaves_it_lost_and_it
         engine = decode[0].engine
         channel, decliner = engine._channel, engine._consumer._decliner  # noqa: SLF001
         dead_at = f"tcp://127.0.0.1:{free_port()}"  # the producer's first life, killed before its handshake reply
-        connects: list[str] = []
-        connect = channel.connect
-
-        def counted_connect(peer_id: str, address: str, **kwargs: Any) -> None:
-            connects.append(address)
-            connect(peer_id, address, **kwargs)
-        channel.connect = counted_connect  # type: ignore[method-assign]
+        connects = _recorded_connects(channel)
         # The decline of the failed pull runs once the channel lost the dead life (as after a SIGKILL: the pull
         # failed by that loss), and the restarted producer's request is expected after the decline went, or is
         # at its handshake with the dead address.
@@ -713,6 +719,28 @@ def test_a_pull_from_a_restarted_producer_is_not_failed_by_the_loss_of_its_dead_
         assert channel.connected_address("prefill.r0") == ref.control_addrs[0] and channel.peer_alive("prefill.r0")
 
 
+def _a_pull_from_a_lost_life_then_a_push_from_the_next(hub: LoopbackHub, first: list[RankSide],
+                                                       decode: list[RankSide]) -> list[RankSide]:
+    """The consumer pulls r1 from the producer's life ``first``, closed and lost, then a second life pushes it p2."""
+    engine = decode[0].engine
+    channel = engine._channel  # noqa: SLF001
+    start_pull("r1", first, decode, 1, [1, 2], [1, 2], 20)
+    engine.wait("r1", timeout_s=WAIT_S)
+    close_sides(first)
+    _until(lambda: not channel.peer_alive("prefill.r0") and channel.loss_seq == 1, "the first life lost")
+    second = _sides(hub, "prefill", "producer")
+    try:
+        engine.expect("p2", engine_ref("prefill", ONE, second), [3, 4], 20, push=True)
+        second[0].fill(seed=2, block_ids=[5, 6], num_tokens=20)
+        _push(second[0], "p2", engine_ref("decode", ONE, decode), [5, 6], 20)
+        engine.wait("p2", timeout_s=WAIT_S)
+        assert _sent(second[0], "p2") is None
+    except BaseException:
+        close_sides(second)
+        raise
+    return second  # still open
+
+
 def test_a_decline_to_an_earlier_life_s_address_is_skipped_once_the_later_life_that_reached_us_is_lost() -> None:
     """The consumer pulled from the producer's first life at X (a handshake there), which then closed; its second
     life, at Y, pushed to the consumer (its handshake on the consumer's ROUTER named Y) and closed too. A decline of a
@@ -728,27 +756,12 @@ def test_a_decline_to_an_earlier_life_s_address_is_skipped_once_the_later_life_t
     try:
         engine = decode[0].engine
         channel, decliner = engine._channel, engine._consumer._decliner  # noqa: SLF001
-        start_pull("r1", first, decode, 1, [1, 2], [1, 2], 20)
-        engine.wait("r1", timeout_s=WAIT_S)
         dead_at = first[0].engine.address
-        close_sides(first)
-        _until(lambda: not channel.peer_alive("prefill.r0") and channel.loss_seq == 1, "the first life lost")
-        second = _sides(hub, "prefill", "producer")
-        engine.expect("p2", engine_ref("prefill", ONE, second), [3, 4], 20, push=True)
-        second[0].fill(seed=2, block_ids=[5, 6], num_tokens=20)
-        _push(second[0], "p2", engine_ref("decode", ONE, decode), [5, 6], 20)
-        engine.wait("p2", timeout_s=WAIT_S)
-        assert _sent(second[0], "p2") is None
+        second = _a_pull_from_a_lost_life_then_a_push_from_the_next(hub, first, decode)
         assert channel.connected_address("prefill.r0") == second[0].engine.address
         close_sides(second)
         _until(lambda: not channel.peer_alive("prefill.r0") and channel.loss_seq == 2, "the second life lost")
-        connects: list[str] = []
-        connect = channel.connect
-
-        def counted_connect(peer_id: str, address: str, **kwargs: Any) -> None:
-            connects.append(address)
-            connect(peer_id, address, **kwargs)
-        channel.connect = counted_connect  # type: ignore[method-assign]
+        connects = _recorded_connects(channel)
         engine.decline("old", EngineRef("prefill", ONE, (dead_at,)))  # made for the first life, naming none
         _until(lambda: decliner.queued == 0, "the decline gone", timeout_s=3 * deadline_s)
         assert connects == [], connects  # before: [X], the dead first life's address
@@ -772,17 +785,8 @@ def test_a_decline_to_a_life_restarted_at_an_earlier_life_s_address_is_sent() ->
     try:
         engine = decode[0].engine
         channel = engine._channel  # noqa: SLF001
-        start_pull("r1", first, decode, 1, [1, 2], [1, 2], 20)
-        engine.wait("r1", timeout_s=WAIT_S)
         first_at = first[0].engine.address
-        close_sides(first)
-        _until(lambda: not channel.peer_alive("prefill.r0") and channel.loss_seq == 1, "the first life lost")
-        second = _sides(hub, "prefill", "producer")
-        engine.expect("p2", engine_ref("prefill", ONE, second), [3, 4], 20, push=True)
-        second[0].fill(seed=2, block_ids=[5, 6], num_tokens=20)
-        _push(second[0], "p2", engine_ref("decode", ONE, decode), [5, 6], 20)
-        engine.wait("p2", timeout_s=WAIT_S)
-        assert _sent(second[0], "p2") is None
+        second = _a_pull_from_a_lost_life_then_a_push_from_the_next(hub, first, decode)
         close_sides(second)
         _until(lambda: not channel.peer_alive("prefill.r0") and channel.loss_seq == 2, "the second life lost")
         saved = engine_module.Channel

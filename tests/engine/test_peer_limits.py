@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import tracemalloc
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -41,6 +42,24 @@ def peer(name: str, role: str, engine: TransferEngine, layout: ParallelLayout = 
     channel.request(target, Handshake.create(name, role, 0, layout, geometry, channel.address, "127.0.0.1:1",
                                              session="s"), WAIT_S)
     return channel
+
+
+def count_built(monkeypatch: pytest.MonkeyPatch, cls: type) -> Callable[[], int]:
+    """Counts each ``cls`` built until ``monkeypatch.undo()`` (its ``__post_init__`` wrapped): call it for the count."""
+    made = itertools.count()
+    checked = cls.__post_init__
+
+    def counted(obj: object) -> None:
+        next(made)
+        checked(obj)
+    monkeypatch.setattr(cls, "__post_init__", counted)
+    return lambda: next(made)
+
+
+def layout_bytes_kept() -> int:
+    """The bytes that the layout code's allocations still hold, by a tracemalloc snapshot (tracemalloc started)."""
+    kept = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/ncclkv/layout/*")])
+    return sum(stat.size for stat in kept.statistics("filename"))
 
 
 def request(channel: Channel, target: str, body: object) -> object:
@@ -102,16 +121,10 @@ def test_a_pull_of_many_token_spans_is_checked_against_its_own_link_alone(monkey
     spans = 64
     # What our plan gives the link to consumer rank 0: all our layers, the latent, one route per token span.
     routes = tuple(RouteMsg(0, 0, (0, 2), (0, 1), (2 * i, 2 * i + 1)) for i in range(spans))
-    made = itertools.count()
-    checked = Route.__post_init__
-
-    def counted(route: Route) -> None:
-        next(made)
-        checked(route)
     try:
-        monkeypatch.setattr(Route, "__post_init__", counted)
+        made = count_built(monkeypatch, Route)
         answer = request(evil, "prefill.r0", PullRequest("r", 0, "evil", routes, 2 * spans))
-        built = next(made)
+        built = made()
         monkeypatch.undo()
         assert not isinstance(answer, NcclKVError), answer  # the pull matches our plan: parked until "r" is held
         assert producer.num_in_flight == 1
@@ -141,20 +154,13 @@ def test_a_pull_from_a_declared_layout_of_4096_ranks_plans_in_its_ranks_and_keep
     evil = peer("evil", "consumer", producer, ParallelLayout(64, 64), geometry)
     # Rank 0 holds layers [0, 8) of head 0; consumer rank 0 needs layer 0 of head 0 (replicated on 8 TP ranks).
     routes = (RouteMsg(0, 0, (0, 1), (0, 1), (0, 16)),)
-    made = itertools.count()
-    checked = Span.__post_init__
-
-    def counted(span: Span) -> None:
-        next(made)
-        checked(span)
     tracemalloc.start()
     try:
-        monkeypatch.setattr(Span, "__post_init__", counted)
+        made = count_built(monkeypatch, Span)
         answer = request(evil, "prefill.r0", PullRequest("r", 0, "evil", routes, 16))
-        built = next(made)
+        built = made()
         monkeypatch.undo()
-        kept = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/ncclkv/layout/*")])
-        kept_bytes = sum(stat.size for stat in kept.statistics("filename"))
+        kept_bytes = layout_bytes_kept()
         assert not isinstance(answer, NcclKVError), answer  # the pull matches our plan: parked until "r" is held
         assert built <= 8 * 4096, f"checking a pull of one route from 4096 declared ranks built {built} spans"
         assert kept_bytes < 256 << 10, f"the plans of layout code keep {kept_bytes} bytes after one pull"
@@ -209,20 +215,13 @@ def test_a_push_to_a_named_layout_of_4096_ranks_plans_its_own_rank_alone(monkeyp
     wide = ParallelLayout(64, 64)
     # Every rank at our own address: the offers are refused at once (it answers as another peer), none hangs.
     ref = EngineRef("big", wide, (producer.address,) * wide.world_size)
-    made = itertools.count()
-    checked = Span.__post_init__
-
-    def counted(span: Span) -> None:
-        next(made)
-        checked(span)
     tracemalloc.start()
     try:
-        monkeypatch.setattr(Span, "__post_init__", counted)
+        made = count_built(monkeypatch, Span)
         producer.start_push("p", ref, [0, 1], 32)
-        built = next(made)
+        built = made()
         monkeypatch.undo()
-        kept = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/ncclkv/layout/*")])
-        kept_bytes = sum(stat.size for stat in kept.statistics("filename"))
+        kept_bytes = layout_bytes_kept()
         assert built <= 8 * 4096, f"starting a push to 4096 named ranks built {built} spans"
         assert kept_bytes < 256 << 10, f"the plans of layout code keep {kept_bytes} bytes after one push"
         # Its routes are the whole plan's routes from rank 0, in their order.

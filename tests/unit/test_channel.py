@@ -1048,6 +1048,40 @@ def test_a_peer_restarted_at_the_same_address_is_lost_at_its_first_frame(make_ch
     assert a.request("B", Ready("to the new one"), timeout_s=5) == Ack("to the new one", None)
 
 
+def _b_connected_to_a1(make_channel: Callable[..., Channel]) -> tuple[Channel, Channel, list[errors.PeerLostError]]:
+    """B, recording the peers it loses, connected to A1 and answered by it once (both FAST): (b, a1, lost_by_b)."""
+    lost_by_b: list[errors.PeerLostError] = []
+    b = make_channel("B", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_b.append(e), **FAST)
+    a1 = make_channel("A", on_message=ack_ready, **FAST)
+    b.connect("A", a1.address)
+    assert b.request("A", Ready("to A1"), timeout_s=WAIT_S) == Ack("to A1", None)
+    return b, a1, lost_by_b
+
+
+def _answered_for_three_deadlines(b: Channel, a2: Channel, *, both_ways: bool) -> None:
+    """B's requests to A2 (and A2's to B, both_ways) answered for 3 x B's deadline_s: longer than a loss for silence."""
+    end = time.monotonic() + 3 * b.deadline_s  # longer than a loss for want of echoes would take
+    while time.monotonic() < end:
+        assert b.request("A", Ready("to A2"), timeout_s=WAIT_S) == Ack("to A2", None)
+        if both_ways:
+            assert a2.request("B", Ready("from A2"), timeout_s=WAIT_S) == Ack("from A2", None)
+
+
+def _stall_once(channel: Channel) -> threading.Event:
+    """Stops ``channel``'s I/O thread once at a beat (nothing sent or echoed) until the event returned is set."""
+    stalled, resume = threading.Event(), threading.Event()
+    beat = channel._io._beat  # noqa: SLF001
+
+    def stalled_beat() -> None:  # its I/O thread stops once (nothing sent, nothing echoed) until resumed
+        if not stalled.is_set():
+            stalled.set()
+            resume.wait(WAIT_S)
+        beat()
+
+    channel._io._beat = stalled_beat  # type: ignore[method-assign]  # noqa: SLF001
+    return resume
+
+
 def test_a_connect_to_where_a_life_restarted_on_a_connection_to_us_is_no_move(
         make_channel: Callable[..., Channel]) -> None:
     """B connected to A1; A1 died (no Bye) and its restart A2, at another address, reached B on B's ROUTER (B lost
@@ -1058,11 +1092,7 @@ def test_a_connect_to_where_a_life_restarted_on_a_connection_to_us_is_no_move(
     the id to') and B lost the healthy A2 once more after deadline_s ('none of our heartbeats echoed'), A2 losing B
     alike. Now the address the restarted life left is no longer where 'A' is reached: one loss (the restart), and
     A2 is served on both sides."""
-    lost_by_b: list[errors.PeerLostError] = []
-    b = make_channel("B", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_b.append(e), **FAST)
-    a1 = make_channel("A", on_message=ack_ready, **FAST)
-    b.connect("A", a1.address)
-    assert b.request("A", Ready("to A1"), timeout_s=WAIT_S) == Ack("to A1", None)
+    b, a1, lost_by_b = _b_connected_to_a1(make_channel)
     a1._io._say_bye = lambda: None  # noqa: SLF001 - it crashes: no Bye
     a1.close()
     a2 = make_channel("A", on_message=ack_ready, **FAST)
@@ -1071,10 +1101,7 @@ def test_a_connect_to_where_a_life_restarted_on_a_connection_to_us_is_no_move(
     assert b.peer_incarnation("A") == a2.incarnation and b.loss_seq == 1
     b.connect("A", a2.address)
     assert b.loss_seq == 1, lost_by_b  # before: 2, A2 lost as 'moved (restarted?) from' A1's address
-    end = time.monotonic() + 3 * b.deadline_s  # longer than a loss for want of echoes would take
-    while time.monotonic() < end:
-        assert b.request("A", Ready("to A2"), timeout_s=WAIT_S) == Ack("to A2", None)
-        assert a2.request("B", Ready("from A2"), timeout_s=WAIT_S) == Ack("from A2", None)
+    _answered_for_three_deadlines(b, a2, both_ways=True)
     assert b.loss_seq == 1 and a2.loss_seq == 0, lost_by_b
     assert b.stats.rejected == 0 and b.peer_incarnation("A") == a2.incarnation
     assert [type(e) for e in lost_by_b] == [errors.PeerResetError], lost_by_b
@@ -1090,11 +1117,7 @@ def test_a_connect_to_where_a_life_heard_after_the_loss_of_the_one_we_connected_
     refused its echoes and heartbeats ('replaced by the life we moved the id to') and lost it once more after
     deadline_s, A2 losing B alike (as for a restart heard while A1 was alive, before 2e43e80). Now a life heard on
     our ROUTER after the loss of another is not taken as reached where that one was: one loss (A1's)."""
-    lost_by_b: list[errors.PeerLostError] = []
-    b = make_channel("B", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_b.append(e), **FAST)
-    a1 = make_channel("A", on_message=ack_ready, **FAST)
-    b.connect("A", a1.address)
-    assert b.request("A", Ready("to A1"), timeout_s=WAIT_S) == Ack("to A1", None)
+    b, a1, lost_by_b = _b_connected_to_a1(make_channel)
     if lost_by == "silence":
         a1._io._say_bye = lambda: None  # noqa: SLF001 - it crashes: no Bye
     a1.close()
@@ -1107,10 +1130,7 @@ def test_a_connect_to_where_a_life_heard_after_the_loss_of_the_one_we_connected_
     b.connect("A", a2.address)
     assert b.loss_seq == 1, lost_by_b  # before: 2, A2 lost as 'moved (restarted?) from' A1's address
     assert b.connected_address("A") == a2.address
-    end = time.monotonic() + 3 * b.deadline_s  # longer than a loss for want of echoes would take
-    while time.monotonic() < end:
-        assert b.request("A", Ready("to A2"), timeout_s=WAIT_S) == Ack("to A2", None)
-        assert a2.request("B", Ready("from A2"), timeout_s=WAIT_S) == Ack("from A2", None)
+    _answered_for_three_deadlines(b, a2, both_ways=True)
     assert b.loss_seq == 1 and a2.loss_seq == 0, lost_by_b
     assert b.stats.rejected == 0 and b.peer_incarnation("A") == a2.incarnation
 
@@ -1124,11 +1144,7 @@ def test_a_life_that_only_reached_us_keeps_where_its_handshake_said_it_is_when_h
     connect() to A2's address lost the live A2 (PeerResetError 'it moved (restarted?) from <A1's address>'),
     counted it among the lives replaced, refused its frames ('replaced by the life we moved the id to') and lost
     it once more after deadline_s. Now the life heard again is where its handshake said: one loss (the stall)."""
-    lost_by_b: list[errors.PeerLostError] = []
-    b = make_channel("B", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_b.append(e), **FAST)
-    a1 = make_channel("A", on_message=ack_ready, **FAST)
-    b.connect("A", a1.address)
-    assert b.request("A", Ready("to A1"), timeout_s=WAIT_S) == Ack("to A1", None)
+    b, a1, lost_by_b = _b_connected_to_a1(make_channel)
     a1.close()
     wait_until(lambda: b.loss_seq == 1, WAIT_S)  # it said Bye
     a2 = make_channel("A", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)  # it keeps B while it stalls
@@ -1136,16 +1152,7 @@ def test_a_life_that_only_reached_us_keeps_where_its_handshake_said_it_is_when_h
     a2.send("B", Handshake.create("A-engine", "producer", 0, ParallelLayout(1, 1), KVGeometry(2, 2, 64), a2.address,
                                   "h:2", incarnation=a2.incarnation))
     wait_until(lambda: b.connected_address("A") == a2.address, WAIT_S)
-    stalled, resume = threading.Event(), threading.Event()
-    beat = a2._io._beat  # noqa: SLF001
-
-    def stalled_beat() -> None:  # its I/O thread stops once (nothing sent, nothing echoed) until resumed
-        if not stalled.is_set():
-            stalled.set()
-            resume.wait(WAIT_S)
-        beat()
-
-    a2._io._beat = stalled_beat  # type: ignore[method-assign]  # noqa: SLF001
+    resume = _stall_once(a2)
     wait_until(lambda: b.loss_seq == 2, WAIT_S)  # nothing heard for deadline_s
     resume.set()
     wait_until(lambda: b.peer_alive("A"), WAIT_S)  # heard again on its own connection
@@ -1153,9 +1160,7 @@ def test_a_life_that_only_reached_us_keeps_where_its_handshake_said_it_is_when_h
     assert b.connected_address("A") == a2.address  # before: A1's address
     b.connect("A", a2.address)
     assert b.loss_seq == 2, lost_by_b  # before: 3, A2 lost as 'moved (restarted?) from' A1's address
-    end = time.monotonic() + 3 * b.deadline_s  # longer than a loss for want of echoes would take
-    while time.monotonic() < end:
-        assert b.request("A", Ready("to A2"), timeout_s=WAIT_S) == Ack("to A2", None)
+    _answered_for_three_deadlines(b, a2, both_ways=False)
     assert b.loss_seq == 2 and b.peer_incarnation("A") == a2.incarnation, lost_by_b
     assert [type(e) for e in lost_by_b] == [errors.PeerClosedError, errors.PeerLostError], lost_by_b
 
@@ -1168,27 +1173,14 @@ def test_a_life_heard_after_the_loss_of_the_one_we_connected_to_is_no_move_when_
     loss of the one B connected to, so B took A1's address (the one connect() was last given) for where 'A' is
     again: B's next connect() to A2's address lost the live A2 (PeerResetError 'it moved (restarted?) from <A1's
     address>'). Now it still came after that loss: no address known, and the connect() is no move."""
-    lost_by_b: list[errors.PeerLostError] = []
-    b = make_channel("B", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_b.append(e), **FAST)
-    a1 = make_channel("A", on_message=ack_ready, **FAST)
-    b.connect("A", a1.address)
-    assert b.request("A", Ready("to A1"), timeout_s=WAIT_S) == Ack("to A1", None)
+    b, a1, lost_by_b = _b_connected_to_a1(make_channel)
     a1.close()
     wait_until(lambda: b.loss_seq == 1, WAIT_S)  # it said Bye
     a2 = make_channel("A", on_message=ack_ready, heartbeat_s=0.05, deadline_s=30.0)  # it keeps B while it stalls
     a2.connect("B", b.address)
     assert a2.request("B", Ready("from A2"), timeout_s=WAIT_S) == Ack("from A2", None)
     assert b.connected_address("A") is None
-    stalled, resume = threading.Event(), threading.Event()
-    beat = a2._io._beat  # noqa: SLF001
-
-    def stalled_beat() -> None:  # its I/O thread stops once (nothing sent, nothing echoed) until resumed
-        if not stalled.is_set():
-            stalled.set()
-            resume.wait(WAIT_S)
-        beat()
-
-    a2._io._beat = stalled_beat  # type: ignore[method-assign]  # noqa: SLF001
+    resume = _stall_once(a2)
     wait_until(lambda: b.loss_seq == 2, WAIT_S)  # nothing heard for deadline_s
     resume.set()
     wait_until(lambda: b.peer_alive("A"), WAIT_S)  # heard again on its own connection
@@ -1197,9 +1189,7 @@ def test_a_life_heard_after_the_loss_of_the_one_we_connected_to_is_no_move_when_
     b.connect("A", a2.address)
     assert b.loss_seq == 2, lost_by_b  # before: 3, A2 lost as 'moved (restarted?) from' A1's address
     assert b.connected_address("A") == a2.address
-    end = time.monotonic() + 3 * b.deadline_s  # longer than a loss for want of echoes would take
-    while time.monotonic() < end:
-        assert b.request("A", Ready("to A2"), timeout_s=WAIT_S) == Ack("to A2", None)
+    _answered_for_three_deadlines(b, a2, both_ways=False)
     assert b.loss_seq == 2 and b.peer_incarnation("A") == a2.incarnation, lost_by_b
     assert [type(e) for e in lost_by_b] == [errors.PeerClosedError, errors.PeerLostError], lost_by_b
 
@@ -1658,6 +1648,22 @@ def test_a_refusal_of_our_life_is_told_by_its_code_and_the_incarnation_it_names_
     assert f"two live processes use the peer id 'A': this one, incarnation {a.incarnation:#x}" in str(lost[0][1])
 
 
+def _b_recording_what_it_is_asked(make_channel: Callable[..., Channel]) -> tuple[
+        Channel, list[errors.PeerLostError], list[str]]:
+    """B answering Ready, recording the ids of the Readys it is asked and the peers it loses: (b, lost_by_b, to_b)."""
+    lost_by_b: list[errors.PeerLostError] = []
+    to_b: list[str] = []
+
+    def b_handles(sender: str, body: Message) -> Message | None:
+        if isinstance(body, Ready):
+            to_b.append(body.request_id)
+        return ack_ready(sender, body)
+
+    b = make_channel("B", on_message=b_handles, on_peer_lost=lambda p, e: lost_by_b.append(e), heartbeat_s=0.05,
+                     deadline_s=30.0)
+    return b, lost_by_b, to_b
+
+
 def test_the_peer_both_processes_under_one_id_reach_loses_the_id_as_a_duplicate_and_takes_nothing_of_the_replaced_one(
         make_channel: Callable[..., Channel], caplog: pytest.LogCaptureFixture) -> None:
     """Two live processes under one peer id 'A' reach B; B took the later one, A2, for a restart of A1. A1, having
@@ -1670,17 +1676,8 @@ def test_the_peer_both_processes_under_one_id_reach_loses_the_id_as_a_duplicate_
     (logged at ERROR, naming both lives and where A2 is), its requests to 'A' fail so, A1's plain frames there are
     refused, and A1 stays refused after the loss."""
     caplog.set_level(logging.INFO, logger="ncclkv")
-    lost_by_b: list[errors.PeerLostError] = []
+    b, lost_by_b, to_b = _b_recording_what_it_is_asked(make_channel)
     lost_by_a1: list[errors.PeerLostError] = []
-    to_b: list[str] = []
-
-    def b_handles(sender: str, body: Message) -> Message | None:
-        if isinstance(body, Ready):
-            to_b.append(body.request_id)
-        return ack_ready(sender, body)
-
-    b = make_channel("B", on_message=b_handles, on_peer_lost=lambda p, e: lost_by_b.append(e), heartbeat_s=0.05,
-                     deadline_s=30.0)
     a1 = make_channel("A", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_a1.append(e), heartbeat_s=0.05,
                       deadline_s=0.5)
     wait_until(lambda: time.time_ns() // 1_000_000 > a1.incarnation >> INCARNATION_RANDOM_BITS, WAIT_S)
@@ -1752,17 +1749,8 @@ def test_a_connect_to_a_peer_id_lost_as_a_duplicate_still_refuses_the_replaced_l
     greeting was taken for a restart of A2 (PeerResetError on B's side, 'incarnation <A2> is gone, 0x100 speaks'),
     B's path to A2 was dropped for A1's route, and A1's request reached B's handler as the id's. Now A1 stays
     refused: B keeps A2."""
-    lost_by_b: list[errors.PeerLostError] = []
+    b, lost_by_b, to_b = _b_recording_what_it_is_asked(make_channel)
     lost_by_a2: list[errors.PeerLostError] = []
-    to_b: list[str] = []
-
-    def b_handles(sender: str, body: Message) -> Message | None:
-        if isinstance(body, Ready):
-            to_b.append(body.request_id)
-        return ack_ready(sender, body)
-
-    b = make_channel("B", on_message=b_handles, on_peer_lost=lambda p, e: lost_by_b.append(e), heartbeat_s=0.05,
-                     deadline_s=30.0)
     a2 = make_channel("A", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_a2.append(e), heartbeat_s=0.05,
                       deadline_s=0.5)
     with raw_dealer(b.address, b"A") as a1:  # an earlier life than A2 (0x100)
@@ -1833,11 +1821,7 @@ def test_a_connect_to_where_a_life_heard_after_its_predecessor_was_forgotten_is_
     the channel) was taken for where A is: B's connect() to A2's address lost the live A2 ('it moved (restarted?)
     from <A1's address>'). Now a life first heard with no state is not taken as reached where connect() was told."""
     monkeypatch.setattr(peers_module, "MAX_LOST_PEERS", 1)
-    lost_by_b: list[errors.PeerLostError] = []
-    b = make_channel("B", on_message=ack_ready, on_peer_lost=lambda p, e: lost_by_b.append(e), **FAST)
-    a1 = make_channel("A", on_message=ack_ready, **FAST)
-    b.connect("A", a1.address)
-    assert b.request("A", Ready("to A1"), timeout_s=WAIT_S) == Ack("to A1", None)
+    b, a1, lost_by_b = _b_connected_to_a1(make_channel)
     a1.close()
     wait_until(lambda: b.loss_seq == 1, WAIT_S)
     c = make_channel("C", on_message=ack_ready, **FAST)
