@@ -145,6 +145,8 @@ class ProducerSide:
         hold of the id than the one held (both named), is answered at once with why (``unknown_request``); a
         pull of nothing for it (a decline) is acknowledged and counts for nothing."""
         routes = self._check_pull(sender, pull)
+        if routes:
+            self._drop_closed_link(sender, pull)
         with self._lock:
             held = self._held.get(pull.request_id)
             ended = self._ended_reason_locked(pull.request_id, held, pull.hold)
@@ -337,6 +339,25 @@ class ProducerSide:
                     f"gives {routes_text(mine, routes)}"
                 )
         return routes
+
+    def _drop_closed_link(self, sender: str, pull: PullRequest) -> None:
+        """A pull is served on the link of our handshake with ``sender``: one that link can no longer carry (it
+        broke: a send of ours failed after its announcement, as reclaim(reused=True) does) is dropped here, and the
+        pull answered ``peer_reset`` (:class:`PeerResetError`): the consumer shakes hands again, on a new link, and
+        asks once more. The consumer's end of that link may look sound still (it learns of the break only when a
+        receive on it fails), and its request may have failed first by our error: its next pull would otherwise
+        go under that handshake and fail with ClosedError, needlessly."""
+        peer = self._peers.get(sender)
+        if peer is None or peer.link is None or not peer.link.done() or peer.link.cancelled() \
+                or peer.link.exception() is not None:  # none, or not open: served or failed as before
+            return
+        link = peer.link.result()
+        if not link.closed:
+            return
+        why = f"broken: {link.broken}" if link.broken is not None else "closed"
+        self._peers.forget(peer, f"its link {link.link_id!r} is {why}")
+        raise PeerResetError(f"pull for {pull.request_id!r} from {sender!r}: our link {link.link_id!r} to it is "
+                             f"{why}; its handshake is dropped here (shake hands again, for a new link)")
 
     def _serve_or_refuse(self, sender: str, pull: PullRequest) -> None:
         try:

@@ -146,6 +146,45 @@ def test_a_reclaimed_request_reads_its_blocks_no_more_and_fails_its_transfer(pus
         assert decode[0].mismatches(3, [3, 4], 20, Span(0, 20)) == []
 
 
+def test_a_pull_after_the_producer_broke_its_link_goes_on_a_new_link_though_the_consumer_never_saw_the_break() -> None:
+    """reclaim(reused=True) breaks the push's link on the producer; the consumer learns of the break only when its
+    receive of the announced tensor fails, and its request may fail first, by the producer's error. Here its end
+    of the link is still opening then (its opener thread held after the rendezvous), so it sees no break at all:
+    its next pull goes under the same handshake. Before, the producer served that pull on its broken link, and
+    the request failed with ClosedError ('link ... is closed (broken: ... fill failed ...)'), needlessly."""
+    with _pair(producer=dict(hold_s=30.0, pull_batch_bytes=0)) as (prefill, decode):  # a send per layer
+        announced, go = _held_at_second_announce(prefill[0])
+        peers = decode[0].engine._peers  # noqa: SLF001 - the consumer's end of the push's link opens late
+        open_link, opens, settle = peers._open_link, [], threading.Event()  # noqa: SLF001
+
+        def late_open(*args: Any) -> Any:
+            link = open_link(*args)
+            opens.append(link)
+            if len(opens) == 1:
+                assert settle.wait(WAIT_S), "the test never let the consumer's first link settle"
+            return link
+        peers._open_link = late_open  # type: ignore[method-assign]
+        try:
+            decode[0].engine.expect("r", engine_ref("prefill", ONE, prefill), [1, 2], 20, push=True)
+            prefill[0].fill(seed=1, block_ids=[1, 2], num_tokens=20)
+            _push(prefill[0], "r", engine_ref("decode", ONE, decode), [1, 2], 20)
+            _until(lambda: len(announced) == 2, "the second send at its post")
+            assert prefill[0].engine.reclaim("r", reused=True)
+            prefill[0].fill(seed=2, block_ids=[1, 2], num_tokens=20)  # vLLM writes another request's KV there
+            go.set()
+            with pytest.raises(TransferError):  # the producer's error: the consumer's end never opened
+                decode[0].engine.wait("r", timeout_s=WAIT_S)
+            assert isinstance(wait_sent(prefill[0], "r")["r"], TransferError)  # its link broke before this
+            _until(lambda: opens, "the consumer's end at the rendezvous")  # its opener thread may be slow to wake
+            assert len(opens) == 1 and not opens[0].closed  # the consumer's end, held opening: no break seen
+            start_pull("next", prefill, decode, 3, [3, 4], [3, 4], 20)
+            decode[0].engine.wait("next", timeout_s=WAIT_S)
+            assert decode[0].mismatches(3, [3, 4], 20, Span(0, 20)) == []
+            assert len(opens) == 2  # on a new link
+        finally:
+            settle.set()
+
+
 def test_blocks_reused_while_a_send_gathers_them_fail_that_send_not_hand_over_the_next_requests_kv() -> None:
     """reclaim(reused=True) comes while a send's gather is under way (past its check: a batch of layers, one at a
     time): the caller writes the next request's KV into the blocks as soon as it returns. The gather's later
