@@ -19,8 +19,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ncclkv.engine import DEFAULT_LAST_PIECE_BYTES, EngineConfig, EngineRef, Role, TransferEngine
 from ncclkv.layout import KVGeometry, ParallelLayout
 from ncclkv.paged import CacheLayout

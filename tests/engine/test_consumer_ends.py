@@ -19,7 +19,7 @@ from ncclkv.transport import LoopbackHub, LoopbackTransport
 
 from .kvsim import RankSide, build_sides, close_sides, engine_ref, start_pull, wait_sent
 from .test_consumer_faults import _after_calls, _outcomes
-from .test_engine_failures import GQA, WAIT_S, _push, _sent, _staging, _until
+from .test_engine_failures import GQA, WAIT_S, _push, _sent, _until
 
 ONE = ParallelLayout(1, 1)
 TWO = ParallelLayout(2, 1)  # 4 kv heads: consumer rank r needs producer rank r's heads only

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import math
 from collections.abc import Callable
-from pathlib import Path
 import re
 import subprocess
 import sys
