@@ -268,14 +268,8 @@ def routes_between(src_layout: ParallelLayout, dst_layout: ParallelLayout, geome
     work is that link's boxes times the spans of ``tokens``, where the whole plan's is every link's boxes times
     them (a pull names one link: a peer that declares thousands of ranks and pulls many spans would otherwise
     have the whole plan built, millions of routes). ValueError names a rank outside its layout."""
-    src_layout.check(geometry)
-    dst_layout.check(geometry)
-    for side, rank, layout in (("src", src, src_layout), ("dst", dst, dst_layout)):
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world_size:
-            raise ValueError(f"{side} rank {rank!r} outside {layout.spec()} ({layout.world_size} ranks)")
-    tokens = token_set(tokens)
-    link = _link_pieces(src_layout, dst_layout, geometry, src, dst)
-    return tuple(sorted(Route(p.src, p.dst, p.layers, p.heads, span) for p in link for span in tokens))
+    _check_ranks(src_layout, dst_layout, geometry, ("src", src, src_layout), ("dst", dst, dst_layout))
+    return _routes(_link_pieces(src_layout, dst_layout, geometry, src, dst), tokens)
 
 
 def routes_from_rank(src_layout: ParallelLayout, dst_layout: ParallelLayout, geometry: KVGeometry,
@@ -285,13 +279,25 @@ def routes_from_rank(src_layout: ParallelLayout, dst_layout: ParallelLayout, geo
     boxes (one a destination rank at most) times the spans of ``tokens``, where the whole plan's is both layouts'
     ranks times each other (a push to an engine whose reference, a client's ``kv_transfer_params``, names 4096
     ranks: seconds on the forward). Nothing is kept. ValueError names a rank outside its layout."""
+    _check_ranks(src_layout, dst_layout, geometry, ("src", src, src_layout))
+    return _routes(_rank_pieces(src_layout, dst_layout, geometry, src), tokens)
+
+
+def _check_ranks(src_layout: ParallelLayout, dst_layout: ParallelLayout, geometry: KVGeometry,
+                 *ranks: tuple[str, int, ParallelLayout]) -> None:
+    """Both layouts hold ``geometry``, and each (side, rank, layout) names a rank of its layout; ValueError naming
+    what is not."""
     src_layout.check(geometry)
     dst_layout.check(geometry)
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < src_layout.world_size:
-        raise ValueError(f"src rank {src!r} outside {src_layout.spec()} ({src_layout.world_size} ranks)")
-    tokens = token_set(tokens)
-    return tuple(sorted(Route(p.src, p.dst, p.layers, p.heads, span)
-                        for p in _rank_pieces(src_layout, dst_layout, geometry, src) for span in tokens))
+    for side, rank, layout in ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world_size:
+            raise ValueError(f"{side} rank {rank!r} outside {layout.spec()} ({layout.world_size} ranks)")
+
+
+def _routes(pieces: Iterable[_Piece], tokens: SpanSet | int) -> tuple[Route, ...]:
+    """The routes of ``pieces`` (boxes, no tokens) over each span of ``tokens``, in :func:`plan`'s order."""
+    spans = token_set(tokens)
+    return tuple(sorted(Route(p.src, p.dst, p.layers, p.heads, span) for p in pieces for span in spans))
 
 
 @lru_cache(maxsize=4096)
@@ -334,8 +340,8 @@ def _needs(layout: ParallelLayout, geometry: KVGeometry) -> list[tuple[Span, Spa
     not once a rank)."""
     layout.check(geometry)
     stages = pp_layer_spans(geometry.num_layers, layout.pp_size, layout.layer_partition)
-    return [(stages[rank // layout.tp_size], shard_heads(geometry, layout.tp_size, rank % layout.tp_size))
-            for rank in range(layout.world_size)]
+    coords = [layout.coords(rank) for rank in range(layout.world_size)]
+    return [(stages[pp_rank], shard_heads(geometry, layout.tp_size, tp_rank)) for tp_rank, pp_rank in coords]
 
 
 def _units(stage: Span, block: Span, needs: list[tuple[Span, Span]]) -> list[tuple[int, Span, Span]]:
