@@ -667,7 +667,8 @@ class IoLoop:
         address = self._address(peer_id)
         self._drop_link(peer_id)
         self._counters.peers_lost += 1
-        level = {"closed": logging.INFO, "duplicate": logging.ERROR}.get(kind, logging.WARNING)  # duplicate: a config mistake
+        # A duplicate is a config mistake (two engines given one engine_id): ERROR.
+        level = {"closed": logging.INFO, "duplicate": logging.ERROR}.get(kind, logging.WARNING)
         if kind == "duplicate" and not self._duplicate_logs.take(time.monotonic()):
             level = logging.WARNING  # rate-limited: each flip between the two processes loses it once more
         log.log(level, "channel %r: peer %r lost: %s", self._peer_id, peer_id, reason)

@@ -595,10 +595,11 @@ class ConsumerSide:
     def _lost(self, peer_id: str, address: str, incarnation: int = 0) -> bool:
         """Whether the life of ``peer_id`` at ``address`` is gone (a decline to it there is skipped): the channel
         gave up the peer, which we shook hands with or connected to there (or we shook hands there with a life of it
-        that a later one replaced), or reaches it at another address now (it restarted there). Sent, a decline would connect to the lost life anew: the channel would count it
-        alive for another deadline_s, and its loss, reported once more then, would fail the requests expected from
-        the peer id meanwhile; to a dead address while the peer lives at another one, it would hold the peer's
-        handshake gate for deadline_s, or move the channel back there (a life never met is not told stale)."""
+        that a later one replaced), or reaches it at another address now (it restarted there). Sent, a decline
+        would connect to the lost life anew: the channel would count it alive for another deadline_s, and its loss,
+        reported once more then, would fail the requests expected from the peer id meanwhile; to a dead address
+        while the peer lives at another one, it would hold the peer's handshake gate for deadline_s, or move the
+        channel back there (a life never met is not told stale)."""
         at = self._channel.connected_address(peer_id)
         if self._channel.peer_alive(peer_id):
             return at is not None and at != address

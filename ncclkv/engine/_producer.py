@@ -335,8 +335,8 @@ class ProducerSide:
                                        self._rank, pull.dst_rank))
             if sorted(routes) != sorted(mine):
                 raise ProtocolError(
-                    f"pull for {pull.request_id!r} from {sender!r} asks routes {routes_text(routes, mine)} but our plan "
-                    f"gives {routes_text(mine, routes)}"
+                    f"pull for {pull.request_id!r} from {sender!r} asks routes {routes_text(routes, mine)} but our "
+                    f"plan gives {routes_text(mine, routes)}"
                 )
         return routes
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ncclkv.layout import (KVGeometry, ParallelLayout, PlanError, Route, Span, SpanSet, TransferPlan, plan, routes_between,
-                           routes_from_rank, shard_roi)
+from ncclkv.layout import (KVGeometry, ParallelLayout, PlanError, Route, Span, SpanSet, TransferPlan, plan,
+                           routes_between, routes_from_rank, shard_roi)
 from ncclkv.layout._plan import _merge, _Piece, _pieces, _run_lengths
 from ncclkv.layout._shard import head_blocks
 
